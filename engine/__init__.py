@@ -1,0 +1,1 @@
+"""Baton's engine: request state, scheduler, paged KV cache, model runner, sampler."""

@@ -1,0 +1,84 @@
+"""Engine arguments (vLLM's names where vLLM has one), validated with errors that name the field."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+from baton.engine.errors import InvalidArgument, check
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings, capped at 8192
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no per-request cap beyond the step budget
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
+    dtype: str = "auto"  # "auto": float32 on CPU, the checkpoint's dtype (or bfloat16) on CUDA
+    device: str = "auto"  # "auto": cuda when there is one, else cpu
+    seed: int = 0
+    num_kv_blocks: int | None = None  # default: sized from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, half the free memory on CUDA
+
+    def __post_init__(self):
+        check(isinstance(self.model, (str, os.PathLike)) and os.path.isdir(self.model), "model",
+              f"must be a checkpoint directory, got {self.model!r}")
+        self.model = os.fspath(self.model)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
+                  f"must be an integer >= 1, got {value!r}")
+        check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", f"must be a power of two <= 256, got {self.block_size}")
+        check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
+              "max_model_len", f"must be an integer >= 1, got {self.max_model_len!r}")
+        check(isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0,
+              "long_prefill_token_threshold", f"must be an integer >= 0, got {self.long_prefill_token_threshold!r}")
+        check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
+              f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        check(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", f"must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        check(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1),
+              "num_kv_blocks", f"must be an integer >= 1, got {self.num_kv_blocks!r}")
+        check(self.kv_cache_memory_bytes is None or (isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes > 0),
+              "kv_cache_memory_bytes", f"must be a positive integer, got {self.kv_cache_memory_bytes!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise InvalidArgument("device", f"is not a torch device: {self.device!r}") from e
+        check(dev.type in ("cpu", "cuda"), "device", f"must be cpu or cuda, got {self.device!r}")
+        check(dev.type != "cuda" or torch.cuda.is_available(), "device", "cuda was asked for but no GPU is visible")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        for name in kwargs:
+            if name not in known:
+                raise InvalidArgument(name, f"is not an engine argument (known: {', '.join(sorted(known - {'model'}))})")
+        return cls(model=model, **kwargs)
+
+    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if torch.device(self.device).type == "cpu":
+            return torch.float32
+        # On a GPU keep a half-precision checkpoint's dtype; float32 checkpoints run in bfloat16.
+        return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("bfloat16", "float16") else torch.bfloat16
+
+    def resolve_model_len(self, max_position_embeddings: int) -> None:
+        """Called once the checkpoint's config is known."""
+        if self.max_model_len is None:
+            self.max_model_len = min(max_position_embeddings, 8192)
+        check(self.max_model_len <= max_position_embeddings, "max_model_len",
+              f"{self.max_model_len} exceeds the model's max_position_embeddings {max_position_embeddings}")
+        if not self.enable_chunked_prefill:
+            check(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
+                  f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is off, got {self.max_num_batched_tokens}")

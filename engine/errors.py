@@ -1,0 +1,14 @@
+"""Validation errors that name the offending field."""
+
+
+class InvalidArgument(ValueError):
+    """A user-supplied value is out of range; `field` names it (services map it to INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise InvalidArgument(field, message)

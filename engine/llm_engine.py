@@ -1,0 +1,153 @@
+"""The engine step loop: scheduler -> model runner -> scheduler, plus text for the callers."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer
+
+from baton.engine.config import EngineConfig
+from baton.engine.detokenizer import IncrementalDetokenizer
+from baton.engine.errors import InvalidArgument, check
+from baton.engine.kv_cache_manager import KVCacheManager
+from baton.engine.loader import load_model, read_config
+from baton.engine.model import ModelArgs
+from baton.engine.model_runner import ModelRunner
+from baton.engine.request import Request, RequestStatus
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler import Scheduler
+
+_CPU_KV_BUDGET = 1 << 30
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One request's progress in one step."""
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # the text that became complete this step
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Wall time spent, for the benchmark's scheduler share."""
+    steps: int = 0
+    step_s: float = 0.0
+    scheduler_s: float = 0.0  # schedule() + update_from_output()
+
+
+def _eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
+    path = os.path.join(model_dir, "generation_config.json")
+    eos = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        eos = read_config(model_dir).get("eos_token_id", tokenizer.eos_token_id)
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, list) else [eos])
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        args = ModelArgs.from_hf_config(read_config(config.model))
+        config.resolve_model_len(args.max_position_embeddings)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
+        torch.manual_seed(config.seed)
+        model = load_model(config.model, config.torch_dtype(args.torch_dtype), config.device)
+        self.num_kv_blocks = self._num_kv_blocks(args, model.embed_tokens.weight.element_size())
+        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids)
+        self.vocab_size = args.vocab_size
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.times = StepTimes()
+
+    def _num_kv_blocks(self, args: ModelArgs, dtype_bytes: int) -> int:
+        c = self.config
+        if c.num_kv_blocks is None:
+            block_bytes = args.num_layers * 2 * c.block_size * args.num_kv_heads * args.head_dim * dtype_bytes
+            budget = c.kv_cache_memory_bytes
+            if budget is None:
+                budget = _CPU_KV_BUDGET if c.device == "cpu" else torch.cuda.mem_get_info(c.device)[0] // 2
+            # Never more than every sequence slot at full length needs (plus prefix-cache slack).
+            most = 2 * c.max_num_seqs * -(-c.max_model_len // c.block_size)
+            c.num_kv_blocks = min(budget // block_bytes, most)
+        check(c.num_kv_blocks * c.block_size >= c.max_model_len, "num_kv_blocks",
+              f"{c.num_kv_blocks} blocks of {c.block_size} tokens cannot hold one request of max_model_len "
+              f"{c.max_model_len}; raise num_kv_blocks (or kv_cache_memory_bytes) or lower max_model_len")
+        return c.num_kv_blocks
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        check(self.tokenizer.chat_template is not None, "messages", "this checkpoint has no chat template")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None, detokenize: bool = True) -> Request:
+        check(isinstance(request_id, str) and request_id != "", "request_id", "must be a non-empty string")
+        check(request_id not in self.scheduler.requests, "request_id", f"{request_id!r} is already running")
+        check(isinstance(priority, int), "priority", f"must be an integer, got {priority!r}")
+        if isinstance(prompt, str):
+            check(prompt != "", "prompt", "must not be empty")
+            token_ids = self.tokenize(prompt)
+        else:
+            token_ids = list(prompt)
+            check(all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids), "prompt_token_ids",
+                  f"must be integers in [0, {self.vocab_size})")
+        check(len(token_ids) > 0, "prompt", "has no tokens")
+        check(len(token_ids) <= self.config.max_model_len, "prompt",
+              f"has {len(token_ids)} tokens, more than max_model_len {self.config.max_model_len}")
+        request = Request(request_id, token_ids, params or SamplingParams(), self.eos_token_ids, priority, arrival_time)
+        self.scheduler.add_request(request)
+        if detokenize:
+            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
+        return request
+
+    def abort_request(self, request_ids) -> None:
+        for request in self.scheduler.finish_requests(request_ids):
+            self.detokenizers.pop(request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        result = self.runner.execute_model(sched)
+        t2 = time.perf_counter()
+        updates = self.scheduler.update_from_output(sched, result)
+        t3 = time.perf_counter()
+        self.times.steps += 1
+        self.times.step_s += t3 - t0
+        self.times.scheduler_s += (t1 - t0) + (t3 - t2)
+        outputs = []
+        for u in updates:
+            req = u.request
+            detok = self.detokenizers.get(req.request_id)
+            text = detok.push(u.new_token_ids, final=u.finished) if detok else ""
+            if u.finished:
+                self.detokenizers.pop(req.request_id, None)
+            outputs.append(StepOutput(req.request_id, u.new_token_ids, text, u.finished, req.status.finish_reason,
+                                      req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0)))
+        return outputs
+
+
+__all__ = ["LLMEngine", "StepOutput", "RequestStatus", "InvalidArgument"]

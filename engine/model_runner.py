@@ -1,0 +1,122 @@
+"""Runs one SchedulerOutput through the model: builds the flat batch, samples the next tokens.
+
+The runner keeps its own per-request state (token ids, block ids, RNG), updated from each
+step's plain output, as vLLM v1's does; it never decides what to run.
+"""
+from __future__ import annotations
+
+import torch
+
+from baton.engine.config import EngineConfig
+from baton.engine.model import CausalLM
+from baton.engine.sampler import sample
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from baton.kernels.attention import AttentionMetadata, PrefillSeq
+
+
+class RequestState:
+    __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens")
+
+    def __init__(self, token_ids, block_ids, sampling_params: SamplingParams, generator, num_prompt_tokens):
+        self.token_ids = token_ids
+        self.block_ids = block_ids
+        self.sampling_params = sampling_params
+        self.generator = generator
+        self.num_prompt_tokens = num_prompt_tokens
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, eos_token_ids: frozenset[int]):
+        self.model = model
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.eos_token_ids = eos_token_ids
+        args = model.args
+        self.kv_cache = torch.zeros(num_blocks, args.num_layers, 2, config.block_size, args.num_kv_heads,
+                                    args.head_dim, dtype=model.embed_tokens.weight.dtype, device=self.device)
+        model.init_rope(config.max_model_len + 1)
+        self.states: dict[str, RequestState] = {}
+        self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
+
+    def _add_request(self, new) -> None:
+        params = new.sampling_params
+        generator = self.default_generator
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+            old = self.states.get(new.req_id)
+            if old is not None:  # resumed after preemption: keep the stream where it was
+                generator = old.generator
+        num_prompt = len(new.token_ids) if new.req_id not in self.states else self.states[new.req_id].num_prompt_tokens
+        self.states[new.req_id] = RequestState(list(new.token_ids), list(new.block_ids), params, generator, num_prompt)
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in sched.finished_req_ids:
+            self.states.pop(req_id, None)
+        for new in sched.scheduled_new_reqs:
+            self._add_request(new)
+        for cached in sched.scheduled_cached_reqs:
+            self.states[cached.req_id].block_ids.extend(cached.new_block_ids)
+        if not sched.total_num_scheduled_tokens:
+            return ModelRunnerOutput({})
+        batch = self._build_batch(sched)
+        hidden = self.model(batch["input_ids"], batch["positions"], self.kv_cache, batch["meta"])
+        sampled_ids = batch["sample_req_ids"]
+        if not sampled_ids:
+            return ModelRunnerOutput({})
+        logits = self.model.compute_logits(hidden[batch["sample_rows"]])
+        states = [self.states[r] for r in sampled_ids]
+        self._suppress_stops_before_min_tokens(logits, states)
+        tokens = sample(logits, [s.sampling_params for s in states], [s.generator for s in states])
+        for state, token in zip(states, tokens):
+            state.token_ids.append(token)
+        return ModelRunnerOutput(dict(zip(sampled_ids, tokens)))
+
+    def _build_batch(self, sched: SchedulerOutput) -> dict:
+        starts = {c.req_id: c.num_computed_tokens for c in sched.scheduled_cached_reqs}
+        starts.update((n.req_id, n.num_computed_tokens) for n in sched.scheduled_new_reqs)
+        bs = self.block_size
+        # One-token decodes first (attended as one batch), then prefill chunks.
+        order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)
+        input_ids, positions, slots, sample_rows, sample_req_ids = [], [], [], [], []
+        decode_tables, decode_lens, prefills = [], [], []
+        for req_id, n in order:
+            state, start = self.states[req_id], starts[req_id]
+            end = start + n
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = state.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            num_ctx_blocks = -(-end // bs)
+            if n == 1:
+                decode_tables.append(blocks[:num_ctx_blocks])
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillSeq(len(input_ids) - n, n, end,
+                                           torch.tensor(blocks[:num_ctx_blocks], device=self.device)))
+            if end == len(state.token_ids):  # caught up: this row's logits give the next token
+                sample_rows.append(len(input_ids) - 1)
+                sample_req_ids.append(req_id)
+        dev = self.device
+        decode_table_t = decode_mask = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            decode_table_t = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
+            lens = torch.tensor(decode_lens, device=dev)
+            decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        meta = AttentionMetadata(len(decode_tables), decode_table_t, decode_mask, prefills,
+                                 torch.tensor(slots, device=dev))
+        return {"input_ids": torch.tensor(input_ids, device=dev), "positions": torch.tensor(positions, device=dev),
+                "meta": meta, "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids}
+
+    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, states: list[RequestState]) -> None:
+        for row, state in enumerate(states):
+            params = state.sampling_params
+            if len(state.token_ids) - state.num_prompt_tokens < params.min_tokens:
+                stops = list(params.stop_token_ids)
+                if not params.ignore_eos:
+                    stops.extend(self.eos_token_ids)
+                if stops:
+                    logits[row, stops] = float("-inf")

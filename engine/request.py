@@ -1,0 +1,89 @@
+"""One request's state as the scheduler sees it: token ids, progress, status."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from baton.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # decode side: KV blocks are being pulled from a prefill peer
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this line is finished.
+    FINISHED_STOPPED = enum.auto()  # EOS or a stop token
+    FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens or max_model_len
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+_arrival_counter = itertools.count()
+
+
+class Request:
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "sampling_params",
+                 "eos_token_ids", "priority", "arrival_time", "arrival_seq", "status", "num_computed_tokens",
+                 "num_cached_tokens", "num_preemptions", "block_hashes", "kv_transfer_params")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_seq = next(_arrival_counter)  # breaks arrival_time ties deterministically
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hits at first admission (-1: not admitted yet)
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
+        self.kv_transfer_params: dict | None = None  # for a KV connector (remote handle in or out)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def priority_key(self) -> tuple:
+        """Smaller runs first under the priority policy; the largest key is preempted first."""
+        return (self.priority, self.arrival_time, self.arrival_seq)
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/{self.num_tokens})"

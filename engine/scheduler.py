@@ -1,0 +1,258 @@
+"""vLLM v1's token-centric scheduler: every request catches up on `num_tokens - num_computed_tokens`.
+
+A step: (1) running requests get their tokens first, preempting by recompute when the pool is
+full; (2) waiting requests are admitted (with prefix-cache and remote KV lookups) only when
+nothing was preempted; (3) one plain SchedulerOutput goes to the model runner. After the model
+runs, `update_from_output` appends tokens, applies stop conditions and frees finished requests.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.engine.config import EngineConfig
+from baton.engine.kv_cache_manager import KVCacheManager
+from baton.engine.request import Request, RequestStatus
+from baton.engine.sampling_params import SamplingParams
+from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after preemption)."""
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)  # the runner drops their state
+    preempted_req_ids: set[str] = field(default_factory=set)  # ditto; they come back as new
+    kv_connector_metadata: Any = None
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]  # only requests that reached the end of their known tokens
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """One request's progress in one step, for the engine's callers."""
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, connector: KVConnectorScheduler | None = None):
+        self.config = config
+        self.kv = kv
+        self.connector = connector
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.by_priority = config.scheduling_policy == "priority"
+        self._finished_ids: set[str] = set()  # finished since the last schedule()
+        self._holding: dict[str, Request] = {}  # finished, blocks held for a remote reader
+        self.num_preemptions = 0
+
+    # ---- requests in and out --------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if self.by_priority:  # waiting stays sorted by (priority, arrival)
+            keys = [r.priority_key() for r in self.waiting]
+            self.waiting.insert(bisect.bisect(keys, request.priority_key()), request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+        """Abort (or fail) requests wherever they are; returns those that were still live."""
+        done = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            done.append(request)
+        return done
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self._finished_ids.add(request.request_id)
+        del self.requests[request.request_id]
+        hold = False
+        if self.connector is not None:
+            hold, request.kv_transfer_params = self.connector.request_finished(request, self.kv.block_ids(request.request_id))
+        if hold:
+            self._holding[request.request_id] = request
+        else:
+            self.kv.free(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_req_ids:
+            budget = self._schedule_waiting(out, budget)
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        for req_id, n in out.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled: list[CachedRequestData] = out.scheduled_cached_reqs
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget,
+                    self.config.long_prefill_token_threshold or budget)
+            while (new_blocks := self.kv.allocate_slots(request, n)) is None:
+                victim = self._preempt_one(out)
+                if victim is request:
+                    break
+                if victim.request_id in out.num_scheduled_tokens:  # priority policy: undo its turn
+                    budget += out.num_scheduled_tokens.pop(victim.request_id)
+                    scheduled[:] = [c for c in scheduled if c.req_id != victim.request_id]
+                    i -= 1
+            if new_blocks is None:
+                break
+            scheduled.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
+                                               request.num_computed_tokens))
+            out.num_scheduled_tokens[request.request_id] = n
+            budget -= n
+            i += 1
+        return budget
+
+    def _preempt_one(self, out: SchedulerOutput) -> Request:
+        """Recompute-preemption: free the victim's blocks and send it back to waiting."""
+        if self.by_priority:
+            victim = max(self.running, key=Request.priority_key)
+            self.running.remove(victim)
+        else:
+            victim = self.running.pop()
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted_req_ids.add(victim.request_id)
+        self._enqueue(victim, front=True)
+        return victim
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:  # its load is still under way
+                skipped.append(self.waiting.popleft())
+                continue
+            computed, num_external, load_async = self._lookup(request)
+            num_computed = request.num_computed_tokens + len(computed) * self.kv.block_size + num_external
+            n = 0 if load_async else min(request.num_tokens - num_computed, budget,
+                                         self.config.long_prefill_token_threshold or budget)
+            if not self.config.enable_chunked_prefill and num_computed + n < request.num_tokens:
+                break  # a prompt that does not fit whole waits for a step with room
+            if self.kv.allocate_slots(request, n + num_external, computed, cache=not load_async) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_computed
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_external)
+            if load_async:
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                skipped.append(request)
+                continue
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled_new_reqs.append(NewRequestData(
+                request.request_id, list(request.all_token_ids), self.kv.block_ids(request.request_id),
+                num_computed, request.sampling_params))
+            out.num_scheduled_tokens[request.request_id] = n
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _lookup(self, request: Request):
+        """Prefix-cache hits and remote tokens for a request being admitted."""
+        if request.num_computed_tokens > 0:  # remote KV already arrived into its blocks
+            return [], 0, False
+        computed, num_local = self.kv.get_computed_blocks(request)
+        if self.connector is None:
+            return computed, 0, False
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+        return computed, num_external, load_async
+
+    # ---- after the model ran ----------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+        updates = []
+        for req_id, token_id in result.sampled_token_ids.items():
+            request = self.requests.get(req_id)
+            if request is None:  # aborted while the step ran
+                continue
+            request.append_output_token(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            updates.append(RequestUpdate(request, [token_id], status is not None))
+        if result.kv_connector_output is not None:
+            self._update_from_connector(result.kv_connector_output)
+        return updates
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params, n = request.sampling_params, request.num_output_tokens
+        if n >= params.min_tokens:
+            if token_id in request.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if n >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _update_from_connector(self, kv_out: KVConnectorOutput) -> None:
+        for req_id in kv_out.finished_recving:
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                request.status = RequestStatus.WAITING
+                self.kv.cache_blocks(request, request.num_computed_tokens)
+        for req_id in kv_out.finished_sending:
+            request = self._holding.pop(req_id, None)
+            if request is not None:
+                self.kv.free(request)

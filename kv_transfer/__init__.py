@@ -1,0 +1,1 @@
+"""The KV connector interface (and, later, its NIXL implementation)."""

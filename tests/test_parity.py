@@ -1,0 +1,96 @@
+"""The spine: Baton's greedy output is token-for-token transformers' (float32), however the
+scheduler slices the work (batching, chunked prefill, preemption, prefix caching, priorities)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from baton import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def random_prompts(lengths, vocab=500, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def assert_matches_hf(hf, model_dir, prompts, outputs, max_tokens=GREEDY.max_tokens):
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.token_ids == hf.greedy(model_dir, prompt, max_tokens), f"prompt of {len(prompt)} tokens"
+        assert out.finish_reason == "length"
+
+
+def test_one_text_prompt(tiny_model, hf):
+    llm = LLM(tiny_model, dtype="float32", device="cpu")
+    out = llm.generate("the capital of France is", SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == hf.greedy(tiny_model, out.prompt_token_ids, 32)
+    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_batch_of_mixed_lengths(tiny_model, hf):
+    prompts = random_prompts([3, 16, 17, 40, 77, 130])
+    llm = LLM(tiny_model, dtype="float32", device="cpu", enable_prefix_caching=False)
+    assert_matches_hf(hf, tiny_model, prompts, llm.generate(prompts, GREEDY))
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+@pytest.mark.parametrize("budget,threshold", [(24, 0), (64, 10)])
+def test_chunked_prefill(tiny_model, hf, budget, threshold):
+    prompts = random_prompts([130, 9, 57, 33], seed=1)
+    llm = LLM(tiny_model, dtype="float32", device="cpu", max_num_batched_tokens=budget,
+              long_prefill_token_threshold=threshold, enable_prefix_caching=False)
+    assert_matches_hf(hf, tiny_model, prompts, llm.generate(prompts, GREEDY))
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_preemption_by_recompute(tiny_model, hf, policy):
+    prompts = random_prompts([100, 60, 90, 30, 75, 45], seed=2)
+    # 12 blocks of 16 tokens: each request fits alone, the batch does not.
+    llm = LLM(tiny_model, dtype="float32", device="cpu", num_kv_blocks=12, max_model_len=192,
+              scheduling_policy=policy)
+    outs = llm.generate(prompts, GREEDY, priority=[3, 1, 4, 1, 5, 9])
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_matches_hf(hf, tiny_model, prompts, outs)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_prefix_cache_hits(tiny_model, hf):
+    shared = random_prompts([48], seed=3)[0]
+    tails = random_prompts([5, 21, 1], seed=4)
+    prompts = [shared + t for t in tails]
+    llm = LLM(tiny_model, dtype="float32", device="cpu", max_num_batched_tokens=64)
+    first = llm.generate(prompts, GREEDY)
+    assert_matches_hf(hf, tiny_model, prompts, first)
+    # The same prompt twice in one batch: the second is admitted while the first's KV is
+    # still being computed in the same step.
+    twice = llm.generate([prompts[1], prompts[1]], GREEDY)
+    assert_matches_hf(hf, tiny_model, [prompts[1]] * 2, twice)
+    assert all(o.num_cached_tokens >= 48 for o in twice)
+    assert first[0].num_cached_tokens == 0 and [o.num_cached_tokens for o in first[1:]] == [48, 48]
+    assert llm.engine.kv.prefix_hits > 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_bfloat16_runs_and_returns_the_pool(tiny_llama):
+    llm = LLM(tiny_llama, dtype="bfloat16", device="cpu")
+    outs = llm.generate(random_prompts([20, 50]), GREEDY)
+    assert llm.engine.runner.kv_cache.dtype.is_floating_point and str(llm.engine.runner.kv_cache.dtype) == "torch.bfloat16"
+    assert [len(o.token_ids) for o in outs] == [20, 20]
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_smollm2_chat_batch(smollm2, hf):
+    llm = LLM(smollm2, dtype="float32", device="cpu")
+    questions = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
+                 "Write one sentence about the sea."]
+    conversations = [[{"role": "user", "content": q}] for q in questions]
+    outs = llm.chat(conversations, SamplingParams(max_tokens=40, temperature=0))
+    for out in outs:
+        assert out.token_ids == hf.greedy(smollm2, out.prompt_token_ids, 40, stop_at_eos=True)
+    assert "Paris" in outs[0].text
+    assert outs[0].finish_reason == "stop"
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
