@@ -237,7 +237,7 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params, n = request.sampling_params, request.num_output_tokens
-        if n >= params.min_tokens:
+        if n > params.min_tokens:  # the first min_tokens outputs cannot stop (the runner masks them too)
             if token_id in request.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:

@@ -94,3 +94,20 @@ def test_smollm2_chat_batch(smollm2, hf):
     assert "Paris" in outs[0].text
     assert outs[0].finish_reason == "stop"
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+@pytest.mark.parametrize("policy,expected", [("priority", ["1", "2", "0"]), ("fcfs", ["0", "1", "2"])])
+def test_policy_sets_the_order(tiny_llama, hf, policy, expected):
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", max_num_seqs=1, scheduling_policy=policy)
+    prompts = random_prompts([30, 12, 50], seed=5)
+    for i, (prompt, priority) in enumerate(zip(prompts, [2, 0, 1])):
+        llm.engine.add_request(str(i), prompt, GREEDY, priority=priority)
+    finished, tokens = [], {str(i): [] for i in range(3)}
+    while llm.engine.has_unfinished_requests():
+        for step in llm.engine.step():
+            tokens[step.request_id] += step.new_token_ids
+            if step.finished:
+                finished.append(step.request_id)
+    assert finished == expected
+    for i, prompt in enumerate(prompts):
+        assert tokens[str(i)] == hf.greedy(tiny_llama, prompt, GREEDY.max_tokens)
