@@ -19,6 +19,7 @@ from baton.engine.model_runner import ModelRunner
 from baton.engine.request import Request, RequestStatus
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler
+from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 
 _CPU_KV_BUDGET = 1 << 30
 
@@ -58,7 +59,9 @@ def _eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig,
+                 kv_connector: tuple[KVConnectorScheduler, KVConnectorWorker] | None = None):
+        """`kv_connector`: the scheduler and worker halves of a KV connector, or None (colocated)."""
         self.config = config
         args = ModelArgs.from_hf_config(read_config(config.model))
         config.resolve_model_len(args.max_position_embeddings)
@@ -68,8 +71,9 @@ class LLMEngine:
         model = load_model(config.model, config.torch_dtype(args.torch_dtype), config.device)
         self.num_kv_blocks = self._num_kv_blocks(args, model.embed_tokens.weight.element_size())
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids)
+        connector_scheduler, connector_worker = kv_connector or (None, None)
+        self.scheduler = Scheduler(config, self.kv, connector_scheduler)
+        self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker)
         self.vocab_size = args.vocab_size
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.times = StepTimes()
@@ -99,7 +103,8 @@ class LLMEngine:
                                                   return_dict=False)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, detokenize: bool = True) -> Request:
+                    priority: int = 0, arrival_time: float | None = None, detokenize: bool = True,
+                    kv_transfer_params: dict | None = None) -> Request:
         check(isinstance(request_id, str) and request_id != "", "request_id", "must be a non-empty string")
         check(request_id not in self.scheduler.requests, "request_id", f"{request_id!r} is already running")
         check(isinstance(priority, int), "priority", f"must be an integer, got {priority!r}")
@@ -114,6 +119,7 @@ class LLMEngine:
         check(len(token_ids) <= self.config.max_model_len, "prompt",
               f"has {len(token_ids)} tokens, more than max_model_len {self.config.max_model_len}")
         request = Request(request_id, token_ids, params or SamplingParams(), self.eos_token_ids, priority, arrival_time)
+        request.kv_transfer_params = kv_transfer_params  # for the connector: a remote handle in, or a request out
         self.scheduler.add_request(request)
         if detokenize:
             self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
@@ -125,6 +131,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_held_requests(self) -> int:
+        """Finished requests whose blocks wait for a remote reader (the loop keeps stepping)."""
+        return len(self.scheduler.held)
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:

@@ -13,6 +13,7 @@ from baton.engine.sampler import sample
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from baton.kernels.attention import AttentionMetadata, PrefillSeq
+from baton.kv_transfer.base import KVConnectorWorker
 
 
 class RequestState:
@@ -27,7 +28,8 @@ class RequestState:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, eos_token_ids: frozenset[int]):
+    def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, eos_token_ids: frozenset[int],
+                 connector: KVConnectorWorker | None = None):
         self.model = model
         self.config = config
         self.device = torch.device(config.device)
@@ -39,6 +41,9 @@ class ModelRunner:
         model.init_rope(config.max_model_len + 1)
         self.states: dict[str, RequestState] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.connector = connector
+        if connector is not None:
+            connector.register_kv_caches(self.kv_cache)
 
     def _add_request(self, new) -> None:
         params = new.sampling_params
@@ -59,20 +64,24 @@ class ModelRunner:
             self._add_request(new)
         for cached in sched.scheduled_cached_reqs:
             self.states[cached.req_id].block_ids.extend(cached.new_block_ids)
-        if not sched.total_num_scheduled_tokens:
-            return ModelRunnerOutput({})
+        if self.connector is not None:
+            self.connector.start_load_kv(sched.kv_connector_metadata)
+        sampled = self._run(sched) if sched.total_num_scheduled_tokens else {}
+        return ModelRunnerOutput(sampled, self.connector.get_finished() if self.connector is not None else None)
+
+    def _run(self, sched: SchedulerOutput) -> dict[str, int]:
         batch = self._build_batch(sched)
         hidden = self.model(batch["input_ids"], batch["positions"], self.kv_cache, batch["meta"])
         sampled_ids = batch["sample_req_ids"]
         if not sampled_ids:
-            return ModelRunnerOutput({})
+            return {}
         logits = self.model.compute_logits(hidden[batch["sample_rows"]])
         states = [self.states[r] for r in sampled_ids]
         self._suppress_stops_before_min_tokens(logits, states)
         tokens = sample(logits, [s.sampling_params for s in states], [s.generator for s in states])
         for state, token in zip(states, tokens):
             state.token_ids.append(token)
-        return ModelRunnerOutput(dict(zip(sampled_ids, tokens)))
+        return dict(zip(sampled_ids, tokens))
 
     def _build_batch(self, sched: SchedulerOutput) -> dict:
         starts = {c.req_id: c.num_computed_tokens for c in sched.scheduled_cached_reqs}

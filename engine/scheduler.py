@@ -71,7 +71,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.by_priority = config.scheduling_policy == "priority"
         self._finished_ids: set[str] = set()  # finished since the last schedule()
-        self._holding: dict[str, Request] = {}  # finished, blocks held for a remote reader
+        self.held: dict[str, Request] = {}  # finished, blocks held for a remote reader
         self.num_preemptions = 0
 
     # ---- requests in and out --------------------------------------------------------------
@@ -111,7 +111,7 @@ class Scheduler:
         if self.connector is not None:
             hold, request.kv_transfer_params = self.connector.request_finished(request, self.kv.block_ids(request.request_id))
         if hold:
-            self._holding[request.request_id] = request
+            self.held[request.request_id] = request
         else:
             self.kv.free(request)
 
@@ -192,12 +192,12 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if self.connector is not None:
                 self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_external)
+            if request.num_cached_tokens < 0:  # local prefix-cache hits at first admission
+                request.num_cached_tokens = num_computed - num_external
             if load_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 skipped.append(request)
                 continue
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled_new_reqs.append(NewRequestData(
@@ -253,6 +253,6 @@ class Scheduler:
                 request.status = RequestStatus.WAITING
                 self.kv.cache_blocks(request, request.num_computed_tokens)
         for req_id in kv_out.finished_sending:
-            request = self._holding.pop(req_id, None)
+            request = self.held.pop(req_id, None)
             if request is not None:
                 self.kv.free(request)
