@@ -43,6 +43,7 @@ class Result:
     steps: int | None = None
     preemptions: int | None = None
     generated_tokens: int | None = None  # everything generated, padding waste included (HF)
+    runs: int = 1  # timed runs; the fastest is reported
 
 
 def parse_args() -> argparse.Namespace:
@@ -60,6 +61,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--hf-batch-size", type=int, default=64, help="transformers batch size (64 = all at once)")
+    p.add_argument("--min-seconds", type=float, default=10.0,
+                   help="repeat each engine's timed run until this much time is spent (at most --max-repeats "
+                        "runs) and report the fastest: short runs on a shared machine are noisy")
+    p.add_argument("--max-repeats", type=int, default=5)
     p.add_argument("--skip-hf", action="store_true", help="run Baton only")
     p.add_argument("--quick", action="store_true", help="smoke run: 16 requests, prompts 32-128, outputs 16-32")
     args = p.parse_args()
@@ -72,9 +77,10 @@ def parse_args() -> argparse.Namespace:
 
 def make_workload(vocab_size: int, args: argparse.Namespace) -> list[Request]:
     rng = random.Random(args.seed)
-    return [Request([rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
-                    rng.randint(args.min_output, args.max_output))
-            for _ in range(args.num_requests)]
+    # Lengths first, so every model gets the same shape of workload whatever its vocab size.
+    lengths = [(rng.randint(args.min_prompt, args.max_prompt), rng.randint(args.min_output, args.max_output))
+               for _ in range(args.num_requests)]
+    return [Request([rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(p)], o) for p, o in lengths]
 
 
 def greedy(n: int) -> SamplingParams:
@@ -87,15 +93,28 @@ def run_baton(model_dir: Path, workload: list[Request], args: argparse.Namespace
     # Warm-up pays for first-call allocations; 8 + 4 tokens fill no 16-token KV block, so it
     # leaves nothing in the prefix cache for the timed run to hit.
     llm.generate([r.prompt[:8] for r in workload[:2]], greedy(4))
-    llm.engine.times = StepTimes()
-    preempted_before = llm.engine.scheduler.num_preemptions
-    t0 = time.perf_counter()
-    outs = llm.generate([r.prompt for r in workload], [greedy(r.output_len) for r in workload], use_tqdm=True)
-    wall = time.perf_counter() - t0
-    times = llm.engine.times
-    return Result("baton", wall, sum(len(o.token_ids) for o in outs), [o.token_ids for o in outs],
-                  scheduler_share=times.scheduler_s / times.step_s, steps=times.steps,
-                  preemptions=llm.engine.scheduler.num_preemptions - preempted_before)
+
+    def timed_run() -> Result:
+        llm.reset_prefix_cache()  # a repeat must not hit the previous run's prompts
+        llm.engine.times = StepTimes()
+        preempted_before = llm.engine.scheduler.num_preemptions
+        t0 = time.perf_counter()
+        outs = llm.generate([r.prompt for r in workload], [greedy(r.output_len) for r in workload], use_tqdm=True)
+        wall = time.perf_counter() - t0
+        times = llm.engine.times
+        return Result("baton", wall, sum(len(o.token_ids) for o in outs), [o.token_ids for o in outs],
+                      scheduler_share=times.scheduler_s / times.step_s, steps=times.steps,
+                      preemptions=llm.engine.scheduler.num_preemptions - preempted_before)
+    return fastest_of(timed_run, args)
+
+
+def fastest_of(timed_run, args: argparse.Namespace) -> Result:
+    runs = [timed_run()]
+    while len(runs) < args.max_repeats and sum(r.wall_s for r in runs) < args.min_seconds:
+        runs.append(timed_run())
+    best = min(runs, key=lambda r: r.wall_s)
+    best.runs = len(runs)
+    return best
 
 
 @torch.inference_mode()
@@ -114,20 +133,23 @@ def run_hf(model_dir: Path, workload: list[Request], args: argparse.Namespace) -
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     hf_generate(model, [Request(r.prompt[:8], 4) for r in workload[:2]], args.device)  # warm-up
     batches = [workload[i:i + args.hf_batch_size] for i in range(0, len(workload), args.hf_batch_size)]
-    tokens = []
-    t0 = time.perf_counter()
-    for batch in tqdm(batches, desc="hf batches", unit="batch"):
-        tokens += hf_generate(model, batch, args.device)
-    wall = time.perf_counter() - t0
-    return Result("transformers", wall, sum(r.output_len for r in workload),
-                  [t[:r.output_len] for t, r in zip(tokens, workload)],
-                  generated_tokens=sum(len(t) for t in tokens))
+
+    def timed_run() -> Result:
+        tokens = []
+        t0 = time.perf_counter()
+        for batch in tqdm(batches, desc="hf batches", unit="batch"):
+            tokens += hf_generate(model, batch, args.device)
+        wall = time.perf_counter() - t0
+        return Result("transformers", wall, sum(r.output_len for r in workload),
+                      [t[:r.output_len] for t, r in zip(tokens, workload)],
+                      generated_tokens=sum(len(t) for t in tokens))
+    return fastest_of(timed_run, args)
 
 
 def print_table(model_name: str, workload: list[Request], results: list[Result]) -> None:
     hf = next((r for r in results if r.engine == "transformers"), None)
     header = ["model", "engine", "requests", "prompt tokens", "output tokens", "wall s", "output tok/s",
-              "vs transformers", "scheduler share", "steps"]
+              "vs transformers", "scheduler share", "steps", "runs"]
     rows = [header]
     for r in results:
         tps = r.output_tokens / r.wall_s
@@ -135,7 +157,7 @@ def print_table(model_name: str, workload: list[Request], results: list[Result])
                      str(r.output_tokens), f"{r.wall_s:.2f}", f"{tps:.1f}",
                      f"{tps / (hf.output_tokens / hf.wall_s):.2f}x" if hf else "-",
                      f"{100 * r.scheduler_share:.1f}%" if r.scheduler_share is not None else "-",
-                     str(r.steps) if r.steps is not None else "-"])
+                     str(r.steps) if r.steps is not None else "-", str(r.runs)])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
@@ -144,7 +166,7 @@ def print_table(model_name: str, workload: list[Request], results: list[Result])
 
 def print_notes(results: list[Result]) -> None:
     baton = next(r for r in results if r.engine == "baton")
-    print(f"baton: {baton.preemptions} preemptions; scheduler share = (schedule + update_from_output) / step wall time")
+    print(f"baton: preemptions {baton.preemptions}; scheduler share = (schedule + update_from_output) / step wall time")
     hf = next((r for r in results if r.engine == "transformers"), None)
     if hf:
         print(f"transformers: output tokens count only each request's own length; it generated "

@@ -29,6 +29,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block hash (the next request computes its whole prompt)."""
+        self.engine.kv.reset_prefix_cache()
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  priority: list[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """prompts: a text, a list of token ids, or a list of either. One output per prompt, in order."""

@@ -12,7 +12,7 @@ from baton.engine.model import CausalLM
 from baton.engine.sampler import sample
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import ModelRunnerOutput, SchedulerOutput
-from baton.kernels.attention import AttentionMetadata, PrefillSeq
+from baton.kernels.attention import AttentionMetadata, DecodeGroup, PrefillSeq, group_decodes
 from baton.kv_transfer.base import KVConnectorWorker
 
 
@@ -42,6 +42,7 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.connector = connector
+        self.decode_padding_elems = 1 << 18  # per decode group; see group_decodes
         if connector is not None:
             connector.register_kv_caches(self.kv_cache)
 
@@ -87,8 +88,9 @@ class ModelRunner:
         starts = {c.req_id: c.num_computed_tokens for c in sched.scheduled_cached_reqs}
         starts.update((n.req_id, n.num_computed_tokens) for n in sched.scheduled_new_reqs)
         bs = self.block_size
-        # One-token decodes first (attended as one batch), then prefill chunks.
-        order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)
+        # One-token decodes first, longest context first (so length groups are row ranges),
+        # then prefill chunks.
+        order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: (kv[1] != 1, -starts[kv[0]]))
         input_ids, positions, slots, sample_rows, sample_req_ids = [], [], [], [], []
         decode_tables, decode_lens, prefills = [], [], []
         for req_id, n in order:
@@ -109,16 +111,24 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_req_ids.append(req_id)
         dev = self.device
-        decode_table_t = decode_mask = None
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            decode_table_t = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
-            lens = torch.tensor(decode_lens, device=dev)
-            decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-        meta = AttentionMetadata(len(decode_tables), decode_table_t, decode_mask, prefills,
+        meta = AttentionMetadata(self._decode_groups(decode_tables, decode_lens), prefills,
                                  torch.tensor(slots, device=dev))
         return {"input_ids": torch.tensor(input_ids, device=dev), "positions": torch.tensor(positions, device=dev),
                 "meta": meta, "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids}
+
+    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        groups, start, bs, dev = [], 0, self.block_size, self.device
+        args = self.model.args
+        for size in group_decodes(lens, 2 * args.num_kv_heads * args.head_dim, self.decode_padding_elems):
+            rows = slice(start, start + size)
+            width = len(tables[start])  # the group's longest context comes first
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables[rows]], device=dev)
+            past_end = torch.arange(width * bs, device=dev)[None, :] >= torch.tensor(lens[rows], device=dev)[:, None]
+            # An additive mask: SDPA's CPU kernel runs ~1.5x faster with it than with a boolean one.
+            mask = torch.zeros(past_end.shape, dtype=self.kv_cache.dtype, device=dev).masked_fill_(past_end, float("-inf"))
+            groups.append(DecodeGroup(start, table, mask[:, None, None, :]))
+            start += size
+        return groups
 
     def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, states: list[RequestState]) -> None:
         for row, state in enumerate(states):

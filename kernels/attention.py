@@ -1,10 +1,14 @@
 """Attention over the paged KV cache: a PyTorch reference that runs on any device.
 
-One call serves a whole step's flat batch: first the one-token decodes (batched, their block
-tables padded and masked), then prefill chunks (each attending to its cached prefix and,
-causally, to itself). The step's new K/V must already be written into the cache.
-Grouped-query attention folds the query heads of a group into the query-length axis, so K/V
-are never repeated per query head.
+One call serves a whole step's flat batch: first the one-token decodes, then prefill chunks
+(each attending to its cached prefix and, causally, to itself). The step's new K/V must
+already be written into the cache. Grouped-query attention folds the query heads of a group
+into the query-length axis, so K/V are never repeated per query head.
+
+Decodes run in groups of similar context length (see `group_decodes`): each group gathers
+its blocks into one padded, masked batch, so a short request does not pay for the longest
+one's padding. Gathers use `index_select` on whole blocks, a row memcpy on CPU, several
+times faster than advanced indexing.
 """
 from __future__ import annotations
 
@@ -20,15 +24,55 @@ class PrefillSeq:
     q_len: int
     ctx_len: int  # tokens of context after this chunk (cached prefix + chunk)
     block_table: torch.Tensor  # [ceil(ctx_len / block_size)] block ids
+    mask: torch.Tensor | None = None  # filled on first use, see causal_mask
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    start: int  # first row of the group in the flat batch; its rows are consecutive
+    block_tables: torch.Tensor  # [n, max_blocks] block ids, padded with 0
+    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size]: additive (-inf past the end) or True = attend
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    num_decodes: int  # the first num_decodes rows are one-token decodes
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with 0
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    decodes: list[DecodeGroup]  # the one-token decode rows come first in the batch
     prefills: list[PrefillSeq]
     slot_mapping: torch.Tensor  # [num_tokens] flat slot (block_id * block_size + offset) of each row
+
+
+_MAX_CPU_SCORES = 1 << 24  # score elements (64 MiB in float32) a prefill may materialize on CPU
+
+
+def causal_mask(q_len: int, ctx_len: int, group: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask [group * q_len, ctx_len] for a chunk that ends the context: query i
+    (at position ctx_len - q_len + i) sees positions up to its own; rows repeat per query head."""
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
+    future = torch.arange(ctx_len, device=device)[None, :] > q_pos[:, None]
+    return torch.zeros(future.shape, dtype=dtype, device=device).masked_fill_(future, float("-inf")).repeat(group, 1)
+
+
+def group_decodes(context_lens: list[int], kv_elems_per_token: int,
+                  max_padding_elems: int = 1 << 18) -> list[int]:
+    """Split decodes, sorted by context length (longest first), into groups that each waste
+    at most ~max_padding_elems cache elements (~1 MiB in float32) on padding. Small models
+    get one group (a call costs more than their padding); long-tailed batches on real models
+    get a few. Returns the group sizes."""
+    sizes, waste, head = [], 0, 0
+    for i, n in enumerate(context_lens):
+        waste += (context_lens[head] - n) * kv_elems_per_token
+        if waste > max_padding_elems:
+            sizes.append(i - head)
+            head, waste = i, 0
+    if context_lens:
+        sizes.append(len(context_lens) - head)
+    return sizes
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, heads, D] (a strided per-layer view); block_ids of any
+    shape S. Returns [*S, block_size, heads, D]."""
+    return cache.index_select(0, block_ids.flatten()).view(*block_ids.shape, *cache.shape[1:])
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -49,14 +93,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
+    for dec in meta.decodes:
+        rows = slice(dec.start, dec.start + dec.block_tables.shape[0])
         # [B, kv_heads, group, D] queries against [B, kv_heads, L, D] keys.
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        kd = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-        vd = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:nd] = od.reshape(nd, num_q_heads, head_dim)
+        qd = q[rows].view(-1, num_kv_heads, group, head_dim)
+        kd = gather_blocks(k_cache, dec.block_tables).flatten(1, 2).transpose(1, 2)
+        vd = gather_blocks(v_cache, dec.block_tables).flatten(1, 2).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask, scale=scale)
+        out[rows] = od.reshape(-1, num_q_heads, head_dim)
     for seq in meta.prefills:
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
         # [kv_heads, group * q_len, D]: query position varies fastest within a group.
@@ -65,11 +109,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if seq.ctx_len == seq.q_len:  # no cached prefix: attend to the fresh K/V directly
             kp, vp = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:
-            kp = k_cache[seq.block_table].flatten(0, 1)[:seq.ctx_len].transpose(0, 1)
-            vp = v_cache[seq.block_table].flatten(0, 1)[:seq.ctx_len].transpose(0, 1)
-        q_pos = torch.arange(seq.ctx_len - seq.q_len, seq.ctx_len, device=q.device)
-        mask = torch.arange(seq.ctx_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask.repeat(group, 1), scale=scale)
+            kp = gather_blocks(k_cache, seq.block_table).flatten(0, 1)[:seq.ctx_len].transpose(0, 1)
+            vp = gather_blocks(v_cache, seq.block_table).flatten(0, 1)[:seq.ctx_len].transpose(0, 1)
+        if seq.mask is None:  # the same for every layer: built once per step
+            seq.mask = causal_mask(seq.q_len, seq.ctx_len, group, q.dtype, q.device)
+        if q.device.type == "cpu" and num_kv_heads * seq.mask.numel() <= _MAX_CPU_SCORES:
+            # Scores materialized: on CPU 2-4x faster than SDPA's flash kernel at these sizes.
+            scores = torch.baddbmm(seq.mask, qp, kp.transpose(1, 2), alpha=scale)
+            op = torch.bmm(scores.softmax(-1, dtype=torch.float32).to(vp.dtype), vp)
+        else:  # SDPA never holds the whole score matrix
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=seq.mask, scale=scale)
         out[rows] = op.view(num_kv_heads, group, seq.q_len, head_dim).permute(2, 0, 1, 3).reshape(
             seq.q_len, num_q_heads, head_dim)
     return out

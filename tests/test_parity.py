@@ -30,9 +30,12 @@ def test_one_text_prompt(tiny_model, hf):
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
-def test_batch_of_mixed_lengths(tiny_model, hf):
+@pytest.mark.parametrize("decode_groups", ["one", "per-length"])
+def test_batch_of_mixed_lengths(tiny_model, hf, decode_groups):
     prompts = random_prompts([3, 16, 17, 40, 77, 130])
     llm = LLM(tiny_model, dtype="float32", device="cpu", enable_prefix_caching=False)
+    if decode_groups == "per-length":  # no padding allowed: every context length its own group
+        llm.engine.runner.decode_padding_elems = 0
     assert_matches_hf(hf, tiny_model, prompts, llm.generate(prompts, GREEDY))
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
