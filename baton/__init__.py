@@ -1,5 +1,19 @@
 """Baton: an LLM serving engine with disaggregated prefill and decode."""
-from baton.engine.llm import LLM, RequestOutput
-from baton.engine.sampling_params import SamplingParams
+from __future__ import annotations
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+import importlib
+
+# Imported on first use, so that clients (`baton generate --target`, baton.services.client)
+# start without loading torch and transformers.
+_LAZY = {"LLM": "baton.engine.llm", "RequestOutput": "baton.engine.llm",
+         "SamplingParams": "baton.engine.sampling_params"}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'baton' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

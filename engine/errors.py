@@ -7,6 +7,7 @@ class InvalidArgument(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.reason = message
 
 
 def check(ok: bool, field: str, message: str) -> None:

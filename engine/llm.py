@@ -25,6 +25,13 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        llm._ids = itertools.count()
+        return llm
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

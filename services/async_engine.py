@@ -1,0 +1,150 @@
+"""An LLMEngine driven from asyncio: the step loop runs on its own thread.
+
+The engine is not thread-safe, so only the loop thread touches it. Callers validate a
+request with `LLMEngine.make_request` (read-only) on their own thread, then hand it over
+through a command queue; each step's outputs come back to the event loop in one
+`call_soon_threadsafe` and are fanned out to per-request queues. Streaming therefore never
+stalls a step, and a step never blocks the event loop (torch releases the GIL in its ops).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from baton.engine.llm_engine import LLMEngine, StepOutput
+from baton.engine.request import Request
+
+log = logging.getLogger("baton.engine")
+
+
+class EngineDead(RuntimeError):
+    """The step loop stopped on an error; the request cannot go on."""
+
+
+class DuplicateRequest(KeyError):
+    pass
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None):
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.on_dead = on_dead
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}  # event-loop side: request id -> its outputs
+        self._num_pending_adds = 0  # handed over, not yet in the scheduler (event-loop side)
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="baton-step-loop", daemon=True)
+
+    # ---- lifecycle (event loop) -------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        await asyncio.to_thread(self._thread.join)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self._num_pending_adds
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- requests (event loop) --------------------------------------------------------------
+    async def generate(self, request: Request) -> AsyncIterator[StepOutput]:
+        """Run a request made by `engine.make_request`; yields its outputs as steps produce
+        them. Leaving the iteration early (cancellation included) aborts it in the engine."""
+        if self._error is not None:
+            raise EngineDead(f"the engine stopped: {self._error!r}")
+        req_id = request.request_id
+        if req_id in self._streams:
+            raise DuplicateRequest(req_id)
+        if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
+            raise QueueFull(f"{self.num_waiting} requests are waiting, the bound (max_waiting_requests) is "
+                            f"{self.max_waiting_requests}")
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[req_id] = outputs
+        self._num_pending_adds += 1
+        self._submit(("add", request))
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            del self._streams[req_id]
+            if not finished:
+                self._submit(("abort", req_id))
+
+    def _submit(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _dispatch(self, outputs: list[StepOutput], num_added: int, failed: list[tuple[str, Exception]]) -> None:
+        self._num_pending_adds -= num_added
+        for req_id, error in failed:
+            stream = self._streams.get(req_id)
+            if stream is not None:
+                stream.put_nowait(error)
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:  # else the caller left already; its abort is queued
+                stream.put_nowait(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._error = error
+        for stream in self._streams.values():
+            stream.put_nowait(EngineDead(f"the engine stopped: {error!r}"))
+        if self.on_dead is not None:
+            self.on_dead(error)
+
+    # ---- the step loop (its own thread) -----------------------------------------------------
+    def _apply_commands(self) -> tuple[int, list[tuple[str, Exception]]]:
+        num_added, failed = 0, []
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return num_added, failed
+            if kind == "abort":
+                self.engine.abort_request([arg])
+                continue
+            num_added += 1
+            try:
+                self.engine.add(arg)
+            except Exception as error:  # noqa: BLE001 - that request fails, the loop goes on
+                failed.append((arg.request_id, error))
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                num_added, failed = self._apply_commands()
+                busy = engine.has_unfinished_requests()
+                outputs = engine.step() if busy or engine.num_held_requests else []
+                if outputs or num_added:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs, num_added, failed)
+                if not busy:  # idle, or only polling held blocks for a remote reader
+                    self._wakeup.wait(0.001 if engine.num_held_requests else None)
+                    self._wakeup.clear()
+        except BaseException as error:  # noqa: BLE001 - reported to every stream, then logged
+            log.exception("the engine step loop stopped")
+            self._loop.call_soon_threadsafe(self._fail_all, error)

@@ -1,0 +1,110 @@
+"""Python clients for the public API, sync and asyncio: tokens and text as they arrive.
+
+    with Client("127.0.0.1:50051") as client:
+        for chunk in client.generate("The capital of France is", max_tokens=16, temperature=0):
+            print(chunk.text, end="", flush=True)
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from baton.v1 import generate_pb2 as pb
+from baton.v1 import generate_pb2_grpc
+
+_FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                   pb.FINISH_REASON_ABORT: "abort", pb.FINISH_REASON_ERROR: "error"}
+_OUTPUTS = {"text": pb.OUTPUT_TEXT, "token_ids": pb.OUTPUT_TOKEN_IDS, "both": pb.OUTPUT_TEXT_AND_TOKEN_IDS}
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One streamed response: the tokens since the last one, the text they completed, and
+    on the last chunk the finish reason and usage."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+def build_request(prompt: str | list[int] | list[dict], *, request_id: str = "", priority: int = 0,
+                  output: str = "both", **sampling) -> pb.GenerateRequest:
+    """prompt: text, token ids, or chat messages ({"role", "content"} dicts); `sampling`:
+    the SamplingParams fields (max_tokens, temperature, top_p, top_k, seed, stop_token_ids,
+    ignore_eos, min_tokens)."""
+    msg = pb.GenerateRequest(request_id=request_id, priority=priority, output=_OUTPUTS[output],
+                             sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}))
+    if isinstance(prompt, str):
+        msg.text = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        msg.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+    else:
+        msg.token_ids.ids.extend(prompt)
+    return msg
+
+
+def chunk_from_response(resp: pb.GenerateResponse) -> Chunk:
+    chunk = Chunk(resp.request_id, list(resp.token_ids), resp.text)
+    if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+        chunk.finish_reason = _FINISH_REASONS[resp.finish_reason]
+        u = resp.usage
+        chunk.usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+    return chunk
+
+
+class Client:
+    def __init__(self, target: str, options: list[tuple] | None = None):
+        self.channel = grpc.insecure_channel(target, options=options)
+        self.stub = generate_pb2_grpc.TextGenerationStub(self.channel)
+
+    def generate(self, prompt, *, timeout: float | None = None, metadata=None, **kwargs) -> Iterator[Chunk]:
+        """Stream one completion. Breaking out of the loop cancels the call (and the request)."""
+        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=metadata)
+        try:
+            for resp in call:
+                yield chunk_from_response(resp)
+        finally:
+            call.cancel()  # a no-op once the stream has ended
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, target: str, options: list[tuple] | None = None):
+        self.channel = grpc.aio.insecure_channel(target, options=options)
+        self.stub = generate_pb2_grpc.TextGenerationStub(self.channel)
+
+    async def generate(self, prompt, *, timeout: float | None = None, metadata=None,
+                       **kwargs) -> AsyncIterator[Chunk]:
+        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=metadata)
+        try:
+            async for resp in call:
+                yield chunk_from_response(resp)
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
