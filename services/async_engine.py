@@ -9,6 +9,7 @@ stalls a step, and a step never blocks the event loop (torch releases the GIL in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -30,6 +31,21 @@ class DuplicateRequest(KeyError):
 
 class QueueFull(RuntimeError):
     pass
+
+
+def _merge_queued(out: StepOutput | BaseException, outputs: asyncio.Queue) -> StepOutput:
+    """When the caller fell behind the engine (a slow client, a busy event loop), fold
+    everything queued into one output: one message per read instead of one per step, as
+    vLLM's output collector does."""
+    if isinstance(out, BaseException):
+        raise out
+    while not out.finished and not outputs.empty():
+        more = outputs.get_nowait()
+        if isinstance(more, BaseException):
+            raise more
+        out = dataclasses.replace(more, new_token_ids=out.new_token_ids + more.new_token_ids,
+                                  text=out.text + more.text)
+    return out
 
 
 class AsyncEngine:
@@ -84,9 +100,7 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                out = await outputs.get()
-                if isinstance(out, BaseException):
-                    raise out
+                out = _merge_queued(await outputs.get(), outputs)
                 finished = out.finished
                 yield out
         finally:

@@ -1,0 +1,35 @@
+"""The step-loop bridge: outputs a slow reader left queued are merged, never lost or reordered."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from baton.engine.llm_engine import StepOutput
+from baton.services.async_engine import EngineDead, _merge_queued
+
+
+def step(tokens, text, finished=False):
+    return StepOutput("r", tokens, text, finished, "length" if finished else None, 3, 0, 0)
+
+
+def test_queued_outputs_merge_up_to_the_last():
+    async def run():
+        queue = asyncio.Queue()
+        for out in (step([2], "b"), step([3, 4], "cd", finished=True)):
+            queue.put_nowait(out)
+        return _merge_queued(step([1], "a"), queue), queue.empty()
+
+    merged, drained = asyncio.run(run())
+    assert (merged.new_token_ids, merged.text, merged.finished, merged.finish_reason) == ([1, 2, 3, 4], "abcd", True, "length")
+    assert drained
+
+
+def test_an_error_queued_behind_outputs_is_raised():
+    async def run():
+        queue = asyncio.Queue()
+        queue.put_nowait(EngineDead("boom"))
+        return _merge_queued(step([1], "a"), queue)
+
+    with pytest.raises(EngineDead):
+        asyncio.run(run())
