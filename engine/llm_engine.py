@@ -121,6 +121,9 @@ class LLMEngine:
               f"has {len(token_ids)} tokens, more than max_model_len {self.config.max_model_len}")
         request = Request(request_id, token_ids, params or SamplingParams(), self.eos_token_ids, priority, arrival_time)
         request.kv_transfer_params = kv_transfer_params  # for the connector: a remote handle in, or a request out
+        first_token = (kv_transfer_params or {}).get("first_token")
+        if first_token is not None:  # sampled by the prefill peer: an output already, not re-sent
+            request.append_output_token(first_token)
         return request
 
     def add(self, request: Request, detokenize: bool = True) -> None:
@@ -129,7 +132,7 @@ class LLMEngine:
               f"{request.request_id!r} is already running")
         self.scheduler.add_request(request)
         if detokenize:
-            self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+            self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.all_token_ids)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, detokenize: bool = True,
@@ -147,7 +150,7 @@ class LLMEngine:
 
     @property
     def num_held_requests(self) -> int:
-        """Finished requests whose blocks wait for a remote reader (the loop keeps stepping)."""
+        """Finished requests whose blocks wait for a transfer (the loop keeps stepping)."""
         return len(self.scheduler.held)
 
     # ---- the loop ---------------------------------------------------------------------------

@@ -50,12 +50,16 @@ class ModelRunner:
         params = new.sampling_params
         generator = self.default_generator
         if params.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(params.seed)
             old = self.states.get(new.req_id)
             if old is not None:  # resumed after preemption: keep the stream where it was
                 generator = old.generator
-        num_prompt = len(new.token_ids) if new.req_id not in self.states else self.states[new.req_id].num_prompt_tokens
-        self.states[new.req_id] = RequestState(list(new.token_ids), list(new.block_ids), params, generator, num_prompt)
+            else:
+                generator = torch.Generator(self.device).manual_seed(params.seed)
+                if not params.greedy:  # outputs sampled elsewhere (a prefill peer) used their draws
+                    for _ in range(len(new.token_ids) - new.num_prompt_tokens):
+                        torch.empty(self.model.args.vocab_size, device=self.device).exponential_(generator=generator)
+        self.states[new.req_id] = RequestState(list(new.token_ids), list(new.block_ids), params, generator,
+                                               new.num_prompt_tokens)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -27,6 +27,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
+    num_prompt_tokens: int  # the rest of token_ids are outputs (after preemption, or from a prefill peer)
 
 
 @dataclass(slots=True)
@@ -71,7 +72,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.by_priority = config.scheduling_policy == "priority"
         self._finished_ids: set[str] = set()  # finished since the last schedule()
-        self.held: dict[str, Request] = {}  # finished, blocks held for a remote reader
+        # Finished, but their blocks wait for a transfer: a remote reader (prefill side), or a
+        # load still landing in them (a decode request aborted in WAITING_FOR_REMOTE_KVS).
+        self.held: dict[str, Request] = {}
+        self.num_failed_loads = 0
         self.num_preemptions = 0
 
     # ---- requests in and out --------------------------------------------------------------
@@ -104,9 +108,13 @@ class Scheduler:
         return done
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         request.status = status
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if was_loading:  # freed when the worker reports the load over, not before
+            self.held[request.request_id] = request
+            return
         hold = False
         if self.connector is not None:
             hold, request.kv_transfer_params = self.connector.request_finished(request, self.kv.block_ids(request.request_id))
@@ -202,7 +210,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled_new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), self.kv.block_ids(request.request_id),
-                num_computed, request.sampling_params))
+                num_computed, request.sampling_params, request.num_prompt_tokens))
             out.num_scheduled_tokens[request.request_id] = n
             budget -= n
         self.waiting.extendleft(reversed(skipped))
@@ -210,7 +218,7 @@ class Scheduler:
 
     def _lookup(self, request: Request):
         """Prefix-cache hits and remote tokens for a request being admitted."""
-        if request.num_computed_tokens > 0:  # remote KV already arrived into its blocks
+        if request.request_id in self.kv.req_blocks:  # its blocks came with a remote load
             return [], 0, False
         computed, num_local = self.kv.get_computed_blocks(request)
         if self.connector is None:
@@ -249,10 +257,17 @@ class Scheduler:
     def _update_from_connector(self, kv_out: KVConnectorOutput) -> None:
         for req_id in kv_out.finished_recving:
             request = self.requests.get(req_id)
-            if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                request.status = RequestStatus.WAITING
-                self.kv.cache_blocks(request, request.num_computed_tokens)
-        for req_id in kv_out.finished_sending:
+            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            request.kv_transfer_params = None  # loaded or failed: never pulled twice
+            blocks = self.kv.block_ids(req_id)
+            bad = next((i for i, b in enumerate(blocks) if b in kv_out.invalid_block_ids), None)
+            if bad is not None:  # recompute from the last valid block (vLLM: _handle_invalid_blocks)
+                request.num_computed_tokens = min(request.num_computed_tokens, bad * self.kv.block_size)
+                self.num_failed_loads += 1
+            request.status = RequestStatus.WAITING
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+        for req_id in kv_out.finished_sending | kv_out.finished_recving:
             request = self.held.pop(req_id, None)
             if request is not None:
                 self.kv.free(request)

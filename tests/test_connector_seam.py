@@ -105,9 +105,10 @@ def test_disaggregated_through_the_seam_equals_transformers(tiny_model, hf):
     outputs = {}
     for i, (prompt, req) in enumerate(zip(prompts, handles)):
         handle = req.kv_transfer_params
-        decoding = decode.add_request(f"d{i}", prompt + [handle["first_token"]],
-                                      SamplingParams(max_tokens=19, temperature=0, ignore_eos=True),
+        # The first token came from the prefill engine: an output already, so 19 more follow.
+        decoding = decode.add_request(f"d{i}", prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
                                       kv_transfer_params=handle)
+        assert decoding.output_token_ids == [handle["first_token"]]
         watch()
         outputs.update(run(decode, watch))  # one at a time, so the repeat can hit the cache
     assert decoding.num_cached_tokens == 64  # the repeat: 4 blocks local, the 5th pulled from prefill

@@ -1,0 +1,256 @@
+"""The NIXL KV connector: a decode engine pulls a prompt's KV blocks from the prefill engine
+that computed them, with one-sided NIXL READs (UCX; CPU or GPU memory).
+
+The path of one request:
+- prefill: the request runs with `kv_transfer_params={"do_remote_decode": True}` and
+  `max_tokens=1`; when it finishes, `request_finished` holds its blocks and returns the
+  handle (engine id, request id, block ids, token count, first token).
+- decode: the request arrives with that handle. `get_num_new_matched_tokens` offers the
+  prompt tokens beyond the local prefix-cache hit, asynchronously; the scheduler allocates
+  blocks and parks the request in WAITING_FOR_REMOTE_KVS; `update_state_after_alloc`
+  records which local blocks receive which remote ones; the next step's metadata carries
+  the load and the worker starts it (READ, tagged with the remote request id).
+- when the READ is done the worker reports the request in `finished_recving` (a failed READ
+  also lists its blocks in `invalid_block_ids`, and the scheduler recomputes from there);
+  NIXL delivers the tag to the prefill side as a notification, whose worker reports the
+  request in `finished_sending`, and the held blocks are freed. A handle nobody pulls
+  within `hold_timeout_s` is freed too, with a log line and `num_expired_holds`.
+
+A block holds all layers' K and V ([num_blocks, layers, 2, block_size, heads, head_dim]),
+so a run of consecutive block ids on both sides is one contiguous region: one descriptor.
+Peers learn each other's `KVLayout` through the services' own RPC (`add_peer`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker
+
+if TYPE_CHECKING:
+    import torch
+
+    from baton.engine.request import Request
+
+log = logging.getLogger("baton.kv_transfer")
+
+DEFAULT_HOLD_TIMEOUT_S = 120.0
+
+
+@dataclass(slots=True)
+class KVLayout:
+    """What a peer needs to read this engine's blocks."""
+    engine_id: str
+    agent_metadata: bytes
+    base_addr: int
+    block_bytes: int
+    num_blocks: int
+    mem_type: str  # "DRAM" or "VRAM"
+    dev_id: int
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    request_id: str
+    local_block_ids: list[int]
+    remote_engine_id: str
+    remote_block_ids: list[int]
+    remote_request_id: str
+
+
+@dataclass(slots=True)
+class NixlConnectorMeta:
+    loads: list[LoadSpec] = field(default_factory=list)
+    holds: dict[str, float] = field(default_factory=dict)  # prefill: request id -> monotonic deadline
+
+
+class NixlConnectorScheduler(KVConnectorScheduler):
+    def __init__(self, engine_id: str, block_size: int, hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S):
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.hold_timeout_s = hold_timeout_s
+        self._meta = NixlConnectorMeta()
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        handle = request.kv_transfer_params
+        if not handle or "remote_block_ids" not in handle:
+            return 0, False
+        num_remote = handle["num_tokens"] - num_computed_tokens
+        return (num_remote, True) if num_remote > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        handle = request.kv_transfer_params
+        if not handle or "remote_block_ids" not in handle:
+            return
+        # Local hits are whole blocks, so the pulled range starts on a block boundary. When
+        # they cover everything the load is empty: it only tells the prefill side to let go.
+        first = (handle["num_tokens"] - num_external_tokens) // self.block_size
+        end = math.ceil(handle["num_tokens"] / self.block_size) if num_external_tokens else first
+        self._meta.loads.append(LoadSpec(request.request_id, block_ids[first:end], handle["remote_engine_id"],
+                                         handle["remote_block_ids"][first:end], handle["remote_request_id"]))
+        if not num_external_tokens:
+            request.kv_transfer_params = None  # nothing to wait for: never released twice
+
+    def build_connector_meta(self, scheduler_output) -> NixlConnectorMeta:
+        meta, self._meta = self._meta, NixlConnectorMeta()
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_decode") or not request.output_token_ids:
+            return False, None  # not a prefill for a remote decode, or aborted before its first token
+        self._meta.holds[request.request_id] = time.monotonic() + self.hold_timeout_s
+        num_tokens = request.num_prompt_tokens
+        return True, {"remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
+                      "remote_block_ids": block_ids[:math.ceil(num_tokens / self.block_size)],
+                      "num_tokens": num_tokens, "first_token": request.output_token_ids[0]}
+
+
+@dataclass(slots=True)
+class _Peer:
+    agent_name: str
+    layout: KVLayout
+
+
+def _new_agent(name: str):
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs to stdout otherwise
+    from nixl._api import nixl_agent, nixl_agent_config
+    # No progress thread: on a few cores it slows READs and delays notifications (STACK.md).
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+
+
+def merge_runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
+    """(local start, remote start, length) for runs consecutive on both sides."""
+    runs: list[list[int]] = []
+    for l, r in zip(local, remote, strict=True):
+        if runs and l == runs[-1][0] + runs[-1][2] and r == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([l, r, 1])
+    return [tuple(run) for run in runs]
+
+
+class NixlConnectorWorker(KVConnectorWorker):
+    def __init__(self, engine_id: str, agent=None):
+        """`agent`: a nixl_agent, or any object with its methods (tests inject faults so)."""
+        self.engine_id = engine_id
+        self.agent = agent if agent is not None else _new_agent(engine_id)
+        self.layout: KVLayout | None = None
+        self.peers: dict[str, _Peer] = {}
+        self._loading: dict[str, tuple[object, list[int]]] = {}  # request id -> (xfer handle, local blocks)
+        self._failed: dict[str, list[int]] = {}  # loads that could not start
+        self._holds: dict[str, float] = {}  # request id -> deadline
+        self._early_notifs: set[str] = set()  # reads that finished before their hold was registered
+        self.num_expired_holds = 0
+        self.num_failed_loads = 0
+        self.num_descriptors = 0  # READ descriptors issued, for tests and benchmarks
+        self.num_blocks_pulled = 0
+
+    # ---- memory and peers ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        self._reg = self.agent.register_memory(kv_cache)
+        on_gpu = kv_cache.device.type == "cuda"
+        self.layout = KVLayout(self.engine_id, self.agent.get_agent_metadata(), kv_cache.data_ptr(),
+                               kv_cache[0].numel() * kv_cache.element_size(), kv_cache.shape[0],
+                               "VRAM" if on_gpu else "DRAM", (kv_cache.device.index or 0) if on_gpu else 0)
+
+    def add_peer(self, layout: KVLayout) -> None:
+        """Learn a peer's layout (once per peer; again when it restarted with new metadata)."""
+        known = self.peers.get(layout.engine_id)
+        if known is not None and known.layout.agent_metadata == layout.agent_metadata:
+            return
+        if layout.block_bytes != self.layout.block_bytes:
+            raise ValueError(f"peer {layout.engine_id} has {layout.block_bytes}-byte KV blocks, this engine "
+                             f"{self.layout.block_bytes}: they must serve the same model with the same block size")
+        if known is not None:
+            self.agent.remove_remote_agent(known.agent_name)
+        name = self.agent.add_remote_agent(layout.agent_metadata)
+        self.peers[layout.engine_id] = _Peer(name.decode() if isinstance(name, bytes) else name, layout)
+
+    def _descs(self, layout: KVLayout, runs: list[tuple[int, int, int]], side: int):
+        size = layout.block_bytes
+        return self.agent.get_xfer_descs([(layout.base_addr + run[side] * size, run[2] * size, layout.dev_id)
+                                          for run in runs], layout.mem_type)
+
+    # ---- each step ----------------------------------------------------------------------------
+    def start_load_kv(self, metadata: NixlConnectorMeta | None) -> None:
+        if metadata is None:
+            return
+        self._holds.update(metadata.holds)
+        for req_id in self._early_notifs & metadata.holds.keys():
+            self._holds[req_id] = 0.0  # already read: released by get_finished right away
+        self._early_notifs -= metadata.holds.keys()
+        for load in metadata.loads:
+            try:
+                peer = self.peers.get(load.remote_engine_id)
+                if peer is None:
+                    raise KeyError(f"no layout for peer {load.remote_engine_id!r}")
+                if not load.local_block_ids:  # all hit locally: release the prefill's hold
+                    self.agent.send_notif(peer.agent_name, load.remote_request_id.encode())
+                    continue
+                runs = merge_runs(load.local_block_ids, load.remote_block_ids)
+                handle = self.agent.initialize_xfer("READ", self._descs(self.layout, runs, 0),
+                                                    self._descs(peer.layout, runs, 1), peer.agent_name,
+                                                    load.remote_request_id.encode())
+                if self.agent.transfer(handle) == "ERR":
+                    self.agent.release_xfer_handle(handle)
+                    raise RuntimeError("NIXL refused the transfer")
+                self._loading[load.request_id] = (handle, load.local_block_ids)
+                self.num_descriptors += len(runs)
+                self.num_blocks_pulled += len(load.local_block_ids)
+            except Exception as e:  # noqa: BLE001 - the request recomputes instead
+                log.warning("KV load for %s from %s failed to start: %s", load.request_id, load.remote_engine_id, e)
+                self._failed[load.request_id] = load.local_block_ids
+
+    def get_finished(self) -> KVConnectorOutput:
+        out = KVConnectorOutput()
+        for req_id, (handle, blocks) in list(self._loading.items()):
+            state = self.agent.check_xfer_state(handle)
+            if state in ("PROC", "WAIT"):  # still moving
+                continue
+            self.agent.release_xfer_handle(handle)
+            del self._loading[req_id]
+            if state != "DONE":
+                log.warning("KV load for %s ended in state %s; recomputing its blocks", req_id, state)
+                self._failed[req_id] = blocks
+            else:
+                out.finished_recving.add(req_id)
+        for req_id, blocks in self._failed.items():
+            out.finished_recving.add(req_id)
+            out.invalid_block_ids.update(blocks)
+            self.num_failed_loads += 1
+        self._failed = {}
+        for messages in self.agent.get_new_notifs().values():
+            for message in messages:
+                req_id = message.decode()
+                if self._holds.pop(req_id, None) is not None:
+                    out.finished_sending.add(req_id)
+                else:
+                    self._early_notifs.add(req_id)
+        now = time.monotonic()
+        for req_id, deadline in list(self._holds.items()):
+            if now >= deadline:
+                del self._holds[req_id]
+                out.finished_sending.add(req_id)
+                if deadline > 0.0:
+                    self.num_expired_holds += 1
+                    log.warning("KV blocks of %s were not pulled in time; freeing them", req_id)
+        return out
+
+    def close(self) -> None:
+        for handle, _ in self._loading.values():
+            self.agent.release_xfer_handle(handle)
+        self._loading.clear()
+        if self.layout is not None:
+            self.agent.deregister_memory(self._reg)
+            self.layout = None
+
+
+def make_nixl_connector(engine_id: str, block_size: int, hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
+                        agent=None) -> tuple[NixlConnectorScheduler, NixlConnectorWorker]:
+    """The two halves for LLMEngine(config, kv_connector=...)."""
+    return NixlConnectorScheduler(engine_id, block_size, hold_timeout_s), NixlConnectorWorker(engine_id, agent)

@@ -1,0 +1,240 @@
+"""Disaggregation over real NIXL transfers (UCX, CPU memory): a prefill engine computes the
+prompt and holds its blocks, a decode engine READs them while the request waits in
+WAITING_FOR_REMOTE_KVS, and the output equals one colocated engine's (and transformers')."""
+from __future__ import annotations
+
+import itertools
+
+from baton import LLM, SamplingParams
+from baton.engine.config import EngineConfig
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.request import RequestStatus
+from baton.kv_transfer.nixl_connector import make_nixl_connector, merge_runs
+
+from test_parity import random_prompts
+
+_ids = itertools.count()
+
+
+def nixl_engine(model_dir: str, role: str, hold_timeout_s: float = 60.0, agent=None, name=None,
+                **kwargs) -> LLMEngine:
+    config = EngineConfig(model=model_dir, dtype="float32", device="cpu", **kwargs)
+    name = name or f"{role}-{next(_ids)}"  # NIXL agent names must be unique among peers
+    return LLMEngine(config, kv_connector=make_nixl_connector(name, config.block_size, hold_timeout_s, agent))
+
+
+def connect(prefill: LLMEngine, decode: LLMEngine) -> None:
+    """The metadata exchange the services do over gRPC, done directly."""
+    decode.runner.connector.add_peer(prefill.runner.connector.layout)
+    prefill.runner.connector.add_peer(decode.runner.connector.layout)
+
+
+def run_prefill(prefill: LLMEngine, prompts, params: list[SamplingParams]) -> list[dict]:
+    reqs = [prefill.add_request(f"p{next(_ids)}", prompt, SamplingParams(**{**_fields(p), "max_tokens": 1}),
+                                kv_transfer_params={"do_remote_decode": True})
+            for prompt, p in zip(prompts, params)]
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    return [r.kv_transfer_params for r in reqs]
+
+
+def _fields(p: SamplingParams) -> dict:
+    return {name: getattr(p, name) for name in SamplingParams.__slots__}
+
+
+def run_until_done(*engines, on_step=None, max_steps=20_000) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        busy = False
+        for eng in engines:
+            if eng.has_unfinished_requests() or eng.num_held_requests:
+                busy = True
+                for out in eng.step():
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if on_step:
+            on_step()
+        if not busy:
+            return tokens
+    state = [(e.scheduler.waiting, e.scheduler.running, e.scheduler.held, e.runner.connector._loading,
+              e.runner.connector._holds) for e in engines]
+    raise AssertionError(f"engines did not finish: {state}")  # bounded: never hangs
+
+
+def assert_pools_full(*engines):
+    for eng in engines:
+        assert eng.num_held_requests == 0
+        assert eng.kv.num_free_blocks == eng.num_kv_blocks
+
+
+def disaggregated(prefill, decode, prompts, params, on_step=None) -> list[list[int]]:
+    handles = run_prefill(prefill, prompts, params)
+    ids = []
+    for i, (prompt, p, handle) in enumerate(zip(prompts, params, handles)):
+        req = decode.add_request(f"d{next(_ids)}", prompt, p, kv_transfer_params=handle)
+        ids.append(req.request_id)
+    tokens = run_until_done(prefill, decode, on_step=on_step)
+    return [[h["first_token"]] + tokens.get(r, []) for h, r in zip(handles, ids)]
+
+
+def test_merge_runs_joins_blocks_consecutive_on_both_sides():
+    assert merge_runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
+    assert merge_runs([1, 2, 3], [7, 9, 10]) == [(1, 7, 1), (2, 9, 2)]
+    assert merge_runs([], []) == []
+
+
+def test_disaggregated_equals_colocated_greedy_and_seeded(tiny_model, hf):
+    prompts = random_prompts([3, 16, 17, 40, 77, 130], seed=31)
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    seeded = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    colocated = LLM(tiny_model, dtype="float32", device="cpu")
+    want_greedy = [o.token_ids for o in colocated.generate(prompts, greedy)]
+    want_seeded = [o.token_ids for o in colocated.generate(prompts, seeded)]
+    prefill = nixl_engine(tiny_model, "prefill", max_num_batched_tokens=48)  # long prompts chunked
+    decode = nixl_engine(tiny_model, "decode")
+    connect(prefill, decode)
+    seen_waiting = set()
+
+    def watch():
+        seen_waiting.update(r.request_id for r in decode.scheduler.waiting
+                            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+
+    assert disaggregated(prefill, decode, prompts, [greedy] * len(prompts), watch) == want_greedy
+    assert want_greedy == [hf.greedy(tiny_model, p, 20) for p in prompts]
+    assert len(seen_waiting) == len(prompts)
+    assert disaggregated(prefill, decode, prompts, seeded) == want_seeded
+    assert decode.runner.connector.num_blocks_pulled > 0
+    assert_pools_full(prefill, decode)
+
+
+def test_decode_prefix_hit_pulls_only_the_missing_blocks(tiny_llama):
+    prompt = random_prompts([100], seed=5)[0]  # 6 full blocks + 4 tokens
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = LLM(tiny_llama, dtype="float32", device="cpu").generate([prompt], greedy)[0].token_ids
+    prefill, decode = nixl_engine(tiny_llama, "prefill"), nixl_engine(tiny_llama, "decode")
+    connect(prefill, decode)
+    decode.add_request("local", prompt[:70], greedy)  # leaves 4 full blocks in decode's cache
+    run_until_done(decode)
+    worker = decode.runner.connector
+    assert disaggregated(prefill, decode, [prompt], [greedy]) == [want]
+    assert worker.num_blocks_pulled == 3  # blocks 4, 5 and the partial 6th; 0-3 were local hits
+    assert worker.num_descriptors <= worker.num_blocks_pulled
+    assert_pools_full(prefill, decode)
+
+
+def test_decode_preempts_while_others_wait_for_remote_kv(tiny_llama, hf):
+    prompts = random_prompts([90, 60, 75, 30, 85, 45], seed=8)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prefill = nixl_engine(tiny_llama, "prefill")
+    # A pool too small for all, and loads that take 3 steps: preemptions happen while
+    # later requests still wait for their KV.
+    decode = nixl_engine(tiny_llama, "decode", agent=FaultyAgent(f"decode-s{next(_ids)}", slow_checks=3),
+                         num_kv_blocks=14, max_model_len=160)
+    connect(prefill, decode)
+    handles = run_prefill(prefill, prompts, [greedy] * len(prompts))
+    ids = []
+    overlap = []
+
+    def watch():
+        if decode.scheduler.num_preemptions and any(
+                r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in decode.scheduler.waiting):
+            overlap.append(True)
+
+    for i, (prompt, handle) in enumerate(zip(prompts, handles)):
+        ids.append(decode.add_request(f"pre{i}", prompt, greedy, kv_transfer_params=handle).request_id)
+        if i == 2:  # the first three start decoding before the rest arrive
+            for _ in range(3):
+                decode.step()
+    tokens = run_until_done(prefill, decode, on_step=watch)
+    assert decode.scheduler.num_preemptions > 0 and overlap  # preempted while loads were pending
+    for prompt, handle, req_id in zip(prompts, handles, ids):
+        assert [handle["first_token"]] + tokens[req_id] == hf.greedy(tiny_llama, prompt, 40)
+    assert_pools_full(prefill, decode)
+
+
+class FaultyAgent:
+    """The real NIXL agent, except that chosen transfers end in ERR and every transfer reports
+    PROC for its first `slow_checks` polls (faults injected at the transport only)."""
+
+    def __init__(self, name, fail_requests: set[str] = frozenset(), slow_checks: int = 0):
+        from baton.kv_transfer.nixl_connector import _new_agent
+        self._agent = _new_agent(name)
+        self.fail_requests = fail_requests
+        self.slow_checks = slow_checks
+        self._failing = set()
+        self._checks: dict[int, int] = {}
+
+    def __getattr__(self, attr):
+        return getattr(self._agent, attr)
+
+    def initialize_xfer(self, op, local, remote, peer, notif=b""):
+        handle = self._agent.initialize_xfer(op, local, remote, peer, notif)
+        if notif.decode() in self.fail_requests:
+            self._failing.add(id(handle))
+        return handle
+
+    def check_xfer_state(self, handle):
+        state = self._agent.check_xfer_state(handle)
+        self._checks[id(handle)] = seen = self._checks.get(id(handle), 0) + 1
+        if state == "PROC" or seen <= self.slow_checks:
+            return "PROC"
+        return "ERR" if id(handle) in self._failing else state
+
+
+def test_failed_loads_recompute_with_the_same_output(tiny_llama):
+    prompts = random_prompts([50, 80, 20], seed=13)
+    greedy = SamplingParams(max_tokens=15, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(tiny_llama, dtype="float32", device="cpu").generate(prompts, greedy)]
+    prefill = nixl_engine(tiny_llama, "prefill")
+    handles = run_prefill(prefill, prompts, [greedy] * 3)
+    decode = nixl_engine(tiny_llama, "decode", agent=FaultyAgent(f"decode-f{next(_ids)}",
+                                                                 {handles[1]["remote_request_id"]}))
+    connect(prefill, decode)
+    ids = [decode.add_request(f"f{i}", p, greedy, kv_transfer_params=h).request_id
+           for i, (p, h) in enumerate(zip(prompts, handles))]
+    tokens = run_until_done(prefill, decode)
+    assert [[h["first_token"]] + tokens[r] for h, r in zip(handles, ids)] == want
+    assert decode.scheduler.num_failed_loads == 1
+    assert_pools_full(prefill, decode)
+
+
+def test_a_handle_nobody_pulls_is_freed_after_the_timeout(tiny_llama):
+    prefill = nixl_engine(tiny_llama, "prefill", hold_timeout_s=0.2)
+    run_prefill(prefill, random_prompts([40], seed=2), [SamplingParams(max_tokens=1, temperature=0)])
+    assert prefill.num_held_requests == 1
+    run_until_done(prefill)  # bounded by max_steps; the timeout frees it after ~0.2 s
+    assert prefill.runner.connector.num_expired_holds == 1
+    assert_pools_full(prefill)
+
+
+def test_decode_abort_while_loading_frees_blocks_after_the_load(tiny_llama):
+    prompts = random_prompts([64, 33], seed=17)
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    prefill, decode = nixl_engine(tiny_llama, "prefill"), nixl_engine(tiny_llama, "decode")
+    connect(prefill, decode)
+    handles = run_prefill(prefill, prompts, [greedy] * 2)
+    for i, (p, h) in enumerate(zip(prompts, handles)):
+        decode.add_request(f"a{i}", p, greedy, kv_transfer_params=h)
+    decode.step()  # admitted: both WAITING_FOR_REMOTE_KVS, loads started
+    assert all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in decode.scheduler.waiting)
+    decode.abort_request(["a0"])
+    assert decode.num_held_requests == 1  # its blocks stay taken until the READ reports
+    run_until_done(prefill, decode)
+    assert_pools_full(prefill, decode)
+
+
+def test_a_restarted_decode_re_handshakes(tiny_llama):
+    prompt = random_prompts([45], seed=4)[0]
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = LLM(tiny_llama, dtype="float32", device="cpu").generate([prompt], greedy)[0].token_ids
+    name = f"decode-r{next(_ids)}"
+    prefill, decode = nixl_engine(tiny_llama, "prefill"), nixl_engine(tiny_llama, "decode", name=name)
+    connect(prefill, decode)
+    assert disaggregated(prefill, decode, [prompt], [greedy]) == [want]
+    old_metadata = decode.runner.connector.layout.agent_metadata
+    decode.runner.connector.close()
+    decode = nixl_engine(tiny_llama, "decode", name=name)  # same name, new agent and memory
+    assert decode.runner.connector.layout.agent_metadata != old_metadata
+    connect(prefill, decode)  # prefill replaces the old peer's metadata
+    assert disaggregated(prefill, decode, [prompt], [greedy]) == [want]
+    assert_pools_full(prefill, decode)
