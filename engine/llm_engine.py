@@ -35,6 +35,7 @@ class StepOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    kv_transfer_params: dict | None = None  # when finished: the connector's handle (prefill side)
 
 
 @dataclass(slots=True)
@@ -173,7 +174,8 @@ class LLMEngine:
             if u.finished:
                 self.detokenizers.pop(req.request_id, None)
             outputs.append(StepOutput(req.request_id, u.new_token_ids, text, u.finished, req.status.finish_reason,
-                                      req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0)))
+                                      req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0),
+                                      req.kv_transfer_params if u.finished else None))
         return outputs
 
 

@@ -9,6 +9,7 @@ stalls a step, and a step never blocks the event loop (torch releases the GIL in
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -108,6 +109,13 @@ class AsyncEngine:
             if not finished:
                 self._submit(("abort", req_id))
 
+    async def call(self, fn, *args):
+        """Run fn(*args) on the step-loop thread between steps (for anything that touches the
+        engine or its transport); returns its result."""
+        future = concurrent.futures.Future()
+        self._submit(("call", (future, fn, args)))
+        return await asyncio.wrap_future(future)
+
     def _submit(self, command: tuple) -> None:
         self._commands.put(command)
         self._wakeup.set()
@@ -140,6 +148,13 @@ class AsyncEngine:
                 return num_added, failed
             if kind == "abort":
                 self.engine.abort_request([arg])
+                continue
+            if kind == "call":
+                future, fn, args = arg
+                try:
+                    future.set_result(fn(*args))
+                except Exception as error:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(error)
                 continue
             num_added += 1
             try:

@@ -71,7 +71,8 @@ def _serve(args) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     options = ServerOptions(args.host, args.port, args.max_concurrent_streams, args.max_message_bytes,
-                            args.max_waiting_requests, args.grace_period)
+                            args.max_waiting_requests, args.grace_period, args.role, args.internal_token,
+                            args.kv_hold_timeout)
 
     async def run() -> None:
         server = Server(_engine_config(args), options)
@@ -157,6 +158,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="requests allowed to wait for the engine; beyond it, RESOURCE_EXHAUSTED")
     s.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds in-flight streams get to finish on shutdown before they are aborted")
+    s.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
+                   help="prefill: also serve the internal Prefill call (hold KV for decode peers); decode: also "
+                        "take KV handles in Generate and pull the blocks over NIXL; both: either (default)")
+    s.add_argument("--internal-token", default=os.environ.get("BATON_INTERNAL_TOKEN"),
+                   help="shared secret internal calls must carry (default: $BATON_INTERNAL_TOKEN; unset: none)")
+    s.add_argument("--kv-hold-timeout", type=float, default=120.0,
+                   help="seconds a prefill holds KV blocks for a decode peer that never pulls them")
     _add_engine_flags(s)
     s.set_defaults(func=_serve)
 

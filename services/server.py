@@ -3,6 +3,7 @@ standard gRPC health and reflection services and a graceful drain."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
@@ -17,16 +18,21 @@ from baton.engine.llm_engine import LLMEngine, StepOutput
 from baton.engine.request import Request
 from baton.engine.sampling_params import SamplingParams
 from baton.services.async_engine import AsyncEngine, DuplicateRequest, EngineDead, QueueFull
+from baton.kv_transfer.nixl_connector import DEFAULT_HOLD_TIMEOUT_S, KVLayout, make_nixl_connector
 from baton.v1 import generate_pb2 as pb
-from baton.v1 import generate_pb2_grpc
+from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("baton.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+ROLES = ("both", "prefill", "decode")
+TOKEN_KEY = "x-baton-token"  # the stack's shared secret, in the metadata of internal calls
 MAX_REQUEST_ID_CHARS = 256
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                    "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens")
+_ENGINE_ERRORS = {DuplicateRequest: grpc.StatusCode.ALREADY_EXISTS, QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  EngineDead: grpc.StatusCode.INTERNAL}
 # Engine field names as the public API spells them.
 _API_FIELD = {"prompt_token_ids": "token_ids", "messages": "chat"}
 
@@ -39,6 +45,13 @@ class ServerOptions:
     max_message_bytes: int = 16 << 20
     max_waiting_requests: int | None = 1024  # beyond it, RESOURCE_EXHAUSTED
     grace_s: float = 10.0  # on stop, in-flight streams get this long to finish before they are aborted
+    role: str = "both"  # prefill: also serves Prefill; decode: takes KV handles; both: either
+    internal_token: str | None = None  # required in TOKEN_KEY metadata of internal calls when set
+    kv_hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S  # prefill: free blocks nobody pulled by then
+    engine_id: str | None = None  # the NIXL agent's name; default: role + a random suffix
+
+    def __post_init__(self):
+        check(self.role in ROLES, "role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
 
 
 def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
@@ -55,14 +68,26 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
     def __init__(self, server: Server):
         self.server = server
 
-    def make_request(self, msg: pb.GenerateRequest) -> tuple[Request, int]:
+    def make_request(self, msg: pb.GenerateRequest, for_prefill: bool = False) -> tuple[Request, int]:
         """The engine request for a GenerateRequest, and its output mode; raises
-        InvalidArgument naming the API field."""
+        InvalidArgument naming the API field. `for_prefill`: only the first token, with the
+        blocks held for a decode peer."""
         engine = self.server.engine.engine
         check(msg.output in pb.Output.values(), "output", f"unknown value {msg.output}")
         check(len(msg.request_id) <= MAX_REQUEST_ID_CHARS, "request_id",
               f"is {len(msg.request_id)} characters, more than {MAX_REQUEST_ID_CHARS}")
         params = sampling_params_from_proto(msg.sampling)
+        kv_params = None
+        if for_prefill:
+            kv_params = {"do_remote_decode": True}
+        elif msg.HasField("kv_handle"):
+            check(self.server.options.role != "prefill", "kv_handle", "this server runs the prefill role only")
+            check(params.max_tokens >= 2, "sampling.max_tokens",
+                  "must be >= 2 with a kv_handle: the first token came from the prefill")
+            h = msg.kv_handle
+            kv_params = {"remote_engine_id": h.engine_id, "remote_request_id": h.request_id,
+                         "remote_block_ids": list(h.block_ids), "num_tokens": h.num_tokens,
+                         "first_token": h.first_token}
         kind = msg.WhichOneof("prompt")
         check(kind is not None, "prompt", "set one of text, token_ids or chat")
         if kind == "chat":
@@ -70,10 +95,16 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
             prompt = engine.apply_chat_template([{"role": m.role, "content": m.content} for m in msg.chat.messages])
         else:
             prompt = msg.text if kind == "text" else list(msg.token_ids.ids)
+        if for_prefill:
+            params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         try:
-            request = engine.make_request(msg.request_id or uuid.uuid4().hex, prompt, params, msg.priority)
+            request = engine.make_request(msg.request_id or uuid.uuid4().hex, prompt, params, msg.priority,
+                                          kv_transfer_params=kv_params)
         except InvalidArgument as e:
             raise InvalidArgument(_API_FIELD.get(e.field, e.field), e.reason) from None
+        if msg.HasField("kv_handle"):
+            check(msg.kv_handle.num_tokens == request.num_prompt_tokens, "kv_handle.num_tokens",
+                  f"is {msg.kv_handle.num_tokens}, the prompt has {request.num_prompt_tokens} tokens")
         limit = engine.config.max_model_len
         check(request.num_prompt_tokens + params.max_tokens <= limit, "sampling.max_tokens",
               f"{params.max_tokens} new tokens after a prompt of {request.num_prompt_tokens} exceed "
@@ -83,10 +114,14 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
     async def Generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if not self.server.serving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading or draining")
+        if msg.HasField("kv_handle"):
+            await self.server.check_token(context)
         try:
             request, output = self.make_request(msg)
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if msg.HasField("kv_handle"):
+            await self.server.ensure_peer(msg.kv_handle, context)
         with_text = output != pb.OUTPUT_TOKEN_IDS
         with_ids = output != pb.OUTPUT_TEXT
         try:
@@ -95,12 +130,67 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
         except DuplicateRequest:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request_id: {request.request_id!r} is already in flight")
-        except QueueFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except InvalidArgument as e:  # raised by the engine on admission
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except EngineDead as e:
-            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except (QueueFull, EngineDead) as e:
+            await context.abort(_ENGINE_ERRORS[type(e)], str(e))
+
+
+class PrefillService(internal_pb2_grpc.PrefillServicer):
+    def __init__(self, server: Server, generation: GenerationService):
+        self.server = server
+        self.generation = generation
+
+    async def Prefill(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        await self.server.check_token(context)
+        if not self.server.serving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading or draining")
+        try:
+            request, output = self.generation.make_request(msg, for_prefill=True)
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        last = None
+        try:
+            async for last in self.server.engine.generate(request):
+                pass
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (DuplicateRequest, QueueFull, EngineDead) as e:
+            await context.abort(_ENGINE_ERRORS[type(e)], str(e))
+        handle = last.kv_transfer_params if last is not None else None
+        if handle is None:
+            await context.abort(grpc.StatusCode.INTERNAL, f"request {request.request_id} ended without a KV handle")
+        return internal_pb2.PrefillResponse(
+            handle=pb.KVHandle(engine_id=handle["remote_engine_id"], address=self.server.address,
+                               request_id=handle["remote_request_id"], block_ids=handle["remote_block_ids"],
+                               num_tokens=handle["num_tokens"], first_token=handle["first_token"]),
+            first=response_from_output(last, output != pb.OUTPUT_TOKEN_IDS, output != pb.OUTPUT_TEXT))
+
+
+class KVPeerService(internal_pb2_grpc.KVPeerServicer):
+    def __init__(self, server: Server):
+        self.server = server
+
+    async def Handshake(self, theirs: internal_pb2.KVLayout, context: grpc.aio.ServicerContext):
+        await self.server.check_token(context)
+        if self.server.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
+        try:
+            await self.server.engine.call(self.server.kv_worker.add_peer, layout_from_proto(theirs))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return layout_to_proto(self.server.kv_worker.layout)
+
+
+def layout_to_proto(layout: KVLayout) -> internal_pb2.KVLayout:
+    return internal_pb2.KVLayout(engine_id=layout.engine_id, agent_metadata=layout.agent_metadata,
+                                 base_addr=layout.base_addr, block_bytes=layout.block_bytes,
+                                 num_blocks=layout.num_blocks, mem_type=layout.mem_type, dev_id=layout.dev_id)
+
+
+def layout_from_proto(msg: internal_pb2.KVLayout) -> KVLayout:
+    return KVLayout(msg.engine_id, msg.agent_metadata, msg.base_addr, msg.block_bytes, msg.num_blocks,
+                    msg.mem_type, msg.dev_id)
 
 
 def response_from_output(out: StepOutput, with_text: bool, with_ids: bool) -> pb.GenerateResponse:
@@ -132,11 +222,18 @@ class Server:
         if o.max_concurrent_streams is not None:
             grpc_options.append(("grpc.max_concurrent_streams", o.max_concurrent_streams))
         self.grpc = grpc.aio.server(options=grpc_options)
-        generate_pb2_grpc.add_TextGenerationServicer_to_server(GenerationService(self), self.grpc)
+        generation = GenerationService(self)
+        generate_pb2_grpc.add_TextGenerationServicer_to_server(generation, self.grpc)
+        internal_pb2_grpc.add_KVPeerServicer_to_server(KVPeerService(self), self.grpc)
+        services = [SERVICE_NAME, internal_pb2.DESCRIPTOR.services_by_name["KVPeer"].full_name]
+        if o.role != "decode":
+            internal_pb2_grpc.add_PrefillServicer_to_server(PrefillService(self, generation), self.grpc)
+            services.append(internal_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            self.grpc)
+            [*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], self.grpc)
+        self.kv_worker = None
+        self._peer_channels: dict[str, grpc.aio.Channel] = {}
         self.port = self.grpc.add_insecure_port(f"{o.host}:{o.port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {o.host}:{o.port} (in use?)")
@@ -153,12 +250,46 @@ class Server:
         """Listen, load the model, then report SERVING."""
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.start()
-        engine = await asyncio.to_thread(LLMEngine, self.config)
+        o = self.options
+        connector = make_nixl_connector(o.engine_id or f"{o.role}-{uuid.uuid4().hex[:12]}", self.config.block_size,
+                                        o.kv_hold_timeout_s)
+        engine = await asyncio.to_thread(LLMEngine, self.config, connector)
+        self.kv_worker = engine.runner.connector
         self.engine = AsyncEngine(engine, self.options.max_waiting_requests, on_dead=self._on_engine_dead)
         self.engine.start()
         self.serving = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on %s", self.config.model, self.address)
+
+    async def check_token(self, context: grpc.aio.ServicerContext) -> None:
+        """Internal calls must come from the stack: the shared token, when one is configured."""
+        token = self.options.internal_token
+        if token is not None and dict(context.invocation_metadata() or ()).get(TOKEN_KEY) != token:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"internal call without the stack's {TOKEN_KEY}")
+
+    def token_metadata(self) -> tuple:
+        token = self.options.internal_token
+        return ((TOKEN_KEY, token),) if token is not None else ()
+
+    async def ensure_peer(self, handle: pb.KVHandle, context: grpc.aio.ServicerContext) -> None:
+        """Trade layouts with the handle's prefill engine unless we know it (a restarted prefill
+        has a new engine id, so it is met again)."""
+        if handle.engine_id in self.kv_worker.peers:
+            return
+        channel = self._peer_channels.get(handle.address)
+        if channel is None:
+            channel = self._peer_channels[handle.address] = grpc.aio.insecure_channel(handle.address)
+        try:
+            theirs = await internal_pb2_grpc.KVPeerStub(channel).Handshake(
+                layout_to_proto(self.kv_worker.layout), metadata=self.token_metadata(), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"kv_handle: cannot reach prefill {handle.address}: {e.code().name} {e.details()}")
+        if theirs.engine_id != handle.engine_id:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"kv_handle: {handle.address} is now engine {theirs.engine_id}, not "
+                                f"{handle.engine_id} (it restarted; its blocks are gone)")
+        await self.engine.call(self.kv_worker.add_peer, layout_from_proto(theirs))
 
     def _on_engine_dead(self, error: BaseException) -> None:
         self.serving = False
@@ -170,8 +301,11 @@ class Server:
         self.serving = False
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.stop(self.options.grace_s if grace_s is None else grace_s)
+        for channel in self._peer_channels.values():
+            await channel.close()
         if self.engine is not None:
             await self.engine.stop()
+            self.kv_worker.close()
 
     async def wait_for_termination(self) -> None:
         await self.grpc.wait_for_termination()

@@ -24,31 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62\x61ton/v1/generate.proto\x12\x08\x62\x61ton.v1\"\xee\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12\x1e\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x0e.baton.v1.ChatH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12 \n\x06output\x18\x06 \x01(\x0e\x32\x10.baton.v1.OutputB\x08\n\x06promptJ\x04\x08\x0f\x10\x10\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"/\n\x04\x43hat\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa2\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x17\n\nignore_eos\x18\x07 \x01(\x08H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x08 \x01(\x05H\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\r\n\x0b_min_tokens\"\x96\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05*f\n\x06Output\x12\x16\n\x12OUTPUT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bOUTPUT_TEXT\x10\x01\x12\x14\n\x10OUTPUT_TOKEN_IDS\x10\x02\x12\x1d\n\x19OUTPUT_TEXT_AND_TOKEN_IDS\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32U\n\x0eTextGeneration\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62\x61ton/v1/generate.proto\x12\x08\x62\x61ton.v1\"\x8f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12\x1e\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x0e.baton.v1.ChatH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12 \n\x06output\x18\x06 \x01(\x0e\x32\x10.baton.v1.Output\x12%\n\tkv_handle\x18\x0f \x01(\x0b\x32\x12.baton.v1.KVHandleB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"/\n\x04\x43hat\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa2\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x17\n\nignore_eos\x18\x07 \x01(\x08H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x08 \x01(\x05H\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\r\n\x0b_min_tokens\"\x96\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"~\n\x08KVHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\x05*f\n\x06Output\x12\x16\n\x12OUTPUT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bOUTPUT_TEXT\x10\x01\x12\x14\n\x10OUTPUT_TOKEN_IDS\x10\x02\x12\x1d\n\x19OUTPUT_TEXT_AND_TOKEN_IDS\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32U\n\x0eTextGeneration\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUT']._serialized_start=926
-  _globals['_OUTPUT']._serialized_end=1028
-  _globals['_FINISHREASON']._serialized_start=1031
-  _globals['_FINISHREASON']._serialized_end=1176
+  _globals['_OUTPUT']._serialized_start=1087
+  _globals['_OUTPUT']._serialized_end=1189
+  _globals['_FINISHREASON']._serialized_start=1192
+  _globals['_FINISHREASON']._serialized_end=1337
   _globals['_GENERATEREQUEST']._serialized_start=38
-  _globals['_GENERATEREQUEST']._serialized_end=276
-  _globals['_TOKENIDS']._serialized_start=278
-  _globals['_TOKENIDS']._serialized_end=301
-  _globals['_CHAT']._serialized_start=303
-  _globals['_CHAT']._serialized_end=350
-  _globals['_CHATMESSAGE']._serialized_start=352
-  _globals['_CHATMESSAGE']._serialized_end=396
-  _globals['_SAMPLINGPARAMS']._serialized_start=399
-  _globals['_SAMPLINGPARAMS']._serialized_end=689
-  _globals['_GENERATERESPONSE']._serialized_start=692
-  _globals['_GENERATERESPONSE']._serialized_end=842
-  _globals['_USAGE']._serialized_start=844
-  _globals['_USAGE']._serialized_end=924
-  _globals['_TEXTGENERATION']._serialized_start=1178
-  _globals['_TEXTGENERATION']._serialized_end=1263
+  _globals['_GENERATEREQUEST']._serialized_end=309
+  _globals['_TOKENIDS']._serialized_start=311
+  _globals['_TOKENIDS']._serialized_end=334
+  _globals['_CHAT']._serialized_start=336
+  _globals['_CHAT']._serialized_end=383
+  _globals['_CHATMESSAGE']._serialized_start=385
+  _globals['_CHATMESSAGE']._serialized_end=429
+  _globals['_SAMPLINGPARAMS']._serialized_start=432
+  _globals['_SAMPLINGPARAMS']._serialized_end=722
+  _globals['_GENERATERESPONSE']._serialized_start=725
+  _globals['_GENERATERESPONSE']._serialized_end=875
+  _globals['_USAGE']._serialized_start=877
+  _globals['_USAGE']._serialized_end=957
+  _globals['_KVHANDLE']._serialized_start=959
+  _globals['_KVHANDLE']._serialized_end=1085
+  _globals['_TEXTGENERATION']._serialized_start=1339
+  _globals['_TEXTGENERATION']._serialized_end=1424
 # @@protoc_insertion_point(module_scope)

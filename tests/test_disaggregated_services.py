@@ -1,0 +1,90 @@
+"""Prefill and decode services over real gRPC and real NIXL on 127.0.0.1: the test plays the
+router (Prefill on one server, then Generate with the handle on the other), and the output
+equals a colocated engine's."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from baton import LLM, SamplingParams
+from baton.services.client import build_request, chunk_from_response
+from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
+
+from test_server import prompts_of
+
+TOKEN = "stack-secret"
+AUTH = (("x-baton-token", TOKEN),)
+
+
+async def disaggregated(prefill_addr: str, decode_addr: str, prompt, **sampling) -> list[int]:
+    """What the router will do: the first token from the prefill, the rest from the decode."""
+    async with grpc.aio.insecure_channel(prefill_addr) as pch, grpc.aio.insecure_channel(decode_addr) as dch:
+        reply = await internal_pb2_grpc.PrefillStub(pch).Prefill(build_request(prompt, **sampling), metadata=AUTH,
+                                                                 timeout=60)
+        tokens = list(reply.first.token_ids)
+        request = build_request(prompt, **sampling)
+        request.kv_handle.CopyFrom(reply.handle)
+        async for resp in generate_pb2_grpc.TextGenerationStub(dch).Generate(request, metadata=AUTH, timeout=60):
+            chunk = chunk_from_response(resp)
+            tokens += chunk.token_ids
+        assert chunk.finish_reason == "length"
+        assert chunk.usage.completion_tokens == len(tokens)
+        return tokens
+
+
+@pytest.fixture
+def tiers(serve, tiny_llama):
+    prefill = serve(tiny_llama, {"role": "prefill", "internal_token": TOKEN}, max_num_batched_tokens=48)
+    decode = serve(tiny_llama, {"role": "decode", "internal_token": TOKEN})
+    return prefill, decode
+
+
+def test_disaggregated_services_equal_colocated(tiers, tiny_llama):
+    prefill, decode = tiers
+    prompts = prompts_of([5, 17, 40, 90, 130], seed=41)
+    params = [dict(max_tokens=12, temperature=0.0, ignore_eos=True),
+              dict(max_tokens=12, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)]
+    llm = LLM(tiny_llama, dtype="float32", device="cpu")
+
+    async def run():
+        return await asyncio.gather(*(disaggregated(prefill.address, decode.address, p, **kw)
+                                      for kw in params for p in prompts))
+
+    got = asyncio.run(run())
+    want = [o.token_ids for kw in params for o in llm.generate(prompts, SamplingParams(**kw))]
+    assert got == want
+    assert prefill.wait_pool_full() and decode.wait_pool_full()
+    assert prefill.engine.num_held_requests == 0
+
+
+def test_internal_calls_need_the_token_and_a_consistent_handle(tiers):
+    prefill, decode = tiers
+
+    async def run():
+        async with grpc.aio.insecure_channel(prefill.address) as pch, \
+                grpc.aio.insecure_channel(decode.address) as dch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await internal_pb2_grpc.PrefillStub(pch).Prefill(build_request([5, 6, 7]), timeout=10)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            reply = await internal_pb2_grpc.PrefillStub(pch).Prefill(build_request([5, 6, 7], max_tokens=4),
+                                                                     metadata=AUTH, timeout=10)
+            bad = build_request([5, 6, 7, 8], max_tokens=4)  # not the prompt the handle holds
+            bad.kv_handle.CopyFrom(reply.handle)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in generate_pb2_grpc.TextGenerationStub(dch).Generate(bad, timeout=10):
+                    pass
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED  # handles are internal too
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in generate_pb2_grpc.TextGenerationStub(dch).Generate(bad, metadata=AUTH, timeout=10):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith("kv_handle.num_tokens")
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # the decode role serves no Prefill
+                await internal_pb2_grpc.PrefillStub(dch).Prefill(build_request([5]), metadata=AUTH, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+    asyncio.run(run())
+    # The refused handle was never pulled: the prefill still holds it until its timeout.
+    assert prefill.engine.num_held_requests == 1
