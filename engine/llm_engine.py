@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from baton.engine.config import EngineConfig
 from baton.engine.detokenizer import IncrementalDetokenizer
@@ -46,6 +46,15 @@ class StepTimes:
     scheduler_s: float = 0.0  # schedule() + update_from_output()
 
 
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer. With a tokenizer.json, the fast tokenizer class loads it
+    directly: AutoTokenizer resolves the same class but imports transformers' modeling stack
+    on the way (5-15 s of start-up on 2 cores)."""
+    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
 def _eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
     path = os.path.join(model_dir, "generation_config.json")
     eos = None
@@ -66,7 +75,7 @@ class LLMEngine:
         self.config = config
         args = ModelArgs.from_hf_config(read_config(config.model))
         config.resolve_model_len(args.max_position_embeddings)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
         torch.manual_seed(config.seed)
         model = load_model(config.model, config.torch_dtype(args.torch_dtype), config.device)

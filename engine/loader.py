@@ -37,9 +37,10 @@ def _safetensors_files(model_dir: str) -> list[str]:
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
     args = ModelArgs.from_hf_config(read_config(model_dir))
-    with torch.device("meta"):
-        model = CausalLM(args)
-    model = model.to_empty(device=device).to(dtype)
+    # Allocated in place and left uninitialized (see model.Linear): the checkpoint fills it.
+    # (The meta device + to_empty would make torch import sympy: seconds of start-up.)
+    with torch.device(device):
+        model = CausalLM(args).to(dtype)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters(remove_duplicate=False))

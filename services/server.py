@@ -182,6 +182,17 @@ class KVPeerService(internal_pb2_grpc.KVPeerServicer):
         return layout_to_proto(self.server.kv_worker.layout)
 
 
+class AdminService(internal_pb2_grpc.AdminServicer):
+    def __init__(self, server: Server):
+        self.server = server
+
+    async def Stats(self, msg: internal_pb2.StatsRequest, context: grpc.aio.ServicerContext):
+        await self.server.check_token(context)
+        if self.server.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
+        return await self.server.engine.call(self.server.stats)
+
+
 def layout_to_proto(layout: KVLayout) -> internal_pb2.KVLayout:
     return internal_pb2.KVLayout(engine_id=layout.engine_id, agent_metadata=layout.agent_metadata,
                                  base_addr=layout.base_addr, block_bytes=layout.block_bytes,
@@ -225,7 +236,8 @@ class Server:
         generation = GenerationService(self)
         generate_pb2_grpc.add_TextGenerationServicer_to_server(generation, self.grpc)
         internal_pb2_grpc.add_KVPeerServicer_to_server(KVPeerService(self), self.grpc)
-        services = [SERVICE_NAME, internal_pb2.DESCRIPTOR.services_by_name["KVPeer"].full_name]
+        internal_pb2_grpc.add_AdminServicer_to_server(AdminService(self), self.grpc)
+        services = [SERVICE_NAME, *(internal_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("KVPeer", "Admin"))]
         if o.role != "decode":
             internal_pb2_grpc.add_PrefillServicer_to_server(PrefillService(self, generation), self.grpc)
             services.append(internal_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
@@ -290,6 +302,18 @@ class Server:
                                 f"kv_handle: {handle.address} is now engine {theirs.engine_id}, not "
                                 f"{handle.engine_id} (it restarted; its blocks are gone)")
         await self.engine.call(self.kv_worker.add_peer, layout_from_proto(theirs))
+
+    def stats(self) -> internal_pb2.EngineStats:
+        """Runs on the step-loop thread (AsyncEngine.call): a consistent snapshot."""
+        engine, worker = self.engine.engine, self.kv_worker
+        sched = engine.scheduler
+        return internal_pb2.EngineStats(
+            engine_id=worker.engine_id, role=self.options.role, num_kv_blocks=engine.num_kv_blocks,
+            num_free_kv_blocks=engine.kv.num_free_blocks, num_running=len(sched.running),
+            num_waiting=len(sched.waiting), num_held=engine.num_held_requests,
+            num_in_flight_streams=self.engine.num_in_flight, num_prefix_hit_tokens=engine.kv.prefix_hits,
+            num_expired_holds=worker.num_expired_holds, num_failed_loads=sched.num_failed_loads,
+            num_blocks_pulled=worker.num_blocks_pulled)
 
     def _on_engine_dead(self, error: BaseException) -> None:
         self.serving = False

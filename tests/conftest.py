@@ -128,3 +128,63 @@ def serve():
     yield start
     for server in servers:
         server.close()
+
+
+class ServerProcess:
+    """`baton serve` in a process of its own, on 127.0.0.1 and a free port. Starting returns at
+    once (so that several load side by side); `address` waits until it serves."""
+
+    def __init__(self, model_dir: str, *flags: str):
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "baton.services.cli", "serve", "--model", model_dir,
+                                      "--port", "0", "--dtype", "float32", "--device", "cpu", *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self._address: str | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read_output, daemon=True).start()  # never blocks on a full pipe
+
+    def _read_output(self) -> None:
+        for line in self.proc.stdout:  # ends at EOF when the process exits
+            self.lines.append(line)
+            if self._address is None and line.startswith("serving on "):
+                self._address = line.split()[2].rstrip(";")
+                self._ready.set()
+        self._ready.set()
+
+    @property
+    def address(self) -> str:
+        if not self._ready.wait(120) or self._address is None:
+            self.kill()
+            raise RuntimeError("baton serve did not start:\n" + "".join(self.lines))
+        return self._address
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(2)
+            try:
+                return self.proc.wait(30)
+            except Exception:
+                self.kill()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def spawn():
+    """spawn(model_dir, *flags) -> a ServerProcess; all are stopped at teardown."""
+    procs = []
+
+    def start(model_dir: str, *flags: str) -> ServerProcess:
+        proc = ServerProcess(model_dir, *flags)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.stop()

@@ -25,3 +25,17 @@ def test_engine_text_matches_decode_of_its_tokens(tiny_qwen2):
     outs = llm.generate(["😀 café", "東京 north"], SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True))
     for out in outs:
         assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_the_engine_tokenizer_encodes_and_templates_like_autotokenizer(tiny_llama, tiny_qwen2, smollm2):
+    from baton.engine.llm_engine import load_tokenizer
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "naïve 😀 question?"}]
+    for model_dir in (tiny_llama, tiny_qwen2, smollm2):
+        ours, auto = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+        for text in ("the capital of France is", " leading space", "東京 café\n\ttabs"):
+            assert ours.encode(text) == auto.encode(text), (model_dir, text)
+        assert (ours.eos_token_id, ours.bos_token_id) == (auto.eos_token_id, auto.bos_token_id)
+        if auto.chat_template:
+            assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+                auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)

@@ -4,13 +4,14 @@ equals a colocated engine's."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
 
 from baton import LLM, SamplingParams
 from baton.services.client import build_request, chunk_from_response
-from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
+from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
 
 from test_server import prompts_of
 
@@ -88,3 +89,81 @@ def test_internal_calls_need_the_token_and_a_consistent_handle(tiers):
     asyncio.run(run())
     # The refused handle was never pulled: the prefill still holds it until its timeout.
     assert prefill.engine.num_held_requests == 1
+
+
+# ---- each tier its own process ----------------------------------------------------------------
+def stats(address: str):
+    with grpc.insecure_channel(address) as channel:
+        return internal_pb2_grpc.AdminStub(channel).Stats(internal_pb2.StatsRequest(), metadata=AUTH, timeout=10)
+
+
+def pools_full(address: str, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = stats(address)
+        if s.num_free_kv_blocks == s.num_kv_blocks and s.num_held == 0 and s.num_in_flight_streams == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def tier(spawn, model, role, *flags):
+    return spawn(model, "--role", role, "--internal-token", TOKEN, *flags)
+
+
+GREEDY = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def test_processes_disaggregated_equal_colocated_and_pools_refill(spawn, tiny_llama):
+    prefill = tier(spawn, tiny_llama, "prefill", "--max-num-batched-tokens", "32")
+    decode = tier(spawn, tiny_llama, "decode")
+    prompts = prompts_of([9, 33, 70, 120], seed=51)
+    want = [o.token_ids for o in LLM(tiny_llama, dtype="float32", device="cpu").generate(prompts, SamplingParams(**GREEDY))]
+
+    async def run():
+        return await asyncio.gather(*(disaggregated(prefill.address, decode.address, p, **GREEDY) for p in prompts))
+
+    assert asyncio.run(run()) == want
+    assert stats(decode.address).num_blocks_pulled > 0
+    assert pools_full(prefill.address) and pools_full(decode.address)
+
+
+def test_a_dead_prefill_gives_a_recompute_or_a_clean_error(spawn, tiny_llama):
+    decode, known, unknown = (tier(spawn, tiny_llama, role) for role in ("decode", "prefill", "prefill"))
+    prompt = prompts_of([60], seed=52)[0]
+    want = LLM(tiny_llama, dtype="float32", device="cpu").generate([prompt], SamplingParams(**GREEDY))[0].token_ids
+
+    async def pull_after_kill(prefill, meet_first: bool):
+        async with grpc.aio.insecure_channel(prefill.address) as pch, \
+                grpc.aio.insecure_channel(decode.address) as dch:
+            if meet_first:  # decode knows this prefill (cached NIXL peer) before it dies
+                await disaggregated(prefill.address, decode.address, prompt, **GREEDY)
+            reply = await internal_pb2_grpc.PrefillStub(pch).Prefill(build_request(prompt, **GREEDY),
+                                                                     metadata=AUTH, timeout=30)
+            prefill.kill()
+            request = build_request(prompt, **GREEDY)
+            request.kv_handle.CopyFrom(reply.handle)
+            tokens = [reply.handle.first_token]
+            async for resp in generate_pb2_grpc.TextGenerationStub(dch).Generate(request, metadata=AUTH, timeout=30):
+                tokens += resp.token_ids
+            return tokens
+
+    # Known peer: the READ fails, the decode recomputes the prompt, same output.
+    assert asyncio.run(pull_after_kill(known, meet_first=True)) == want
+    assert stats(decode.address).num_failed_loads == 1
+    # Unknown peer: the handshake cannot happen, a clean UNAVAILABLE naming the field.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(pull_after_kill(unknown, meet_first=False))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "kv_handle" in err.value.details()
+    assert pools_full(decode.address)
+
+
+def test_a_restarted_decode_meets_the_prefill_again(spawn, tiny_llama):
+    prefill, decode, restarted = (tier(spawn, tiny_llama, role) for role in ("prefill", "decode", "decode"))
+    prompt = prompts_of([45], seed=53)[0]
+    want = LLM(tiny_llama, dtype="float32", device="cpu").generate([prompt], SamplingParams(**GREEDY))[0].token_ids
+    assert asyncio.run(disaggregated(prefill.address, decode.address, prompt, **GREEDY)) == want
+    decode.kill()
+    decode = restarted  # a new process: new NIXL agent, new memory
+    assert asyncio.run(disaggregated(prefill.address, decode.address, prompt, **GREEDY)) == want
+    assert pools_full(prefill.address) and pools_full(decode.address)

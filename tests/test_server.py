@@ -285,30 +285,15 @@ def test_generated_code_is_up_to_date():
     assert result.returncode == 0, result.stderr
 
 
-def test_cli_serve_and_generate(tiny_llama):
-    baton = [sys.executable, "-m", "baton.services.cli"]
-    proc = subprocess.Popen([*baton, "serve", "--model", tiny_llama, "--port", "0", "--grace-period", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        address = None
-        for line in proc.stdout:  # bounded: the process prints the address once it serves
-            if line.startswith("serving on "):
-                address = line.split()[2].rstrip(";")
-                break
-        assert address, "the server did not report its address"
-        out = subprocess.run([*baton, "generate", "--target", address, "--raw", "--max-tokens", "5", "hello"],
-                             capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        assert "[5 tokens" in out.stderr and "finish=length" in out.stderr
-        bad = subprocess.run([*baton, "generate", "--target", address, "--raw", "--max-tokens", "0", "hello"],
-                             capture_output=True, text=True, timeout=60)
-        assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr
-    finally:
-        proc.send_signal(2)  # SIGINT: drain and exit
-        try:
-            assert proc.wait(30) == 0
-        finally:
-            proc.kill()
+def test_cli_serve_and_generate(spawn, tiny_llama):
+    server = spawn(tiny_llama, "--grace-period", "2")
+    baton = [sys.executable, "-m", "baton.services.cli", "generate", "--target", server.address, "--raw"]
+    out = subprocess.run([*baton, "--max-tokens", "5", "hello"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "[5 tokens" in out.stderr and "finish=length" in out.stderr
+    bad = subprocess.run([*baton, "--max-tokens", "0", "hello"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr
+    assert server.stop() == 0  # SIGINT drains and exits cleanly
 
 
 def test_grpcurl_lists_and_calls_the_service(serve, tiny_llama):

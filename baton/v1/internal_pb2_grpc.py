@@ -172,3 +172,76 @@ class KVPeer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Stats = channel.unary_unary(
+                '/baton.v1.Admin/Stats',
+                request_serializer=baton_dot_v1_dot_internal__pb2.StatsRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_internal__pb2.EngineStats.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Stats(self, request, context):
+        """The engine's load and KV pool figures (for the router's policies, and for tests).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=baton_dot_v1_dot_internal__pb2.StatsRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_internal__pb2.EngineStats.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'baton.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('baton.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Admin/Stats',
+            baton_dot_v1_dot_internal__pb2.StatsRequest.SerializeToString,
+            baton_dot_v1_dot_internal__pb2.EngineStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
