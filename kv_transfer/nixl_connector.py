@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from baton.engine.request import RequestStatus
 from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker
 
 if TYPE_CHECKING:
@@ -101,8 +102,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params or {}
-        if not params.get("do_remote_decode") or not request.output_token_ids:
-            return False, None  # not a prefill for a remote decode, or aborted before its first token
+        # Held only when the prefill ended as asked (max_tokens=1): a first token that stops the
+        # request (EOS, a stop id), or an abort, leaves no decode to do.
+        if not params.get("do_remote_decode") or request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+            return False, None
         self._meta.holds[request.request_id] = time.monotonic() + self.hold_timeout_s
         num_tokens = request.num_prompt_tokens
         return True, {"remote_engine_id": self.engine_id, "remote_request_id": request.request_id,

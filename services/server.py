@@ -78,8 +78,8 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
               f"is {len(msg.request_id)} characters, more than {MAX_REQUEST_ID_CHARS}")
         params = sampling_params_from_proto(msg.sampling)
         kv_params = None
-        if for_prefill:
-            kv_params = {"do_remote_decode": True}
+        if for_prefill:  # one token wanted in all: nothing to hand over
+            kv_params = {"do_remote_decode": True} if params.max_tokens > 1 else None
         elif msg.HasField("kv_handle"):
             check(self.server.options.role != "prefill", "kv_handle", "this server runs the prefill role only")
             check(params.max_tokens >= 2, "sampling.max_tokens",
@@ -157,14 +157,19 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (DuplicateRequest, QueueFull, EngineDead) as e:
             await context.abort(_ENGINE_ERRORS[type(e)], str(e))
-        handle = last.kv_transfer_params if last is not None else None
-        if handle is None:
-            await context.abort(grpc.StatusCode.INTERNAL, f"request {request.request_id} ended without a KV handle")
+        if last is None or last.finish_reason not in ("stop", "length"):
+            await context.abort(grpc.StatusCode.ABORTED, f"request {request.request_id} ended without its first token")
+        first = response_from_output(last, output != pb.OUTPUT_TOKEN_IDS, output != pb.OUTPUT_TEXT)
+        handle = last.kv_transfer_params
+        if handle is None:  # the first token ended the request (a stop token, or max_tokens 1)
+            return internal_pb2.PrefillResponse(first=first)
+        first.ClearField("finish_reason")  # the request goes on at the decode side
+        first.ClearField("usage")
         return internal_pb2.PrefillResponse(
+            first=first,
             handle=pb.KVHandle(engine_id=handle["remote_engine_id"], address=self.server.address,
                                request_id=handle["remote_request_id"], block_ids=handle["remote_block_ids"],
-                               num_tokens=handle["num_tokens"], first_token=handle["first_token"]),
-            first=response_from_output(last, output != pb.OUTPUT_TOKEN_IDS, output != pb.OUTPUT_TEXT))
+                               num_tokens=handle["num_tokens"], first_token=handle["first_token"]))
 
 
 class KVPeerService(internal_pb2_grpc.KVPeerServicer):

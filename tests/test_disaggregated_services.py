@@ -167,3 +167,23 @@ def test_a_restarted_decode_meets_the_prefill_again(spawn, tiny_llama):
     decode = restarted  # a new process: new NIXL agent, new memory
     assert asyncio.run(disaggregated(prefill.address, decode.address, prompt, **GREEDY)) == want
     assert pools_full(prefill.address) and pools_full(decode.address)
+
+
+def test_a_first_token_that_ends_the_request_leaves_nothing_held(tiers, tiny_llama):
+    prefill, _ = tiers
+    prompt = prompts_of([20], seed=61)[0]
+    llm = LLM(tiny_llama, dtype="float32", device="cpu")
+    first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+
+    async def run(**sampling):
+        async with grpc.aio.insecure_channel(prefill.address) as channel:
+            return await internal_pb2_grpc.PrefillStub(channel).Prefill(build_request(prompt, **sampling),
+                                                                        metadata=AUTH, timeout=30)
+
+    stopped = asyncio.run(run(max_tokens=8, temperature=0.0, stop_token_ids=[first]))
+    assert not stopped.HasField("handle") and chunk_from_response(stopped.first).finish_reason == "stop"
+    one = asyncio.run(run(max_tokens=1, temperature=0.0))
+    assert not one.HasField("handle") and chunk_from_response(one.first).finish_reason == "length"
+    goes_on = asyncio.run(run(max_tokens=8, temperature=0.0))
+    assert goes_on.HasField("handle") and chunk_from_response(goes_on.first).finish_reason is None
+    assert prefill.engine.num_held_requests == 1  # only the one a decode will pull
