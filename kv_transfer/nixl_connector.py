@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("baton.kv_transfer")
 
 DEFAULT_HOLD_TIMEOUT_S = 120.0
+DEFAULT_LOAD_TIMEOUT_S = 30.0
 
 
 @dataclass(slots=True)
@@ -138,13 +139,17 @@ def merge_runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]
 
 
 class NixlConnectorWorker(KVConnectorWorker):
-    def __init__(self, engine_id: str, agent=None):
-        """`agent`: a nixl_agent, or any object with its methods (tests inject faults so)."""
+    def __init__(self, engine_id: str, agent=None, load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S):
+        """`agent`: a nixl_agent, or any object with its methods (tests inject faults so).
+        `load_timeout_s`: a READ still moving after this long counts as failed (a hung peer
+        must not park a request forever)."""
         self.engine_id = engine_id
         self.agent = agent if agent is not None else _new_agent(engine_id)
+        self.load_timeout_s = load_timeout_s
         self.layout: KVLayout | None = None
         self.peers: dict[str, _Peer] = {}
-        self._loading: dict[str, tuple[object, list[int]]] = {}  # request id -> (xfer handle, local blocks)
+        # request id -> (xfer handle, local blocks, give-up time)
+        self._loading: dict[str, tuple[object, list[int], float]] = {}
         self._failed: dict[str, list[int]] = {}  # loads that could not start
         self._holds: dict[str, float] = {}  # request id -> deadline
         self._early_notifs: set[str] = set()  # reads that finished before their hold was registered
@@ -202,7 +207,8 @@ class NixlConnectorWorker(KVConnectorWorker):
                 if self.agent.transfer(handle) == "ERR":
                     self.agent.release_xfer_handle(handle)
                     raise RuntimeError("NIXL refused the transfer")
-                self._loading[load.request_id] = (handle, load.local_block_ids)
+                self._loading[load.request_id] = (handle, load.local_block_ids,
+                                                  time.monotonic() + self.load_timeout_s)
                 self.num_descriptors += len(runs)
                 self.num_blocks_pulled += len(load.local_block_ids)
             except Exception as e:  # noqa: BLE001 - the request recomputes instead
@@ -211,11 +217,15 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     def get_finished(self) -> KVConnectorOutput:
         out = KVConnectorOutput()
-        for req_id, (handle, blocks) in list(self._loading.items()):
+        now = time.monotonic()
+        for req_id, (handle, blocks, give_up) in list(self._loading.items()):
             state = self.agent.check_xfer_state(handle)
-            if state in ("PROC", "WAIT"):  # still moving
+            if state in ("PROC", "WAIT") and now < give_up:  # still moving
                 continue
-            self.agent.release_xfer_handle(handle)
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception as e:  # noqa: BLE001 - a READ that cannot be cancelled: forget it
+                log.warning("could not release the KV load of %s: %s", req_id, e)
             del self._loading[req_id]
             if state != "DONE":
                 log.warning("KV load for %s ended in state %s; recomputing its blocks", req_id, state)
@@ -234,7 +244,6 @@ class NixlConnectorWorker(KVConnectorWorker):
                     out.finished_sending.add(req_id)
                 else:
                     self._early_notifs.add(req_id)
-        now = time.monotonic()
         for req_id, deadline in list(self._holds.items()):
             if now >= deadline:
                 del self._holds[req_id]
@@ -245,7 +254,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         return out
 
     def close(self) -> None:
-        for handle, _ in self._loading.values():
+        for handle, _, _ in self._loading.values():
             self.agent.release_xfer_handle(handle)
         self._loading.clear()
         if self.layout is not None:
@@ -254,6 +263,8 @@ class NixlConnectorWorker(KVConnectorWorker):
 
 
 def make_nixl_connector(engine_id: str, block_size: int, hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
-                        agent=None) -> tuple[NixlConnectorScheduler, NixlConnectorWorker]:
+                        agent=None, load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
+                        ) -> tuple[NixlConnectorScheduler, NixlConnectorWorker]:
     """The two halves for LLMEngine(config, kv_connector=...)."""
-    return NixlConnectorScheduler(engine_id, block_size, hold_timeout_s), NixlConnectorWorker(engine_id, agent)
+    return (NixlConnectorScheduler(engine_id, block_size, hold_timeout_s),
+            NixlConnectorWorker(engine_id, agent, load_timeout_s))

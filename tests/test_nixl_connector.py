@@ -17,10 +17,11 @@ _ids = itertools.count()
 
 
 def nixl_engine(model_dir: str, role: str, hold_timeout_s: float = 60.0, agent=None, name=None,
-                **kwargs) -> LLMEngine:
+                load_timeout_s: float = 30.0, **kwargs) -> LLMEngine:
     config = EngineConfig(model=model_dir, dtype="float32", device="cpu", **kwargs)
     name = name or f"{role}-{next(_ids)}"  # NIXL agent names must be unique among peers
-    return LLMEngine(config, kv_connector=make_nixl_connector(name, config.block_size, hold_timeout_s, agent))
+    return LLMEngine(config, kv_connector=make_nixl_connector(name, config.block_size, hold_timeout_s, agent,
+                                                              load_timeout_s))
 
 
 def connect(prefill: LLMEngine, decode: LLMEngine) -> None:
@@ -194,6 +195,19 @@ def test_failed_loads_recompute_with_the_same_output(tiny_llama):
            for i, (p, h) in enumerate(zip(prompts, handles))]
     tokens = run_until_done(prefill, decode)
     assert [[h["first_token"]] + tokens[r] for h, r in zip(handles, ids)] == want
+    assert decode.scheduler.num_failed_loads == 1
+    assert_pools_full(prefill, decode)
+
+
+def test_a_load_that_never_finishes_times_out_and_recomputes(tiny_llama):
+    prompt = random_prompts([50], seed=14)[0]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = LLM(tiny_llama, dtype="float32", device="cpu").generate([prompt], greedy)[0].token_ids
+    prefill = nixl_engine(tiny_llama, "prefill", hold_timeout_s=0.5)
+    stuck = FaultyAgent(f"decode-t{next(_ids)}", slow_checks=10**9)  # reports PROC forever
+    decode = nixl_engine(tiny_llama, "decode", agent=stuck, load_timeout_s=0.2)
+    connect(prefill, decode)
+    assert disaggregated(prefill, decode, [prompt], [greedy]) == [want]
     assert decode.scheduler.num_failed_loads == 1
     assert_pools_full(prefill, decode)
 
