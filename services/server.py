@@ -77,29 +77,12 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
         check(len(msg.request_id) <= MAX_REQUEST_ID_CHARS, "request_id",
               f"is {len(msg.request_id)} characters, more than {MAX_REQUEST_ID_CHARS}")
         params = sampling_params_from_proto(msg.sampling)
-        kv_params = None
-        if for_prefill:  # one token wanted in all: nothing to hand over
-            kv_params = {"do_remote_decode": True} if params.max_tokens > 1 else None
-        elif msg.HasField("kv_handle"):
-            check(self.server.options.role != "prefill", "kv_handle", "this server runs the prefill role only")
-            check(params.max_tokens >= 2, "sampling.max_tokens",
-                  "must be >= 2 with a kv_handle: the first token came from the prefill")
-            h = msg.kv_handle
-            kv_params = {"remote_engine_id": h.engine_id, "remote_request_id": h.request_id,
-                         "remote_block_ids": list(h.block_ids), "num_tokens": h.num_tokens,
-                         "first_token": h.first_token}
-        kind = msg.WhichOneof("prompt")
-        check(kind is not None, "prompt", "set one of text, token_ids or chat")
-        if kind == "chat":
-            check(len(msg.chat.messages) > 0, "chat.messages", "must not be empty")
-            prompt = engine.apply_chat_template([{"role": m.role, "content": m.content} for m in msg.chat.messages])
-        else:
-            prompt = msg.text if kind == "text" else list(msg.token_ids.ids)
+        kv_params = self._kv_params(msg, params, for_prefill)
         if for_prefill:
             params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         try:
-            request = engine.make_request(msg.request_id or uuid.uuid4().hex, prompt, params, msg.priority,
-                                          kv_transfer_params=kv_params)
+            request = engine.make_request(msg.request_id or uuid.uuid4().hex, self._prompt(msg), params,
+                                          msg.priority, kv_transfer_params=kv_params)
         except InvalidArgument as e:
             raise InvalidArgument(_API_FIELD.get(e.field, e.field), e.reason) from None
         if msg.HasField("kv_handle"):
@@ -110,6 +93,29 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
               f"{params.max_tokens} new tokens after a prompt of {request.num_prompt_tokens} exceed "
               f"max_model_len {limit}")
         return request, msg.output or pb.OUTPUT_TEXT_AND_TOKEN_IDS
+
+    def _prompt(self, msg: pb.GenerateRequest) -> str | list[int]:
+        kind = msg.WhichOneof("prompt")
+        check(kind is not None, "prompt", "set one of text, token_ids or chat")
+        if kind == "chat":
+            check(len(msg.chat.messages) > 0, "chat.messages", "must not be empty")
+            return self.server.engine.engine.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in msg.chat.messages])
+        return msg.text if kind == "text" else list(msg.token_ids.ids)
+
+    def _kv_params(self, msg: pb.GenerateRequest, params: SamplingParams, for_prefill: bool) -> dict | None:
+        """The connector's view of the request: hold the blocks (prefill), or pull them (a
+        decode given a handle)."""
+        if for_prefill:  # one token wanted in all: nothing to hand over
+            return {"do_remote_decode": True} if params.max_tokens > 1 else None
+        if not msg.HasField("kv_handle"):
+            return None
+        check(self.server.options.role != "prefill", "kv_handle", "this server runs the prefill role only")
+        check(params.max_tokens >= 2, "sampling.max_tokens",
+              "must be >= 2 with a kv_handle: the first token came from the prefill")
+        h = msg.kv_handle
+        return {"remote_engine_id": h.engine_id, "remote_request_id": h.request_id,
+                "remote_block_ids": list(h.block_ids), "num_tokens": h.num_tokens, "first_token": h.first_token}
 
     async def Generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if not self.server.serving:
