@@ -43,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per point; the median is reported")
     p.add_argument("--fragmented", action="store_true", help="shuffle the decode side's free blocks")
+    p.add_argument("--shapes", default=None, help="comma list of shape names to run (default: all)")
     args = p.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     return args
@@ -55,7 +56,8 @@ def shapes(args) -> dict[str, tuple[int, int, int]]:
         cfg = json.loads(path.read_text())
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         out[path.parent.name] = (cfg["num_hidden_layers"], cfg["num_key_value_heads"], head_dim)
-    return {**out, **SHAPES}
+    out = {**out, **SHAPES}
+    return {k: v for k, v in out.items() if args.shapes is None or k in args.shapes.split(",")}
 
 
 class Side:

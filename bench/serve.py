@@ -1,15 +1,21 @@
-"""Serving benchmark: one workload through the gRPC server and through the offline engine.
+"""Serving benchmark: one workload through the offline engine, a colocated gRPC server, the
+router in front of a prefill and a decode service, and the router in front of a colocated
+server, side by side in one run.
 
 Requests arrive as a Poisson process at --request-rate (inf: all at once), optionally capped
 at --max-concurrency in flight, with random token-id prompts of --input-len tokens (spread
-by --range-ratio) and --output-len new tokens each (greedy, EOS ignored). Metrics follow
+by --range-ratio) and --output-len new tokens each (greedy, EOS ignored); with
+--long-every N every Nth prompt is --long-input-len tokens instead (long prompts arriving
+while others decode: the interference disaggregation removes). Metrics follow
 `vllm bench serve`: TTFT (arrival to first token), TPOT ((latency - TTFT) / (tokens - 1)),
 ITL (gaps between streamed chunks), end-to-end latency, request and token throughput. The
 offline side drives the engine's step loop in this process with the same arrivals; the
-server side runs `baton serve` in a subprocess and streams over gRPC on 127.0.0.1.
+others run `baton serve` processes and stream over gRPC on 127.0.0.1. In `disaggregated`
+the prefill and decode engines are each pinned to a core of their own (the colocated
+server gets both).
 
     .venv/bin/python bench/serve.py --max-concurrency 32
-    .venv/bin/python bench/serve.py --model models/tiny-llama --num-prompts 200 --request-rate 50
+    .venv/bin/python bench/serve.py --modes colocated,disaggregated,router --long-every 4
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import asyncio
 import json
 import math
 import random
+import os
 import subprocess
 import sys
 import time
@@ -30,6 +37,8 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 FIRST_TOKEN_ID = 3  # skip the usual special ids at the bottom of the vocabulary
+MODES = ("offline", "colocated", "disaggregated", "router")
+TOKEN = "bench-token"
 
 
 @dataclass
@@ -61,8 +70,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--long-every", type=int, default=0, help="every Nth prompt is long (0: none)")
+    p.add_argument("--long-input-len", type=int, default=2048, help="tokens of a long prompt")
+    p.add_argument("--modes", default="offline,colocated,disaggregated,router",
+                   help="comma list of: offline, colocated, disaggregated (router + 1 prefill + 1 decode), "
+                        "router (router + the colocated server)")
     args = p.parse_args()
+    args.modes = args.modes.split(",")
+    unknown = set(args.modes) - set(MODES)
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
     args.model = Path(args.model) if Path(args.model).is_absolute() else REPO / args.model
     return args
 
@@ -74,8 +91,9 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> list[Request]:
         return max(1, rng.randint(int(mean * (1 - args.range_ratio)), int(mean * (1 + args.range_ratio))))
 
     t, reqs = 0.0, []
-    for _ in range(args.num_prompts):
-        n_in, n_out = length(args.input_len), length(args.output_len)
+    for i in range(args.num_prompts):
+        long = args.long_every and i % args.long_every == args.long_every - 1
+        n_in, n_out = args.long_input_len if long else length(args.input_len), length(args.output_len)
         reqs.append(Request([rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n_in)], n_out, t))
         if math.isfinite(args.request_rate):
             t += rng.expovariate(args.request_rate)
@@ -125,26 +143,68 @@ def run_offline(args: argparse.Namespace, workload: list[Request]) -> tuple[list
     return traces, wall
 
 
-# ---- the gRPC server --------------------------------------------------------------------------
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+# ---- the services -----------------------------------------------------------------------------
+def start_service(args: argparse.Namespace, *flags: str, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
+    """`baton serve` in a process (on `cpus`, with as many torch threads); its address."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(len(cpus))) if cpus else None
     proc = subprocess.Popen([sys.executable, "-m", "baton.services.cli", "serve", "--model", str(args.model),
                              "--port", "0", "--max-num-seqs", str(args.max_num_seqs),
                              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                             "--max-waiting-requests", str(args.num_prompts + 1)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             "--max-waiting-requests", str(args.num_prompts + 1), "--internal-token", TOKEN, *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     for line in proc.stdout:
         if line.startswith("serving on "):
-            return proc, line.split()[2].rstrip(";")
+            address = line.split()[2].rstrip(";")
+            wait_serving(address)  # a router serves once its backends do
+            return proc, address
     proc.kill()
-    sys.exit("the server exited before it served; run `baton serve` by hand to see why")
+    sys.exit(f"`baton serve {' '.join(flags)}` exited before it served; run it by hand to see why")
 
 
-async def run_grpc(args: argparse.Namespace, workload: list[Request], address: str) -> tuple[list[Trace], float]:
+def wait_serving(address: str, timeout_s: float = 60.0) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
+            if time.monotonic() > deadline:
+                sys.exit(f"{address} is not serving after {timeout_s:g}s")
+            time.sleep(0.1)
+
+
+def start_stack(args: argparse.Namespace, mode: str) -> tuple[list[subprocess.Popen], str]:
+    """The processes of one mode, router last; the address clients call."""
+    cores = sorted(os.sched_getaffinity(0))
+    if mode in ("colocated", "router"):
+        procs = [start_service(args, cpus=set(cores))]
+        if mode == "router":
+            procs.append(start_service(args, "--role", "router", "--decode", procs[0][1]))
+    else:  # disaggregated: one core each (the same core twice on a one-core machine)
+        procs = [start_service(args, "--role", role, cpus={cores[i % len(cores)]})
+                 for i, role in enumerate(("prefill", "decode"))]
+        procs.append(start_service(args, "--role", "router", "--prefill", procs[0][1], "--decode", procs[1][1]))
+    return [p for p, _ in procs], procs[-1][1]
+
+
+def stop_stack(procs: list[subprocess.Popen]) -> None:
+    for proc in reversed(procs):  # the router first
+        proc.send_signal(2)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def run_grpc(args: argparse.Namespace, workload: list[Request], address: str,
+                   mode: str) -> tuple[list[Trace], float]:
     from baton.services.client import AsyncClient
 
     traces = [Trace() for _ in workload]
     limit = asyncio.Semaphore(args.max_concurrency or len(workload))
-    bar = tqdm(total=len(workload), desc="gRPC server", unit="req")
+    bar = tqdm(total=len(workload), desc=mode, unit="req")
     async with AsyncClient(address) as client:
         async for _ in client.generate(workload[0].prompt[:8], max_tokens=2):  # warm-up
             pass
@@ -187,16 +247,15 @@ def metrics(traces: list[Trace], wall: float, workload: list[Request]) -> dict[s
     return out
 
 
-def print_table(rows: dict[str, dict[str, float]]) -> None:
+def print_table(rows: dict[str, dict[str, float]], base: str | None) -> None:
     names = list(rows)
     keys = list(next(iter(rows.values())))
-    header = ["metric", *names] + (["gRPC / offline"] if len(names) == 2 else [])
+    ratios = [n for n in names if base and n != base]
+    header = ["metric", *names, *(f"{n} / {base}" for n in ratios)]
     lines = [header]
     for k in keys:
-        vals = [rows[n][k] for n in names]
-        line = [k, *(f"{v:.2f}" for v in vals)]
-        if len(names) == 2:
-            line.append(f"{vals[1] / vals[0]:.3f}" if vals[0] else "-")
+        line = [k, *(f"{rows[n][k]:.2f}" for n in names)]
+        line += [f"{rows[n][k] / rows[base][k]:.3f}" if rows[base][k] else "-" for n in ratios]
         lines.append(line)
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     text = [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines]
@@ -209,23 +268,29 @@ def main() -> None:
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     workload = make_workload(args, vocab)
     print(f"model {args.model.name}; {args.num_prompts} requests, input ~{args.input_len}, output ~{args.output_len} "
-          f"(range ratio {args.range_ratio}), rate {args.request_rate}/s, max concurrency {args.max_concurrency}")
+          f"(range ratio {args.range_ratio}), every {args.long_every or '-'}th prompt {args.long_input_len} tokens, "
+          f"rate {args.request_rate}/s, max concurrency {args.max_concurrency}; {os.cpu_count()} cores")
     rows = {}
-    if not args.skip_offline:
-        rows["offline engine"] = metrics(*run_offline(args, workload), workload)
-    proc, address = start_server(args)
-    try:
-        rows["gRPC server"] = metrics(*asyncio.run(run_grpc(args, workload, address)), workload)
-    finally:
-        proc.send_signal(2)
+    for mode in args.modes:
+        if mode == "offline":
+            rows[mode] = metrics(*run_offline(args, workload), workload)
+            continue
+        procs, address = start_stack(args, mode)
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    print_table(rows)
-    if len(rows) == 2:
-        ratio = rows["gRPC server"]["output tok/s"] / rows["offline engine"]["output tok/s"]
+            rows[mode] = metrics(*asyncio.run(run_grpc(args, workload, address, mode)), workload)
+        finally:
+            stop_stack(procs)
+    base = "offline" if "offline" in rows and len(rows) == 2 else ("colocated" if "colocated" in rows else None)
+    print_table(rows, base)
+    if "offline" in rows and "colocated" in rows:
+        ratio = rows["colocated"]["output tok/s"] / rows["offline"]["output tok/s"]
         print(f"\nserving overhead: gRPC output token throughput = {ratio:.3f}x the offline engine's")
+    if "router" in rows and "colocated" in rows:
+        added = rows["router"]["ITL p50 ms"] - rows["colocated"]["ITL p50 ms"]
+        print(f"router: p50 ITL {added:+.2f} ms per token ({added / rows['colocated']['ITL p50 ms']:+.1%})")
+    if "disaggregated" in rows and "colocated" in rows:
+        ratio = rows["disaggregated"]["TPOT p99 ms"] / rows["colocated"]["TPOT p99 ms"]
+        print(f"disaggregation: p99 TPOT = {ratio:.3f}x colocated")
 
 
 if __name__ == "__main__":

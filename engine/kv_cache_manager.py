@@ -29,6 +29,16 @@ def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def prefix_block_hashes(token_ids: list[int], block_size: int, max_blocks: int | None = None) -> list[int]:
+    """The chain hashes of a prompt's first full blocks, as the cache computes them."""
+    hashes, parent = [], _ROOT_HASH
+    n = len(token_ids) // block_size if max_blocks is None else min(max_blocks, len(token_ids) // block_size)
+    for i in range(n):
+        parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        hashes.append(parent)
+    return hashes
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.num_blocks = num_blocks

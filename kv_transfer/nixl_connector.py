@@ -215,6 +215,13 @@ class NixlConnectorWorker(KVConnectorWorker):
                 log.warning("KV load for %s from %s failed to start: %s", load.request_id, load.remote_engine_id, e)
                 self._failed[load.request_id] = load.local_block_ids
 
+    def release(self, req_id: str) -> None:
+        """Let go of a hold no decode will pull, as if its reader had said it is done."""
+        if req_id in self._holds:
+            self._holds[req_id] = 0.0
+        else:  # finished this step: its hold registers with the next step's metadata
+            self._early_notifs.add(req_id)
+
     def get_finished(self) -> KVConnectorOutput:
         out = KVConnectorOutput()
         now = time.monotonic()

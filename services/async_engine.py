@@ -59,6 +59,7 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}  # event-loop side: request id -> its outputs
         self._num_pending_adds = 0  # handed over, not yet in the scheduler (event-loop side)
+        self.num_requests = 0  # admitted since start
         self._stopping = False
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -97,6 +98,7 @@ class AsyncEngine:
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[req_id] = outputs
         self._num_pending_adds += 1
+        self.num_requests += 1
         self._submit(("add", request))
         finished = False
         try:
@@ -112,6 +114,8 @@ class AsyncEngine:
     async def call(self, fn, *args):
         """Run fn(*args) on the step-loop thread between steps (for anything that touches the
         engine or its transport); returns its result."""
+        if self._error is not None:
+            raise EngineDead(f"the engine stopped: {self._error!r}")
         future = concurrent.futures.Future()
         self._submit(("call", (future, fn, args)))
         return await asyncio.wrap_future(future)
@@ -151,10 +155,17 @@ class AsyncEngine:
                 continue
             if kind == "call":
                 future, fn, args = arg
+                # Runs even when its caller was cancelled meanwhile (a handshake or a release
+                # still counts); only the result goes nowhere then.
+                waited = future.set_running_or_notify_cancel()
                 try:
-                    future.set_result(fn(*args))
+                    result = fn(*args)
                 except Exception as error:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(error)
+                    if waited:
+                        future.set_exception(error)
+                else:
+                    if waited:
+                        future.set_result(result)
                 continue
             num_added += 1
             try:

@@ -67,15 +67,22 @@ def _serve(args) -> None:
     import logging
     import signal
 
-    from baton.services.server import Server, ServerOptions
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    options = ServerOptions(args.host, args.port, args.max_concurrent_streams, args.max_message_bytes,
-                            args.max_waiting_requests, args.grace_period, args.role, args.internal_token,
-                            args.kv_hold_timeout)
+    if args.role == "router":
+        from baton.services.router import Router
+        make = lambda: Router(_router_options(args))  # noqa: E731
+    else:
+        from baton.services.server import Server, ServerOptions
+        options = ServerOptions(args.host, args.port, args.max_concurrent_streams, args.max_message_bytes,
+                                args.max_waiting_requests, args.grace_period, args.role, args.internal_token,
+                                args.kv_hold_timeout)
+        make = lambda: Server(_engine_config(args), options)  # noqa: E731
 
     async def run() -> None:
-        server = Server(_engine_config(args), options)
+        try:
+            server = make()
+        except (OSError, ValueError) as e:
+            sys.exit(f"baton serve: {e}")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -84,10 +91,53 @@ def _serve(args) -> None:
         print(f"serving on {server.address}; try:\n  baton generate --target {server.address} "
               f"'What is the capital of France?'", flush=True)
         await stop.wait()
-        print(f"draining (up to {options.grace_s:g}s)", flush=True)
+        print(f"draining (up to {args.grace_period:g}s)", flush=True)
         await server.stop()
 
     asyncio.run(run())
+
+
+def _router_options(args):
+    """Flags over the config file (YAML or JSON: prefill, decode, policy and the other
+    RouterOptions fields)."""
+    import yaml
+
+    from baton.engine.checkpoints import SMOLLM2_DIR_NAME
+    from baton.services.router import RouterOptions
+
+    config = {}
+    if args.router_config:
+        with open(args.router_config) as f:
+            config = yaml.safe_load(f) or {}
+        unknown = set(config) - set(RouterOptions.__slots__)
+        if unknown:
+            sys.exit(f"baton serve: {args.router_config}: unknown keys {', '.join(sorted(unknown))}")
+    for name in ("prefill", "decode"):
+        flags = [a for value in getattr(args, name) or () for a in value.split(",") if a]
+        if flags:
+            config[name] = flags
+    if args.policy:
+        config["policy"] = args.policy
+    tokenizer_dir = args.model or os.path.join(args.models_dir, SMOLLM2_DIR_NAME)
+    config.setdefault("tokenizer_dir", tokenizer_dir if os.path.isdir(tokenizer_dir) else None)
+    if args.block_size:
+        config["block_size"] = args.block_size
+    return RouterOptions(host=args.host, port=args.port, internal_token=args.internal_token,
+                         max_message_bytes=args.max_message_bytes, grace_s=args.grace_period, **config)
+
+
+def _up(args) -> None:
+    from baton.engine.checkpoints import SMOLLM2_DIR_NAME
+    from baton.services.launcher import up
+
+    if args.decode < 1 or args.prefill < 0:
+        sys.exit("baton up: --decode must be >= 1 and --prefill >= 0")
+    argv = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ENGINE_FLAGS
+            if getattr(args, name, None) is not None]
+    argv += [flag for flag, on in (("--no-prefix-caching", args.no_prefix_caching),
+                                   ("--no-chunked-prefill", args.no_chunked_prefill)) if on]
+    model = args.model or os.path.join(args.models_dir, SMOLLM2_DIR_NAME)
+    sys.exit(up(model, args.host, args.port, args.prefill, args.decode, argv, args.policy, args.start_timeout))
 
 
 def _generate(args) -> None:
@@ -158,15 +208,41 @@ def main(argv: list[str] | None = None) -> None:
                    help="requests allowed to wait for the engine; beyond it, RESOURCE_EXHAUSTED")
     s.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds in-flight streams get to finish on shutdown before they are aborted")
-    s.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
+    s.add_argument("--role", choices=["both", "prefill", "decode", "router"], default="both",
                    help="prefill: also serve the internal Prefill call (hold KV for decode peers); decode: also "
-                        "take KV handles in Generate and pull the blocks over NIXL; both: either (default)")
+                        "take KV handles in Generate and pull the blocks over NIXL; both: either (default); "
+                        "router: no engine, route each request to a prefill and a decode instance")
     s.add_argument("--internal-token", default=os.environ.get("BATON_INTERNAL_TOKEN"),
                    help="shared secret internal calls must carry (default: $BATON_INTERNAL_TOKEN; unset: none)")
     s.add_argument("--kv-hold-timeout", type=float, default=120.0,
                    help="seconds a prefill holds KV blocks for a decode peer that never pulls them")
+    r = s.add_argument_group("router (--role router)")
+    r.add_argument("--prefill", action="append", metavar="HOST:PORT[,…]",
+                   help="prefill instances; a DNS name stands for every address it resolves to (re-resolved "
+                        "periodically); repeat or comma-separate")
+    r.add_argument("--decode", action="append", metavar="HOST:PORT[,…]", help="decode instances, as --prefill")
+    r.add_argument("--policy", choices=["round_robin", "least_outstanding", "prefix_affinity"],
+                   help="how to pick an instance (default round_robin); prefix_affinity sends shared prompt "
+                        "prefixes to one instance, within a load bound")
+    r.add_argument("--router-config", metavar="FILE",
+                   help="YAML/JSON with prefill, decode, policy and other router options; flags win")
     _add_engine_flags(s)
     s.set_defaults(func=_serve)
+
+    u = sub.add_parser("up", help="run router + prefill + decode on this machine, each its own process",
+                       description="Start N prefill and M decode engines on free ports and the router on "
+                                   "--port in front of them (a shared internal token is made up), wait until "
+                                   "all serve, print the address; Ctrl-C stops them all.")
+    u.add_argument("--host", default="127.0.0.1", help="address every service listens on (default: %(default)s)")
+    u.add_argument("--port", type=int, default=50051, help="the router's port (default: %(default)s)")
+    u.add_argument("--prefill", type=int, default=1, help="prefill instances (default: %(default)s; 0: decode "
+                                                           "instances compute prompts themselves)")
+    u.add_argument("--decode", type=int, default=1, help="decode instances (default: %(default)s)")
+    u.add_argument("--policy", choices=["round_robin", "least_outstanding", "prefix_affinity"],
+                   default="round_robin", help="the router's policy (default: %(default)s)")
+    u.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for all to serve")
+    _add_engine_flags(u)
+    u.set_defaults(func=_up)
 
     g = sub.add_parser("generate", help="stream an answer from a server, or run the engine in-process",
                        description="With --target, stream the answer to PROMPT from a running server; "

@@ -171,11 +171,21 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             return internal_pb2.PrefillResponse(first=first)
         first.ClearField("finish_reason")  # the request goes on at the decode side
         first.ClearField("usage")
+        # A caller gone before the handle reached it leaves nobody to pull the blocks.
+        context.add_done_callback(lambda ctx: ctx.cancelled() and asyncio.ensure_future(
+            self.server.release_hold(handle["remote_request_id"])))
         return internal_pb2.PrefillResponse(
             first=first,
             handle=pb.KVHandle(engine_id=handle["remote_engine_id"], address=self.server.address,
                                request_id=handle["remote_request_id"], block_ids=handle["remote_block_ids"],
                                num_tokens=handle["num_tokens"], first_token=handle["first_token"]))
+
+
+    async def Release(self, handle: pb.KVHandle, context: grpc.aio.ServicerContext):
+        await self.server.check_token(context)
+        if self.server.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
+        return internal_pb2.ReleaseResponse(released=await self.server.release_hold(handle.request_id))
 
 
 class KVPeerService(internal_pb2_grpc.KVPeerServicer):
@@ -229,6 +239,17 @@ def response_from_output(out: StepOutput, with_text: bool, with_ids: bool) -> pb
     return resp
 
 
+async def drain(server: grpc.aio.Server, num_in_flight, grace_s: float) -> None:
+    """Give in-flight requests up to grace_s to finish, then stop the server, cancelling what
+    is left. grpc's own grace would also wait for long-lived calls that never end by
+    themselves (a router's health Watch), so the wait counts requests instead."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while num_in_flight() and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(0)
+
+
 class Server:
     """Listens at once (health answers NOT_SERVING while the model loads), then serves."""
 
@@ -240,7 +261,8 @@ class Server:
         self.health = health.aio.HealthServicer()
         o = self.options
         grpc_options = [("grpc.max_send_message_length", o.max_message_bytes),
-                        ("grpc.max_receive_message_length", o.max_message_bytes)]
+                        ("grpc.max_receive_message_length", o.max_message_bytes),
+                        ("grpc.so_reuseport", 0)]  # a taken port is an error, not a shared one
         if o.max_concurrent_streams is not None:
             grpc_options.append(("grpc.max_concurrent_streams", o.max_concurrent_streams))
         self.grpc = grpc.aio.server(options=grpc_options)
@@ -314,6 +336,14 @@ class Server:
                                 f"{handle.engine_id} (it restarted; its blocks are gone)")
         await self.engine.call(self.kv_worker.add_peer, layout_from_proto(theirs))
 
+    async def release_hold(self, request_id: str) -> bool:
+        def release() -> bool:  # on the step-loop thread, between steps
+            if request_id not in self.engine.engine.scheduler.held:
+                return False
+            self.kv_worker.release(request_id)
+            return True
+        return await self.engine.call(release)
+
     def stats(self) -> internal_pb2.EngineStats:
         """Runs on the step-loop thread (AsyncEngine.call): a consistent snapshot."""
         engine, worker = self.engine.engine, self.kv_worker
@@ -324,7 +354,7 @@ class Server:
             num_waiting=len(sched.waiting), num_held=engine.num_held_requests,
             num_in_flight_streams=self.engine.num_in_flight, num_prefix_hit_tokens=engine.kv.prefix_hits,
             num_expired_holds=worker.num_expired_holds, num_failed_loads=sched.num_failed_loads,
-            num_blocks_pulled=worker.num_blocks_pulled)
+            num_blocks_pulled=worker.num_blocks_pulled, num_requests=self.engine.num_requests)
 
     def _on_engine_dead(self, error: BaseException) -> None:
         self.serving = False
@@ -335,7 +365,8 @@ class Server:
         to finish, then cancel the rest (which aborts them in the engine)."""
         self.serving = False
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.grpc.stop(self.options.grace_s if grace_s is None else grace_s)
+        await drain(self.grpc, lambda: self.engine.num_in_flight if self.engine else 0,
+                    self.options.grace_s if grace_s is None else grace_s)
         for channel in self._peer_channels.values():
             await channel.close()
         if self.engine is not None:

@@ -33,3 +33,30 @@ def test_an_error_queued_behind_outputs_is_raised():
 
     with pytest.raises(EngineDead):
         asyncio.run(run())
+
+
+def test_a_call_whose_caller_left_still_runs_and_the_loop_goes_on(tiny_llama):
+    import threading
+
+    from baton import LLM
+    from baton.services.async_engine import AsyncEngine
+
+    engine = LLM(tiny_llama, dtype="float32", device="cpu").engine
+    gate, ran = threading.Event(), []
+
+    async def run():
+        loop = AsyncEngine(engine)
+        loop.start()
+        try:
+            blocker = asyncio.ensure_future(loop.call(gate.wait))  # holds the step-loop thread
+            left = asyncio.ensure_future(loop.call(ran.append, "release"))
+            await asyncio.sleep(0.05)
+            left.cancel()  # its caller goes away before the loop reaches it
+            gate.set()
+            await blocker
+            return await asyncio.wait_for(loop.call(lambda: "alive"), 10)
+        finally:
+            await loop.stop()
+
+    assert asyncio.run(run()) == "alive"
+    assert ran == ["release"]

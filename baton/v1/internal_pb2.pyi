@@ -6,6 +6,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
 class PrefillResponse(_message.Message):
     __slots__ = ("handle", "first")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -37,7 +43,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("engine_id", "role", "num_kv_blocks", "num_free_kv_blocks", "num_running", "num_waiting", "num_held", "num_in_flight_streams", "num_prefix_hit_tokens", "num_expired_holds", "num_failed_loads", "num_blocks_pulled")
+    __slots__ = ("engine_id", "role", "num_kv_blocks", "num_free_kv_blocks", "num_running", "num_waiting", "num_held", "num_in_flight_streams", "num_prefix_hit_tokens", "num_expired_holds", "num_failed_loads", "num_blocks_pulled", "num_requests")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +56,7 @@ class EngineStats(_message.Message):
     NUM_EXPIRED_HOLDS_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILED_LOADS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: str
     num_kv_blocks: int
@@ -62,4 +69,5 @@ class EngineStats(_message.Message):
     num_expired_holds: int
     num_failed_loads: int
     num_blocks_pulled: int
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held: _Optional[int] = ..., num_in_flight_streams: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_expired_holds: _Optional[int] = ..., num_failed_loads: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ...) -> None: ...
+    num_requests: int
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held: _Optional[int] = ..., num_in_flight_streams: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_expired_holds: _Optional[int] = ..., num_failed_loads: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...

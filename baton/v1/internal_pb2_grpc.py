@@ -40,6 +40,11 @@ class PrefillStub:
                 request_serializer=baton_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_internal__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/baton.v1.Prefill/Release',
+                request_serializer=baton_dot_v1_dot_generate__pb2.KVHandle.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_internal__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -53,6 +58,14 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """Lets go of a handle's blocks that no decode will pull (the router's client cancelled
+        between the two calls). Unknown or already released handles are not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +73,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=baton_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
                     response_serializer=baton_dot_v1_dot_internal__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=baton_dot_v1_dot_generate__pb2.KVHandle.FromString,
+                    response_serializer=baton_dot_v1_dot_internal__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +107,33 @@ class Prefill:
             '/baton.v1.Prefill/Prefill',
             baton_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
             baton_dot_v1_dot_internal__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Prefill/Release',
+            baton_dot_v1_dot_generate__pb2.KVHandle.SerializeToString,
+            baton_dot_v1_dot_internal__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

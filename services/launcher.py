@@ -1,0 +1,169 @@
+"""`baton up`: the whole stack on this machine, each service its own process: N prefill
+and M decode engines on free ports, and the router in front of them on the public port.
+
+It waits until every process reports SERVING over the health protocol, prints where to
+talk to it, and stops them all on Ctrl-C (or when one of them dies). Children die with the
+launcher (PR_SET_PDEATHSIG), so a killed launcher leaves no orphans.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the launcher goes away, however it goes."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: Ctrl-C still reaches the whole process group
+        pass
+
+
+@dataclass
+class Service:
+    name: str
+    address: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    tail: deque = field(default_factory=lambda: deque(maxlen=30))
+
+    def start(self, env: dict) -> None:
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env, preexec_fn=_die_with_parent)
+        threading.Thread(target=self._relay, daemon=True).start()
+
+    def _relay(self) -> None:
+        for line in self.proc.stdout:
+            self.tail.append(line)
+            sys.stdout.write(f"[{self.name}] {line}")
+            sys.stdout.flush()
+
+    def serving(self) -> bool:
+        with grpc.insecure_channel(self.address) as channel:
+            try:
+                resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            except grpc.RpcError:
+                return False
+        return resp.status == _SERVING
+
+
+class Stack:
+    def __init__(self, services: list[Service]):
+        self.services = services
+
+    def start(self, env: dict) -> None:
+        for service in self.services:
+            service.start(env)
+
+    def dead(self) -> Service | None:
+        return next((s for s in self.services if s.proc.poll() is not None), None)
+
+    def wait_serving(self, timeout_s: float) -> None:
+        """Until all serve; raises with the reason when one dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.services)
+        while pending:
+            dead = self.dead()
+            if dead is not None:
+                raise RuntimeError(f"{dead.name} exited with status {dead.proc.returncode} while starting:\n"
+                                   + "".join(dead.tail))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not serving after {timeout_s:g}s: {', '.join(s.name for s in pending)}")
+            pending = [s for s in pending if not s.serving()]
+            time.sleep(0.2)
+
+    def stop(self, grace_s: float) -> None:
+        """Router first (no new requests), then the engines; SIGKILL whatever outlives the grace."""
+        for group in (self.services[:1], self.services[1:]):
+            for s in group:
+                if s.proc.poll() is None:
+                    s.proc.send_signal(signal.SIGINT)
+            for s in group:
+                try:
+                    s.proc.wait(grace_s + 5)
+                except subprocess.TimeoutExpired:
+                    s.proc.kill()
+                    s.proc.wait()
+
+
+def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
+                policy: str) -> Stack:
+    serve = [sys.executable, "-m", "baton.services.cli", "serve", "--host", host, "--model", model]
+    engines = [Service(f"{role}-{i}", f"{host}:{p}", [*serve, "--role", role, "--port", str(p), *engine_argv])
+               for role, n in (("prefill", num_prefill), ("decode", num_decode))
+               for i, p in ((i, free_port(host)) for i in range(n))]
+    argv = [*serve, "--role", "router", "--port", str(port), "--policy", policy]
+    for e in engines:
+        argv += ["--" + e.name.split("-")[0], e.address]
+    return Stack([Service("router", f"{host}:{port}", argv), *engines])
+
+
+def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
+       policy: str = "round_robin", start_timeout_s: float = 300.0, grace_s: float = 10.0) -> int:
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        print(f"baton up: {model} is not a checkpoint directory (no config.json); "
+              f"`baton prepare-models` writes the demo model", file=sys.stderr)
+        return 2
+    if not port_is_free(host, port):
+        print(f"baton up: {host}:{port} is taken; pick another with --port", file=sys.stderr)
+        return 2
+    stack = build_stack(model, host, port, num_prefill, num_decode, engine_argv, policy)
+    env = dict(os.environ, BATON_INTERNAL_TOKEN=os.environ.get("BATON_INTERNAL_TOKEN") or secrets.token_hex(16))
+    # Engines share the cores instead of each assuming all of them.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (num_prefill + num_decode))))
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    stack.start(env)
+    try:
+        try:
+            stack.wait_serving(start_timeout_s)
+        except RuntimeError as e:
+            if stopping.is_set():
+                return 130
+            print(f"baton up: {e}", file=sys.stderr)
+            return 1
+        engines = ", ".join(s.address for s in stack.services[1:])
+        print(f"Baton is up: router on {host}:{port} -> {num_prefill} prefill + {num_decode} decode ({engines})\n"
+              f"  baton generate --target {host}:{port} 'What is the capital of France?'\n"
+              f"Ctrl-C stops all.", flush=True)
+        while not stopping.wait(0.5):
+            dead = stack.dead()
+            if dead is not None:
+                print(f"baton up: {dead.name} exited with status {dead.proc.returncode}; stopping the stack",
+                      file=sys.stderr)
+                return 1
+        return 0
+    finally:
+        print("stopping", flush=True)
+        stack.stop(grace_s)

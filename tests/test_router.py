@@ -1,0 +1,344 @@
+"""The router in front of real prefill and decode processes on 127.0.0.1: output equal to a
+colocated engine, the policies' spread, failures of either tier, cancellation through both
+tiers, and `baton up` as a user starts it."""
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from baton import LLM, SamplingParams
+from baton.services.client import AsyncClient
+from baton.services.launcher import free_port
+from baton.services.router import PrefixAffinity
+
+from conftest import ServerProcess
+from test_disaggregated_services import TOKEN, pools_full, stats
+from test_server import collect, prompts_of, workload
+
+
+def engine(model: str, role: str, *flags: str) -> ServerProcess:
+    return ServerProcess(model, "--role", role, "--internal-token", TOKEN, *flags)
+
+
+def router(policy: str, prefill: list[ServerProcess], decode: list[ServerProcess], *flags: str) -> ServerProcess:
+    argv = ["--role", "router", "--internal-token", TOKEN, "--policy", policy]
+    for name, tier in (("--prefill", prefill), ("--decode", decode)):
+        if tier:
+            argv += [name, ",".join(p.address for p in tier)]
+    return ServerProcess(tier_model(decode), *argv, *flags)
+
+
+def tier_model(procs: list[ServerProcess]) -> str:
+    return procs[0].proc.args[procs[0].proc.args.index("--model") + 1]
+
+
+def wait_serving(address: str, timeout: float = 30.0) -> None:
+    from grpc_health.v1 import health_pb2
+    from test_server import health_status
+
+    deadline = time.monotonic() + timeout
+    while health_status(address) != health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, f"{address} never served"
+        time.sleep(0.05)
+
+
+def counts(procs: list[ServerProcess]) -> list[int]:
+    return [stats(p.address).num_requests for p in procs]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama):
+    """Two prefill and two decode engines, shared by the tests that leave them running."""
+    procs = [engine(tiny_llama, "prefill", "--max-num-batched-tokens", "48") for _ in range(2)]
+    procs += [engine(tiny_llama, "decode") for _ in range(2)]
+    routers: list[ServerProcess] = []
+
+    def start_router(policy: str, *flags: str) -> ServerProcess:
+        r = router(policy, procs[:2], procs[2:], *flags)
+        routers.append(r)
+        wait_serving(r.address)
+        return r
+
+    try:
+        for p in procs:
+            p.address  # noqa: B018 - wait until each serves
+        yield procs[:2], procs[2:], start_router
+    finally:
+        for p in routers + procs:
+            p.stop()
+
+
+def test_through_the_router_equals_colocated_for_32_streams(stack, tiny_llama):
+    prefill, decode, start_router = stack
+    r = start_router("round_robin")
+    prompts, params = workload(32, seed=71)
+    want = LLM(tiny_llama, dtype="float32", device="cpu").generate(prompts, [SamplingParams(**p) for p in params])
+
+    async def go():
+        async with AsyncClient(r.address) as client:
+            return await asyncio.gather(*(collect(client, p, **kw) for p, kw in zip(prompts, params)))
+
+    got = run(go())
+    assert [ids for ids, _, _ in got] == [o.token_ids for o in want]
+    assert [text for _, text, _ in got] == [o.text for o in want]
+    assert all(last.finish_reason == "length" and last.usage.completion_tokens == len(ids) for ids, _, last in got)
+    assert all(pools_full(p.address) for p in prefill + decode)
+    assert stats(prefill[0].address).num_held == stats(prefill[1].address).num_held == 0
+
+
+def test_round_robin_and_least_outstanding_spread_requests(stack):
+    prefill, decode, start_router = stack
+    prompt = prompts_of([40], seed=72)[0]
+
+    async def sequential(address: str, n: int):
+        async with AsyncClient(address) as client:
+            for _ in range(n):
+                await collect(client, prompt, max_tokens=4, temperature=0.0)
+
+    rr = start_router("round_robin")
+    before = counts(prefill + decode)
+    run(sequential(rr.address, 8))
+    assert [a - b for a, b in zip(counts(prefill + decode), before)] == [4, 4, 4, 4]
+
+    lo = start_router("least_outstanding")
+
+    async def one_long_then_short():
+        async with AsyncClient(lo.address) as client:
+            stream = client.generate(prompt, max_tokens=400, temperature=0.0, ignore_eos=True)
+            await stream.__anext__()  # the long one holds a decode instance while the rest run
+            before = counts(decode)
+            await sequential(lo.address, 6)
+            after = counts(decode)
+            await stream.aclose()
+            return sorted(a - b for a, b in zip(after, before))
+
+    assert run(one_long_then_short()) == [0, 6]  # all went to the idle decode instance
+
+
+def test_prefix_affinity_keeps_a_shared_prefix_on_one_prefill_instance(stack):
+    prefill, _, start_router = stack
+    r = start_router("prefix_affinity")
+    shared = prompts_of([64], seed=73)[0]  # four blocks
+    suffixes = prompts_of([5, 9, 13, 17, 21, 25], seed=74)
+    before = [stats(p.address) for p in prefill]
+
+    async def go():
+        async with AsyncClient(r.address) as client:
+            for s in suffixes:
+                await collect(client, shared + s, max_tokens=3, temperature=0.0)
+
+    run(go())
+    after = [stats(p.address) for p in prefill]
+    routed = sorted(a.num_requests - b.num_requests for a, b in zip(after, before))
+    assert routed == [0, 6]
+    hot = max(range(2), key=lambda i: after[i].num_requests - before[i].num_requests)
+    # The first request computes the prefix; the five after it hit all four blocks.
+    assert after[hot].num_prefix_hit_tokens - before[hot].num_prefix_hit_tokens >= 5 * 64
+
+
+class _Load:  # what PrefixAffinity reads of a backend
+    def __init__(self, address: str):
+        self.address, self.outstanding, self.num_routed = address, 0, 0
+
+
+def test_prefix_affinity_bounds_the_load_one_hot_prefix_puts_on_one_instance():
+    policy = PrefixAffinity(load_factor=1.5, slack=3, table_size=1000)
+    backends = [_Load("a:1"), _Load("b:1"), _Load("c:1")]
+    hot = [11, 22, 33]  # one prefix's block hashes
+    picks = []
+    for _ in range(30):  # none finishes: the load only grows
+        b = policy.choose(backends, hot)
+        b.outstanding += 1
+        b.num_routed += 1
+        picks.append(b.address)
+    assert picks[:3] == ["a:1"] * 3  # affinity while the load allows it
+    loads = [b.outstanding for b in backends]
+    assert max(loads) <= max(1.5 * 30 / 3, min(loads) + 3) and min(loads) > 0, loads
+    # A different prefix is not pulled along: it goes to the least loaded.
+    assert policy.choose(backends, [44, 55]) is min(backends, key=lambda b: (b.outstanding, b.num_routed))
+
+
+def test_a_killed_decode_fails_its_streams_cleanly_and_comes_back(tiny_llama, spawn):
+    prefill = engine(tiny_llama, "prefill")
+    port = free_port("127.0.0.1")
+    decode = [engine(tiny_llama, "decode", "--port", str(port)), engine(tiny_llama, "decode")]
+    procs = [prefill, *decode]
+    # The second decode instance named through DNS (localhost), as a headless service would be.
+    r = ServerProcess(tiny_llama, "--role", "router", "--internal-token", TOKEN, "--prefill", prefill.address,
+                      "--decode", decode[0].address, "--decode", "localhost:" + decode[1].address.split(":")[1])
+    procs.append(r)
+    try:
+        wait_serving(r.address)
+        prompt = prompts_of([30], seed=75)[0]
+        want = LLM(tiny_llama, dtype="float32", device="cpu").generate(
+            [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
+
+        async def long_stream(client, started: asyncio.Event):
+            ids = []
+            try:
+                async for chunk in client.generate(prompt, max_tokens=400, temperature=0.0, ignore_eos=True):
+                    ids += chunk.token_ids
+                    if len(ids) >= 3:
+                        started.set()
+            except grpc.aio.AioRpcError as e:
+                return e
+            return ids
+
+        async def go():
+            async with AsyncClient(r.address) as client:
+                events = [asyncio.Event() for _ in range(4)]
+                tasks = [asyncio.ensure_future(long_stream(client, e)) for e in events]
+                await asyncio.gather(*(e.wait() for e in events))
+                decode[0].kill()
+                results = await asyncio.gather(*tasks)
+                after = [await collect(client, prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+                         for _ in range(4)]
+                return results, after
+
+        results, after = run(go())
+        failed = [e for e in results if isinstance(e, grpc.aio.AioRpcError)]
+        assert len(failed) == 2 and all(e.code() == grpc.StatusCode.UNAVAILABLE for e in failed)
+        assert all(decode[0].address in e.details() for e in failed)
+        assert all(len(ids) == 400 for ids in results if not isinstance(ids, grpc.aio.AioRpcError))
+        assert [ids for ids, _, _ in after] == [want] * 4
+        assert stats(decode[1].address).num_requests == 2 + 4  # the survivors, then every new request
+
+        decode[0] = engine(tiny_llama, "decode", "--port", str(port))  # restarted on its address
+        procs.append(decode[0])
+        decode[0].address  # noqa: B018
+
+        async def until_used():
+            async with AsyncClient(r.address) as client:
+                while stats(decode[0].address).num_requests == 0:
+                    assert (await collect(client, prompt, max_tokens=6, temperature=0.0, ignore_eos=True))[0] == want
+                    await asyncio.sleep(0.1)
+
+        run(until_used())
+        assert pools_full(prefill.address) and all(pools_full(d.address) for d in decode)
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_without_a_prefill_instance_decode_computes_the_prompt(tiny_llama, tmp_path):
+    prefill, decode = engine(tiny_llama, "prefill"), engine(tiny_llama, "decode")
+    config = tmp_path / "router.yaml"  # backends from a config file this time
+    config.write_text(f"prefill: [{prefill.address}]\ndecode: [{decode.address}]\npolicy: least_outstanding\n")
+    r = ServerProcess(tiny_llama, "--role", "router", "--internal-token", TOKEN, "--router-config", str(config))
+    try:
+        wait_serving(r.address)
+        prompts, params = workload(8, seed=76)
+        want = LLM(tiny_llama, dtype="float32", device="cpu").generate(prompts, [SamplingParams(**p) for p in params])
+
+        async def go():
+            async with AsyncClient(r.address) as client:
+                return await asyncio.gather(*(collect(client, p, **kw) for p, kw in zip(prompts, params)))
+
+        assert [ids for ids, _, _ in run(go())] == [o.token_ids for o in want]  # through the prefill
+        prefill.kill()
+        assert [ids for ids, _, _ in run(go())] == [o.token_ids for o in want]  # colocated fallback
+        assert stats(decode.address).num_blocks_pulled > 0 and pools_full(decode.address)
+        decode.kill()
+
+        async def no_decode():
+            async with AsyncClient(r.address) as client:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await collect(client, prompts[0], max_tokens=4)
+                return err.value
+
+        err = run(no_decode())
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "decode" in err.details()
+    finally:
+        for p in (r, prefill, decode):
+            p.stop()
+
+
+def test_cancelling_50_streams_at_the_router_frees_both_tiers(stack):
+    prefill, decode, start_router = stack
+    r = start_router("round_robin")
+    rng = random.Random(77)
+    prompts = prompts_of([rng.randint(10, 100) for _ in range(50)], seed=78)
+
+    async def cancel_after(client, prompt, n_chunks: int, delay: float):
+        stream = client.generate(prompt, max_tokens=200, temperature=0.0, ignore_eos=True)
+        task = asyncio.ensure_future(stream.__anext__())  # n_chunks 0: cancelled before any token
+        await asyncio.sleep(delay)
+        try:
+            await task
+            for _ in range(n_chunks):
+                await stream.__anext__()
+        finally:
+            task.cancel()
+            await stream.aclose()
+
+    async def go():
+        async with AsyncClient(r.address) as client:
+            await asyncio.gather(*(cancel_after(client, p, rng.randint(0, 6), rng.uniform(0, 0.05))
+                                   for p in prompts), return_exceptions=True)
+
+    run(go())
+    for p in prefill + decode:
+        assert pools_full(p.address), stats(p.address)
+        s = stats(p.address)
+        assert s.num_held == 0 and s.num_expired_holds == 0  # released at once, not by the timeout
+
+
+# ---- `baton up` -------------------------------------------------------------------------------
+def baton(*argv: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "baton.services.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def test_baton_up_answers_and_stops_cleanly(tiny_llama):
+    port = free_port("127.0.0.1")
+    up = baton("up", "--model", tiny_llama, "--port", str(port), "--dtype", "float32")
+    lines: list[str] = []
+    try:
+        for line in up.stdout:
+            lines.append(line)
+            if line.startswith("Baton is up"):
+                break
+        assert lines and lines[-1].startswith("Baton is up"), "".join(lines)
+        pids = [int(x) for x in subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True,
+                                                text=True).stdout.split()]
+        assert len(pids) == 3
+        answer = subprocess.run([sys.executable, "-m", "baton.services.cli", "generate", "--target",
+                                 f"127.0.0.1:{port}", "--raw", "--max-tokens", "5", "hello"],
+                                capture_output=True, text=True, timeout=60)
+        assert answer.returncode == 0 and "5 tokens" in answer.stderr, answer.stderr
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        time.sleep(0.2)
+        assert not [pid for pid in pids if subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0]
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_baton_up_fails_clearly(tiny_llama, tmp_path):
+    bad = baton("up", "--model", str(tmp_path / "nowhere"), "--port", str(free_port("127.0.0.1")))
+    out, _ = bad.communicate(timeout=60)
+    assert bad.returncode == 2 and "not a checkpoint directory" in out
+    with __import__("socket").socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        bad = baton("up", "--model", tiny_llama, "--port", str(taken.getsockname()[1]))
+        out, _ = bad.communicate(timeout=60)
+    assert bad.returncode == 2 and "is taken" in out
+    # An engine that dies at start-up (a context longer than the model's) stops the rest.
+    bad = baton("up", "--model", tiny_llama, "--port", str(free_port("127.0.0.1")), "--max-model-len", "999999")
+    out, _ = bad.communicate(timeout=120)
+    assert bad.returncode == 1 and "exited with status" in out and "max_model_len" in out, out
+    assert subprocess.run(["pgrep", "-P", str(bad.pid)], capture_output=True).stdout == b""
