@@ -72,6 +72,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--long-every", type=int, default=0, help="every Nth prompt is long (0: none)")
     p.add_argument("--long-input-len", type=int, default=2048, help="tokens of a long prompt")
+    p.add_argument("--colocated-cores", type=int, default=0,
+                   help="pin the colocated server to this many cores (0: all); with 1, the router and the "
+                        "client get the other core, so the router's own cost is not taken from the engine")
     p.add_argument("--modes", default="offline,colocated,disaggregated,router",
                    help="comma list of: offline, colocated, disaggregated (router + 1 prefill + 1 decode), "
                         "router (router + the colocated server)")
@@ -179,7 +182,7 @@ def start_stack(args: argparse.Namespace, mode: str) -> tuple[list[subprocess.Po
     """The processes of one mode, router last; the address clients call."""
     cores = sorted(os.sched_getaffinity(0))
     if mode in ("colocated", "router"):
-        procs = [start_service(args, cpus=set(cores))]
+        procs = [start_service(args, cpus=set(cores[:args.colocated_cores or len(cores)]))]
         if mode == "router":
             procs.append(start_service(args, "--role", "router", "--decode", procs[0][1]))
     else:  # disaggregated: one core each (the same core twice on a one-core machine)
@@ -268,8 +271,8 @@ def main() -> None:
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     workload = make_workload(args, vocab)
     print(f"model {args.model.name}; {args.num_prompts} requests, input ~{args.input_len}, output ~{args.output_len} "
-          f"(range ratio {args.range_ratio}), every {args.long_every or '-'}th prompt {args.long_input_len} tokens, "
-          f"rate {args.request_rate}/s, max concurrency {args.max_concurrency}; {os.cpu_count()} cores")
+          f"(range ratio {args.range_ratio}), "
+          f"{f'every {args.long_every}th prompt {args.long_input_len} tokens, ' if args.long_every else ''}rate {args.request_rate}/s, max concurrency {args.max_concurrency}; {os.cpu_count()} cores")
     rows = {}
     for mode in args.modes:
         if mode == "offline":

@@ -19,12 +19,18 @@ The path of one request:
 A block holds all layers' K and V ([num_blocks, layers, 2, block_size, heads, head_dim]),
 so a run of consecutive block ids on both sides is one contiguous region: one descriptor.
 Peers learn each other's `KVLayout` through the services' own RPC (`add_peer`).
+
+UCX only moves a transfer when its agents are polled, the target's included: a READ from a
+prefill that is busy with a long forward pass would not finish before that pass ends. So
+a small thread polls the agent (under the same lock as every other agent call) while
+transfers or holds are about; NIXL's own progress thread costs too much on a few cores.
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -153,6 +159,12 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._failed: dict[str, list[int]] = {}  # loads that could not start
         self._holds: dict[str, float] = {}  # request id -> deadline
         self._early_notifs: set[str] = set()  # reads that finished before their hold was registered
+        self._lock = threading.Lock()  # one caller into the agent at a time
+        self._inbox: list[bytes] = []  # notifications the progress thread collected
+        self._active_until = 0.0  # the progress thread polls until then (or while work is pending)
+        self._closed = threading.Event()
+        self._wake = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="nixl-progress", daemon=True)
         self.num_expired_holds = 0
         self.num_failed_loads = 0
         self.num_descriptors = 0  # READ descriptors issued, for tests and benchmarks
@@ -160,7 +172,9 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     # ---- memory and peers ---------------------------------------------------------------------
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
-        self._reg = self.agent.register_memory(kv_cache)
+        with self._lock:
+            self._reg = self.agent.register_memory(kv_cache)
+        self._poller.start()
         on_gpu = kv_cache.device.type == "cuda"
         self.layout = KVLayout(self.engine_id, self.agent.get_agent_metadata(), kv_cache.data_ptr(),
                                kv_cache[0].numel() * kv_cache.element_size(), kv_cache.shape[0],
@@ -174,9 +188,10 @@ class NixlConnectorWorker(KVConnectorWorker):
         if layout.block_bytes != self.layout.block_bytes:
             raise ValueError(f"peer {layout.engine_id} has {layout.block_bytes}-byte KV blocks, this engine "
                              f"{self.layout.block_bytes}: they must serve the same model with the same block size")
-        if known is not None:
-            self.agent.remove_remote_agent(known.agent_name)
-        name = self.agent.add_remote_agent(layout.agent_metadata)
+        with self._lock:
+            if known is not None:
+                self.agent.remove_remote_agent(known.agent_name)
+            name = self.agent.add_remote_agent(layout.agent_metadata)
         self.peers[layout.engine_id] = _Peer(name.decode() if isinstance(name, bytes) else name, layout)
 
     def _descs(self, layout: KVLayout, runs: list[tuple[int, int, int]], side: int):
@@ -185,9 +200,34 @@ class NixlConnectorWorker(KVConnectorWorker):
                                           for run in runs], layout.mem_type)
 
     # ---- each step ----------------------------------------------------------------------------
+    # ---- polling between steps ---------------------------------------------------------------
+    def _poll(self) -> None:
+        """Keep UCX moving while a forward pass runs: the GIL is free then, the agent is not."""
+        while not self._closed.is_set():
+            if not (self._loading or self._holds or time.monotonic() < self._active_until):
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            time.sleep(0.001)
+            with self._lock:
+                if self.layout is None:
+                    return
+                for messages in self.agent.get_new_notifs().values():
+                    self._inbox.extend(messages)
+
+    def _stay_active(self) -> None:
+        self._active_until = time.monotonic() + 5.0  # a hold registers a step after its handle leaves
+        self._wake.set()
+
     def start_load_kv(self, metadata: NixlConnectorMeta | None) -> None:
         if metadata is None:
             return
+        if metadata.loads or metadata.holds:
+            self._stay_active()
+        with self._lock:
+            self._start_loads(metadata)
+
+    def _start_loads(self, metadata: NixlConnectorMeta) -> None:
         self._holds.update(metadata.holds)
         for req_id in self._early_notifs & metadata.holds.keys():
             self._holds[req_id] = 0.0  # already read: released by get_finished right away
@@ -223,6 +263,10 @@ class NixlConnectorWorker(KVConnectorWorker):
             self._early_notifs.add(req_id)
 
     def get_finished(self) -> KVConnectorOutput:
+        with self._lock:
+            return self._get_finished()
+
+    def _get_finished(self) -> KVConnectorOutput:
         out = KVConnectorOutput()
         now = time.monotonic()
         for req_id, (handle, blocks, give_up) in list(self._loading.items()):
@@ -245,12 +289,13 @@ class NixlConnectorWorker(KVConnectorWorker):
             self.num_failed_loads += 1
         self._failed = {}
         for messages in self.agent.get_new_notifs().values():
-            for message in messages:
-                req_id = message.decode()
-                if self._holds.pop(req_id, None) is not None:
-                    out.finished_sending.add(req_id)
-                else:
-                    self._early_notifs.add(req_id)
+            self._inbox.extend(messages)
+        inbox, self._inbox = self._inbox, []
+        for req_id in (message.decode() for message in inbox):
+            if self._holds.pop(req_id, None) is not None:
+                out.finished_sending.add(req_id)
+            else:
+                self._early_notifs.add(req_id)
         for req_id, deadline in list(self._holds.items()):
             if now >= deadline:
                 del self._holds[req_id]
@@ -261,12 +306,15 @@ class NixlConnectorWorker(KVConnectorWorker):
         return out
 
     def close(self) -> None:
-        for handle, _, _ in self._loading.values():
-            self.agent.release_xfer_handle(handle)
-        self._loading.clear()
-        if self.layout is not None:
-            self.agent.deregister_memory(self._reg)
-            self.layout = None
+        self._closed.set()
+        self._wake.set()
+        with self._lock:
+            for handle, _, _ in self._loading.values():
+                self.agent.release_xfer_handle(handle)
+            self._loading.clear()
+            if self.layout is not None:
+                self.agent.deregister_memory(self._reg)
+                self.layout = None
 
 
 def make_nixl_connector(engine_id: str, block_size: int, hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,

@@ -28,11 +28,12 @@ from grpc_reflection.v1alpha import reflection
 from baton.engine.kv_cache_manager import prefix_block_hashes
 from baton.services.server import SERVICE_NAME, TOKEN_KEY, drain
 from baton.v1 import generate_pb2 as pb
-from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
+from baton.v1 import internal_pb2_grpc
 
 log = logging.getLogger("baton.router")
 
 POLICIES = ("round_robin", "least_outstanding", "prefix_affinity")
+GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 # Reconnect quickly to a backend that comes back (gRPC's default backoff grows to 2 minutes).
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                     ("grpc.max_reconnect_backoff_ms", 2000)]
@@ -81,7 +82,9 @@ class Backend:
     def __init__(self, address: str, retry_s: float, on_health_change):
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self.generate = generate_pb2_grpc.TextGenerationStub(self.channel)
+        # Responses stay bytes: the router forwards them without parsing them again.
+        self.generate = self.channel.unary_stream(GENERATE_METHOD, request_serializer=pb.GenerateRequest.SerializeToString,
+                                                  response_deserializer=None)
         self.prefill = internal_pb2_grpc.PrefillStub(self.channel)
         self.healthy = False
         self.outstanding = 0
@@ -222,7 +225,9 @@ class _Unavailable(Exception):
     """A backend failed before the client saw a token: the request may go elsewhere."""
 
 
-class RouterService(generate_pb2_grpc.TextGenerationServicer):
+class RouterService:
+    """baton.v1.TextGeneration, its responses passed through as serialized bytes."""
+
     def __init__(self, router: Router):
         self.router = router
 
@@ -255,17 +260,17 @@ class RouterService(generate_pb2_grpc.TextGenerationServicer):
                 yield resp
             return
         if not reply.HasField("handle"):  # the first token ended the request
-            yield reply.first
+            yield reply.first.SerializeToString()
             return
         msg.kv_handle.CopyFrom(reply.handle)
         decode = r.pick(r.decode, r.decode_policy, hashes)
         if decode is None:
             await r.release(prefill_tried[-1], reply.handle)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode instance")
-        call = decode.generate.Generate(msg, metadata=metadata, timeout=context.time_remaining())
+        call = decode.generate(msg, metadata=metadata, timeout=context.time_remaining())
         pulled = False  # the decode's first response means it has the blocks
         try:
-            yield reply.first  # the first token goes out while the decode pulls the KV
+            yield reply.first.SerializeToString()  # the first token goes out while the decode pulls the KV
             async for resp in call:
                 pulled = True
                 yield resp
@@ -305,7 +310,7 @@ class RouterService(generate_pb2_grpc.TextGenerationServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode instance" +
                                     (f" (tried {', '.join(b.address for b in tried)})" if tried else ""))
             tried.append(decode)
-            call = decode.generate.Generate(msg, metadata=metadata, timeout=context.time_remaining())
+            call = decode.generate(msg, metadata=metadata, timeout=context.time_remaining())
             started = False
             try:
                 async for resp in call:
@@ -336,7 +341,10 @@ class Router:
         self.grpc = grpc.aio.server(options=[("grpc.max_send_message_length", o.max_message_bytes),
                                              ("grpc.max_receive_message_length", o.max_message_bytes),
                                              ("grpc.so_reuseport", 0)])
-        generate_pb2_grpc.add_TextGenerationServicer_to_server(RouterService(self), self.grpc)
+        service = RouterService(self)
+        self.grpc.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                service.Generate, request_deserializer=pb.GenerateRequest.FromString, response_serializer=None)})])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],

@@ -264,6 +264,82 @@ def test_without_a_prefill_instance_decode_computes_the_prompt(tiny_llama, tmp_p
             p.stop()
 
 
+class BrokenBackend:
+    """Reports SERVING, then fails every call with UNAVAILABLE: an instance that dies between
+    its health report and the request. The fault is injected here; the router is real."""
+
+    def __init__(self):
+        from concurrent import futures
+
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        self.calls = 0
+        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        status = health.HealthServicer()
+        for name in ("", "baton.v1.TextGeneration"):
+            status.set(name, health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(status, self.server)
+
+        def fail(request, context):
+            self.calls += 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "injected: the instance went away")
+
+        self.server.add_generic_rpc_handlers([
+            grpc.method_handlers_generic_handler("baton.v1.TextGeneration",
+                                                 {"Generate": grpc.unary_stream_rpc_method_handler(fail)}),
+            grpc.method_handlers_generic_handler("baton.v1.Prefill",
+                                                 {"Prefill": grpc.unary_unary_rpc_method_handler(fail)})])
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+
+def test_a_failure_before_the_first_token_is_retried_on_another_instance(stack, tiny_llama):
+    prefill, decode, _ = stack
+    broken = BrokenBackend()
+    routers = []
+    prompt = prompts_of([40], seed=79)[0]
+    greedy = dict(max_tokens=5, temperature=0.0, ignore_eos=True)
+    want = LLM(tiny_llama, dtype="float32", device="cpu").generate([prompt], SamplingParams(**greedy))[0].token_ids
+
+    def start(*backends: str) -> str:
+        routers.append(ServerProcess(tiny_llama, "--role", "router", "--internal-token", TOKEN, *backends))
+        wait_serving(routers[-1].address)
+        return routers[-1].address
+
+    async def send(address: str, n: int):
+        async with AsyncClient(address) as client:
+            return [(await collect(client, prompt, request_id=f"retry-{i}", **greedy)) for i in range(n)]
+
+    try:
+        # A broken prefill: the prefill call goes to the other one.
+        got = run(send(start("--prefill", f"{broken.address},{prefill[0].address}", "--decode", decode[0].address), 6))
+        assert [ids for ids, _, _ in got] == [want] * 6 and broken.calls >= 1
+        assert [last.request_id for _, _, last in got] == [f"retry-{i}" for i in range(6)]  # ids pass through
+        # A broken decode on the colocated path (no prefill): retried on the other decode.
+        calls = broken.calls
+        got = run(send(start("--decode", f"{broken.address},{decode[0].address}"), 6))
+        assert [ids for ids, _, _ in got] == [want] * 6 and broken.calls > calls
+        # A decode failing after the prefill's first token went out: UNAVAILABLE, and the
+        # prefill's hold is released at once, not at its timeout.
+        address = start("--prefill", prefill[0].address, "--decode", broken.address)
+
+        async def after_first():
+            async with AsyncClient(address) as client:
+                ids = []
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for chunk in client.generate(prompt, **greedy):
+                        ids += chunk.token_ids
+                return ids, err.value
+
+        ids, err = run(after_first())
+        assert ids == want[:1] and err.code() == grpc.StatusCode.UNAVAILABLE and broken.address in err.details()
+        assert pools_full(prefill[0].address) and stats(prefill[0].address).num_expired_holds == 0
+    finally:
+        for r in routers:
+            r.stop()
+        broken.server.stop(0)
+
+
 def test_cancelling_50_streams_at_the_router_frees_both_tiers(stack):
     prefill, decode, start_router = stack
     r = start_router("round_robin")
@@ -271,7 +347,8 @@ def test_cancelling_50_streams_at_the_router_frees_both_tiers(stack):
     prompts = prompts_of([rng.randint(10, 100) for _ in range(50)], seed=78)
 
     async def cancel_after(client, prompt, n_chunks: int, delay: float):
-        stream = client.generate(prompt, max_tokens=200, temperature=0.0, ignore_eos=True)
+        deadline = rng.choice([None, None, rng.uniform(0.05, 0.5)])  # some end by their deadline instead
+        stream = client.generate(prompt, max_tokens=200, temperature=0.0, ignore_eos=True, timeout=deadline)
         task = asyncio.ensure_future(stream.__anext__())  # n_chunks 0: cancelled before any token
         await asyncio.sleep(delay)
         try:
