@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from baton.engine.kv_cache_manager import KVCacheManager
-from baton.engine.request import Request
+from baton.engine.request import Request, RequestStatus
 from baton.engine.sampling_params import SamplingParams
 from baton.kv_transfer.nixl_connector import _new_agent, make_nixl_connector
 
@@ -85,11 +85,14 @@ def handoff(prefill: Side, decode: Side, n_tokens: int, tag: str) -> tuple[float
     p_req.kv_transfer_params = {"do_remote_decode": True}
     prefill.kv.allocate_slots(p_req, n_tokens)
     p_req.append_output_token(1)
+    p_req.status = RequestStatus.FINISHED_LENGTH_CAPPED  # ended as asked: its blocks are held
     d_req = Request(f"d-{tag}", list(range(n_tokens)), SamplingParams(max_tokens=2))
     descriptors_before = decode.worker.num_descriptors
 
     t0 = time.perf_counter()  # prefill done
     hold, handle = prefill.sched.request_finished(p_req, prefill.kv.block_ids(p_req.request_id))
+    if not hold:
+        raise RuntimeError("the prefill side did not hold the blocks")
     prefill.worker.start_load_kv(prefill.sched.build_connector_meta(None))  # registers the hold
     d_req.kv_transfer_params = handle
     num_external, _ = decode.sched.get_num_new_matched_tokens(d_req, 0)

@@ -174,11 +174,11 @@ class NixlConnectorWorker(KVConnectorWorker):
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         with self._lock:
             self._reg = self.agent.register_memory(kv_cache)
-        self._poller.start()
         on_gpu = kv_cache.device.type == "cuda"
         self.layout = KVLayout(self.engine_id, self.agent.get_agent_metadata(), kv_cache.data_ptr(),
                                kv_cache[0].numel() * kv_cache.element_size(), kv_cache.shape[0],
                                "VRAM" if on_gpu else "DRAM", (kv_cache.device.index or 0) if on_gpu else 0)
+        self._poller.start()
 
     def add_peer(self, layout: KVLayout) -> None:
         """Learn a peer's layout (once per peer; again when it restarted with new metadata)."""
@@ -199,8 +199,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         return self.agent.get_xfer_descs([(layout.base_addr + run[side] * size, run[2] * size, layout.dev_id)
                                           for run in runs], layout.mem_type)
 
-    # ---- each step ----------------------------------------------------------------------------
-    # ---- polling between steps ---------------------------------------------------------------
+    # ---- polling during steps ----------------------------------------------------------------
     def _poll(self) -> None:
         """Keep UCX moving while a forward pass runs: the GIL is free then, the agent is not."""
         while not self._closed.is_set():
@@ -219,6 +218,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._active_until = time.monotonic() + 5.0  # a hold registers a step after its handle leaves
         self._wake.set()
 
+    # ---- each step ----------------------------------------------------------------------------
     def start_load_kv(self, metadata: NixlConnectorMeta | None) -> None:
         if metadata is None:
             return

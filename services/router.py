@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import socket
 import uuid
 from collections import OrderedDict
@@ -26,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from baton.engine.kv_cache_manager import prefix_block_hashes
-from baton.services.server import SERVICE_NAME, TOKEN_KEY, drain
+from baton.services.server import SERVICE_NAME, TOKEN_KEY, drain, in_background
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2_grpc
 
@@ -286,7 +285,7 @@ class RouterService:
             if not call.done():  # the client went away (cancel, deadline): stop the decode too
                 call.cancel()
             if not pulled:  # the blocks may still be held for a reader that will never come
-                r.in_background(r.release(prefill_tried[-1], reply.handle))
+                in_background(r.background, r.release(prefill_tried[-1], reply.handle))
 
     async def _prefill(self, prefill: Backend, msg, metadata, context):
         """The prefill's reply, or None when the instance is unreachable."""
@@ -356,7 +355,7 @@ class Router:
         self._reported: bool | None = None  # the health last reported
         self.serving = False  # takes requests (between start and stop)
         self.num_in_flight = 0
-        self._background: set[asyncio.Task] = set()  # referenced until done (asyncio keeps weak refs)
+        self.background: set[asyncio.Task] = set()
 
     @property
     def address(self) -> str:
@@ -387,15 +386,10 @@ class Router:
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, status)
 
-    def in_background(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     def _health_changed(self) -> None:
         """The router serves while any decode instance does (it can then answer, colocated
         at worst)."""
-        self.in_background(self._report(self.serving and bool(self.decode.healthy())))
+        in_background(self.background, self._report(self.serving and bool(self.decode.healthy())))
 
     def pick(self, tier: Tier, policy, hashes: list[int], exclude=()) -> Backend | None:
         backends = tier.healthy(tuple(exclude))

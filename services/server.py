@@ -172,14 +172,13 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
         first.ClearField("finish_reason")  # the request goes on at the decode side
         first.ClearField("usage")
         # A caller gone before the handle reached it leaves nobody to pull the blocks.
-        context.add_done_callback(lambda ctx: ctx.cancelled() and asyncio.ensure_future(
-            self.server.release_hold(handle["remote_request_id"])))
+        context.add_done_callback(lambda ctx: ctx.cancelled() and in_background(
+            self.server.background, self.server.release_hold(handle["remote_request_id"])))
         return internal_pb2.PrefillResponse(
             first=first,
             handle=pb.KVHandle(engine_id=handle["remote_engine_id"], address=self.server.address,
                                request_id=handle["remote_request_id"], block_ids=handle["remote_block_ids"],
                                num_tokens=handle["num_tokens"], first_token=handle["first_token"]))
-
 
     async def Release(self, handle: pb.KVHandle, context: grpc.aio.ServicerContext):
         await self.server.check_token(context)
@@ -239,6 +238,13 @@ def response_from_output(out: StepOutput, with_text: bool, with_ids: bool) -> pb
     return resp
 
 
+def in_background(tasks: set[asyncio.Task], coro) -> None:
+    """Run coro as a task that stays referenced until done (asyncio keeps only weak ones)."""
+    task = asyncio.ensure_future(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+
+
 async def drain(server: grpc.aio.Server, num_in_flight, grace_s: float) -> None:
     """Give in-flight requests up to grace_s to finish, then stop the server, cancelling what
     is left. grpc's own grace would also wait for long-lived calls that never end by
@@ -278,6 +284,7 @@ class Server:
         reflection.enable_server_reflection(
             [*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], self.grpc)
         self.kv_worker = None
+        self.background: set[asyncio.Task] = set()
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
         self.port = self.grpc.add_insecure_port(f"{o.host}:{o.port}")
         if self.port == 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,16 +28,10 @@ def engine(model: str, role: str, *flags: str) -> ServerProcess:
     return ServerProcess(model, "--role", role, "--internal-token", TOKEN, *flags)
 
 
-def router(policy: str, prefill: list[ServerProcess], decode: list[ServerProcess], *flags: str) -> ServerProcess:
-    argv = ["--role", "router", "--internal-token", TOKEN, "--policy", policy]
-    for name, tier in (("--prefill", prefill), ("--decode", decode)):
-        if tier:
-            argv += [name, ",".join(p.address for p in tier)]
-    return ServerProcess(tier_model(decode), *argv, *flags)
-
-
-def tier_model(procs: list[ServerProcess]) -> str:
-    return procs[0].proc.args[procs[0].proc.args.index("--model") + 1]
+def router(model: str, policy: str, prefill: list[ServerProcess], decode: list[ServerProcess]) -> ServerProcess:
+    return ServerProcess(model, "--role", "router", "--internal-token", TOKEN, "--policy", policy,
+                         "--prefill", ",".join(p.address for p in prefill),
+                         "--decode", ",".join(p.address for p in decode))
 
 
 def wait_serving(address: str, timeout: float = 30.0) -> None:
@@ -64,8 +59,8 @@ def stack(tiny_llama):
     procs += [engine(tiny_llama, "decode") for _ in range(2)]
     routers: list[ServerProcess] = []
 
-    def start_router(policy: str, *flags: str) -> ServerProcess:
-        r = router(policy, procs[:2], procs[2:], *flags)
+    def start_router(policy: str) -> ServerProcess:
+        r = router(tiny_llama, policy, procs[:2], procs[2:])
         routers.append(r)
         wait_serving(r.address)
         return r
@@ -408,7 +403,7 @@ def test_baton_up_fails_clearly(tiny_llama, tmp_path):
     bad = baton("up", "--model", str(tmp_path / "nowhere"), "--port", str(free_port("127.0.0.1")))
     out, _ = bad.communicate(timeout=60)
     assert bad.returncode == 2 and "not a checkpoint directory" in out
-    with __import__("socket").socket() as taken:
+    with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         bad = baton("up", "--model", tiny_llama, "--port", str(taken.getsockname()[1]))
