@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from baton.engine.kv_cache_manager import KVCacheManager
+from baton.engine.model import ModelArgs
 from baton.engine.request import Request, RequestStatus
 from baton.engine.sampling_params import SamplingParams
 from baton.kv_transfer.nixl_connector import _new_agent, make_nixl_connector
@@ -53,9 +54,8 @@ def shapes(args) -> dict[str, tuple[int, int, int]]:
     out = {}
     path = REPO / args.demo_model / "config.json"
     if path.is_file():
-        cfg = json.loads(path.read_text())
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        out[path.parent.name] = (cfg["num_hidden_layers"], cfg["num_key_value_heads"], head_dim)
+        model = ModelArgs.from_hf_config(json.loads(path.read_text()))
+        out[path.parent.name] = (model.num_layers, model.num_kv_heads, model.head_dim)
     out = {**out, **SHAPES}
     return {k: v for k, v in out.items() if args.shapes is None or k in args.shapes.split(",")}
 

@@ -29,11 +29,14 @@ def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
-def prefix_block_hashes(token_ids: list[int], block_size: int, max_blocks: int | None = None) -> list[int]:
-    """The chain hashes of a prompt's first full blocks, as the cache computes them."""
-    hashes, parent = [], _ROOT_HASH
-    n = len(token_ids) // block_size if max_blocks is None else min(max_blocks, len(token_ids) // block_size)
-    for i in range(n):
+def extend_block_hashes(hashes: list[int], token_ids: list[int], block_size: int,
+                        max_blocks: int | None = None) -> list[int]:
+    """Append the chain hashes of token_ids' full blocks after the len(hashes) already there
+    (up to max_blocks in all); returns hashes. The cache and the router's affinity both use
+    it, so they name equal prefixes alike."""
+    end = len(token_ids) // block_size if max_blocks is None else min(max_blocks, len(token_ids) // block_size)
+    parent = hashes[-1] if hashes else _ROOT_HASH
+    for i in range(len(hashes), end):
         parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
         hashes.append(parent)
     return hashes
@@ -70,11 +73,7 @@ class KVCacheManager:
 
     # ---- prefix caching ------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> None:
-        hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
-        parent = hashes[-1] if hashes else _ROOT_HASH
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]))
-            hashes.append(parent)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """The longest run of cached full blocks that prefixes the request, and its token count."""

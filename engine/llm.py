@@ -21,16 +21,15 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str, **engine_args):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+    def __init__(self, model: str | EngineConfig, **engine_args):
+        """model: a checkpoint directory (with engine_args), or a whole EngineConfig."""
+        config = model if isinstance(model, EngineConfig) else EngineConfig.from_kwargs(model, **engine_args)
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
-        llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config)
-        llm._ids = itertools.count()
-        return llm
+        return cls(config)
 
     @property
     def tokenizer(self):

@@ -55,6 +55,12 @@ def load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation's prompt token ids, the assistant's turn opened for the reply."""
+    check(tokenizer.chat_template is not None, "messages", "this checkpoint has no chat template")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
 def _eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
     path = os.path.join(model_dir, "generation_config.json")
     eos = None
@@ -108,9 +114,7 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        check(self.tokenizer.chat_template is not None, "messages", "this checkpoint has no chat template")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)
+        return apply_chat_template(self.tokenizer, messages)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                      priority: int = 0, arrival_time: float | None = None,

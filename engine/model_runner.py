@@ -9,10 +9,10 @@ import torch
 
 from baton.engine.config import EngineConfig
 from baton.engine.model import CausalLM
-from baton.engine.sampler import sample
+from baton.engine.sampler import sample, skip_draws
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import ModelRunnerOutput, SchedulerOutput
-from baton.kernels.attention import AttentionMetadata, DecodeGroup, PrefillSeq, group_decodes
+from baton.kernels.attention import DECODE_PADDING_ELEMS, AttentionMetadata, DecodeGroup, PrefillSeq, group_decodes
 from baton.kv_transfer.base import KVConnectorWorker
 
 
@@ -42,7 +42,7 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.connector = connector
-        self.decode_padding_elems = 1 << 18  # per decode group; see group_decodes
+        self.decode_padding_elems = DECODE_PADDING_ELEMS  # per decode group; tests shrink it
         if connector is not None:
             connector.register_kv_caches(self.kv_cache)
 
@@ -56,8 +56,8 @@ class ModelRunner:
             else:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
                 if not params.greedy:  # outputs sampled elsewhere (a prefill peer) used their draws
-                    for _ in range(len(new.token_ids) - new.num_prompt_tokens):
-                        torch.empty(self.model.args.vocab_size, device=self.device).exponential_(generator=generator)
+                    skip_draws(generator, len(new.token_ids) - new.num_prompt_tokens, self.model.args.vocab_size,
+                               self.device)
         self.states[new.req_id] = RequestState(list(new.token_ids), list(new.block_ids), params, generator,
                                                new.num_prompt_tokens)
 

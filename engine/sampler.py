@@ -41,6 +41,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     out = greedy.tolist()
     for j, i in enumerate(random_rows):
         # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples from p.
-        noise = torch.empty_like(probs[j]).exponential_(generator=generators[i])
-        out[i] = int((probs[j] / noise).argmax())
+        out[i] = int((probs[j] / _noise(probs.shape[-1], probs.device, generators[i])).argmax())
     return out
+
+
+def _noise(vocab_size: int, device, generator: torch.Generator) -> torch.Tensor:
+    """One sampling step's draw from a request's generator (float32, as the probabilities)."""
+    return torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=generator)
+
+
+def skip_draws(generator: torch.Generator, num_steps: int, vocab_size: int, device) -> None:
+    """Advance a seeded generator past the draws of tokens sampled elsewhere (a prefill peer),
+    so the rest of the stream is what one engine would have sampled."""
+    for _ in range(num_steps):
+        _noise(vocab_size, device, generator)

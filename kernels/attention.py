@@ -52,8 +52,11 @@ def causal_mask(q_len: int, ctx_len: int, group: int, dtype: torch.dtype, device
     return torch.zeros(future.shape, dtype=dtype, device=device).masked_fill_(future, float("-inf")).repeat(group, 1)
 
 
+DECODE_PADDING_ELEMS = 1 << 18  # cache elements a decode group may waste on padding (~1 MiB in float32)
+
+
 def group_decodes(context_lens: list[int], kv_elems_per_token: int,
-                  max_padding_elems: int = 1 << 18) -> list[int]:
+                  max_padding_elems: int = DECODE_PADDING_ELEMS) -> list[int]:
     """Split decodes, sorted by context length (longest first), into groups that each waste
     at most ~max_padding_elems cache elements (~1 MiB in float32) on padding. Small models
     get one group (a call costs more than their padding); long-tailed batches on real models

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("baton.kv_transfer")
 
 DEFAULT_HOLD_TIMEOUT_S = 120.0
+_EARLY_NOTIF_TTL_S = 60.0  # a hold registers one step after its request finished: far less
 DEFAULT_LOAD_TIMEOUT_S = 30.0
 
 
@@ -76,6 +77,12 @@ class NixlConnectorMeta:
     holds: dict[str, float] = field(default_factory=dict)  # prefill: request id -> monotonic deadline
 
 
+def _remote_handle(request: Request) -> dict | None:
+    """The KV handle a decode request came with, if any."""
+    params = request.kv_transfer_params
+    return params if params and "remote_block_ids" in params else None
+
+
 class NixlConnectorScheduler(KVConnectorScheduler):
     def __init__(self, engine_id: str, block_size: int, hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S):
         self.engine_id = engine_id
@@ -84,15 +91,15 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._meta = NixlConnectorMeta()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        handle = request.kv_transfer_params
-        if not handle or "remote_block_ids" not in handle:
+        handle = _remote_handle(request)
+        if handle is None:
             return 0, False
         num_remote = handle["num_tokens"] - num_computed_tokens
         return (num_remote, True) if num_remote > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        handle = request.kv_transfer_params
-        if not handle or "remote_block_ids" not in handle:
+        handle = _remote_handle(request)
+        if handle is None:
             return
         # Local hits are whole blocks, so the pulled range starts on a block boundary. When
         # they cover everything the load is empty: it only tells the prefill side to let go.
@@ -158,7 +165,9 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._loading: dict[str, tuple[object, list[int], float]] = {}
         self._failed: dict[str, list[int]] = {}  # loads that could not start
         self._holds: dict[str, float] = {}  # request id -> deadline
-        self._early_notifs: set[str] = set()  # reads that finished before their hold was registered
+        # Reads that finished before their hold was registered (request id -> when), and
+        # reads of holds already let go: forgotten after _EARLY_NOTIF_TTL_S.
+        self._early_notifs: dict[str, float] = {}
         self._lock = threading.Lock()  # one caller into the agent at a time
         self._inbox: list[bytes] = []  # notifications the progress thread collected
         self._active_until = 0.0  # the progress thread polls until then (or while work is pending)
@@ -166,7 +175,6 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._wake = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="nixl-progress", daemon=True)
         self.num_expired_holds = 0
-        self.num_failed_loads = 0
         self.num_descriptors = 0  # READ descriptors issued, for tests and benchmarks
         self.num_blocks_pulled = 0
 
@@ -211,8 +219,11 @@ class NixlConnectorWorker(KVConnectorWorker):
             with self._lock:
                 if self.layout is None:
                     return
-                for messages in self.agent.get_new_notifs().values():
-                    self._inbox.extend(messages)
+                self._collect_notifs()
+
+    def _collect_notifs(self) -> None:  # under self._lock
+        for messages in self.agent.get_new_notifs().values():
+            self._inbox.extend(messages)
 
     def _stay_active(self) -> None:
         self._active_until = time.monotonic() + 5.0  # a hold registers a step after its handle leaves
@@ -220,18 +231,17 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     # ---- each step ----------------------------------------------------------------------------
     def start_load_kv(self, metadata: NixlConnectorMeta | None) -> None:
-        if metadata is None:
+        if metadata is None or not (metadata.loads or metadata.holds):
             return
-        if metadata.loads or metadata.holds:
-            self._stay_active()
+        self._stay_active()
         with self._lock:
             self._start_loads(metadata)
 
     def _start_loads(self, metadata: NixlConnectorMeta) -> None:
         self._holds.update(metadata.holds)
-        for req_id in self._early_notifs & metadata.holds.keys():
+        for req_id in self._early_notifs.keys() & metadata.holds.keys():
             self._holds[req_id] = 0.0  # already read: released by get_finished right away
-        self._early_notifs -= metadata.holds.keys()
+            del self._early_notifs[req_id]
         for load in metadata.loads:
             try:
                 peer = self.peers.get(load.remote_engine_id)
@@ -260,7 +270,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         if req_id in self._holds:
             self._holds[req_id] = 0.0
         else:  # finished this step: its hold registers with the next step's metadata
-            self._early_notifs.add(req_id)
+            self._early_notifs[req_id] = time.monotonic()
 
     def get_finished(self) -> KVConnectorOutput:
         with self._lock:
@@ -286,16 +296,17 @@ class NixlConnectorWorker(KVConnectorWorker):
         for req_id, blocks in self._failed.items():
             out.finished_recving.add(req_id)
             out.invalid_block_ids.update(blocks)
-            self.num_failed_loads += 1
         self._failed = {}
-        for messages in self.agent.get_new_notifs().values():
-            self._inbox.extend(messages)
+        self._collect_notifs()
         inbox, self._inbox = self._inbox, []
         for req_id in (message.decode() for message in inbox):
             if self._holds.pop(req_id, None) is not None:
                 out.finished_sending.add(req_id)
             else:
-                self._early_notifs.add(req_id)
+                self._early_notifs[req_id] = now
+        for req_id, seen in list(self._early_notifs.items()) if self._early_notifs else ():
+            if now - seen > _EARLY_NOTIF_TTL_S:  # its hold was let go (released, expired) before the read
+                del self._early_notifs[req_id]
         for req_id, deadline in list(self._holds.items()):
             if now >= deadline:
                 del self._holds[req_id]

@@ -118,6 +118,8 @@ class AsyncEngine:
             raise EngineDead(f"the engine stopped: {self._error!r}")
         future = concurrent.futures.Future()
         self._submit(("call", (future, fn, args)))
+        if self._error is not None:  # the loop died meanwhile: nobody will run it
+            self._fail_pending_calls()
         return await asyncio.wrap_future(future)
 
     def _submit(self, command: tuple) -> None:
@@ -136,11 +138,20 @@ class AsyncEngine:
                 stream.put_nowait(out)
 
     def _fail_all(self, error: BaseException) -> None:
-        self._error = error
         for stream in self._streams.values():
             stream.put_nowait(EngineDead(f"the engine stopped: {error!r}"))
         if self.on_dead is not None:
             self.on_dead(error)
+
+    def _fail_pending_calls(self) -> None:
+        """Commands queued for a step loop that is gone: their callers get EngineDead."""
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call" and arg[0].set_running_or_notify_cancel():
+                arg[0].set_exception(EngineDead(f"the engine stopped: {self._error!r}"))
 
     # ---- the step loop (its own thread) -----------------------------------------------------
     def _apply_commands(self) -> tuple[int, list[tuple[str, Exception]]]:
@@ -187,4 +198,6 @@ class AsyncEngine:
                     self._wakeup.clear()
         except BaseException as error:  # noqa: BLE001 - reported to every stream, then logged
             log.exception("the engine step loop stopped")
+            self._error = error
+            self._fail_pending_calls()
             self._loop.call_soon_threadsafe(self._fail_all, error)

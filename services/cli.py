@@ -52,11 +52,17 @@ def _add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
     g.add_argument("--no-chunked-prefill", action="store_true", help="run each prompt in one step")
 
 
-def _engine_config(args):
+def _model_dir(args) -> str:
+    """--model, or the demo model that prepare-models wrote."""
     from baton.engine.checkpoints import SMOLLM2_DIR_NAME
+
+    return args.model or os.path.join(args.models_dir, SMOLLM2_DIR_NAME)
+
+
+def _engine_config(args):
     from baton.engine.config import EngineConfig
 
-    model = args.model or os.path.join(args.models_dir, SMOLLM2_DIR_NAME)
+    model = _model_dir(args)
     kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}
     return EngineConfig.from_kwargs(model, enable_prefix_caching=not args.no_prefix_caching,
                                     enable_chunked_prefill=not args.no_chunked_prefill, **kwargs)
@@ -73,9 +79,11 @@ def _serve(args) -> None:
         make = lambda: Router(_router_options(args))  # noqa: E731
     else:
         from baton.services.server import Server, ServerOptions
-        options = ServerOptions(args.host, args.port, args.max_concurrent_streams, args.max_message_bytes,
-                                args.max_waiting_requests, args.grace_period, args.role, args.internal_token,
-                                args.kv_hold_timeout)
+        options = ServerOptions(host=args.host, port=args.port, max_concurrent_streams=args.max_concurrent_streams,
+                                max_message_bytes=args.max_message_bytes,
+                                max_waiting_requests=args.max_waiting_requests, grace_s=args.grace_period,
+                                role=args.role, internal_token=args.internal_token,
+                                kv_hold_timeout_s=args.kv_hold_timeout)
         make = lambda: Server(_engine_config(args), options)  # noqa: E731
 
     async def run() -> None:
@@ -102,7 +110,6 @@ def _router_options(args):
     RouterOptions fields)."""
     import yaml
 
-    from baton.engine.checkpoints import SMOLLM2_DIR_NAME
     from baton.services.router import RouterOptions
 
     config = {}
@@ -118,7 +125,7 @@ def _router_options(args):
             config[name] = flags
     if args.policy:
         config["policy"] = args.policy
-    tokenizer_dir = args.model or os.path.join(args.models_dir, SMOLLM2_DIR_NAME)
+    tokenizer_dir = _model_dir(args)
     config.setdefault("tokenizer_dir", tokenizer_dir if os.path.isdir(tokenizer_dir) else None)
     if args.block_size:
         config["block_size"] = args.block_size
@@ -127,7 +134,6 @@ def _router_options(args):
 
 
 def _up(args) -> None:
-    from baton.engine.checkpoints import SMOLLM2_DIR_NAME
     from baton.services.launcher import up
 
     if args.decode < 1 or args.prefill < 0:
@@ -136,8 +142,7 @@ def _up(args) -> None:
             if getattr(args, name, None) is not None]
     argv += [flag for flag, on in (("--no-prefix-caching", args.no_prefix_caching),
                                    ("--no-chunked-prefill", args.no_chunked_prefill)) if on]
-    model = args.model or os.path.join(args.models_dir, SMOLLM2_DIR_NAME)
-    sys.exit(up(model, args.host, args.port, args.prefill, args.decode, argv, args.policy, args.start_timeout))
+    sys.exit(up(_model_dir(args), args.host, args.port, args.prefill, args.decode, argv, args.policy, args.start_timeout))
 
 
 def _generate(args) -> None:
@@ -188,6 +193,8 @@ def _generate_offline(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from baton.services.common import POLICIES
+
     parser = argparse.ArgumentParser(prog="baton", description="Baton: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare-models", help="write the demo model and the tiny test checkpoints",
@@ -221,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="prefill instances; a DNS name stands for every address it resolves to (re-resolved "
                         "periodically); repeat or comma-separate")
     r.add_argument("--decode", action="append", metavar="HOST:PORT[,…]", help="decode instances, as --prefill")
-    r.add_argument("--policy", choices=["round_robin", "least_outstanding", "prefix_affinity"],
+    r.add_argument("--policy", choices=POLICIES,
                    help="how to pick an instance (default round_robin); prefix_affinity sends shared prompt "
                         "prefixes to one instance, within a load bound")
     r.add_argument("--router-config", metavar="FILE",
@@ -238,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     u.add_argument("--prefill", type=int, default=1, help="prefill instances (default: %(default)s; 0: decode "
                                                            "instances compute prompts themselves)")
     u.add_argument("--decode", type=int, default=1, help="decode instances (default: %(default)s)")
-    u.add_argument("--policy", choices=["round_robin", "least_outstanding", "prefix_affinity"],
+    u.add_argument("--policy", choices=POLICIES,
                    default="round_robin", help="the router's policy (default: %(default)s)")
     u.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for all to serve")
     _add_engine_flags(u)

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from baton.services.common import FINISH_REASONS
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
 
-_FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                   pb.FINISH_REASON_ABORT: "abort", pb.FINISH_REASON_ERROR: "error"}
+_FINISH_REASONS = {code: name for name, code in FINISH_REASONS.items()}
 _OUTPUTS = {"text": pb.OUTPUT_TEXT, "token_ids": pb.OUTPUT_TOKEN_IDS, "both": pb.OUTPUT_TEXT_AND_TOKEN_IDS}
 
 

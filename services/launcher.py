@@ -52,6 +52,7 @@ def _die_with_parent() -> None:
 @dataclass
 class Service:
     name: str
+    role: str
     address: str
     argv: list[str]
     proc: subprocess.Popen | None = None
@@ -119,13 +120,13 @@ class Stack:
 def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
                 policy: str) -> Stack:
     serve = [sys.executable, "-m", "baton.services.cli", "serve", "--host", host, "--model", model]
-    engines = [Service(f"{role}-{i}", f"{host}:{p}", [*serve, "--role", role, "--port", str(p), *engine_argv])
+    engines = [Service(f"{role}-{i}", role, f"{host}:{p}", [*serve, "--role", role, "--port", str(p), *engine_argv])
                for role, n in (("prefill", num_prefill), ("decode", num_decode))
                for i, p in ((i, free_port(host)) for i in range(n))]
     argv = [*serve, "--role", "router", "--port", str(port), "--policy", policy]
     for e in engines:
-        argv += ["--" + e.name.split("-")[0], e.address]
-    return Stack([Service("router", f"{host}:{port}", argv), *engines])
+        argv += ["--" + e.role, e.address]
+    return Stack([Service("router", "router", f"{host}:{port}", argv), *engines])
 
 
 def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],

@@ -24,14 +24,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from baton.engine.kv_cache_manager import prefix_block_hashes
-from baton.services.server import SERVICE_NAME, TOKEN_KEY, drain, in_background
+from baton.engine.kv_cache_manager import extend_block_hashes
+from baton.services.common import (POLICIES, SERVICE_NAME, TOKEN_KEY, chat_messages, drain, in_background,
+                                   make_grpc_server, set_health, token_metadata)
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2_grpc
 
 log = logging.getLogger("baton.router")
 
-POLICIES = ("round_robin", "least_outstanding", "prefix_affinity")
 GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 # Reconnect quickly to a backend that comes back (gRPC's default backoff grows to 2 minutes).
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
@@ -220,8 +220,19 @@ def make_policy(options: RouterOptions):
     return PrefixAffinity(options.affinity_load_factor, options.affinity_slack, options.affinity_table_size)
 
 
-class _Unavailable(Exception):
-    """A backend failed before the client saw a token: the request may go elsewhere."""
+async def _pass_on_or_take_out(backend: Backend, e: grpc.aio.AioRpcError, context) -> None:
+    """An error from a backend call. The request's own (or its prefill's, named `kv_handle`)
+    goes to the client as it is; an unreachable backend is taken out, and the caller decides
+    between another instance and UNAVAILABLE."""
+    if e.code() != grpc.StatusCode.UNAVAILABLE or e.details().startswith("kv_handle"):
+        await context.abort(e.code(), e.details())
+    backend.failed()
+
+
+def _end_call(backend: Backend, call) -> None:
+    backend.outstanding -= 1
+    if not call.done():  # the client went away (cancel, deadline): stop the backend's work too
+        call.cancel()
 
 
 class RouterService:
@@ -245,7 +256,8 @@ class RouterService:
         if not msg.request_id:  # one id across both tiers, for their logs and traces
             msg.request_id = uuid.uuid4().hex
         metadata = r.forwarded_metadata(context)
-        hashes = r.prefix_hashes(msg)
+        # Tokenizing for affinity takes a while on a long prompt: not on the event loop.
+        hashes = await asyncio.to_thread(r.prefix_hashes, msg) if r.options.policy == "prefix_affinity" else []
         prefill_tried: list[Backend] = []
         reply = None
         while reply is None and len(prefill_tried) < 2:
@@ -274,16 +286,12 @@ class RouterService:
                 pulled = True
                 yield resp
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE or e.details().startswith("kv_handle"):
-                await context.abort(e.code(), e.details())  # the request's, or the prefill's, fault
-            decode.failed()
+            await _pass_on_or_take_out(decode, e, context)
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"decode instance {decode.address} failed after the first token "
                                 f"({e.details()}); the request cannot resume: send it again")
         finally:
-            decode.outstanding -= 1
-            if not call.done():  # the client went away (cancel, deadline): stop the decode too
-                call.cancel()
+            _end_call(decode, call)
             if not pulled:  # the blocks may still be held for a reader that will never come
                 in_background(r.background, r.release(prefill_tried[-1], reply.handle))
 
@@ -292,11 +300,9 @@ class RouterService:
         try:
             return await prefill.prefill.Prefill(msg, metadata=metadata, timeout=context.time_remaining())
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                log.warning("prefill %s failed for %s: %s", prefill.address, msg.request_id, e.details())
-                prefill.failed()
-                return None
-            await context.abort(e.code(), e.details())  # the request's own fault: no retry
+            await _pass_on_or_take_out(prefill, e, context)
+            log.warning("prefill %s failed for %s: %s", prefill.address, msg.request_id, e.details())
+            return None
         finally:
             prefill.outstanding -= 1
 
@@ -317,16 +323,12 @@ class RouterService:
                     yield resp
                 return
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
-                    await context.abort(e.code(), e.details())
-                decode.failed()
+                await _pass_on_or_take_out(decode, e, context)
                 if started or len(tried) == 2:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         f"decode instance {decode.address} failed: {e.details()}")
             finally:
-                decode.outstanding -= 1
-                if not call.done():
-                    call.cancel()
+                _end_call(decode, call)
 
 
 class Router:
@@ -337,9 +339,7 @@ class Router:
         self.prefill_policy, self.decode_policy = make_policy(o), make_policy(o)
         self.tokenizer = None
         self.health = health.aio.HealthServicer()
-        self.grpc = grpc.aio.server(options=[("grpc.max_send_message_length", o.max_message_bytes),
-                                             ("grpc.max_receive_message_length", o.max_message_bytes),
-                                             ("grpc.so_reuseport", 0)])
+        self.grpc, self.port = make_grpc_server(o.host, o.port, o.max_message_bytes)
         service = RouterService(self)
         self.grpc.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, {
             "Generate": grpc.unary_stream_rpc_method_handler(
@@ -348,9 +348,6 @@ class Router:
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.grpc)
-        self.port = self.grpc.add_insecure_port(f"{o.host}:{o.port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {o.host}:{o.port} (in use?)")
         self._resolver: asyncio.Task | None = None
         self._reported: bool | None = None  # the health last reported
         self.serving = False  # takes requests (between start and stop)
@@ -382,9 +379,7 @@ class Router:
     async def _report(self, serving: bool) -> None:
         if serving != self._reported:
             self._reported = serving
-            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-            for name in ("", SERVICE_NAME):
-                await self.health.set(name, status)
+            await set_health(self.health, serving)
 
     def _health_changed(self) -> None:
         """The router serves while any decode instance does (it can then answer, colocated
@@ -404,38 +399,32 @@ class Router:
         """Block hashes of the prompt's start, for prefix affinity: of its token ids as the
         engines hash them when the router has the tokenizer, else of its UTF-8 bytes."""
         o = self.options
-        if o.policy != "prefix_affinity":
-            return []
         kind = msg.WhichOneof("prompt")
         if kind == "token_ids":
             units = list(msg.token_ids.ids)
         elif kind == "text":
             units = self.tokenizer.encode(msg.text) if self.tokenizer else list(msg.text.encode())
         elif kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+            messages = chat_messages(msg.chat)
             if self.tokenizer is not None and self.tokenizer.chat_template and messages:
-                units = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False)
+                from baton.engine.llm_engine import apply_chat_template  # loaded with the tokenizer
+                units = apply_chat_template(self.tokenizer, messages)
             else:
                 units = list("\n".join(f"{m['role']}: {m['content']}" for m in messages).encode())
         else:
             return []
-        return prefix_block_hashes(units, o.block_size, o.affinity_blocks)
+        return extend_block_hashes([], units, o.block_size, o.affinity_blocks)
 
     def forwarded_metadata(self, context: grpc.aio.ServicerContext) -> tuple:
         md = [(k, v) for k, v in (context.invocation_metadata() or ())
               if not k.startswith((":", "grpc-")) and k not in _HOP_BY_HOP]
-        return (*md, *self.token_metadata())
-
-    def token_metadata(self) -> tuple:
-        token = self.options.internal_token
-        return ((TOKEN_KEY, token),) if token is not None else ()
+        return (*md, *token_metadata(self.options.internal_token))
 
     async def release(self, prefill: Backend, handle: pb.KVHandle) -> None:
         """Tell a prefill to let go of blocks nobody will pull (best effort: it frees them at
         its hold timeout anyway)."""
         try:
-            await prefill.prefill.Release(handle, metadata=self.token_metadata(), timeout=5)
+            await prefill.prefill.Release(handle, metadata=token_metadata(self.options.internal_token), timeout=5)
         except grpc.aio.AioRpcError as e:
             log.warning("could not release %s on %s: %s", handle.request_id, prefill.address, e.details())
 

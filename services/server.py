@@ -18,21 +18,18 @@ from baton.engine.llm_engine import LLMEngine, StepOutput
 from baton.engine.request import Request
 from baton.engine.sampling_params import SamplingParams
 from baton.services.async_engine import AsyncEngine, DuplicateRequest, EngineDead, QueueFull
+from baton.services.common import (FINISH_REASONS, SERVICE_NAME, TOKEN_KEY, chat_messages, drain, in_background,
+                                   make_grpc_server, set_health, token_metadata)
 from baton.kv_transfer.nixl_connector import DEFAULT_HOLD_TIMEOUT_S, KVLayout, make_nixl_connector
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("baton.server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 ROLES = ("both", "prefill", "decode")
-TOKEN_KEY = "x-baton-token"  # the stack's shared secret, in the metadata of internal calls
 MAX_REQUEST_ID_CHARS = 256
-_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
-                   "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens")
-_ENGINE_ERRORS = {DuplicateRequest: grpc.StatusCode.ALREADY_EXISTS, QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-                  EngineDead: grpc.StatusCode.INTERNAL}
+_ENGINE_ERRORS = (InvalidArgument, DuplicateRequest, QueueFull, EngineDead)  # raised by AsyncEngine.generate
 # Engine field names as the public API spells them.
 _API_FIELD = {"prompt_token_ids": "token_ids", "messages": "chat"}
 
@@ -99,8 +96,7 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
         check(kind is not None, "prompt", "set one of text, token_ids or chat")
         if kind == "chat":
             check(len(msg.chat.messages) > 0, "chat.messages", "must not be empty")
-            return self.server.engine.engine.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in msg.chat.messages])
+            return self.server.engine.engine.apply_chat_template(chat_messages(msg.chat))
         return msg.text if kind == "text" else list(msg.token_ids.ids)
 
     def _kv_params(self, msg: pb.GenerateRequest, params: SamplingParams, for_prefill: bool) -> dict | None:
@@ -128,18 +124,11 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if msg.HasField("kv_handle"):
             await self.server.ensure_peer(msg.kv_handle, context)
-        with_text = output != pb.OUTPUT_TOKEN_IDS
-        with_ids = output != pb.OUTPUT_TEXT
         try:
             async for out in self.server.engine.generate(request):
-                yield response_from_output(out, with_text, with_ids)
-        except DuplicateRequest:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request_id: {request.request_id!r} is already in flight")
-        except InvalidArgument as e:  # raised by the engine on admission
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except (QueueFull, EngineDead) as e:
-            await context.abort(_ENGINE_ERRORS[type(e)], str(e))
+                yield response_from_output(out, output)
+        except _ENGINE_ERRORS as e:
+            await abort_for_engine_error(context, e)
 
 
 class PrefillService(internal_pb2_grpc.PrefillServicer):
@@ -159,13 +148,11 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
         try:
             async for last in self.server.engine.generate(request):
                 pass
-        except InvalidArgument as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except (DuplicateRequest, QueueFull, EngineDead) as e:
-            await context.abort(_ENGINE_ERRORS[type(e)], str(e))
+        except _ENGINE_ERRORS as e:
+            await abort_for_engine_error(context, e)
         if last is None or last.finish_reason not in ("stop", "length"):
             await context.abort(grpc.StatusCode.ABORTED, f"request {request.request_id} ended without its first token")
-        first = response_from_output(last, output != pb.OUTPUT_TOKEN_IDS, output != pb.OUTPUT_TEXT)
+        first = response_from_output(last, output)
         handle = last.kv_transfer_params
         if handle is None:  # the first token ended the request (a stop token, or max_tokens 1)
             return internal_pb2.PrefillResponse(first=first)
@@ -181,9 +168,7 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
                                num_tokens=handle["num_tokens"], first_token=handle["first_token"]))
 
     async def Release(self, handle: pb.KVHandle, context: grpc.aio.ServicerContext):
-        await self.server.check_token(context)
-        if self.server.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
+        await self.server.check_internal(context)
         return internal_pb2.ReleaseResponse(released=await self.server.release_hold(handle.request_id))
 
 
@@ -192,9 +177,7 @@ class KVPeerService(internal_pb2_grpc.KVPeerServicer):
         self.server = server
 
     async def Handshake(self, theirs: internal_pb2.KVLayout, context: grpc.aio.ServicerContext):
-        await self.server.check_token(context)
-        if self.server.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
+        await self.server.check_internal(context)
         try:
             await self.server.engine.call(self.server.kv_worker.add_peer, layout_from_proto(theirs))
         except ValueError as e:
@@ -207,9 +190,7 @@ class AdminService(internal_pb2_grpc.AdminServicer):
         self.server = server
 
     async def Stats(self, msg: internal_pb2.StatsRequest, context: grpc.aio.ServicerContext):
-        await self.server.check_token(context)
-        if self.server.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
+        await self.server.check_internal(context)
         return await self.server.engine.call(self.server.stats)
 
 
@@ -224,36 +205,27 @@ def layout_from_proto(msg: internal_pb2.KVLayout) -> KVLayout:
                     msg.mem_type, msg.dev_id)
 
 
-def response_from_output(out: StepOutput, with_text: bool, with_ids: bool) -> pb.GenerateResponse:
+async def abort_for_engine_error(context: grpc.aio.ServicerContext, e: Exception) -> None:
+    if isinstance(e, DuplicateRequest):
+        await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e.args[0]!r} is already in flight")
+    code = {InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,  # raised by the engine on admission
+            QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED, EngineDead: grpc.StatusCode.INTERNAL}[type(e)]
+    await context.abort(code, str(e))
+
+
+def response_from_output(out: StepOutput, output: int) -> pb.GenerateResponse:
+    """The API's message for an engine output, with text, token ids or both (`output`)."""
     resp = pb.GenerateResponse(request_id=out.request_id)
-    if with_ids:
+    if output != pb.OUTPUT_TEXT:
         resp.token_ids.extend(out.new_token_ids)
-    if with_text:
+    if output != pb.OUTPUT_TOKEN_IDS:
         resp.text = out.text
     if out.finished:
-        resp.finish_reason = _FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_ERROR)
+        resp.finish_reason = FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_ERROR)
         resp.usage.prompt_tokens = out.num_prompt_tokens
         resp.usage.completion_tokens = out.num_output_tokens
         resp.usage.cached_tokens = out.num_cached_tokens
     return resp
-
-
-def in_background(tasks: set[asyncio.Task], coro) -> None:
-    """Run coro as a task that stays referenced until done (asyncio keeps only weak ones)."""
-    task = asyncio.ensure_future(coro)
-    tasks.add(task)
-    task.add_done_callback(tasks.discard)
-
-
-async def drain(server: grpc.aio.Server, num_in_flight, grace_s: float) -> None:
-    """Give in-flight requests up to grace_s to finish, then stop the server, cancelling what
-    is left. grpc's own grace would also wait for long-lived calls that never end by
-    themselves (a router's health Watch), so the wait counts requests instead."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + grace_s
-    while num_in_flight() and loop.time() < deadline:
-        await asyncio.sleep(0.05)
-    await server.stop(0)
 
 
 class Server:
@@ -266,12 +238,8 @@ class Server:
         self.serving = False
         self.health = health.aio.HealthServicer()
         o = self.options
-        grpc_options = [("grpc.max_send_message_length", o.max_message_bytes),
-                        ("grpc.max_receive_message_length", o.max_message_bytes),
-                        ("grpc.so_reuseport", 0)]  # a taken port is an error, not a shared one
-        if o.max_concurrent_streams is not None:
-            grpc_options.append(("grpc.max_concurrent_streams", o.max_concurrent_streams))
-        self.grpc = grpc.aio.server(options=grpc_options)
+        streams = [("grpc.max_concurrent_streams", o.max_concurrent_streams)] if o.max_concurrent_streams else []
+        self.grpc, self.port = make_grpc_server(o.host, o.port, o.max_message_bytes, streams)
         generation = GenerationService(self)
         generate_pb2_grpc.add_TextGenerationServicer_to_server(generation, self.grpc)
         internal_pb2_grpc.add_KVPeerServicer_to_server(KVPeerService(self), self.grpc)
@@ -286,21 +254,14 @@ class Server:
         self.kv_worker = None
         self.background: set[asyncio.Task] = set()
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
-        self.port = self.grpc.add_insecure_port(f"{o.host}:{o.port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {o.host}:{o.port} (in use?)")
 
     @property
     def address(self) -> str:
         return f"{self.options.host}:{self.port}"
 
-    async def _set_health(self, status) -> None:
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
-
     async def start(self) -> None:
         """Listen, load the model, then report SERVING."""
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await set_health(self.health, False)
         await self.grpc.start()
         o = self.options
         connector = make_nixl_connector(o.engine_id or f"{o.role}-{uuid.uuid4().hex[:12]}", self.config.block_size,
@@ -310,7 +271,7 @@ class Server:
         self.engine = AsyncEngine(engine, self.options.max_waiting_requests, on_dead=self._on_engine_dead)
         self.engine.start()
         self.serving = True
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        await set_health(self.health, True)
         log.info("serving %s on %s", self.config.model, self.address)
 
     async def check_token(self, context: grpc.aio.ServicerContext) -> None:
@@ -319,9 +280,11 @@ class Server:
         if token is not None and dict(context.invocation_metadata() or ()).get(TOKEN_KEY) != token:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"internal call without the stack's {TOKEN_KEY}")
 
-    def token_metadata(self) -> tuple:
-        token = self.options.internal_token
-        return ((TOKEN_KEY, token),) if token is not None else ()
+    async def check_internal(self, context: grpc.aio.ServicerContext) -> None:
+        """An internal call that needs the engine: from the stack, and once it has loaded."""
+        await self.check_token(context)
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
 
     async def ensure_peer(self, handle: pb.KVHandle, context: grpc.aio.ServicerContext) -> None:
         """Trade layouts with the handle's prefill engine unless we know it (a restarted prefill
@@ -333,7 +296,7 @@ class Server:
             channel = self._peer_channels[handle.address] = grpc.aio.insecure_channel(handle.address)
         try:
             theirs = await internal_pb2_grpc.KVPeerStub(channel).Handshake(
-                layout_to_proto(self.kv_worker.layout), metadata=self.token_metadata(), timeout=10)
+                layout_to_proto(self.kv_worker.layout), metadata=token_metadata(self.options.internal_token), timeout=10)
         except grpc.aio.AioRpcError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"kv_handle: cannot reach prefill {handle.address}: {e.code().name} {e.details()}")
@@ -365,13 +328,13 @@ class Server:
 
     def _on_engine_dead(self, error: BaseException) -> None:
         self.serving = False
-        asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        in_background(self.background, set_health(self.health, False))
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: report NOT_SERVING, refuse new calls, give in-flight streams the grace period
         to finish, then cancel the rest (which aborts them in the engine)."""
         self.serving = False
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await set_health(self.health, False)
         await drain(self.grpc, lambda: self.engine.num_in_flight if self.engine else 0,
                     self.options.grace_s if grace_s is None else grace_s)
         for channel in self._peer_channels.values():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -126,8 +127,9 @@ def serve():
         return server.start()
 
     yield start
-    for server in servers:
-        server.close()
+    with contextlib.ExitStack() as stack:  # every one is closed, even when one of them fails to
+        for server in servers:
+            stack.callback(server.close)
 
 
 class ServerProcess:
@@ -186,5 +188,6 @@ def spawn():
         return proc
 
     yield start
-    for proc in procs:
-        proc.stop()
+    with contextlib.ExitStack() as stack:
+        for proc in procs:
+            stack.callback(proc.stop)

@@ -48,7 +48,7 @@ def test_a_call_whose_caller_left_still_runs_and_the_loop_goes_on(tiny_llama):
         loop = AsyncEngine(engine)
         loop.start()
         try:
-            blocker = asyncio.ensure_future(loop.call(gate.wait))  # holds the step-loop thread
+            blocker = asyncio.ensure_future(loop.call(gate.wait, 10))  # holds the step-loop thread
             left = asyncio.ensure_future(loop.call(ran.append, "release"))
             await asyncio.sleep(0.05)
             left.cancel()  # its caller goes away before the loop reaches it

@@ -24,8 +24,9 @@ from test_disaggregated_services import TOKEN, pools_full, stats
 from test_server import collect, prompts_of, workload
 
 
-def engine(model: str, role: str, *flags: str) -> ServerProcess:
-    return ServerProcess(model, "--role", role, "--internal-token", TOKEN, *flags)
+def engine(model: str, role: str, *flags: str, start=ServerProcess) -> ServerProcess:
+    """An engine of the stack; `start`: ServerProcess, or the spawn fixture (stopped at teardown)."""
+    return start(model, "--role", role, "--internal-token", TOKEN, *flags)
 
 
 def router(model: str, policy: str, prefill: list[ServerProcess], decode: list[ServerProcess]) -> ServerProcess:
@@ -165,98 +166,88 @@ def test_prefix_affinity_bounds_the_load_one_hot_prefix_puts_on_one_instance():
 
 
 def test_a_killed_decode_fails_its_streams_cleanly_and_comes_back(tiny_llama, spawn):
-    prefill = engine(tiny_llama, "prefill")
+    prefill = engine(tiny_llama, "prefill", start=spawn)
     port = free_port("127.0.0.1")
-    decode = [engine(tiny_llama, "decode", "--port", str(port)), engine(tiny_llama, "decode")]
-    procs = [prefill, *decode]
+    decode = [engine(tiny_llama, "decode", "--port", str(port), start=spawn),
+              engine(tiny_llama, "decode", start=spawn)]
     # The second decode instance named through DNS (localhost), as a headless service would be.
-    r = ServerProcess(tiny_llama, "--role", "router", "--internal-token", TOKEN, "--prefill", prefill.address,
-                      "--decode", decode[0].address, "--decode", "localhost:" + decode[1].address.split(":")[1])
-    procs.append(r)
-    try:
-        wait_serving(r.address)
-        prompt = prompts_of([30], seed=75)[0]
-        want = LLM(tiny_llama, dtype="float32", device="cpu").generate(
-            [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
+    r = spawn(tiny_llama, "--role", "router", "--internal-token", TOKEN, "--prefill", prefill.address,
+              "--decode", decode[0].address, "--decode", "localhost:" + decode[1].address.split(":")[1])
+    wait_serving(r.address)
+    prompt = prompts_of([30], seed=75)[0]
+    want = LLM(tiny_llama, dtype="float32", device="cpu").generate(
+        [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
 
-        async def long_stream(client, started: asyncio.Event):
-            ids = []
-            try:
-                async for chunk in client.generate(prompt, max_tokens=400, temperature=0.0, ignore_eos=True):
-                    ids += chunk.token_ids
-                    if len(ids) >= 3:
-                        started.set()
-            except grpc.aio.AioRpcError as e:
-                return e
-            return ids
+    async def long_stream(client, started: asyncio.Event):
+        ids = []
+        try:
+            async for chunk in client.generate(prompt, max_tokens=400, temperature=0.0, ignore_eos=True):
+                ids += chunk.token_ids
+                if len(ids) >= 3:
+                    started.set()
+        except grpc.aio.AioRpcError as e:
+            return e
+        return ids
 
-        async def go():
-            async with AsyncClient(r.address) as client:
-                events = [asyncio.Event() for _ in range(4)]
-                tasks = [asyncio.ensure_future(long_stream(client, e)) for e in events]
-                await asyncio.gather(*(e.wait() for e in events))
-                decode[0].kill()
-                results = await asyncio.gather(*tasks)
-                after = [await collect(client, prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
-                         for _ in range(4)]
-                return results, after
+    async def go():
+        async with AsyncClient(r.address) as client:
+            events = [asyncio.Event() for _ in range(4)]
+            tasks = [asyncio.ensure_future(long_stream(client, e)) for e in events]
+            await asyncio.gather(*(e.wait() for e in events))
+            decode[0].kill()
+            results = await asyncio.gather(*tasks)
+            after = [await collect(client, prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+                     for _ in range(4)]
+            return results, after
 
-        results, after = run(go())
-        failed = [e for e in results if isinstance(e, grpc.aio.AioRpcError)]
-        assert len(failed) == 2 and all(e.code() == grpc.StatusCode.UNAVAILABLE for e in failed)
-        assert all(decode[0].address in e.details() for e in failed)
-        assert all(len(ids) == 400 for ids in results if not isinstance(ids, grpc.aio.AioRpcError))
-        assert [ids for ids, _, _ in after] == [want] * 4
-        assert stats(decode[1].address).num_requests == 2 + 4  # the survivors, then every new request
+    results, after = run(go())
+    failed = [e for e in results if isinstance(e, grpc.aio.AioRpcError)]
+    assert len(failed) == 2 and all(e.code() == grpc.StatusCode.UNAVAILABLE for e in failed)
+    assert all(decode[0].address in e.details() for e in failed)
+    assert all(len(ids) == 400 for ids in results if not isinstance(ids, grpc.aio.AioRpcError))
+    assert [ids for ids, _, _ in after] == [want] * 4
+    assert stats(decode[1].address).num_requests == 2 + 4  # the survivors, then every new request
 
-        decode[0] = engine(tiny_llama, "decode", "--port", str(port))  # restarted on its address
-        procs.append(decode[0])
-        decode[0].address  # noqa: B018
+    decode[0] = engine(tiny_llama, "decode", "--port", str(port), start=spawn)  # restarted on its address
+    decode[0].address  # noqa: B018
 
-        async def until_used():
-            async with AsyncClient(r.address) as client:
-                while stats(decode[0].address).num_requests == 0:
-                    assert (await collect(client, prompt, max_tokens=6, temperature=0.0, ignore_eos=True))[0] == want
-                    await asyncio.sleep(0.1)
+    async def until_used():
+        async with AsyncClient(r.address) as client:
+            while stats(decode[0].address).num_requests == 0:
+                assert (await collect(client, prompt, max_tokens=6, temperature=0.0, ignore_eos=True))[0] == want
+                await asyncio.sleep(0.1)
 
-        run(until_used())
-        assert pools_full(prefill.address) and all(pools_full(d.address) for d in decode)
-    finally:
-        for p in procs:
-            p.stop()
+    run(until_used())
+    assert pools_full(prefill.address) and all(pools_full(d.address) for d in decode)
 
 
-def test_without_a_prefill_instance_decode_computes_the_prompt(tiny_llama, tmp_path):
-    prefill, decode = engine(tiny_llama, "prefill"), engine(tiny_llama, "decode")
+def test_without_a_prefill_instance_decode_computes_the_prompt(tiny_llama, tmp_path, spawn):
+    prefill, decode = engine(tiny_llama, "prefill", start=spawn), engine(tiny_llama, "decode", start=spawn)
     config = tmp_path / "router.yaml"  # backends from a config file this time
     config.write_text(f"prefill: [{prefill.address}]\ndecode: [{decode.address}]\npolicy: least_outstanding\n")
-    r = ServerProcess(tiny_llama, "--role", "router", "--internal-token", TOKEN, "--router-config", str(config))
-    try:
-        wait_serving(r.address)
-        prompts, params = workload(8, seed=76)
-        want = LLM(tiny_llama, dtype="float32", device="cpu").generate(prompts, [SamplingParams(**p) for p in params])
+    r = spawn(tiny_llama, "--role", "router", "--internal-token", TOKEN, "--router-config", str(config))
+    wait_serving(r.address)
+    prompts, params = workload(8, seed=76)
+    want = LLM(tiny_llama, dtype="float32", device="cpu").generate(prompts, [SamplingParams(**p) for p in params])
 
-        async def go():
-            async with AsyncClient(r.address) as client:
-                return await asyncio.gather(*(collect(client, p, **kw) for p, kw in zip(prompts, params)))
+    async def go():
+        async with AsyncClient(r.address) as client:
+            return await asyncio.gather(*(collect(client, p, **kw) for p, kw in zip(prompts, params)))
 
-        assert [ids for ids, _, _ in run(go())] == [o.token_ids for o in want]  # through the prefill
-        prefill.kill()
-        assert [ids for ids, _, _ in run(go())] == [o.token_ids for o in want]  # colocated fallback
-        assert stats(decode.address).num_blocks_pulled > 0 and pools_full(decode.address)
-        decode.kill()
+    assert [ids for ids, _, _ in run(go())] == [o.token_ids for o in want]  # through the prefill
+    prefill.kill()
+    assert [ids for ids, _, _ in run(go())] == [o.token_ids for o in want]  # colocated fallback
+    assert stats(decode.address).num_blocks_pulled > 0 and pools_full(decode.address)
+    decode.kill()
 
-        async def no_decode():
-            async with AsyncClient(r.address) as client:
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await collect(client, prompts[0], max_tokens=4)
-                return err.value
+    async def no_decode():
+        async with AsyncClient(r.address) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(client, prompts[0], max_tokens=4)
+            return err.value
 
-        err = run(no_decode())
-        assert err.code() == grpc.StatusCode.UNAVAILABLE and "decode" in err.details()
-    finally:
-        for p in (r, prefill, decode):
-            p.stop()
+    err = run(no_decode())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "decode" in err.details()
 
 
 class BrokenBackend:
@@ -288,18 +279,17 @@ class BrokenBackend:
         self.server.start()
 
 
-def test_a_failure_before_the_first_token_is_retried_on_another_instance(stack, tiny_llama):
+def test_a_failure_before_the_first_token_is_retried_on_another_instance(stack, tiny_llama, spawn):
     prefill, decode, _ = stack
     broken = BrokenBackend()
-    routers = []
     prompt = prompts_of([40], seed=79)[0]
     greedy = dict(max_tokens=5, temperature=0.0, ignore_eos=True)
     want = LLM(tiny_llama, dtype="float32", device="cpu").generate([prompt], SamplingParams(**greedy))[0].token_ids
 
     def start(*backends: str) -> str:
-        routers.append(ServerProcess(tiny_llama, "--role", "router", "--internal-token", TOKEN, *backends))
-        wait_serving(routers[-1].address)
-        return routers[-1].address
+        address = spawn(tiny_llama, "--role", "router", "--internal-token", TOKEN, *backends).address
+        wait_serving(address)
+        return address
 
     async def send(address: str, n: int):
         async with AsyncClient(address) as client:
@@ -330,8 +320,6 @@ def test_a_failure_before_the_first_token_is_retried_on_another_instance(stack, 
         assert ids == want[:1] and err.code() == grpc.StatusCode.UNAVAILABLE and broken.address in err.details()
         assert pools_full(prefill[0].address) and stats(prefill[0].address).num_expired_holds == 0
     finally:
-        for r in routers:
-            r.stop()
         broken.server.stop(0)
 
 
@@ -413,4 +401,5 @@ def test_baton_up_fails_clearly(tiny_llama, tmp_path):
     bad = baton("up", "--model", tiny_llama, "--port", str(free_port("127.0.0.1")), "--max-model-len", "999999")
     out, _ = bad.communicate(timeout=120)
     assert bad.returncode == 1 and "exited with status" in out and "max_model_len" in out, out
-    assert subprocess.run(["pgrep", "-P", str(bad.pid)], capture_output=True).stdout == b""
+    # Its children (reparented once it exited) carry the flag as one argument; none is left.
+    assert subprocess.run(["pgrep", "-f", "max-model-len=999999"], capture_output=True).stdout == b""

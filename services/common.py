@@ -1,0 +1,63 @@
+"""What every Baton gRPC service shares (the engine servers and the router), without torch:
+the API's names, the internal token, finish reasons, health reporting, the listening
+server and its drain."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from baton.v1 import generate_pb2 as pb
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+TOKEN_KEY = "x-baton-token"  # the stack's shared secret, in the metadata of internal calls
+POLICIES = ("round_robin", "least_outstanding", "prefix_affinity")  # the router's
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+                  "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
+
+
+def token_metadata(token: str | None) -> tuple:
+    return ((TOKEN_KEY, token),) if token is not None else ()
+
+
+def chat_messages(chat: pb.Chat) -> list[dict]:
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def make_grpc_server(host: str, port: int, max_message_bytes: int,
+                     extra_options: list[tuple] = ()) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server listening on host:port (0: any free port); returns it and its port."""
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message_bytes),
+                                      ("grpc.max_receive_message_length", max_message_bytes),
+                                      ("grpc.so_reuseport", 0),  # a taken port is an error, not a shared one
+                                      *extra_options])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port} (in use?)")
+    return server, bound
+
+
+async def set_health(servicer, serving: bool) -> None:
+    """Report SERVING or NOT_SERVING, for the whole server and for the API's service."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await servicer.set(name, status)
+
+
+def in_background(tasks: set[asyncio.Task], coro) -> None:
+    """Run coro as a task that stays referenced until done (asyncio keeps only weak ones)."""
+    task = asyncio.ensure_future(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+
+
+async def drain(server: grpc.aio.Server, num_in_flight, grace_s: float) -> None:
+    """Give in-flight requests up to grace_s to finish, then stop the server, cancelling what
+    is left. grpc's own grace would also wait for long-lived calls that never end by
+    themselves (a router's health Watch), so the wait counts requests instead."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while num_in_flight() and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(0)
