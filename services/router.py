@@ -297,9 +297,18 @@ class RouterService:
 
     async def _prefill(self, prefill: Backend, msg, metadata, context):
         """The prefill's reply, or None when the instance is unreachable."""
+        # Cancelled, or past the deadline, the prefill may still have answered with blocks held
+        # for a reply that never arrives: let go of them by request id (a no-op when nothing is
+        # held; the prefill keys its request by the id the router set).
+        forget = pb.KVHandle(request_id=msg.request_id)
         try:
             return await prefill.prefill.Prefill(msg, metadata=metadata, timeout=context.time_remaining())
+        except asyncio.CancelledError:
+            in_background(self.router.background, self.router.release(prefill, forget))
+            raise
         except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                in_background(self.router.background, self.router.release(prefill, forget))
             await _pass_on_or_take_out(prefill, e, context)
             log.warning("prefill %s failed for %s: %s", prefill.address, msg.request_id, e.details())
             return None

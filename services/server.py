@@ -144,6 +144,12 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             request, output = self.generation.make_request(msg, for_prefill=True)
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # A caller gone before the handle reached it leaves nobody to pull the blocks: also
+        # when the request had finished (and its blocks were held) just as the call was
+        # cancelled, where the engine's abort comes too late. Releasing a request that is
+        # not held does nothing.
+        context.add_done_callback(lambda ctx: ctx.cancelled() and in_background(
+            self.server.background, self.server.release_hold(request.request_id)))
         last = None
         try:
             async for last in self.server.engine.generate(request):
@@ -158,9 +164,6 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             return internal_pb2.PrefillResponse(first=first)
         first.ClearField("finish_reason")  # the request goes on at the decode side
         first.ClearField("usage")
-        # A caller gone before the handle reached it leaves nobody to pull the blocks.
-        context.add_done_callback(lambda ctx: ctx.cancelled() and in_background(
-            self.server.background, self.server.release_hold(handle["remote_request_id"])))
         return internal_pb2.PrefillResponse(
             first=first,
             handle=pb.KVHandle(engine_id=handle["remote_engine_id"], address=self.server.address,

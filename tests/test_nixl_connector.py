@@ -95,12 +95,17 @@ def test_disaggregated_equals_colocated_greedy_and_seeded(tiny_model, hf):
     decode = nixl_engine(tiny_model, "decode")
     connect(prefill, decode)
     seen_waiting = set()
+    schedule = decode.scheduler.schedule
 
-    def watch():
+    def schedule_and_watch():  # right after admission: a fast READ may end within the same step
+        out = schedule()
         seen_waiting.update(r.request_id for r in decode.scheduler.waiting
                             if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        return out
 
-    assert disaggregated(prefill, decode, prompts, [greedy] * len(prompts), watch) == want_greedy
+    decode.scheduler.schedule = schedule_and_watch
+    assert disaggregated(prefill, decode, prompts, [greedy] * len(prompts)) == want_greedy
+    decode.scheduler.schedule = schedule
     assert want_greedy == [hf.greedy(tiny_model, p, 20) for p in prompts]
     assert len(seen_waiting) == len(prompts)
     assert disaggregated(prefill, decode, prompts, seeded) == want_seeded
