@@ -94,11 +94,11 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's full blocks covering its first `num_tokens` tokens."""
-        if not self.enable_caching:
-            return
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if not self.enable_caching or num_tokens // self.block_size <= start:
+            return  # no block newly full: most decode steps
         self._update_block_hashes(request)
         blocks = self.req_blocks[request.request_id]
-        start = self.num_cached_blocks.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(blocks), len(request.block_hashes))
         for i in range(start, end):
             block_hash = request.block_hashes[i]
@@ -119,7 +119,7 @@ class KVCacheManager:
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
         # Prefix hits sitting in the free queue stop being free once touched.
-        num_touched_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_touched_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if new_computed_blocks else 0
         if num_new_blocks + num_touched_free > self.num_free_blocks:
             if not blocks:
                 del self.req_blocks[request.request_id]
@@ -131,7 +131,7 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         if new_computed_blocks:
             self.num_cached_blocks[request.request_id] = len(blocks)
-        new_blocks = [self._pop_free_block() for _ in range(num_new_blocks)]
+        new_blocks = [self._pop_free_block() for _ in range(num_new_blocks)] if num_new_blocks else []
         blocks.extend(new_blocks)
         # The tokens scheduled now will have KV after this step, so their full blocks can be
         # found by later requests (a request sent twice hits its own prompt).

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.errors import InvalidArgument
-from baton.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from baton.kernels.attention import AttentionMetadata, paged_attention
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -130,11 +130,12 @@ class Attention(nn.Module):
         self.scale = args.head_dim ** -0.5
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotate(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = rotate(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        qkv = self.qkv_proj(x)
+        # q and k side by side in each row: one RoPE over both heads' sets.
+        qk = rotate(qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
+                    cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 

@@ -12,7 +12,9 @@ from baton.engine.model import CausalLM
 from baton.engine.sampler import sample, skip_draws
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import ModelRunnerOutput, SchedulerOutput
-from baton.kernels.attention import DECODE_PADDING_ELEMS, AttentionMetadata, DecodeGroup, PrefillSeq, group_decodes
+from baton.kernels import cpu_kernels
+from baton.kernels.attention import (DECODE_PADDING_ELEMS, AttentionMetadata, DecodeGroup, KernelBatch, PrefillSeq,
+                                     group_decodes)
 from baton.kv_transfer.base import KVConnectorWorker
 
 
@@ -43,6 +45,9 @@ class ModelRunner:
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.connector = connector
         self.decode_padding_elems = DECODE_PADDING_ELEMS  # per decode group; tests shrink it
+        # Attention by the CPU kernel where it builds and fits the model; else the PyTorch reference.
+        self.use_cpu_kernel = cpu_kernels.supports(self.kv_cache.dtype, self.device, args.num_heads,
+                                                   args.num_kv_heads, args.head_dim)
         if connector is not None:
             connector.register_kv_caches(self.kv_cache)
 
@@ -91,34 +96,45 @@ class ModelRunner:
     def _build_batch(self, sched: SchedulerOutput) -> dict:
         starts = {c.req_id: c.num_computed_tokens for c in sched.scheduled_cached_reqs}
         starts.update((n.req_id, n.num_computed_tokens) for n in sched.scheduled_new_reqs)
-        bs = self.block_size
-        # One-token decodes first, longest context first (so length groups are row ranges),
-        # then prefill chunks.
+        # One-token decodes first, longest context first (the reference's length groups are
+        # then row ranges), then prefill chunks.
         order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: (kv[1] != 1, -starts[kv[0]]))
-        input_ids, positions, slots, sample_rows, sample_req_ids = [], [], [], [], []
-        decode_tables, decode_lens, prefills = [], [], []
+        input_ids, positions, sample_rows, sample_req_ids, spans = [], [], [], [], []
         for req_id, n in order:
             state, start = self.states[req_id], starts[req_id]
             end = start + n
             input_ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
-            blocks = state.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            num_ctx_blocks = -(-end // bs)
-            if n == 1:
-                decode_tables.append(blocks[:num_ctx_blocks])
-                decode_lens.append(end)
-            else:
-                prefills.append(PrefillSeq(len(input_ids) - n, n, end,
-                                           torch.tensor(blocks[:num_ctx_blocks], device=self.device)))
+            spans.append((start, end, state.block_ids))
             if end == len(state.token_ids):  # caught up: this row's logits give the next token
                 sample_rows.append(len(input_ids) - 1)
                 sample_req_ids.append(req_id)
         dev = self.device
-        meta = AttentionMetadata(self._decode_groups(decode_tables, decode_lens), prefills,
-                                 torch.tensor(slots, device=dev))
-        return {"input_ids": torch.tensor(input_ids, device=dev), "positions": torch.tensor(positions, device=dev),
+        positions_t = torch.tensor(positions, device=dev)
+        meta = self._kernel_batch(spans, positions_t) if self.use_cpu_kernel else self._reference_batch(spans)
+        return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t,
                 "meta": meta, "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids}
+
+    def _kernel_batch(self, spans: list[tuple[int, int, list[int]]], positions: torch.Tensor) -> AttentionMetadata:
+        block_ids, row_block_start, bs = [], [], self.block_size
+        for start, end, blocks in spans:
+            row_block_start.extend([len(block_ids)] * (end - start))
+            block_ids.extend(blocks[:-(-end // bs)])
+        return AttentionMetadata(kernel=KernelBatch(torch.tensor(block_ids), torch.tensor(row_block_start),
+                                                    positions))
+
+    def _reference_batch(self, spans: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
+        bs, dev = self.block_size, self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(
+            [blocks[p // bs] * bs + p % bs for start, end, blocks in spans for p in range(start, end)], device=dev))
+        num_decodes = sum(1 for start, end, _ in spans if end - start == 1)
+        meta.decodes = self._decode_groups([blocks[:-(-end // bs)] for _, end, blocks in spans[:num_decodes]],
+                                           [end for _, end, _ in spans[:num_decodes]])
+        row = num_decodes
+        for start, end, blocks in spans[num_decodes:]:
+            meta.prefills.append(PrefillSeq(row, end - start, end, torch.tensor(blocks[:-(-end // bs)], device=dev)))
+            row += end - start
+        return meta
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         groups, start, bs, dev = [], 0, self.block_size, self.device

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import threading
 import time
 
@@ -13,6 +14,17 @@ import torch
 from baton.engine.checkpoints import SMOLLM2_DIR_NAME, prepare_smollm2, write_tiny_checkpoint
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+def require_cpu_kernel() -> None:
+    """The CPU attention kernel must build wherever a C++ compiler exists; skip only without one."""
+    from baton.kernels import cpu_kernels
+    if os.environ.get("BATON_CPU_KERNELS") == "0":
+        pytest.skip("BATON_CPU_KERNELS=0")
+    if cpu_kernels.load() is None:
+        if os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++"):
+            pytest.fail("a C++ compiler is present but the CPU kernel did not build (see the log)")
+        pytest.skip("no C++ compiler: the CPU kernel falls back to the PyTorch reference")
 
 
 @pytest.fixture(scope="session")

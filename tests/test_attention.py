@@ -1,11 +1,19 @@
-"""The paged attention reference: decode grouping, and groups agree with one padded batch."""
+"""Paged attention against dense attention on the same keys and values: the PyTorch
+reference (decode groups, prefill chunks on a cached prefix) and the CPU kernel, on a batch
+that mixes decodes, a chunk on a cached prefix and a fresh prompt. Both paths also write the
+step's K/V into the cache."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import pytest
 import torch
 import torch.nn.functional as F
 
-from baton.kernels import attention
-from baton.kernels.attention import AttentionMetadata, DecodeGroup, PrefillSeq, group_decodes, paged_attention
+from baton.kernels import attention, cpu_kernels
+from baton.kernels.attention import (AttentionMetadata, DecodeGroup, KernelBatch, PrefillSeq, group_decodes,
+                                     paged_attention)
+from conftest import require_cpu_kernel
 
 
 def test_group_decodes_bounds_padding():
@@ -17,45 +25,152 @@ def test_group_decodes_bounds_padding():
     assert group_decodes([], 1) == []
 
 
-def test_decode_groups_equal_dense_attention():
-    torch.manual_seed(0)
-    bs, kv_heads, q_heads, d, num_blocks = 4, 2, 6, 8, 40
-    k_cache, v_cache = torch.randn(2, num_blocks, bs, kv_heads, d).unbind(0)
-    lens = [13, 9, 5, 2]
-    tables = [[3, 17, 8, 30], [5, 1, 22], [39, 0], [12]]
-    q = torch.randn(len(lens), q_heads, d)
+@dataclass
+class Batch:
+    """One step: sequences as (context after the step, rows this step), decodes first."""
+    seqs: list[tuple[int, int]]
+    tables: list[list[int]]
+    q: torch.Tensor  # [rows, q_heads, D]
+    k: torch.Tensor  # this step's [rows, kv_heads, D]
+    v: torch.Tensor
+    cache: torch.Tensor  # [blocks, layers, 2, block_size, kv_heads, D], the engine's layout
+    expected_out: torch.Tensor
+    expected_cache: torch.Tensor
+    block_size: int
 
-    def group(start, size):
-        width = len(tables[start])
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables[start:start + size]])
-        mask = torch.arange(width * bs)[None, :] < torch.tensor(lens[start:start + size])[:, None]
-        return DecodeGroup(start, table, mask[:, None, None, :])
+    def caches(self, cache=None):
+        """Layer 1's K and V views: strided, as the engine passes them."""
+        cache = self.cache if cache is None else cache
+        return cache[:, 1, 0], cache[:, 1, 1]
 
-    slots = torch.zeros(len(lens), dtype=torch.long)
-    grouped = paged_attention(q, None, None, k_cache, v_cache,
-                              AttentionMetadata([group(0, 1), group(1, 2), group(3, 1)], [], slots), 0.5)
-    for i, (n, table) in enumerate(zip(lens, tables)):
-        k = k_cache[table].flatten(0, 1)[:n].repeat_interleave(q_heads // kv_heads, dim=1).transpose(0, 1)
-        v = v_cache[table].flatten(0, 1)[:n].repeat_interleave(q_heads // kv_heads, dim=1).transpose(0, 1)
-        dense = F.scaled_dot_product_attention(q[i][:, None], k, v, scale=0.5)[:, 0]
-        torch.testing.assert_close(grouped[i], dense)
+    def positions(self) -> list[int]:
+        return [p for ctx, n in self.seqs for p in range(ctx - n, ctx)]
+
+    def slots(self) -> torch.Tensor:
+        bs = self.block_size
+        return torch.tensor([t[p // bs] * bs + p % bs for (ctx, n), t in zip(self.seqs, self.tables)
+                             for p in range(ctx - n, ctx)])
 
 
-def test_prefill_chunk_on_a_cached_prefix_equals_dense_attention_on_both_paths(monkeypatch):
-    torch.manual_seed(1)
-    bs, kv_heads, q_heads, d, num_blocks = 4, 2, 6, 8, 16
-    k_cache, v_cache = torch.randn(2, num_blocks, bs, kv_heads, d).unbind(0)
-    table, ctx_len, q_len = [7, 2, 11, 5], 14, 5  # the chunk is positions 9..13
-    q = torch.randn(q_len, q_heads, d)
-    k = k_cache[table].flatten(0, 1)[:ctx_len].repeat_interleave(q_heads // kv_heads, dim=1).transpose(0, 1)
-    v = v_cache[table].flatten(0, 1)[:ctx_len].repeat_interleave(q_heads // kv_heads, dim=1).transpose(0, 1)
-    future = torch.arange(ctx_len)[None, :] > torch.arange(ctx_len - q_len, ctx_len)[:, None]
-    dense = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=~future, scale=0.5).transpose(0, 1)
+def make_batch(seqs, kv_heads=2, group=3, head_dim=8, block_size=4, dtype=torch.float32, seed=0,
+               fused_qkv=False) -> Batch:
+    torch.manual_seed(seed)
+    num_blocks = sum(-(-ctx // block_size) for ctx, _ in seqs) + 7
+    cache = torch.randn(num_blocks, 3, 2, block_size, kv_heads, head_dim).to(dtype)
+    free = torch.randperm(num_blocks).tolist()
+    tables = [[free.pop() for _ in range(-(-ctx // block_size))] for ctx, _ in seqs]
+    rows, q_heads = sum(n for _, n in seqs), kv_heads * group
+    if fused_qkv:  # q, k, v as views into one projection output, as the model passes them
+        qkv = torch.randn(rows, q_heads + 2 * kv_heads, head_dim).to(dtype)
+        q, k, v = qkv[:, :q_heads], qkv[:, q_heads:q_heads + kv_heads], qkv[:, q_heads + kv_heads:]
+    else:
+        q, k, v = (torch.randn(rows, h, head_dim).to(dtype) for h in (q_heads, kv_heads, kv_heads))
+    expected_cache = cache.clone()
+    outs, row = [], 0
+    for (ctx, n), table in zip(seqs, tables):
+        k_seq = expected_cache[table, 1, 0].flatten(0, 1)  # copies, written back below
+        v_seq = expected_cache[table, 1, 1].flatten(0, 1)
+        k_seq[ctx - n:ctx], v_seq[ctx - n:ctx] = k[row:row + n], v[row:row + n]
+        expected_cache[table, 1, 0] = k_seq.view(len(table), block_size, kv_heads, head_dim)
+        expected_cache[table, 1, 1] = v_seq.view(len(table), block_size, kv_heads, head_dim)
+        keys = k_seq[:ctx].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        values = v_seq[:ctx].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        future = torch.arange(ctx)[None, :] > torch.arange(ctx - n, ctx)[:, None]
+        outs.append(F.scaled_dot_product_attention(q[row:row + n].float().transpose(0, 1), keys, values,
+                                                   attn_mask=~future, scale=head_dim ** -0.5).transpose(0, 1))
+        row += n
+    return Batch(seqs, tables, q, k, v, cache, torch.cat(outs).to(dtype), expected_cache, block_size)
 
-    def paged():
-        meta = AttentionMetadata([], [PrefillSeq(0, q_len, ctx_len, torch.tensor(table))], torch.zeros(q_len))
-        return paged_attention(q, None, None, k_cache, v_cache, meta, 0.5)
 
-    torch.testing.assert_close(paged(), dense)  # scores materialized
-    monkeypatch.setattr(attention, "_MAX_CPU_SCORES", 0)
-    torch.testing.assert_close(paged(), dense)  # SDPA
+MIXED = [(13, 1), (9, 1), (9, 1), (2, 1), (14, 5), (7, 7)]  # decodes, a chunk on a cached prefix, a fresh prompt
+
+
+def reference_meta(b: Batch, decode_groups: list[int]) -> AttentionMetadata:
+    meta, start = AttentionMetadata(slot_mapping=b.slots()), 0
+    for size in decode_groups:
+        width = len(b.tables[start])
+        table = torch.tensor([t + [0] * (width - len(t)) for t in b.tables[start:start + size]])
+        lens = torch.tensor([ctx for ctx, _ in b.seqs[start:start + size]])
+        mask = torch.arange(width * b.block_size)[None, :] < lens[:, None]
+        meta.decodes.append(DecodeGroup(start, table, mask[:, None, None, :]))
+        start += size
+    row = start
+    for (ctx, n), table in zip(b.seqs[start:], b.tables[start:]):
+        meta.prefills.append(PrefillSeq(row, n, ctx, torch.tensor(table)))
+        row += n
+    return meta
+
+
+def kernel_meta(b: Batch) -> AttentionMetadata:
+    block_ids, row_block_start = [], []
+    for (ctx, n), table in zip(b.seqs, b.tables):
+        row_block_start += [len(block_ids)] * n
+        block_ids += table
+    return AttentionMetadata(kernel=KernelBatch(torch.tensor(block_ids), torch.tensor(row_block_start),
+                                                torch.tensor(b.positions())))
+
+
+def run(b: Batch, meta: AttentionMetadata) -> torch.Tensor:
+    k_cache, v_cache = b.caches()
+    return paged_attention(b.q, b.k, b.v, k_cache, v_cache, meta, b.q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("decode_groups", [[4], [1, 2, 1], [1, 1, 1, 1]])
+def test_reference_equals_dense_attention_and_writes_the_step(decode_groups):
+    b = make_batch(MIXED, fused_qkv=True)
+    torch.testing.assert_close(run(b, reference_meta(b, decode_groups)), b.expected_out)
+    torch.testing.assert_close(b.cache, b.expected_cache, rtol=0, atol=0)
+
+
+def test_reference_prefill_through_sdpa(monkeypatch):
+    monkeypatch.setattr(attention, "_MAX_CPU_SCORES", 0)  # no materialized scores
+    b = make_batch(MIXED)
+    torch.testing.assert_close(run(b, reference_meta(b, [4])), b.expected_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads,group,head_dim,block_size", [
+    (2, 2, 16, 16),  # the tiny test models
+    (3, 3, 64, 16),  # SmolLM2
+    (1, 7, 24, 16),  # no fixed-size instance for head_dim 24
+    (4, 1, 128, 8),  # and none for block size 8
+])
+def test_cpu_kernel_equals_dense_attention_and_writes_the_step(dtype, kv_heads, group, head_dim, block_size):
+    require_cpu_kernel()
+    # Longer than a block and than a tile of 8 query rows; a single token; a block boundary.
+    seqs = [(200, 1), (97, 1), (16, 1), (1, 1), (64, 21), (37, 37), (1, 1)]
+    b = make_batch(seqs, kv_heads, group, head_dim, block_size, dtype, seed=head_dim, fused_qkv=True)
+    tol = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(run(b, kernel_meta(b)), b.expected_out, **tol)
+    torch.testing.assert_close(b.cache, b.expected_cache, rtol=0, atol=0)
+
+
+def test_cpu_kernel_rejects_what_it_cannot_read():
+    require_cpu_kernel()
+    b = make_batch(MIXED)
+    k_cache, v_cache = b.caches()
+    meta = kernel_meta(b).kernel
+
+    def call(q=b.q, k=b.k, k_cache=k_cache, positions=meta.positions):
+        cpu_kernels.paged_attention(q, k, b.v, k_cache, v_cache, meta.block_ids, meta.row_block_start, positions, 1.0)
+
+    with pytest.raises(ValueError, match="q: expected rows of"):
+        call(q=b.q.transpose(1, 2))  # D not contiguous
+    with pytest.raises(ValueError, match="k_cache: expected rows of"):
+        call(k_cache=k_cache.transpose(2, 3).contiguous().transpose(2, 3))  # heads not head_dim apart
+    with pytest.raises(ValueError, match="dtype"):
+        call(k=b.k.double())
+    with pytest.raises(ValueError, match="int64"):
+        call(positions=meta.positions.int())
+
+
+def test_without_a_compiler_the_reference_runs(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("BATON_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu_kernels.load.cache_clear()
+    try:
+        assert cpu_kernels.load() is None
+        assert not cpu_kernels.supports(torch.float32, torch.device("cpu"), 4, 2, 16)
+        assert "PyTorch reference" in caplog.text
+    finally:
+        cpu_kernels.load.cache_clear()

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from baton import LLM, SamplingParams
+from conftest import require_cpu_kernel
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -30,21 +31,33 @@ def test_one_text_prompt(tiny_model, hf):
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
-@pytest.mark.parametrize("decode_groups", ["one", "per-length"])
-def test_batch_of_mixed_lengths(tiny_model, hf, decode_groups):
+def use_attention(llm: LLM, path: str) -> None:
+    """Runs the engine's attention on the CPU kernel or on the PyTorch reference (the GPU path)."""
+    if path == "cpu kernel":
+        require_cpu_kernel()
+        assert llm.engine.runner.use_cpu_kernel
+    else:
+        llm.engine.runner.use_cpu_kernel = False
+
+
+@pytest.mark.parametrize("attention", ["cpu kernel", "reference, one group", "reference, per length"])
+def test_batch_of_mixed_lengths(tiny_model, hf, attention):
     prompts = random_prompts([3, 16, 17, 40, 77, 130])
     llm = LLM(tiny_model, dtype="float32", device="cpu", enable_prefix_caching=False)
-    if decode_groups == "per-length":  # no padding allowed: every context length its own group
+    use_attention(llm, attention.split(",")[0])
+    if attention == "reference, per length":  # no padding allowed: every context length its own group
         llm.engine.runner.decode_padding_elems = 0
     assert_matches_hf(hf, tiny_model, prompts, llm.generate(prompts, GREEDY))
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
+@pytest.mark.parametrize("attention", ["cpu kernel", "reference"])
 @pytest.mark.parametrize("budget,threshold", [(24, 0), (64, 10)])
-def test_chunked_prefill(tiny_model, hf, budget, threshold):
+def test_chunked_prefill(tiny_model, hf, budget, threshold, attention):
     prompts = random_prompts([130, 9, 57, 33], seed=1)
     llm = LLM(tiny_model, dtype="float32", device="cpu", max_num_batched_tokens=budget,
               long_prefill_token_threshold=threshold, enable_prefix_caching=False)
+    use_attention(llm, attention)
     assert_matches_hf(hf, tiny_model, prompts, llm.generate(prompts, GREEDY))
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
@@ -61,11 +74,13 @@ def test_preemption_by_recompute(tiny_model, hf, policy):
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
-def test_prefix_cache_hits(tiny_model, hf):
+@pytest.mark.parametrize("attention", ["cpu kernel", "reference"])
+def test_prefix_cache_hits(tiny_model, hf, attention):
     shared = random_prompts([48], seed=3)[0]
     tails = random_prompts([5, 21, 1], seed=4)
     prompts = [shared + t for t in tails]
     llm = LLM(tiny_model, dtype="float32", device="cpu", max_num_batched_tokens=64)
+    use_attention(llm, attention)
     first = llm.generate(prompts, GREEDY)
     assert_matches_hf(hf, tiny_model, prompts, first)
     # The same prompt twice in one batch: the second is admitted while the first's KV is

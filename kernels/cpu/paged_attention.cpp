@@ -1,0 +1,333 @@
+// Paged attention for CPU over a step's flat batch of query rows. It first writes the step's
+// new keys and values into their cache slots, then attends: keys and values are read in
+// place from the block pool (no gather), and scores, softmax and the weighted sum are fused
+// per (tile of rows, KV head). A row at position p attends to its sequence's first p + 1
+// tokens: a decode to its whole context, a prefill row causally. Built and loaded by
+// baton/kernels/cpu_kernels.py (plain C ABI, no torch headers, so it compiles in seconds);
+// OpenMP threads come from the libgomp torch already loaded.
+//
+// Layout (strides in elements): see struct Batch. A row's heads are contiguous, head_dim
+// apart, in q, k, v, out and in a cache token; rows are *_row_stride apart.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+// One call's arguments; cpu_kernels.Batch mirrors it field for field.
+struct Batch {
+    const void* q;  // [rows, kv_heads * group, head_dim]
+    int64_t q_row_stride;
+    const void* k;  // this step's keys [rows, kv_heads, head_dim]
+    int64_t k_row_stride;
+    const void* v;
+    int64_t v_row_stride;
+    void* k_cache;  // block b, token j, head h at b * block_stride + j * token_stride + h * head_dim
+    void* v_cache;
+    int64_t block_stride;
+    int64_t token_stride;
+    const int64_t* block_ids;        // the step's sequences' blocks, concatenated
+    const int64_t* row_block_start;  // [rows] where the row's sequence's blocks start in block_ids
+    const int64_t* positions;        // [rows]
+    int64_t num_rows;
+    int32_t num_kv_heads;
+    int32_t group;
+    int32_t head_dim;
+    int32_t block_size;
+    float scale;
+    void* out;  // [rows, kv_heads * group, head_dim], contiguous
+};
+
+namespace {
+
+struct bf16 { uint16_t bits; };
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+    uint32_t u = uint32_t(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline void store(float* p, float x) { *p = x; }
+inline void store(bf16* p, float x) {  // round to nearest even, as torch does
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) { p->bits = 0x7fc0; return; }  // NaN
+    u += 0x7fff + ((u >> 16) & 1);
+    p->bits = uint16_t(u >> 16);
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), within 1 ulp of exp (checked over every
+// float in [-87, 0]): Cephes' polynomial on a range-reduced argument. Written out so the
+// compiler vectorizes the softmax loop; libm's vector expf would need -ffast-math, whose
+// start-up code flushes denormals process-wide.
+inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38, still a normal float
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float e = p * r * r + r + 1.0f;
+    const int32_t bits = (int32_t(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return e * scale;
+}
+
+constexpr int kMaxTileRows = 8;  // query rows of one sequence that share each K/V block read
+constexpr int kMaxGroup = 16, kMaxHeadDim = 256, kMaxBlockSize = 256;
+constexpr int kMaxQueries = kMaxTileRows * kMaxGroup;
+
+// Eight floats; GCC and Clang lower it to AVX, SSE or NEON, or scalars, whatever -march allows.
+typedef float v8 __attribute__((vector_size(32)));
+inline v8 load8(const float* p) {
+    v8 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+
+// Asks for the next block's rows of this head while the current one is computed: blocks are
+// scattered, so the hardware prefetcher cannot guess where the next one is.
+template <typename T>
+inline void prefetch_block(const T* blk, int n, int64_t token_stride, int dl) {
+    for (int j = 0; j < n; ++j)
+        for (int d = 0; d < dl; d += 64 / int(sizeof(T))) __builtin_prefetch(blk + j * token_stride + d);
+}
+
+struct Tile {
+    int64_t row;  // first row
+    int rows;
+};
+
+// Per-thread buffers: queries, the transposed key block, and every query's scores (then
+// weights) over the tile's context.
+struct Scratch {
+    float* qf;  // [queries rounded up to 4][D], scaled
+    float* kt;  // [D][block_size]
+    float* sc;  // [queries][ctx]
+};
+
+// Scores of one query row's `group` queries, key by key: dot products over D. For a decode
+// the queries are too few to pay for transposing the block.
+template <typename T, int D>
+void score_row(const float* qf, int group, int dl, const T* k_blk, int n, int64_t token_stride, float* sc,
+               int64_t ctx) {
+    for (int j = 0; j < n; ++j) {
+        const T* k = k_blk + j * token_stride;
+        float kf[D > 0 ? D : kMaxHeadDim];
+        for (int d = 0; d < dl; ++d) kf[d] = to_float(k[d]);
+        for (int g = 0; g < group; ++g) {
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int d = 0; d < dl; ++d) s += qf[g * dl + d] * kf[d];
+            sc[g * ctx + j] = s;
+        }
+    }
+}
+
+// Scores of a tile's queries against one 16-key block: the block is transposed to [D][16]
+// once, then each group of 4 queries accumulates 4 x 16 scores in registers, one D at a time.
+template <typename T>
+void score_tile16(const float* qf, int nq, int dl, const T* k_blk, int n, int64_t token_stride, float* kt,
+                  float* sc, int64_t ctx) {
+    for (int j = 0; j < 16; ++j)
+        for (int d = 0; d < dl; ++d) kt[d * 16 + j] = j < n ? to_float(k_blk[j * token_stride + d]) : 0.f;
+    for (int i = 0; i < nq; i += 4) {  // qf has zero rows up to a multiple of 4
+        v8 s[4][2] = {};
+        for (int d = 0; d < dl; ++d) {
+            const v8 k0 = load8(kt + d * 16), k1 = load8(kt + d * 16 + 8);
+            for (int u = 0; u < 4; ++u) {
+                const float qd = qf[(i + u) * dl + d];
+                s[u][0] += qd * k0;
+                s[u][1] += qd * k1;
+            }
+        }
+        for (int u = 0; u < 4 && i + u < nq; ++u) {
+            float tmp[16];
+            store8(tmp, s[u][0]);
+            store8(tmp + 8, s[u][1]);
+            std::memcpy(sc + (i + u) * ctx, tmp, sizeof(float) * n);
+        }
+    }
+}
+
+// Softmax of one query's scores over its first len keys, in place; weights past len are 0.
+// Returns 1 / the sum of exponentials, applied to the output instead of the weights.
+inline float softmax(float* s, int64_t len, int64_t ctx) {
+    float m = s[0];
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 1; t < len; ++t) m = s[t] > m ? s[t] : m;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+        s[t] = exp_nonpositive(s[t] - m);
+        sum += s[t];
+    }
+    for (int64_t t = len; t < ctx; ++t) s[t] = 0.f;
+    return 1.f / sum;
+}
+
+// out[u] = inv_sum[u] * sum_t p[u][t] * V[t] for m <= kQueries queries at once, so each V row
+// is read once for all of them; D in slices that keep the accumulators in registers.
+template <typename T, int D>
+void weighted_sums(const float* p, int64_t ctx, int m, int64_t len, const T* v_cache, const int64_t* table,
+                   int64_t block_stride, int64_t token_stride, int bs, int dl, const float* inv_sum,
+                   T* const* outs) {
+    constexpr int kSlice = D > 0 && D < 64 ? D : 64;
+    constexpr int kQueries = 64 / kSlice;
+    for (int c0 = 0; c0 < dl; c0 += kSlice) {
+        const int cw = dl - c0 < kSlice ? dl - c0 : kSlice;
+        float acc[kQueries][kSlice] = {};
+        for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
+            const T* v_blk = v_cache + table[blk] * block_stride + c0;
+            const int n = len - t0 < bs ? int(len - t0) : bs;
+            if (t0 + bs < len) prefetch_block(v_cache + table[blk + 1] * block_stride + c0, bs, token_stride, cw);
+            for (int j = 0; j < n; ++j) {
+                const T* v = v_blk + j * token_stride;
+                if constexpr (kQueries == 1) {
+                    const float w = p[t0 + j];
+#pragma omp simd
+                    for (int c = 0; c < (D > 0 ? kSlice : cw); ++c) acc[0][c] += w * to_float(v[c]);
+                } else {
+                    float vf[kSlice];
+                    for (int c = 0; c < kSlice; ++c) vf[c] = to_float(v[c]);
+                    for (int u = 0; u < kQueries; ++u) {
+                        const float w = u < m ? p[u * ctx + t0 + j] : 0.f;
+#pragma omp simd
+                        for (int c = 0; c < kSlice; ++c) acc[u][c] += w * vf[c];
+                    }
+                }
+            }
+        }
+        for (int u = 0; u < m; ++u)
+            for (int c = 0; c < cw; ++c) store(outs[u] + c0 + c, acc[u][c] * inv_sum[u]);
+    }
+}
+
+// Attention for `rows` consecutive query rows of one sequence and one KV head. A row's keys
+// past its own context get zero weight. D or BS of 0: runtime sizes (a generic instance).
+template <typename T, int D, int BS>
+void attend_tile(const T* q, int64_t q_row_stride, int rows, const int64_t* positions, const T* k_cache,
+                 const T* v_cache, const int64_t* table, int64_t block_stride, int64_t token_stride, int block_size,
+                 int group, int head_dim, float scale, T* out, int64_t out_row_stride, const Scratch& buf) {
+    const int dl = D > 0 ? D : head_dim;
+    const int bs = BS > 0 ? BS : block_size;
+    const int nq = rows * group;  // query i = row * group + g
+    int64_t ctx = 0;  // the longest context in the tile
+    for (int r = 0; r < rows; ++r) ctx = positions[r] + 1 > ctx ? positions[r] + 1 : ctx;
+    for (int i = 0; i < (nq + 3) / 4 * 4; ++i)
+        for (int d = 0; d < dl; ++d)
+            buf.qf[i * dl + d] = i < nq ? to_float(q[(i / group) * q_row_stride + (i % group) * dl + d]) * scale : 0.f;
+
+    for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += bs, ++blk) {
+        const T* k_blk = k_cache + table[blk] * block_stride;
+        const int n = ctx - t0 < bs ? int(ctx - t0) : bs;
+        if (t0 + bs < ctx) prefetch_block(k_cache + table[blk + 1] * block_stride, bs, token_stride, dl);
+        if (BS == 16 && rows > 1)
+            score_tile16(buf.qf, nq, dl, k_blk, n, token_stride, buf.kt, buf.sc + t0, ctx);
+        else
+            for (int r = 0; r < rows; ++r)
+                score_row<T, D>(buf.qf + r * group * dl, group, dl, k_blk, n, token_stride,
+                                buf.sc + r * group * ctx + t0, ctx);
+    }
+    float inv_sum[kMaxQueries];
+    T* outs[kMaxQueries];
+    for (int i = 0; i < nq; ++i) {
+        inv_sum[i] = softmax(buf.sc + i * ctx, positions[i / group] + 1, ctx);
+        outs[i] = out + (i / group) * out_row_stride + (i % group) * dl;
+    }
+    constexpr int kQueries = D > 0 && D < 64 ? 64 / D : 1;
+    for (int i = 0; i < nq; i += kQueries) {
+        const int m = nq - i < kQueries ? nq - i : kQueries;
+        weighted_sums<T, D>(buf.sc + i * ctx, ctx, m, positions[(i + m - 1) / group] + 1, v_cache, table,
+                            block_stride, token_stride, bs, dl, inv_sum + i, outs + i);
+    }
+}
+
+template <typename T, int D, int BS>
+void attend_all(const Batch& b) {
+    const T* q = static_cast<const T*>(b.q);
+    T* k_cache = static_cast<T*>(b.k_cache);
+    T* v_cache = static_cast<T*>(b.v_cache);
+    T* out = static_cast<T*>(b.out);
+    const int64_t num_rows = b.num_rows, kv_elems = int64_t(b.num_kv_heads) * b.head_dim;
+    // Tiles: runs of up to kMaxTileRows rows of the same sequence (a decode is a tile of one).
+    Tile* tiles = static_cast<Tile*>(std::malloc(sizeof(Tile) * (num_rows + 1)));
+    int64_t num_tiles = 0, max_ctx = 0;
+    for (int64_t r = 0; r < num_rows; ++r) {
+        max_ctx = b.positions[r] + 1 > max_ctx ? b.positions[r] + 1 : max_ctx;
+        Tile* last = num_tiles ? &tiles[num_tiles - 1] : nullptr;
+        if (last && b.row_block_start[r] == b.row_block_start[last->row] && last->rows < kMaxTileRows)
+            ++last->rows;
+        else
+            tiles[num_tiles++] = Tile{r, 1};
+    }
+    const size_t qf_floats = size_t(kMaxQueries + 4) * b.head_dim, kt_floats = size_t(b.head_dim) * b.block_size;
+    const size_t sc_floats = size_t(kMaxTileRows) * b.group * (max_ctx + b.block_size);
+    const int64_t out_row_stride = kv_elems * b.group;
+#pragma omp parallel
+    {
+        // The step's keys and values into their slots first: prefill rows attend to each other.
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < num_rows; ++r) {
+            const int64_t pos = b.positions[r];
+            const int64_t slot = b.block_ids[b.row_block_start[r] + pos / b.block_size] * b.block_stride +
+                                 pos % b.block_size * b.token_stride;
+            std::memcpy(k_cache + slot, static_cast<const T*>(b.k) + r * b.k_row_stride, sizeof(T) * kv_elems);
+            std::memcpy(v_cache + slot, static_cast<const T*>(b.v) + r * b.v_row_stride, sizeof(T) * kv_elems);
+        }
+        float* scratch = static_cast<float*>(std::malloc(sizeof(float) * (qf_floats + kt_floats + sc_floats)));
+        const Scratch buf{scratch, scratch + qf_floats, scratch + qf_floats + kt_floats};
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t t = 0; t < num_tiles; ++t)
+            for (int h = 0; h < b.num_kv_heads; ++h) {
+                const int64_t r = tiles[t].row, head = int64_t(h) * b.group * b.head_dim;
+                attend_tile<T, D, BS>(q + r * b.q_row_stride + head, b.q_row_stride, tiles[t].rows, b.positions + r,
+                                      k_cache + h * b.head_dim, v_cache + h * b.head_dim,
+                                      b.block_ids + b.row_block_start[r], b.block_stride, b.token_stride,
+                                      b.block_size, b.group, b.head_dim, b.scale, out + r * out_row_stride + head,
+                                      out_row_stride, buf);
+            }
+        std::free(scratch);
+    }
+    std::free(tiles);
+}
+
+template <typename T>
+void dispatch(const Batch& b) {
+#define BATON_ATTEND_D(D) if (b.block_size == 16) attend_all<T, D, 16>(b); else attend_all<T, D, 0>(b)
+    switch (b.head_dim) {  // fixed sizes unroll and vectorize the inner loops
+        case 16: BATON_ATTEND_D(16); break;
+        case 32: BATON_ATTEND_D(32); break;
+        case 64: BATON_ATTEND_D(64); break;
+        case 128: BATON_ATTEND_D(128); break;
+        default: BATON_ATTEND_D(0);
+    }
+#undef BATON_ATTEND_D
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 float32, 1 bfloat16. Returns 0, or -1 for an unsupported shape.
+int baton_paged_attention(int dtype, const Batch* batch) {
+    const Batch& b = *batch;
+    if (b.group < 1 || b.group > kMaxGroup || b.head_dim < 1 || b.head_dim > kMaxHeadDim || b.block_size < 1 ||
+        b.block_size > kMaxBlockSize)
+        return -1;
+    if (dtype == 0)
+        dispatch<float>(b);
+    else if (dtype == 1)
+        dispatch<bf16>(b);
+    else
+        return -1;
+    return 0;
+}
+
+}

@@ -1,0 +1,144 @@
+"""CPU kernels in C++, compiled on first use with the system compiler and loaded with ctypes.
+
+The source has no torch headers, so a build takes about a second (a torch C++ extension
+takes most of a minute); the library is cached under ~/.cache/baton/kernels, keyed by the
+source, the flags, the compiler and the CPU (it is built with -march=native). Without a
+compiler, or with BATON_CPU_KERNELS=0, `load()` returns None and callers use the PyTorch
+reference in kernels/attention.py.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu") / "paged_attention.cpp"
+# No -ffast-math: its start-up code would set flush-to-zero for the whole process.
+# -fno-math-errno lets floor and the softmax loop vectorize.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared",
+         "-fPIC"]
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's stack buffers
+
+
+def _cache_dir() -> Path:
+    if "BATON_KERNEL_CACHE" in os.environ:
+        return Path(os.environ["BATON_KERNEL_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "baton" / "kernels"
+
+
+def _cpu_signature() -> str:
+    """The CPU model and flags, since -march=native code may not run on another CPU."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
+    target = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: processes starting together never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True,
+                       timeout=300)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class Batch(ctypes.Structure):
+    """The kernel's arguments (struct Batch in the source): pointers, and strides in elements."""
+    _fields_ = [("q", ctypes.c_void_p), ("q_row_stride", ctypes.c_int64),
+                ("k", ctypes.c_void_p), ("k_row_stride", ctypes.c_int64),
+                ("v", ctypes.c_void_p), ("v_row_stride", ctypes.c_int64),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("block_stride", ctypes.c_int64), ("token_stride", ctypes.c_int64),
+                ("block_ids", ctypes.c_void_p), ("row_block_start", ctypes.c_void_p), ("positions", ctypes.c_void_p),
+                ("num_rows", ctypes.c_int64), ("num_kv_heads", ctypes.c_int32), ("group", ctypes.c_int32),
+                ("head_dim", ctypes.c_int32), ("block_size", ctypes.c_int32), ("scale", ctypes.c_float),
+                ("out", ctypes.c_void_p)]
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library, or None when it cannot be built here (the reason is logged once)."""
+    if os.environ.get("BATON_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        log.warning("no C++ compiler found: CPU attention uses the PyTorch reference")
+        return None
+    try:
+        # torch is imported, so the library's libgomp resolves to the one torch loaded:
+        # one OpenMP thread pool, sized by torch.set_num_threads.
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("building the CPU kernels failed, CPU attention uses the PyTorch reference: %s", detail)
+        return None
+    lib.baton_paged_attention.argtypes = [ctypes.c_int, ctypes.POINTER(Batch)]
+    lib.baton_paged_attention.restype = ctypes.c_int
+    return lib
+
+
+def supports(dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether paged_attention can serve this model's attention (and the library builds here)."""
+    return (device.type == "cpu" and dtype in DTYPES and num_heads // num_kv_heads <= MAX_GROUP
+            and head_dim <= MAX_HEAD_DIM and load() is not None)
+
+
+def _check_rows(name: str, t: torch.Tensor, heads: int, head_dim: int) -> None:
+    if t.dim() != 3 or t.shape[1:] != (heads, head_dim) or t.stride(2) != 1 or t.stride(1) != head_dim:
+        raise ValueError(f"{name}: expected rows of [{heads}, {head_dim}] with contiguous heads, got shape "
+                         f"{tuple(t.shape)} strides {t.stride()}")
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_ids: torch.Tensor, row_block_start: torch.Tensor, positions: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Writes this step's k, v ([rows, kv_heads, D]) into the cache, then returns attention of
+    each row of q ([rows, q_heads, D]) at positions[row] over its sequence's first
+    positions[row] + 1 tokens. Row r's sequence's blocks are block_ids[row_block_start[r]:].
+    k_cache/v_cache: [num_blocks, block_size, kv_heads, D], one layer's views of the engine's
+    cache. Rows of q, k, v may be strided (views into the fused QKV output); the index
+    tensors are int64."""
+    num_rows, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    for name, t, heads in (("q", q, num_heads), ("k", k, num_kv_heads), ("v", v, num_kv_heads),
+                           ("k_cache", k_cache[0], num_kv_heads), ("v_cache", v_cache[0], num_kv_heads)):
+        _check_rows(name, t, heads, head_dim)
+    if k_cache.stride() != v_cache.stride() or not q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError("q, k, v and the caches must share a dtype, and the caches their strides")
+    if not block_ids.dtype == row_block_start.dtype == positions.dtype == torch.int64:
+        raise ValueError("block_ids, row_block_start and positions must be int64")
+    # Named, so copies made here outlive the call.
+    block_ids, row_block_start, positions = block_ids.contiguous(), row_block_start.contiguous(), positions.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    batch = Batch(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                  k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                  block_ids.data_ptr(), row_block_start.data_ptr(), positions.data_ptr(), num_rows, num_kv_heads,
+                  num_heads // num_kv_heads, head_dim, block_size, scale, out.data_ptr())
+    if load().baton_paged_attention(DTYPES[q.dtype], ctypes.byref(batch)) != 0:
+        raise ValueError(f"paged_attention: unsupported shape q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+    return out
