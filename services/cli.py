@@ -18,10 +18,14 @@ DEMO_QUESTIONS = [
 def _prepare(args) -> None:
     from baton.engine.checkpoints import prepare_models
 
+    from baton.kernels import cpu_kernels
+
     t0 = time.perf_counter()
     paths = prepare_models(args.models_dir)
     for name, path in paths.items():
         print(f"{name:>10}: {path}")
+    # Built now, once, rather than by every engine process that starts first on this machine.
+    print(f"{'kernels':>10}: {'CPU attention kernel built' if cpu_kernels.load() else 'PyTorch reference (no kernel)'}")
     print(f"ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
 
