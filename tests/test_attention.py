@@ -165,6 +165,7 @@ def test_cpu_kernel_rejects_what_it_cannot_read():
 
 
 def test_without_a_compiler_the_reference_runs(monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv("BATON_CPU_KERNELS", raising=False)
     monkeypatch.setenv("BATON_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     cpu_kernels.load.cache_clear()
