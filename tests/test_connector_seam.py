@@ -13,7 +13,7 @@ from baton.engine.request import RequestStatus
 from baton.engine.sampling_params import SamplingParams
 from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker
 
-from test_parity import random_prompts
+from helpers import random_prompts
 
 
 class CopyConnector(KVConnectorScheduler, KVConnectorWorker):

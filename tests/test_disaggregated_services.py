@@ -4,19 +4,15 @@ equals a colocated engine's."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
 
 from baton import LLM, SamplingParams
 from baton.services.client import build_request, chunk_from_response
-from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
+from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
 
-from test_server import prompts_of
-
-TOKEN = "stack-secret"
-AUTH = (("x-baton-token", TOKEN),)
+from helpers import AUTH, TOKEN, pools_full, random_prompts, stats
 
 
 async def disaggregated(prefill_addr: str, decode_addr: str, prompt, **sampling) -> list[int]:
@@ -44,7 +40,7 @@ def tiers(serve, tiny_llama):
 
 def test_disaggregated_services_equal_colocated(tiers, tiny_llama):
     prefill, decode = tiers
-    prompts = prompts_of([5, 17, 40, 90, 130], seed=41)
+    prompts = random_prompts([5, 17, 40, 90, 130], seed=41)
     params = [dict(max_tokens=12, temperature=0.0, ignore_eos=True),
               dict(max_tokens=12, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)]
     llm = LLM(tiny_llama, dtype="float32", device="cpu")
@@ -92,21 +88,6 @@ def test_internal_calls_need_the_token_and_a_consistent_handle(tiers):
 
 
 # ---- each tier its own process ----------------------------------------------------------------
-def stats(address: str):
-    with grpc.insecure_channel(address) as channel:
-        return internal_pb2_grpc.AdminStub(channel).Stats(internal_pb2.StatsRequest(), metadata=AUTH, timeout=10)
-
-
-def pools_full(address: str, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = stats(address)
-        if s.num_free_kv_blocks == s.num_kv_blocks and s.num_held == 0 and s.num_in_flight_streams == 0:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def tier(spawn, model, role, *flags):
     return spawn(model, "--role", role, "--internal-token", TOKEN, *flags)
 
@@ -117,7 +98,7 @@ GREEDY = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
 def test_processes_disaggregated_equal_colocated_and_pools_refill(spawn, tiny_llama):
     prefill = tier(spawn, tiny_llama, "prefill", "--max-num-batched-tokens", "32")
     decode = tier(spawn, tiny_llama, "decode")
-    prompts = prompts_of([9, 33, 70, 120], seed=51)
+    prompts = random_prompts([9, 33, 70, 120], seed=51)
     want = [o.token_ids for o in LLM(tiny_llama, dtype="float32", device="cpu").generate(prompts, SamplingParams(**GREEDY))]
 
     async def run():
@@ -130,7 +111,7 @@ def test_processes_disaggregated_equal_colocated_and_pools_refill(spawn, tiny_ll
 
 def test_a_dead_prefill_gives_a_recompute_or_a_clean_error(spawn, tiny_llama):
     decode, known, unknown = (tier(spawn, tiny_llama, role) for role in ("decode", "prefill", "prefill"))
-    prompt = prompts_of([60], seed=52)[0]
+    prompt = random_prompts([60], seed=52)[0]
     want = LLM(tiny_llama, dtype="float32", device="cpu").generate([prompt], SamplingParams(**GREEDY))[0].token_ids
 
     async def pull_after_kill(prefill, meet_first: bool):
@@ -160,7 +141,7 @@ def test_a_dead_prefill_gives_a_recompute_or_a_clean_error(spawn, tiny_llama):
 
 def test_a_restarted_decode_meets_the_prefill_again(spawn, tiny_llama):
     prefill, decode, restarted = (tier(spawn, tiny_llama, role) for role in ("prefill", "decode", "decode"))
-    prompt = prompts_of([45], seed=53)[0]
+    prompt = random_prompts([45], seed=53)[0]
     want = LLM(tiny_llama, dtype="float32", device="cpu").generate([prompt], SamplingParams(**GREEDY))[0].token_ids
     assert asyncio.run(disaggregated(prefill.address, decode.address, prompt, **GREEDY)) == want
     decode.kill()
@@ -171,7 +152,7 @@ def test_a_restarted_decode_meets_the_prefill_again(spawn, tiny_llama):
 
 def test_a_first_token_that_ends_the_request_leaves_nothing_held(tiers, tiny_llama):
     prefill, _ = tiers
-    prompt = prompts_of([20], seed=61)[0]
+    prompt = random_prompts([20], seed=61)[0]
     llm = LLM(tiny_llama, dtype="float32", device="cpu")
     first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
 

@@ -6,7 +6,8 @@ import torch
 
 from baton import LLM, SamplingParams
 
-from test_parity import GREEDY, assert_matches_hf, random_prompts
+from helpers import random_prompts
+from test_parity import GREEDY, assert_matches_hf
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

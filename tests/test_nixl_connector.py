@@ -11,7 +11,7 @@ from baton.engine.llm_engine import LLMEngine
 from baton.engine.request import RequestStatus
 from baton.kv_transfer.nixl_connector import make_nixl_connector, merge_runs
 
-from test_parity import random_prompts
+from helpers import random_prompts
 
 _ids = itertools.count()
 

@@ -2,19 +2,14 @@
 scheduler slices the work (batching, chunked prefill, preemption, prefix caching, priorities)."""
 from __future__ import annotations
 
-import random
 
 import pytest
 
 from baton import LLM, SamplingParams
 from conftest import require_cpu_kernel
+from helpers import random_prompts
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-
-
-def random_prompts(lengths, vocab=500, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
 def assert_matches_hf(hf, model_dir, prompts, outputs, max_tokens=GREEDY.max_tokens):

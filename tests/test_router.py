@@ -20,8 +20,7 @@ from baton.services.launcher import free_port
 from baton.services.router import PrefixAffinity
 
 from conftest import ServerProcess
-from test_disaggregated_services import TOKEN, pools_full, stats
-from test_server import collect, prompts_of, workload
+from helpers import TOKEN, collect, pools_full, random_prompts, stats, wait_serving, workload
 
 
 def engine(model: str, role: str, *flags: str, start=ServerProcess) -> ServerProcess:
@@ -33,16 +32,6 @@ def router(model: str, policy: str, prefill: list[ServerProcess], decode: list[S
     return ServerProcess(model, "--role", "router", "--internal-token", TOKEN, "--policy", policy,
                          "--prefill", ",".join(p.address for p in prefill),
                          "--decode", ",".join(p.address for p in decode))
-
-
-def wait_serving(address: str, timeout: float = 30.0) -> None:
-    from grpc_health.v1 import health_pb2
-    from test_server import health_status
-
-    deadline = time.monotonic() + timeout
-    while health_status(address) != health_pb2.HealthCheckResponse.SERVING:
-        assert time.monotonic() < deadline, f"{address} never served"
-        time.sleep(0.05)
 
 
 def counts(procs: list[ServerProcess]) -> list[int]:
@@ -95,7 +84,7 @@ def test_through_the_router_equals_colocated_for_32_streams(stack, tiny_llama):
 
 def test_round_robin_and_least_outstanding_spread_requests(stack):
     prefill, decode, start_router = stack
-    prompt = prompts_of([40], seed=72)[0]
+    prompt = random_prompts([40], seed=72)[0]
 
     async def sequential(address: str, n: int):
         async with AsyncClient(address) as client:
@@ -125,8 +114,8 @@ def test_round_robin_and_least_outstanding_spread_requests(stack):
 def test_prefix_affinity_keeps_a_shared_prefix_on_one_prefill_instance(stack):
     prefill, _, start_router = stack
     r = start_router("prefix_affinity")
-    shared = prompts_of([64], seed=73)[0]  # four blocks
-    suffixes = prompts_of([5, 9, 13, 17, 21, 25], seed=74)
+    shared = random_prompts([64], seed=73)[0]  # four blocks
+    suffixes = random_prompts([5, 9, 13, 17, 21, 25], seed=74)
     before = [stats(p.address) for p in prefill]
 
     async def go():
@@ -174,7 +163,7 @@ def test_a_killed_decode_fails_its_streams_cleanly_and_comes_back(tiny_llama, sp
     r = spawn(tiny_llama, "--role", "router", "--internal-token", TOKEN, "--prefill", prefill.address,
               "--decode", decode[0].address, "--decode", "localhost:" + decode[1].address.split(":")[1])
     wait_serving(r.address)
-    prompt = prompts_of([30], seed=75)[0]
+    prompt = random_prompts([30], seed=75)[0]
     want = LLM(tiny_llama, dtype="float32", device="cpu").generate(
         [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
 
@@ -282,7 +271,7 @@ class BrokenBackend:
 def test_a_failure_before_the_first_token_is_retried_on_another_instance(stack, tiny_llama, spawn):
     prefill, decode, _ = stack
     broken = BrokenBackend()
-    prompt = prompts_of([40], seed=79)[0]
+    prompt = random_prompts([40], seed=79)[0]
     greedy = dict(max_tokens=5, temperature=0.0, ignore_eos=True)
     want = LLM(tiny_llama, dtype="float32", device="cpu").generate([prompt], SamplingParams(**greedy))[0].token_ids
 
@@ -327,7 +316,7 @@ def test_cancelling_50_streams_at_the_router_frees_both_tiers(stack):
     prefill, decode, start_router = stack
     r = start_router("round_robin")
     rng = random.Random(77)
-    prompts = prompts_of([rng.randint(10, 100) for _ in range(50)], seed=78)
+    prompts = random_prompts([rng.randint(10, 100) for _ in range(50)], seed=78)
 
     async def cancel_after(client, prompt, n_chunks: int, delay: float):
         deadline = rng.choice([None, None, rng.uniform(0.05, 0.5)])  # some end by their deadline instead

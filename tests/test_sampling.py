@@ -6,7 +6,7 @@ import torch
 from baton import LLM, SamplingParams
 from baton.engine.sampler import _apply_top_k_top_p, sample
 
-from test_parity import random_prompts
+from helpers import random_prompts
 
 
 def test_seeded_sampling_is_independent_of_the_batch(tiny_llama):

@@ -13,46 +13,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from baton import LLM, SamplingParams
 from baton.services import server as server_module
 from baton.services.client import AsyncClient, Client, build_request
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
+from helpers import collect, health_status, random_prompts, workload
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 256
-
-
-def prompts_of(lengths, seed=0, vocab=500):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
-
-
-def workload(n=32, seed=0):
-    """Mixed lengths; even requests greedy, odd ones seeded sampling."""
-    rng = random.Random(seed)
-    prompts = prompts_of([rng.randint(2, 120) for _ in range(n)], seed)
-    params = [dict(max_tokens=rng.randint(4, 40), ignore_eos=True,
-                   **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.9, "seed": 1000 + i}))
-              for i in range(n)]
-    return prompts, params
-
-
-async def collect(client: AsyncClient, prompt, **kwargs) -> tuple[list[int], str, object]:
-    ids, text, last = [], "", None
-    async for chunk in client.generate(prompt, **kwargs):
-        ids += chunk.token_ids
-        text += chunk.text
-        last = chunk
-    return ids, text, last
-
-
-def health_status(address: str, service: str = "") -> int:
-    with grpc.insecure_channel(address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                         timeout=5).status
 
 
 def test_concurrent_streams_equal_the_offline_engine(serve, tiny_llama):
@@ -176,7 +147,7 @@ def test_duplicate_in_flight_request_id_and_full_waiting_queue(serve, tiny_llama
 def test_cancelled_and_timed_out_streams_free_their_blocks(serve, tiny_llama):
     srv = serve(tiny_llama)
     rng = random.Random(7)
-    prompts = prompts_of([rng.randint(10, 150) for _ in range(60)], seed=7)
+    prompts = random_prompts([rng.randint(10, 150) for _ in range(60)], seed=7)
 
     async def cancel_after(client, prompt, n_chunks):
         seen = 0

@@ -1,0 +1,70 @@
+"""Helpers the test modules share: workloads, stream collection, and waiting on a server's
+health and pools through its gRPC services (fixtures live in conftest.py)."""
+from __future__ import annotations
+
+import random
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+TOKEN = "stack-secret"  # the internal token the tests' tiers share
+AUTH = (("x-baton-token", TOKEN),)
+
+
+def random_prompts(lengths, seed=0, vocab=500) -> list[list[int]]:
+    """Token-id prompts of the given lengths, above the special ids at the bottom of the vocab."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def workload(n=32, seed=0):
+    """Mixed lengths; even requests greedy, odd ones seeded sampling."""
+    rng = random.Random(seed)
+    prompts = random_prompts([rng.randint(2, 120) for _ in range(n)], seed)
+    params = [dict(max_tokens=rng.randint(4, 40), ignore_eos=True,
+                   **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.9, "seed": 1000 + i}))
+              for i in range(n)]
+    return prompts, params
+
+
+async def collect(client, prompt, **kwargs) -> tuple[list[int], str, object]:
+    """One stream from an AsyncClient: its token ids, its text, and its last chunk."""
+    ids, text, last = [], "", None
+    async for chunk in client.generate(prompt, **kwargs):
+        ids += chunk.token_ids
+        text += chunk.text
+        last = chunk
+    return ids, text, last
+
+
+def health_status(address: str, service: str = "") -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                         timeout=5).status
+
+
+def wait_serving(address: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while health_status(address) != health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, f"{address} never served"
+        time.sleep(0.05)
+
+
+def stats(address: str):
+    """A server's EngineStats, through the internal Admin service."""
+    from baton.v1 import internal_pb2, internal_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return internal_pb2_grpc.AdminStub(channel).Stats(internal_pb2.StatsRequest(), metadata=AUTH, timeout=10)
+
+
+def pools_full(address: str, timeout: float = 10.0) -> bool:
+    """Waits (bounded) until the server's every KV block is free, nothing held or streaming."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = stats(address)
+        if s.num_free_kv_blocks == s.num_kv_blocks and s.num_held == 0 and s.num_in_flight_streams == 0:
+            return True
+        time.sleep(0.05)
+    return False
