@@ -118,8 +118,11 @@ class ModelRunner:
     def _kernel_batch(self, spans: list[tuple[int, int, list[int]]], positions: torch.Tensor) -> AttentionMetadata:
         block_ids, row_block_start, bs = [], [], self.block_size
         for start, end, blocks in spans:
+            needed = -(-end // bs)
+            if len(blocks) < needed:  # the kernel would read (and write) the next request's blocks
+                raise RuntimeError(f"a request has {len(blocks)} KV blocks for {end} tokens")
             row_block_start.extend([len(block_ids)] * (end - start))
-            block_ids.extend(blocks[:-(-end // bs)])
+            block_ids.extend(blocks[:needed])
         return AttentionMetadata(kernel=KernelBatch(torch.tensor(block_ids), torch.tensor(row_block_start),
                                                     positions))
 

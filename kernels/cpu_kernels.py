@@ -75,7 +75,8 @@ class Batch(ctypes.Structure):
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("block_stride", ctypes.c_int64), ("token_stride", ctypes.c_int64),
                 ("block_ids", ctypes.c_void_p), ("row_block_start", ctypes.c_void_p), ("positions", ctypes.c_void_p),
-                ("num_rows", ctypes.c_int64), ("num_kv_heads", ctypes.c_int32), ("group", ctypes.c_int32),
+                ("num_rows", ctypes.c_int64), ("num_block_ids", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
+                ("num_kv_heads", ctypes.c_int32), ("group", ctypes.c_int32),
                 ("head_dim", ctypes.c_int32), ("block_size", ctypes.c_int32), ("scale", ctypes.c_float),
                 ("out", ctypes.c_void_p)]
 
@@ -132,13 +133,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         raise ValueError("q, k, v and the caches must share a dtype, and the caches their strides")
     if not block_ids.dtype == row_block_start.dtype == positions.dtype == torch.int64:
         raise ValueError("block_ids, row_block_start and positions must be int64")
+    if not k.shape[0] == v.shape[0] == row_block_start.shape[0] == positions.shape[0] == num_rows:
+        raise ValueError(f"q, k, v, row_block_start and positions must have {num_rows} rows")
     # Named, so copies made here outlive the call.
     block_ids, row_block_start, positions = block_ids.contiguous(), row_block_start.contiguous(), positions.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch = Batch(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                   k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
-                  block_ids.data_ptr(), row_block_start.data_ptr(), positions.data_ptr(), num_rows, num_kv_heads,
+                  block_ids.data_ptr(), row_block_start.data_ptr(), positions.data_ptr(), num_rows, block_ids.numel(),
+                  num_blocks, num_kv_heads,
                   num_heads // num_kv_heads, head_dim, block_size, scale, out.data_ptr())
-    if load().baton_paged_attention(DTYPES[q.dtype], ctypes.byref(batch)) != 0:
+    rc = load().baton_paged_attention(DTYPES[q.dtype], ctypes.byref(batch))
+    if rc == -2:
+        raise ValueError("a row's position reaches past its blocks in block_ids, or a block id is outside the cache")
+    if rc == -3:
+        raise MemoryError("paged_attention: out of memory for scratch buffers")
+    if rc != 0:
         raise ValueError(f"paged_attention: unsupported shape q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
     return out

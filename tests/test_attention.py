@@ -175,3 +175,28 @@ def test_without_a_compiler_the_reference_runs(monkeypatch, tmp_path, caplog):
         assert "PyTorch reference" in caplog.text
     finally:
         cpu_kernels.load.cache_clear()
+
+
+def test_cpu_kernel_refuses_a_row_past_its_blocks_and_writes_nothing():
+    require_cpu_kernel()
+    b = make_batch(MIXED)
+    k_cache, v_cache = b.caches()
+    meta = kernel_meta(b).kernel
+    before = b.cache.clone()
+    for block_ids in (meta.block_ids[:-1], torch.cat([meta.block_ids[:-1], torch.tensor([10_000])])):
+        with pytest.raises(ValueError, match="past its blocks"):
+            cpu_kernels.paged_attention(b.q, b.k, b.v, k_cache, v_cache, block_ids, meta.row_block_start,
+                                        meta.positions, 1.0)
+    assert torch.equal(b.cache, before)
+
+
+def test_cpu_kernel_rows_need_not_come_in_position_order():
+    require_cpu_kernel()
+    seqs = [(20, 4)]  # one chunk whose rows arrive last position first; head_dim 16 sums 4 queries at once
+    b = make_batch(seqs, kv_heads=1, group=1, head_dim=16, block_size=16, seed=5)
+    k_cache, v_cache = b.caches()
+    flip = torch.arange(3, -1, -1)
+    meta = kernel_meta(b).kernel
+    out = cpu_kernels.paged_attention(b.q[flip], b.k[flip], b.v[flip], k_cache, v_cache, meta.block_ids,
+                                      meta.row_block_start, meta.positions[flip], b.q.shape[-1] ** -0.5)
+    torch.testing.assert_close(out, b.expected_out[flip])

@@ -13,6 +13,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <omp.h>
+
 // One call's arguments; cpu_kernels.Batch mirrors it field for field.
 struct Batch {
     const void* q;  // [rows, kv_heads * group, head_dim]
@@ -29,6 +31,8 @@ struct Batch {
     const int64_t* row_block_start;  // [rows] where the row's sequence's blocks start in block_ids
     const int64_t* positions;        // [rows]
     int64_t num_rows;
+    int64_t num_block_ids;  // length of block_ids
+    int64_t num_blocks;     // blocks in the cache
     int32_t num_kv_heads;
     int32_t group;
     int32_t head_dim;
@@ -244,13 +248,16 @@ void attend_tile(const T* q, int64_t q_row_stride, int rows, const int64_t* posi
     constexpr int kQueries = D > 0 && D < 64 ? 64 / D : 1;
     for (int i = 0; i < nq; i += kQueries) {
         const int m = nq - i < kQueries ? nq - i : kQueries;
-        weighted_sums<T, D>(buf.sc + i * ctx, ctx, m, positions[(i + m - 1) / group] + 1, v_cache, table,
+        int64_t len = 0;  // the longest context among these queries
+        for (int u = i; u < i + m; ++u) len = positions[u / group] + 1 > len ? positions[u / group] + 1 : len;
+        weighted_sums<T, D>(buf.sc + i * ctx, ctx, m, len, v_cache, table,
                             block_stride, token_stride, bs, dl, inv_sum + i, outs + i);
     }
 }
 
+// Returns 0, -2 for a row whose blocks are not all in block_ids or the cache, -3 when out of memory.
 template <typename T, int D, int BS>
-void attend_all(const Batch& b) {
+int attend_all(const Batch& b) {
     const T* q = static_cast<const T*>(b.q);
     T* k_cache = static_cast<T*>(b.k_cache);
     T* v_cache = static_cast<T*>(b.v_cache);
@@ -258,8 +265,14 @@ void attend_all(const Batch& b) {
     const int64_t num_rows = b.num_rows, kv_elems = int64_t(b.num_kv_heads) * b.head_dim;
     // Tiles: runs of up to kMaxTileRows rows of the same sequence (a decode is a tile of one).
     Tile* tiles = static_cast<Tile*>(std::malloc(sizeof(Tile) * (num_rows + 1)));
+    if (tiles == nullptr) return -3;
+    bool in_range = true;
+    for (int64_t i = 0; i < b.num_block_ids; ++i) in_range &= b.block_ids[i] >= 0 && b.block_ids[i] < b.num_blocks;
     int64_t num_tiles = 0, max_ctx = 0;
-    for (int64_t r = 0; r < num_rows; ++r) {
+    for (int64_t r = 0; r < num_rows && in_range; ++r) {
+        // A row reads (and writes) block_ids[start .. start + pos / block_size], nothing else.
+        const int64_t start = b.row_block_start[r];
+        in_range = b.positions[r] >= 0 && start >= 0 && start + b.positions[r] / b.block_size < b.num_block_ids;
         max_ctx = b.positions[r] + 1 > max_ctx ? b.positions[r] + 1 : max_ctx;
         Tile* last = num_tiles ? &tiles[num_tiles - 1] : nullptr;
         if (last && b.row_block_start[r] == b.row_block_start[last->row] && last->rows < kMaxTileRows)
@@ -267,9 +280,19 @@ void attend_all(const Batch& b) {
         else
             tiles[num_tiles++] = Tile{r, 1};
     }
+    if (!in_range) {
+        std::free(tiles);
+        return -2;
+    }
     const size_t qf_floats = size_t(kMaxQueries + 4) * b.head_dim, kt_floats = size_t(b.head_dim) * b.block_size;
     const size_t sc_floats = size_t(kMaxTileRows) * b.group * (max_ctx + b.block_size);
     const int64_t out_row_stride = kv_elems * b.group;
+    const size_t scratch_floats = qf_floats + kt_floats + sc_floats;
+    float* scratch_all = static_cast<float*>(std::malloc(sizeof(float) * scratch_floats * omp_get_max_threads()));
+    if (scratch_all == nullptr) {
+        std::free(tiles);
+        return -3;
+    }
 #pragma omp parallel
     {
         // The step's keys and values into their slots first: prefill rows attend to each other.
@@ -281,7 +304,7 @@ void attend_all(const Batch& b) {
             std::memcpy(k_cache + slot, static_cast<const T*>(b.k) + r * b.k_row_stride, sizeof(T) * kv_elems);
             std::memcpy(v_cache + slot, static_cast<const T*>(b.v) + r * b.v_row_stride, sizeof(T) * kv_elems);
         }
-        float* scratch = static_cast<float*>(std::malloc(sizeof(float) * (qf_floats + kt_floats + sc_floats)));
+        float* scratch = scratch_all + scratch_floats * omp_get_thread_num();
         const Scratch buf{scratch, scratch + qf_floats, scratch + qf_floats + kt_floats};
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t t = 0; t < num_tiles; ++t)
@@ -293,19 +316,20 @@ void attend_all(const Batch& b) {
                                       b.block_size, b.group, b.head_dim, b.scale, out + r * out_row_stride + head,
                                       out_row_stride, buf);
             }
-        std::free(scratch);
     }
+    std::free(scratch_all);
     std::free(tiles);
+    return 0;
 }
 
 template <typename T>
-void dispatch(const Batch& b) {
-#define BATON_ATTEND_D(D) if (b.block_size == 16) attend_all<T, D, 16>(b); else attend_all<T, D, 0>(b)
+int dispatch(const Batch& b) {
+#define BATON_ATTEND_D(D) return b.block_size == 16 ? attend_all<T, D, 16>(b) : attend_all<T, D, 0>(b)
     switch (b.head_dim) {  // fixed sizes unroll and vectorize the inner loops
-        case 16: BATON_ATTEND_D(16); break;
-        case 32: BATON_ATTEND_D(32); break;
-        case 64: BATON_ATTEND_D(64); break;
-        case 128: BATON_ATTEND_D(128); break;
+        case 16: BATON_ATTEND_D(16);
+        case 32: BATON_ATTEND_D(32);
+        case 64: BATON_ATTEND_D(64);
+        case 128: BATON_ATTEND_D(128);
         default: BATON_ATTEND_D(0);
     }
 #undef BATON_ATTEND_D
@@ -315,19 +339,16 @@ void dispatch(const Batch& b) {
 
 extern "C" {
 
-// dtype: 0 float32, 1 bfloat16. Returns 0, or -1 for an unsupported shape.
+// dtype: 0 float32, 1 bfloat16. Returns 0; -1 for an unsupported shape or dtype; -2 for a row
+// whose blocks lie outside block_ids or the cache (nothing written); -3 when out of memory.
 int baton_paged_attention(int dtype, const Batch* batch) {
     const Batch& b = *batch;
     if (b.group < 1 || b.group > kMaxGroup || b.head_dim < 1 || b.head_dim > kMaxHeadDim || b.block_size < 1 ||
         b.block_size > kMaxBlockSize)
         return -1;
-    if (dtype == 0)
-        dispatch<float>(b);
-    else if (dtype == 1)
-        dispatch<bf16>(b);
-    else
-        return -1;
-    return 0;
+    if (dtype == 0) return dispatch<float>(b);
+    if (dtype == 1) return dispatch<bf16>(b);
+    return -1;
 }
 
 }
