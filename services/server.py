@@ -34,6 +34,14 @@ _ENGINE_ERRORS = (InvalidArgument, DuplicateRequest, QueueFull, EngineDead)  # r
 _API_FIELD = {"prompt_token_ids": "token_ids", "messages": "chat"}
 
 
+class PeerUnusable(Exception):
+    """A handle's prefill engine cannot serve its blocks: the status and message for the stream."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 @dataclass(slots=True)
 class ServerOptions:
     host: str = "127.0.0.1"
@@ -257,6 +265,8 @@ class Server:
         self.kv_worker = None
         self.background: set[asyncio.Task] = set()
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
+        self._handshakes: dict[str, asyncio.Future] = {}  # prefill engine id -> the handshake under way
+        self.num_handshakes = 0  # started by this (decode) server
 
     @property
     def address(self) -> str:
@@ -291,9 +301,26 @@ class Server:
 
     async def ensure_peer(self, handle: pb.KVHandle, context: grpc.aio.ServicerContext) -> None:
         """Trade layouts with the handle's prefill engine unless we know it (a restarted prefill
-        has a new engine id, so it is met again)."""
+        has a new engine id, so it is met again). Streams arriving together for an engine we
+        have not met share one handshake."""
         if handle.engine_id in self.kv_worker.peers:
             return
+        pending = self._handshakes.get(handle.engine_id)
+        if pending is None:
+            pending = self._handshakes[handle.engine_id] = asyncio.ensure_future(self._handshake(handle))
+            pending.add_done_callback(lambda f: self._handshake_done(handle.engine_id, f))
+        try:
+            await asyncio.shield(pending)  # a cancelled stream leaves the handshake to the others
+        except PeerUnusable as e:
+            await context.abort(e.code, str(e))
+
+    def _handshake_done(self, engine_id: str, handshake: asyncio.Future) -> None:
+        del self._handshakes[engine_id]  # a failed one is tried again by the next stream
+        if not handshake.cancelled():
+            handshake.exception()  # retrieved, even when every waiting stream was cancelled
+
+    async def _handshake(self, handle: pb.KVHandle) -> None:
+        self.num_handshakes += 1
         channel = self._peer_channels.get(handle.address)
         if channel is None:
             channel = self._peer_channels[handle.address] = grpc.aio.insecure_channel(handle.address)
@@ -301,12 +328,12 @@ class Server:
             theirs = await internal_pb2_grpc.KVPeerStub(channel).Handshake(
                 layout_to_proto(self.kv_worker.layout), metadata=token_metadata(self.options.internal_token), timeout=10)
         except grpc.aio.AioRpcError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"kv_handle: cannot reach prefill {handle.address}: {e.code().name} {e.details()}")
+            raise PeerUnusable(grpc.StatusCode.UNAVAILABLE, f"kv_handle: cannot reach prefill {handle.address}: "
+                                                            f"{e.code().name} {e.details()}") from e
         if theirs.engine_id != handle.engine_id:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"kv_handle: {handle.address} is now engine {theirs.engine_id}, not "
-                                f"{handle.engine_id} (it restarted; its blocks are gone)")
+            raise PeerUnusable(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"kv_handle: {handle.address} is now engine {theirs.engine_id}, not "
+                               f"{handle.engine_id} (it restarted; its blocks are gone)")
         await self.engine.call(self.kv_worker.add_peer, layout_from_proto(theirs))
 
     async def release_hold(self, request_id: str) -> bool:

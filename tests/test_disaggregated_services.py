@@ -15,20 +15,29 @@ from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
 from helpers import AUTH, TOKEN, pools_full, random_prompts, stats
 
 
-async def disaggregated(prefill_addr: str, decode_addr: str, prompt, **sampling) -> list[int]:
-    """What the router will do: the first token from the prefill, the rest from the decode."""
-    async with grpc.aio.insecure_channel(prefill_addr) as pch, grpc.aio.insecure_channel(decode_addr) as dch:
-        reply = await internal_pb2_grpc.PrefillStub(pch).Prefill(build_request(prompt, **sampling), metadata=AUTH,
-                                                                 timeout=60)
-        tokens = list(reply.first.token_ids)
-        request = build_request(prompt, **sampling)
-        request.kv_handle.CopyFrom(reply.handle)
+async def prefill_on(prefill_addr: str, prompt, **sampling):
+    async with grpc.aio.insecure_channel(prefill_addr) as pch:
+        return await internal_pb2_grpc.PrefillStub(pch).Prefill(build_request(prompt, **sampling), metadata=AUTH,
+                                                                timeout=60)
+
+
+async def decode_on(decode_addr: str, reply, prompt, **sampling) -> list[int]:
+    """The prefill's first token, then the decode's, pulling the KV that `reply` holds."""
+    tokens = list(reply.first.token_ids)
+    request = build_request(prompt, **sampling)
+    request.kv_handle.CopyFrom(reply.handle)
+    async with grpc.aio.insecure_channel(decode_addr) as dch:
         async for resp in generate_pb2_grpc.TextGenerationStub(dch).Generate(request, metadata=AUTH, timeout=60):
             chunk = chunk_from_response(resp)
             tokens += chunk.token_ids
-        assert chunk.finish_reason == "length"
-        assert chunk.usage.completion_tokens == len(tokens)
-        return tokens
+    assert chunk.finish_reason == "length"
+    assert chunk.usage.completion_tokens == len(tokens)
+    return tokens
+
+
+async def disaggregated(prefill_addr: str, decode_addr: str, prompt, **sampling) -> list[int]:
+    """What the router does: the first token from the prefill, the rest from the decode."""
+    return await decode_on(decode_addr, await prefill_on(prefill_addr, prompt, **sampling), prompt, **sampling)
 
 
 @pytest.fixture
@@ -54,6 +63,23 @@ def test_disaggregated_services_equal_colocated(tiers, tiny_llama):
     assert got == want
     assert prefill.wait_pool_full() and decode.wait_pool_full()
     assert prefill.engine.num_held_requests == 0
+
+
+def test_streams_meeting_a_new_prefill_together_share_one_handshake(tiers, tiny_llama):
+    prefill, decode = tiers
+    prompts = random_prompts([12, 40, 7, 66, 25, 31], seed=43)
+    greedy = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        replies = await asyncio.gather(*(prefill_on(prefill.address, p, **greedy) for p in prompts))
+        # Every handle in hand before the decode has met the prefill: all six arrive at once.
+        return await asyncio.gather(*(decode_on(decode.address, r, p, **greedy) for r, p in zip(replies, prompts)))
+
+    got = asyncio.run(run())
+    assert decode.server.num_handshakes == 1
+    assert got == [o.token_ids for o in LLM(tiny_llama, dtype="float32", device="cpu").generate(
+        prompts, SamplingParams(**greedy))]
+    assert prefill.wait_pool_full() and decode.wait_pool_full()
 
 
 def test_internal_calls_need_the_token_and_a_consistent_handle(tiers):
