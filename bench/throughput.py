@@ -61,9 +61,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--hf-batch-size", type=int, default=64, help="transformers batch size (64 = all at once)")
-    p.add_argument("--min-seconds", type=float, default=10.0,
-                   help="repeat each engine's timed run until this much time is spent (at most --max-repeats "
-                        "runs) and report the fastest: short runs on a shared machine are noisy")
+    p.add_argument("--min-seconds", type=float, default=20.0,
+                   help="repeat rounds of timed runs (one per engine, alternating) until this much time is spent "
+                        "(at most --max-repeats rounds) and report each engine's fastest: short runs on a shared "
+                        "machine are noisy")
     p.add_argument("--max-repeats", type=int, default=5)
     p.add_argument("--skip-hf", action="store_true", help="run Baton only")
     p.add_argument("--quick", action="store_true", help="smoke run: 16 requests, prompts 32-128, outputs 16-32")
@@ -87,7 +88,8 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def run_baton(model_dir: Path, workload: list[Request], args: argparse.Namespace) -> Result:
+def baton_runner(model_dir: Path, workload: list[Request], args: argparse.Namespace):
+    """Loads the engine and warms it up; returns the timed run."""
     llm = LLM(str(model_dir), dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
     # Warm-up pays for first-call allocations; 8 + 4 tokens fill no 16-token KV block, so it
@@ -105,15 +107,19 @@ def run_baton(model_dir: Path, workload: list[Request], args: argparse.Namespace
         return Result("baton", wall, sum(len(o.token_ids) for o in outs), [o.token_ids for o in outs],
                       scheduler_share=times.scheduler_s / times.step_s, steps=times.steps,
                       preemptions=llm.engine.scheduler.num_preemptions - preempted_before)
-    return fastest_of(timed_run, args)
+    return timed_run
 
 
-def fastest_of(timed_run, args: argparse.Namespace) -> Result:
-    runs = [timed_run()]
-    while len(runs) < args.max_repeats and sum(r.wall_s for r in runs) < args.min_seconds:
-        runs.append(timed_run())
-    best = min(runs, key=lambda r: r.wall_s)
-    best.runs = len(runs)
+def fastest_interleaved(timed_runs, args: argparse.Namespace) -> list[Result]:
+    """Rounds of one timed run per engine, alternating, until --min-seconds is spent (at most
+    --max-repeats rounds); each engine's fastest run. Alternating puts both engines through
+    the same stretches of a shared machine's noise, so the ratio holds better than either time."""
+    rounds = [[run() for run in timed_runs]]
+    while len(rounds) < args.max_repeats and sum(r.wall_s for rnd in rounds for r in rnd) < args.min_seconds:
+        rounds.append([run() for run in timed_runs])
+    best = [min(runs, key=lambda r: r.wall_s) for runs in zip(*rounds)]
+    for result in best:
+        result.runs = len(rounds)
     return best
 
 
@@ -129,7 +135,8 @@ def hf_generate(model, batch: list[Request], device: str) -> list[list[int]]:
     return out[:, width:].tolist()
 
 
-def run_hf(model_dir: Path, workload: list[Request], args: argparse.Namespace) -> Result:
+def hf_runner(model_dir: Path, workload: list[Request], args: argparse.Namespace):
+    """Loads the model and warms it up; returns the timed run."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     hf_generate(model, [Request(r.prompt[:8], 4) for r in workload[:2]], args.device)  # warm-up
     batches = [workload[i:i + args.hf_batch_size] for i in range(0, len(workload), args.hf_batch_size)]
@@ -143,7 +150,7 @@ def run_hf(model_dir: Path, workload: list[Request], args: argparse.Namespace) -
         return Result("transformers", wall, sum(r.output_len for r in workload),
                       [t[:r.output_len] for t, r in zip(tokens, workload)],
                       generated_tokens=sum(len(t) for t in tokens))
-    return fastest_of(timed_run, args)
+    return timed_run
 
 
 def print_table(model_name: str, workload: list[Request], results: list[Result]) -> None:
@@ -185,9 +192,10 @@ def main() -> None:
         vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         workload = make_workload(vocab_size, args)
         print(f"\n== {model_dir.name}")
-        results = [run_baton(model_dir, workload, args)]
+        runners = [baton_runner(model_dir, workload, args)]
         if not args.skip_hf:
-            results.append(run_hf(model_dir, workload, args))
+            runners.append(hf_runner(model_dir, workload, args))
+        results = fastest_interleaved(runners, args)
         print_table(model_dir.name, workload, results)
         print_notes(results)
 

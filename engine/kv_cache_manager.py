@@ -118,6 +118,10 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
+        if not num_new_blocks and not new_computed_blocks:  # most decode steps: room in the last block
+            if cache:
+                self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+            return []
         # Prefix hits sitting in the free queue stop being free once touched.
         num_touched_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if new_computed_blocks else 0
         if num_new_blocks + num_touched_free > self.num_free_blocks:

@@ -143,12 +143,12 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         scheduled: list[CachedRequestData] = out.scheduled_cached_reqs
+        threshold, allocate = self.config.long_prefill_token_threshold, self.kv.allocate_slots  # hot loop
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget,
-                    self.config.long_prefill_token_threshold or budget)
-            while (new_blocks := self.kv.allocate_slots(request, n)) is None:
+            n = min(request.num_tokens - request.num_computed_tokens, budget, threshold or budget)
+            while (new_blocks := allocate(request, n)) is None:
                 victim = self._preempt_one(out)
                 if victim is request:
                     break
