@@ -1,6 +1,6 @@
 """CPU kernels in C++, compiled on first use with the system compiler and loaded with ctypes.
 
-The source has no torch headers, so a build takes about a second (a torch C++ extension
+The source has no torch headers, so a build takes about 5 s on 2 cores (a torch C++ extension
 takes most of a minute); the library is cached under ~/.cache/baton/kernels, keyed by the
 source, the flags, the compiler and the CPU (it is built with -march=native). Without a
 compiler, or with BATON_CPU_KERNELS=0, `load()` returns None and callers use the PyTorch
