@@ -15,7 +15,6 @@ with its own NIXL agent (UCX, CPU memory).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from baton.engine.kv_cache_manager import KVCacheManager
+from baton.engine.loader import read_config
 from baton.engine.model import ModelArgs
 from baton.engine.request import Request, RequestStatus
 from baton.engine.sampling_params import SamplingParams
@@ -52,10 +52,10 @@ def parse_args() -> argparse.Namespace:
 
 def shapes(args) -> dict[str, tuple[int, int, int]]:
     out = {}
-    path = REPO / args.demo_model / "config.json"
-    if path.is_file():
-        model = ModelArgs.from_hf_config(json.loads(path.read_text()))
-        out[path.parent.name] = (model.num_layers, model.num_kv_heads, model.head_dim)
+    model_dir = REPO / args.demo_model
+    if (model_dir / "config.json").is_file():
+        model = ModelArgs.from_hf_config(read_config(str(model_dir)))
+        out[model_dir.name] = (model.num_layers, model.num_kv_heads, model.head_dim)
     out = {**out, **SHAPES}
     return {k: v for k, v in out.items() if args.shapes is None or k in args.shapes.split(",")}
 

@@ -166,16 +166,13 @@ def start_service(args: argparse.Namespace, *flags: str, cpus: set[int] | None =
 
 
 def wait_serving(address: str, timeout_s: float = 60.0) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from baton.services.common import is_serving
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
-            if time.monotonic() > deadline:
-                sys.exit(f"{address} is not serving after {timeout_s:g}s")
-            time.sleep(0.1)
+    while not is_serving(address):
+        if time.monotonic() > deadline:
+            sys.exit(f"{address} is not serving after {timeout_s:g}s")
+        time.sleep(0.1)
 
 
 def start_stack(args: argparse.Namespace, mode: str) -> tuple[list[subprocess.Popen], str]:

@@ -123,7 +123,7 @@ class KVCacheManager:
                 self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
             return []
         # Prefix hits sitting in the free queue stop being free once touched.
-        num_touched_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if new_computed_blocks else 0
+        num_touched_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks + num_touched_free > self.num_free_blocks:
             if not blocks:
                 del self.req_blocks[request.request_id]
@@ -135,7 +135,7 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         if new_computed_blocks:
             self.num_cached_blocks[request.request_id] = len(blocks)
-        new_blocks = [self._pop_free_block() for _ in range(num_new_blocks)] if num_new_blocks else []
+        new_blocks = [self._pop_free_block() for _ in range(num_new_blocks)]
         blocks.extend(new_blocks)
         # The tokens scheduled now will have KV after this step, so their full blocks can be
         # found by later requests (a request sent twice hits its own prompt).

@@ -27,10 +27,6 @@ class LLM:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> LLM:
-        return cls(config)
-
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from baton.engine.config import EngineConfig
 from baton.engine.detokenizer import IncrementalDetokenizer
@@ -19,6 +18,7 @@ from baton.engine.model_runner import ModelRunner
 from baton.engine.request import Request, RequestStatus
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler
+from baton.engine.tokenizer import apply_chat_template, load_tokenizer
 from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 
 _CPU_KV_BUDGET = 1 << 30
@@ -44,21 +44,6 @@ class StepTimes:
     steps: int = 0
     step_s: float = 0.0
     scheduler_s: float = 0.0  # schedule() + update_from_output()
-
-
-def load_tokenizer(model_dir: str):
-    """The checkpoint's tokenizer. With a tokenizer.json, the fast tokenizer class loads it
-    directly: AutoTokenizer resolves the same class but imports transformers' modeling stack
-    on the way (5-15 s of start-up on 2 cores)."""
-    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
-        return PreTrainedTokenizerFast.from_pretrained(model_dir)
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
-    """A conversation's prompt token ids, the assistant's turn opened for the reply."""
-    check(tokenizer.chat_template is not None, "messages", "this checkpoint has no chat template")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
 def _eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:

@@ -181,7 +181,7 @@ def _generate_remote(args) -> None:
 def _generate_offline(args) -> None:
     from baton import LLM, SamplingParams
 
-    llm = LLM.from_config(_engine_config(args))
+    llm = LLM(_engine_config(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     questions = args.prompt or DEMO_QUESTIONS
     t0 = time.perf_counter()

@@ -1,12 +1,12 @@
 """What every Baton gRPC service shares (the engine servers and the router), without torch:
-the API's names, the internal token, finish reasons, health reporting, the listening
-server and its drain."""
+the API's names, the internal token, finish reasons, health reporting and checking, the
+listening server and its drain."""
 from __future__ import annotations
 
 import asyncio
 
 import grpc
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.v1 import generate_pb2 as pb
 
@@ -23,6 +23,16 @@ def token_metadata(token: str | None) -> tuple:
 
 def chat_messages(chat: pb.Chat) -> list[dict]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def is_serving(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether the server at address reports SERVING (unreachable counts as not)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def make_grpc_server(host: str, port: int, max_message_bytes: int,

@@ -18,10 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-_SERVING = health_pb2.HealthCheckResponse.SERVING
+from baton.services.common import is_serving
 
 
 def free_port(host: str) -> int:
@@ -69,14 +66,6 @@ class Service:
             sys.stdout.write(f"[{self.name}] {line}")
             sys.stdout.flush()
 
-    def serving(self) -> bool:
-        with grpc.insecure_channel(self.address) as channel:
-            try:
-                resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
-            except grpc.RpcError:
-                return False
-        return resp.status == _SERVING
-
 
 class Stack:
     def __init__(self, services: list[Service]):
@@ -100,7 +89,7 @@ class Stack:
                                    + "".join(dead.tail))
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not serving after {timeout_s:g}s: {', '.join(s.name for s in pending)}")
-            pending = [s for s in pending if not s.serving()]
+            pending = [s for s in pending if not is_serving(s.address)]
             time.sleep(0.2)
 
     def stop(self, grace_s: float) -> None:

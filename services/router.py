@@ -371,7 +371,7 @@ class Router:
         await self._report(False)
         await self.grpc.start()
         if self.options.tokenizer_dir and self.options.policy == "prefix_affinity":
-            from baton.engine.llm_engine import load_tokenizer
+            from baton.engine.tokenizer import load_tokenizer
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self.options.tokenizer_dir)
         for tier in (self.prefill, self.decode):
             await tier.refresh()
@@ -416,7 +416,7 @@ class Router:
         elif kind == "chat":
             messages = chat_messages(msg.chat)
             if self.tokenizer is not None and self.tokenizer.chat_template and messages:
-                from baton.engine.llm_engine import apply_chat_template  # loaded with the tokenizer
+                from baton.engine.tokenizer import apply_chat_template  # loaded with the tokenizer
                 units = apply_chat_template(self.tokenizer, messages)
             else:
                 units = list("\n".join(f"{m['role']}: {m['content']}" for m in messages).encode())
@@ -445,6 +445,3 @@ class Router:
             self._resolver.cancel()
         for tier in (self.prefill, self.decode):
             await tier.close()
-
-    async def wait_for_termination(self) -> None:
-        await self.grpc.wait_for_termination()

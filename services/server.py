@@ -372,6 +372,3 @@ class Server:
         if self.engine is not None:
             await self.engine.stop()
             self.kv_worker.close()
-
-    async def wait_for_termination(self) -> None:
-        await self.grpc.wait_for_termination()

@@ -8,6 +8,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.services.common import is_serving
+
 TOKEN = "stack-secret"  # the internal token the tests' tiers share
 AUTH = (("x-baton-token", TOKEN),)
 
@@ -46,7 +48,7 @@ def health_status(address: str, service: str = "") -> int:
 
 def wait_serving(address: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    while health_status(address) != health_pb2.HealthCheckResponse.SERVING:
+    while not is_serving(address):
         assert time.monotonic() < deadline, f"{address} never served"
         time.sleep(0.05)
 

@@ -28,7 +28,7 @@ def test_engine_text_matches_decode_of_its_tokens(tiny_qwen2):
 
 
 def test_the_engine_tokenizer_encodes_and_templates_like_autotokenizer(tiny_llama, tiny_qwen2, smollm2):
-    from baton.engine.llm_engine import load_tokenizer
+    from baton.engine.tokenizer import load_tokenizer
 
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "naïve 😀 question?"}]
     for model_dir in (tiny_llama, tiny_qwen2, smollm2):

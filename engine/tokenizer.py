@@ -1,0 +1,24 @@
+"""The checkpoint's tokenizer and chat template, without torch: the router loads them too."""
+from __future__ import annotations
+
+import os
+
+from transformers import PreTrainedTokenizerFast
+
+from baton.engine.errors import check
+
+
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer. With a tokenizer.json, the fast tokenizer class loads it
+    directly: AutoTokenizer resolves the same class but imports transformers' modeling stack
+    on the way (5-15 s of start-up on 2 cores)."""
+    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    from transformers import AutoTokenizer  # imports torch
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation's prompt token ids, the assistant's turn opened for the reply."""
+    check(tokenizer.chat_template is not None, "messages", "this checkpoint has no chat template")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
