@@ -14,8 +14,14 @@ others run `baton serve` processes and stream over gRPC on 127.0.0.1. In `disagg
 the prefill and decode engines are each pinned to a core of their own (the colocated
 server gets both).
 
+--telemetry runs each service mode again with observability on: `metrics` (/metrics
+served), `traced` (metrics, and every request traced over OTLP/gRPC to a receiver in this
+process). --rounds N alternates all runs N times and keeps each one's fastest, so that the
+machine's drift does not land on one side.
+
     .venv/bin/python bench/serve.py --max-concurrency 32
     .venv/bin/python bench/serve.py --modes colocated,disaggregated,router --long-every 4
+    .venv/bin/python bench/serve.py --modes disaggregated --telemetry off,traced --rounds 2
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 FIRST_TOKEN_ID = 3  # skip the usual special ids at the bottom of the vocabulary
 MODES = ("offline", "colocated", "disaggregated", "router")
+TELEMETRY = ("off", "metrics", "traced")
 TOKEN = "bench-token"
 
 
@@ -78,11 +85,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--modes", default="offline,colocated,disaggregated,router",
                    help="comma list of: offline, colocated, disaggregated (router + 1 prefill + 1 decode), "
                         "router (router + the colocated server)")
+    p.add_argument("--telemetry", default="off", help="comma list of: off, metrics, traced (each service mode "
+                                                      "runs once per entry)")
+    p.add_argument("--rounds", type=int, default=1, help="alternate every run this many times; keep the fastest")
     args = p.parse_args()
-    args.modes = args.modes.split(",")
-    unknown = set(args.modes) - set(MODES)
-    if unknown:
-        p.error(f"--modes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
+    args.modes, args.telemetry = args.modes.split(","), args.telemetry.split(",")
+    for name, given, known in (("modes", args.modes, MODES), ("telemetry", args.telemetry, TELEMETRY)):
+        if set(given) - set(known):
+            p.error(f"--{name}: unknown {', '.join(sorted(set(given) - set(known)))}; choose from {', '.join(known)}")
     args.model = Path(args.model) if Path(args.model).is_absolute() else REPO / args.model
     return args
 
@@ -175,18 +185,26 @@ def wait_serving(address: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def start_stack(args: argparse.Namespace, mode: str) -> tuple[list[subprocess.Popen], str]:
-    """The processes of one mode, router last; the address clients call."""
+def start_stack(args: argparse.Namespace, mode: str, flags: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], str]:
+    """The processes of one mode, router last; the address clients call. `flags` go to every one."""
     cores = sorted(os.sched_getaffinity(0))
     if mode in ("colocated", "router"):
-        procs = [start_service(args, cpus=set(cores[:args.colocated_cores or len(cores)]))]
+        procs = [start_service(args, *flags, cpus=set(cores[:args.colocated_cores or len(cores)]))]
         if mode == "router":
-            procs.append(start_service(args, "--role", "router", "--decode", procs[0][1]))
+            procs.append(start_service(args, "--role", "router", "--decode", procs[0][1], *flags))
     else:  # disaggregated: one core each (the same core twice on a one-core machine)
-        procs = [start_service(args, "--role", role, cpus={cores[i % len(cores)]})
+        procs = [start_service(args, "--role", role, *flags, cpus={cores[i % len(cores)]})
                  for i, role in enumerate(("prefill", "decode"))]
-        procs.append(start_service(args, "--role", "router", "--prefill", procs[0][1], "--decode", procs[1][1]))
+        procs.append(start_service(args, "--role", "router", "--prefill", procs[0][1], "--decode", procs[1][1],
+                                   *flags))
     return [p for p, _ in procs], procs[-1][1]
+
+
+def telemetry_flags(variant: str, receiver) -> tuple[str, ...]:
+    if variant == "off":
+        return ()
+    flags = ("--metrics-port", "0")
+    return flags + ("--otlp-traces-endpoint", receiver.endpoint) if variant == "traced" else flags
 
 
 def stop_stack(procs: list[subprocess.Popen]) -> None:
@@ -270,16 +288,29 @@ def main() -> None:
     print(f"model {args.model.name}; {args.num_prompts} requests, input ~{args.input_len}, output ~{args.output_len} "
           f"(range ratio {args.range_ratio}), "
           f"{f'every {args.long_every}th prompt {args.long_input_len} tokens, ' if args.long_every else ''}rate {args.request_rate}/s, max concurrency {args.max_concurrency}; {os.cpu_count()} cores")
+    receiver = None
+    if "traced" in args.telemetry:
+        from baton.services.trace_view import TraceReceiver
+        receiver = TraceReceiver()
+    runs = [(mode, "off") if mode == "offline" else (mode, variant)
+            for mode in args.modes for variant in (args.telemetry if mode != "offline" else ["off"])]
     rows = {}
-    for mode in args.modes:
-        if mode == "offline":
-            rows[mode] = metrics(*run_offline(args, workload), workload)
-            continue
-        procs, address = start_stack(args, mode)
-        try:
-            rows[mode] = metrics(*asyncio.run(run_grpc(args, workload, address, mode)), workload)
-        finally:
-            stop_stack(procs)
+    for _ in range(args.rounds):
+        for mode, variant in runs:
+            name = mode if variant == "off" else f"{mode}+{variant}"
+            if mode == "offline":
+                row = metrics(*run_offline(args, workload), workload)
+            else:
+                procs, address = start_stack(args, mode, telemetry_flags(variant, receiver))
+                try:
+                    row = metrics(*asyncio.run(run_grpc(args, workload, address, name)), workload)
+                finally:
+                    stop_stack(procs)
+            if name not in rows or row["output tok/s"] > rows[name]["output tok/s"]:
+                rows[name] = row
+    if receiver is not None:
+        print(f"\nthe trace receiver got {len(receiver.spans())} spans")
+        receiver.stop()
     base = "offline" if "offline" in rows and len(rows) == 2 else ("colocated" if "colocated" in rows else None)
     print_table(rows, base)
     if "offline" in rows and "colocated" in rows:
@@ -291,6 +322,11 @@ def main() -> None:
     if "disaggregated" in rows and "colocated" in rows:
         ratio = rows["disaggregated"]["TPOT p99 ms"] / rows["colocated"]["TPOT p99 ms"]
         print(f"disaggregation: p99 TPOT = {ratio:.3f}x colocated")
+    for name in rows:
+        mode, _, variant = name.partition("+")
+        if variant and mode in rows:
+            ratio = rows[name]["output tok/s"] / rows[mode]["output tok/s"]
+            print(f"{variant}: {mode} output token throughput = {ratio:.3f}x without ({1 - ratio:+.1%} cost)")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from baton.engine.model_runner import ModelRunner
 from baton.engine.request import Request, RequestStatus
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler
+from baton.engine.stats import EngineSnapshot, StepEvents
 from baton.engine.tokenizer import apply_chat_template, load_tokenizer
 from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 
@@ -78,6 +79,18 @@ class LLMEngine:
         self.vocab_size = args.vocab_size
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.times = StepTimes()
+        self._step_tokens: list[int] | None = None  # per step, while events are recorded
+
+    def record_events(self) -> None:
+        """From now on keep each request's events (for spans and metrics) until `take_events`."""
+        self.scheduler.events = []
+        self._step_tokens = []
+
+    def take_events(self) -> StepEvents:
+        """The events and step sizes recorded since the last call (step-loop thread only)."""
+        taken = StepEvents(self.scheduler.events, self._step_tokens, self.scheduler.last_step_time)
+        self.scheduler.events, self._step_tokens = [], []
+        return taken
 
     def _num_kv_blocks(self, args: ModelArgs, dtype_bytes: int) -> int:
         c = self.config
@@ -152,6 +165,17 @@ class LLMEngine:
         """Finished requests whose blocks wait for a transfer (the loop keeps stepping)."""
         return len(self.scheduler.held)
 
+    def snapshot(self) -> EngineSnapshot:
+        """Load and running totals (step-loop thread only: the scheduler is not thread-safe)."""
+        sched, kv = self.scheduler, self.kv
+        held = sum(len(kv.req_blocks.get(req_id, ())) for req_id in sched.held)
+        return EngineSnapshot(
+            len(sched.running), len(sched.waiting),
+            sum(1 for r in sched.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS), len(sched.held),
+            held, self.num_kv_blocks, kv.num_free_blocks, kv.prefix_queries, kv.prefix_hits, sched.num_preemptions,
+            sched.num_failed_loads, sched.num_prompt_tokens, sched.num_prompt_tokens_cached,
+            sched.num_prompt_tokens_external, sched.num_generation_tokens)
+
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
@@ -161,6 +185,8 @@ class LLMEngine:
         t2 = time.perf_counter()
         updates = self.scheduler.update_from_output(sched, result)
         t3 = time.perf_counter()
+        if self._step_tokens is not None and sched.total_num_scheduled_tokens:
+            self._step_tokens.append(sched.total_num_scheduled_tokens)
         self.times.steps += 1
         self.times.step_s += t3 - t0
         self.times.scheduler_s += (t1 - t0) + (t3 - t2)

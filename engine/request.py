@@ -41,7 +41,8 @@ _arrival_counter = itertools.count()
 class Request:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "sampling_params",
                  "eos_token_ids", "priority", "arrival_time", "arrival_seq", "status", "num_computed_tokens",
-                 "num_cached_tokens", "num_preemptions", "block_hashes", "kv_transfer_params")
+                 "num_cached_tokens", "num_external_tokens", "num_preemptions", "block_hashes", "kv_transfer_params",
+                 "scheduled_time", "kv_ready_time", "first_token_time", "last_token_time", "finished_time")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, arrival_time: float | None = None):
@@ -57,9 +58,17 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first admission (-1: not admitted yet)
+        self.num_external_tokens = 0  # prompt tokens whose KV a peer supplied
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
         self.kv_transfer_params: dict | None = None  # for a KV connector (remote handle in or out)
+        # When things happened (time.monotonic(), like arrival_time), for latency figures;
+        # None until they do. first/last token: sampled by this engine (not a prefill peer's).
+        self.scheduled_time: float | None = None  # first admitted to run
+        self.kv_ready_time: float | None = None  # a peer's KV landed (or its load failed)
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ runs, `update_from_output` appends tokens, applies stop conditions and frees fin
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ from baton.engine.config import EngineConfig
 from baton.engine.kv_cache_manager import KVCacheManager
 from baton.engine.request import Request, RequestStatus
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.stats import EventType, RequestEvent
 from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 
 
@@ -77,6 +79,18 @@ class Scheduler:
         self.held: dict[str, Request] = {}
         self.num_failed_loads = 0
         self.num_preemptions = 0
+        # Prompts of requests that got their first token here, by where their KV came from
+        # (vLLM's prompt_tokens[_by_source]), and tokens sampled.
+        self.num_prompt_tokens = self.num_prompt_tokens_cached = self.num_prompt_tokens_external = 0
+        self.num_generation_tokens = 0
+        self.events: list[RequestEvent] | None = None  # recorded when a list is set (LLMEngine.record_events)
+        self._chunks: list[tuple[str, int]] = []  # prompt chunks scheduled this step (when recording)
+        self._now = 0.0  # this step's schedule() time
+        self.last_step_time = 0.0  # when the last step's tokens were sampled
+
+    def _record(self, request_id: str, kind: EventType, when: float, **fields) -> None:
+        if self.events is not None:
+            self.events.append(RequestEvent(request_id, kind, when, **fields))
 
     # ---- requests in and out --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -110,18 +124,17 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         request.status = status
+        request.finished_time = time.monotonic()
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
-        if was_loading:  # freed when the worker reports the load over, not before
-            self.held[request.request_id] = request
-            return
-        hold = False
-        if self.connector is not None:
+        hold = was_loading  # freed when the worker reports the load over, not before
+        if not was_loading and self.connector is not None:
             hold, request.kv_transfer_params = self.connector.request_finished(request, self.kv.block_ids(request.request_id))
         if hold:
             self.held[request.request_id] = request
         else:
             self.kv.free(request)
+        self._record(request.request_id, EventType.FINISHED, request.finished_time)
 
     @property
     def num_unfinished(self) -> int:
@@ -131,12 +144,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
+        self._now = time.monotonic()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        chunks = self._chunks if self.events is not None else None
         for req_id, n in out.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            if chunks is not None and request.num_computed_tokens < request.num_prompt_tokens:
+                chunks.append((req_id, n))
+            request.num_computed_tokens += n
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
@@ -177,6 +195,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
+        self._record(victim.request_id, EventType.PREEMPTED, self._now)
         out.preempted_req_ids.add(victim.request_id)
         self._enqueue(victim, front=True)
         return victim
@@ -202,11 +221,16 @@ class Scheduler:
                 self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_external)
             if request.num_cached_tokens < 0:  # local prefix-cache hits at first admission
                 request.num_cached_tokens = num_computed - num_external
+                request.num_external_tokens = num_external
             if load_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self._record(request.request_id, EventType.KV_WAIT, self._now)
                 skipped.append(request)
                 continue
             request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:
+                request.scheduled_time = self._now
+            self._record(request.request_id, EventType.SCHEDULED, self._now, num_tokens=num_computed)
             self.running.append(request)
             out.scheduled_new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), self.kv.block_ids(request.request_id),
@@ -229,11 +253,22 @@ class Scheduler:
     # ---- after the model ran ----------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         updates = []
+        now = self.last_step_time = time.monotonic()
+        for req_id, n in self._chunks:
+            self._record(req_id, EventType.PREFILL_CHUNK, now, num_tokens=n)
+        self._chunks.clear()
         for req_id, token_id in result.sampled_token_ids.items():
             request = self.requests.get(req_id)
             if request is None:  # aborted while the step ran
                 continue
             request.append_output_token(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self.num_prompt_tokens += request.num_prompt_tokens
+                self.num_prompt_tokens_cached += request.num_cached_tokens
+                self.num_prompt_tokens_external += request.num_external_tokens
+            request.last_token_time = now
+            self.num_generation_tokens += 1
             status = self._stop_status(request, token_id)
             if status is not None:
                 self.running.remove(request)
@@ -255,18 +290,28 @@ class Scheduler:
         return None
 
     def _update_from_connector(self, kv_out: KVConnectorOutput) -> None:
+        for transfer in kv_out.transfers_started:
+            self._record(transfer.request_id, EventType.KV_LOAD_START, transfer.start_time, transfer=transfer)
         for req_id in kv_out.finished_recving:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
             request.kv_transfer_params = None  # loaded or failed: never pulled twice
+            request.kv_ready_time = self.last_step_time
             blocks = self.kv.block_ids(req_id)
             bad = next((i for i, b in enumerate(blocks) if b in kv_out.invalid_block_ids), None)
             if bad is not None:  # recompute from the last valid block (vLLM: _handle_invalid_blocks)
                 request.num_computed_tokens = min(request.num_computed_tokens, bad * self.kv.block_size)
+                request.num_external_tokens = max(0, request.num_computed_tokens - request.num_cached_tokens)
                 self.num_failed_loads += 1
+                if req_id in kv_out.transfers_ended:
+                    kv_out.transfers_ended[req_id].recompute_from_block = bad
             request.status = RequestStatus.WAITING
             self.kv.cache_blocks(request, request.num_computed_tokens)
+        for req_id, transfer in kv_out.transfers_ended.items():
+            self._record(req_id, EventType.KV_LOAD_END, transfer.end_time, transfer=transfer)
+        for end in kv_out.holds_ended:
+            self._record(end.request_id, EventType.HOLD_END, end.time, detail=end.outcome)
         for req_id in kv_out.finished_sending | kv_out.finished_recving:
             request = self.held.pop(req_id, None)
             if request is not None:

@@ -40,11 +40,37 @@ class KVConnectorScheduler(ABC):
 
 
 @dataclass(slots=True)
+class KVTransfer:
+    """One pull of a request's blocks from a peer, as the worker saw it (for spans and metrics)."""
+    request_id: str
+    remote_engine_id: str
+    num_blocks: int  # 0: every block was a local prefix-cache hit, nothing moved
+    num_bytes: int
+    num_descriptors: int
+    start_time: float  # time.monotonic()
+    end_time: float | None = None  # None while it moves
+    ok: bool = False
+    error: str | None = None  # why it failed
+    recompute_from_block: int | None = None  # set by the scheduler when blocks were invalid
+
+
+@dataclass(slots=True)
+class KVHoldEnd:
+    """Blocks a prefill held for a remote reader were let go."""
+    request_id: str
+    outcome: str  # "pulled" (a reader said it is done), "released" (nobody will come), "expired"
+    time: float
+
+
+@dataclass(slots=True)
 class KVConnectorOutput:
     """What the worker half reports after a step."""
     finished_sending: set[str] = field(default_factory=set)  # held blocks may now be freed
     finished_recving: set[str] = field(default_factory=set)  # remote KV arrived: the request can run
     invalid_block_ids: set[int] = field(default_factory=set)  # loads that failed: recompute from there
+    transfers_started: list[KVTransfer] = field(default_factory=list)  # since the last report
+    transfers_ended: dict[str, KVTransfer] = field(default_factory=dict)  # request id -> its load, ended
+    holds_ended: list[KVHoldEnd] = field(default_factory=list)
 
 
 class KVConnectorWorker(ABC):

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from baton.engine.request import RequestStatus
-from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker
+from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker, KVHoldEnd, KVTransfer
 
 if TYPE_CHECKING:
     import torch
@@ -161,13 +161,16 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.load_timeout_s = load_timeout_s
         self.layout: KVLayout | None = None
         self.peers: dict[str, _Peer] = {}
-        # request id -> (xfer handle, local blocks, give-up time)
-        self._loading: dict[str, tuple[object, list[int], float]] = {}
-        self._failed: dict[str, list[int]] = {}  # loads that could not start
+        # request id -> (xfer handle, local blocks, give-up time, its record)
+        self._loading: dict[str, tuple[object, list[int], float, KVTransfer]] = {}
+        self._failed: dict[str, tuple[list[int], KVTransfer]] = {}  # loads that could not start
+        self._started: list[KVTransfer] = []  # loads started since the last report
         self._holds: dict[str, float] = {}  # request id -> deadline
-        # Reads that finished before their hold was registered (request id -> when), and
-        # reads of holds already let go: forgotten after _EARLY_NOTIF_TTL_S.
-        self._early_notifs: dict[str, float] = {}
+        self._holds_ended: list[KVHoldEnd] = []  # since the last report
+        # Holds that ended before they were registered (a read, or a release, that came first;
+        # request id -> (when, outcome)), and reads of holds already let go: forgotten after
+        # _EARLY_NOTIF_TTL_S.
+        self._early_notifs: dict[str, tuple[float, str]] = {}
         self._lock = threading.Lock()  # one caller into the agent at a time
         self._inbox: list[bytes] = []  # notifications the progress thread collected
         self._active_until = 0.0  # the progress thread polls until then (or while work is pending)
@@ -177,6 +180,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.num_expired_holds = 0
         self.num_descriptors = 0  # READ descriptors issued, for tests and benchmarks
         self.num_blocks_pulled = 0
+        self.num_bytes_pulled = 0
 
     # ---- memory and peers ---------------------------------------------------------------------
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
@@ -238,48 +242,60 @@ class NixlConnectorWorker(KVConnectorWorker):
             self._start_loads(metadata)
 
     def _start_loads(self, metadata: NixlConnectorMeta) -> None:
-        self._holds.update(metadata.holds)
-        for req_id in self._early_notifs.keys() & metadata.holds.keys():
-            self._holds[req_id] = 0.0  # already read: released by get_finished right away
-            del self._early_notifs[req_id]
+        for req_id, deadline in metadata.holds.items():
+            early = self._early_notifs.pop(req_id, None)
+            if early is None:
+                self._holds[req_id] = deadline
+            else:  # already read (or released): let go at once
+                self._holds_ended.append(KVHoldEnd(req_id, early[1], time.monotonic()))
         for load in metadata.loads:
+            blocks = load.local_block_ids
+            runs = merge_runs(blocks, load.remote_block_ids)
+            record = KVTransfer(load.request_id, load.remote_engine_id, len(blocks),
+                                len(blocks) * self.layout.block_bytes, len(runs), time.monotonic())
+            self._started.append(record)
             try:
                 peer = self.peers.get(load.remote_engine_id)
                 if peer is None:
                     raise KeyError(f"no layout for peer {load.remote_engine_id!r}")
-                if not load.local_block_ids:  # all hit locally: release the prefill's hold
+                if not blocks:  # all hit locally: release the prefill's hold
                     self.agent.send_notif(peer.agent_name, load.remote_request_id.encode())
+                    record.end_time, record.ok = record.start_time, True
                     continue
-                runs = merge_runs(load.local_block_ids, load.remote_block_ids)
                 handle = self.agent.initialize_xfer("READ", self._descs(self.layout, runs, 0),
                                                     self._descs(peer.layout, runs, 1), peer.agent_name,
                                                     load.remote_request_id.encode())
                 if self.agent.transfer(handle) == "ERR":
                     self.agent.release_xfer_handle(handle)
                     raise RuntimeError("NIXL refused the transfer")
-                self._loading[load.request_id] = (handle, load.local_block_ids,
-                                                  time.monotonic() + self.load_timeout_s)
+                self._loading[load.request_id] = (handle, blocks, time.monotonic() + self.load_timeout_s, record)
                 self.num_descriptors += len(runs)
-                self.num_blocks_pulled += len(load.local_block_ids)
+                self.num_blocks_pulled += len(blocks)
+                self.num_bytes_pulled += record.num_bytes
             except Exception as e:  # noqa: BLE001 - the request recomputes instead
                 log.warning("KV load for %s from %s failed to start: %s", load.request_id, load.remote_engine_id, e)
-                self._failed[load.request_id] = load.local_block_ids
+                record.error = f"failed to start: {e}"
+                self._failed[load.request_id] = (blocks, record)
 
     def release(self, req_id: str) -> None:
         """Let go of a hold no decode will pull, as if its reader had said it is done."""
-        if req_id in self._holds:
-            self._holds[req_id] = 0.0
+        self._end_hold(req_id, "released", time.monotonic())
+
+    def _end_hold(self, req_id: str, outcome: str, now: float) -> None:
+        if self._holds.pop(req_id, None) is not None:
+            self._holds_ended.append(KVHoldEnd(req_id, outcome, now))
         else:  # finished this step: its hold registers with the next step's metadata
-            self._early_notifs[req_id] = time.monotonic()
+            self._early_notifs[req_id] = (now, outcome)
 
     def get_finished(self) -> KVConnectorOutput:
         with self._lock:
             return self._get_finished()
 
     def _get_finished(self) -> KVConnectorOutput:
-        out = KVConnectorOutput()
+        out = KVConnectorOutput(transfers_started=self._started)
+        self._started = []
         now = time.monotonic()
-        for req_id, (handle, blocks, give_up) in list(self._loading.items()):
+        for req_id, (handle, blocks, give_up, record) in list(self._loading.items()):
             state = self.agent.check_xfer_state(handle)
             if state in ("PROC", "WAIT") and now < give_up:  # still moving
                 continue
@@ -288,39 +304,45 @@ class NixlConnectorWorker(KVConnectorWorker):
             except Exception as e:  # noqa: BLE001 - a READ that cannot be cancelled: forget it
                 log.warning("could not release the KV load of %s: %s", req_id, e)
             del self._loading[req_id]
+            record.end_time = now
             if state != "DONE":
                 log.warning("KV load for %s ended in state %s; recomputing its blocks", req_id, state)
-                self._failed[req_id] = blocks
+                record.error = "timed out" if state in ("PROC", "WAIT") else f"ended in state {state}"
+                self._failed[req_id] = (blocks, record)
             else:
+                record.ok = True
                 out.finished_recving.add(req_id)
-        for req_id, blocks in self._failed.items():
+                out.transfers_ended[req_id] = record
+        for req_id, (blocks, record) in self._failed.items():
+            record.end_time = record.end_time or now
             out.finished_recving.add(req_id)
             out.invalid_block_ids.update(blocks)
+            out.transfers_ended[req_id] = record
         self._failed = {}
+        for record in out.transfers_started:  # nothing to move: done as it started
+            if record.ok and record.request_id not in out.transfers_ended:
+                out.transfers_ended[record.request_id] = record
         self._collect_notifs()
         inbox, self._inbox = self._inbox, []
-        for req_id in (message.decode() for message in inbox):
-            if self._holds.pop(req_id, None) is not None:
-                out.finished_sending.add(req_id)
-            else:
-                self._early_notifs[req_id] = now
-        for req_id, seen in list(self._early_notifs.items()) if self._early_notifs else ():
+        for message in inbox:
+            self._end_hold(message.decode(), "pulled", now)
+        for req_id, (seen, _) in list(self._early_notifs.items()) if self._early_notifs else ():
             if now - seen > _EARLY_NOTIF_TTL_S:  # its hold was let go (released, expired) before the read
                 del self._early_notifs[req_id]
         for req_id, deadline in list(self._holds.items()):
             if now >= deadline:
-                del self._holds[req_id]
-                out.finished_sending.add(req_id)
-                if deadline > 0.0:
-                    self.num_expired_holds += 1
-                    log.warning("KV blocks of %s were not pulled in time; freeing them", req_id)
+                self.num_expired_holds += 1
+                log.warning("KV blocks of %s were not pulled in time; freeing them", req_id)
+                self._end_hold(req_id, "expired", now)
+        out.holds_ended, self._holds_ended = self._holds_ended, []
+        out.finished_sending.update(end.request_id for end in out.holds_ended)
         return out
 
     def close(self) -> None:
         self._closed.set()
         self._wake.set()
         with self._lock:
-            for handle, _, _ in self._loading.values():
+            for handle, *_ in self._loading.values():
                 self.agent.release_xfer_handle(handle)
             self._loading.clear()
             if self.layout is not None:

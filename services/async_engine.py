@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 from baton.engine.llm_engine import LLMEngine, StepOutput
 from baton.engine.request import Request
+from baton.engine.stats import StepEvents
 
 log = logging.getLogger("baton.engine")
 
@@ -51,10 +52,16 @@ def _merge_queued(out: StepOutput | BaseException, outputs: asyncio.Queue) -> St
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
-                 on_dead: Callable[[BaseException], None] | None = None):
+                 on_dead: Callable[[BaseException], None] | None = None,
+                 on_step: Callable[[StepEvents, list[StepOutput]], None] | None = None):
+        """`on_step`: given each step's request events and outputs on the event loop, before the
+        outputs reach their streams (telemetry); without it the engine records no events."""
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.on_dead = on_dead
+        self.on_step = on_step
+        if on_step is not None:
+            engine.record_events()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}  # event-loop side: request id -> its outputs
@@ -126,8 +133,14 @@ class AsyncEngine:
         self._commands.put(command)
         self._wakeup.set()
 
-    def _dispatch(self, outputs: list[StepOutput], num_added: int, failed: list[tuple[str, Exception]]) -> None:
+    def _dispatch(self, outputs: list[StepOutput], num_added: int, failed: list[tuple[str, Exception]],
+                  events: StepEvents | None) -> None:
         self._num_pending_adds -= num_added
+        if events is not None:
+            try:
+                self.on_step(events, outputs)
+            except Exception:  # noqa: BLE001 - telemetry must never cost a request
+                log.exception("telemetry failed on a step's events")
         for req_id, error in failed:
             stream = self._streams.get(req_id)
             if stream is not None:
@@ -191,8 +204,9 @@ class AsyncEngine:
                 num_added, failed = self._apply_commands()
                 busy = engine.has_unfinished_requests()
                 outputs = engine.step() if busy or engine.num_held_requests else []
-                if outputs or num_added:
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs, num_added, failed)
+                events = engine.take_events() if self.on_step is not None else None
+                if outputs or num_added or (events is not None and (events.events or events.step_tokens)):
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs, num_added, failed, events)
                 if not busy:  # idle, or only polling held blocks for a remote reader
                     self._wakeup.wait(0.001 if engine.num_held_requests else None)
                     self._wakeup.clear()

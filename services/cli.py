@@ -87,7 +87,7 @@ def _serve(args) -> None:
                                 max_message_bytes=args.max_message_bytes,
                                 max_waiting_requests=args.max_waiting_requests, grace_s=args.grace_period,
                                 role=args.role, internal_token=args.internal_token,
-                                kv_hold_timeout_s=args.kv_hold_timeout)
+                                kv_hold_timeout_s=args.kv_hold_timeout, **_telemetry_options(args))
         make = lambda: Server(_engine_config(args), options)  # noqa: E731
 
     async def run() -> None:
@@ -99,6 +99,8 @@ def _serve(args) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if server.metrics_server is not None:  # listening already: scrapes answer while the model loads
+            print(f"metrics on {server.metrics_server.url}", flush=True)
         await server.start()
         print(f"serving on {server.address}; try:\n  baton generate --target {server.address} "
               f"'What is the capital of France?'", flush=True)
@@ -107,6 +109,12 @@ def _serve(args) -> None:
         await server.stop()
 
     asyncio.run(run())
+
+
+def _telemetry_options(args) -> dict:
+    """The observability flags that were given (a router's config file may set the others)."""
+    return {name: getattr(args, name) for name in ("metrics_port", "otlp_traces_endpoint", "served_model_name")
+            if getattr(args, name) is not None}
 
 
 def _router_options(args):
@@ -134,7 +142,8 @@ def _router_options(args):
     if args.block_size:
         config["block_size"] = args.block_size
     return RouterOptions(host=args.host, port=args.port, internal_token=args.internal_token,
-                         max_message_bytes=args.max_message_bytes, grace_s=args.grace_period, **config)
+                         max_message_bytes=args.max_message_bytes, grace_s=args.grace_period,
+                         **{**config, **_telemetry_options(args)})
 
 
 def _up(args) -> None:
@@ -146,7 +155,17 @@ def _up(args) -> None:
             if getattr(args, name, None) is not None]
     argv += [flag for flag, on in (("--no-prefix-caching", args.no_prefix_caching),
                                    ("--no-chunked-prefill", args.no_chunked_prefill)) if on]
-    sys.exit(up(_model_dir(args), args.host, args.port, args.prefill, args.decode, argv, args.policy, args.start_timeout))
+    sys.exit(up(_model_dir(args), args.host, args.port, args.prefill, args.decode, argv, args.policy,
+                args.start_timeout, trace=args.trace))
+
+
+def _trace(args) -> None:
+    from baton.services.trace_view import run
+
+    try:
+        run(args.host, args.port, args.quiet)
+    except OSError as e:
+        sys.exit(f"baton trace: {e}")
 
 
 def _generate(args) -> None:
@@ -227,6 +246,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="shared secret internal calls must carry (default: $BATON_INTERNAL_TOKEN; unset: none)")
     s.add_argument("--kv-hold-timeout", type=float, default=120.0,
                    help="seconds a prefill holds KV blocks for a decode peer that never pulls them")
+    t = s.add_argument_group("observability")
+    t.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics over HTTP on this port (0: a free "
+                                                    "one, printed); default: no metrics endpoint")
+    t.add_argument("--otlp-traces-endpoint", help="export OpenTelemetry traces over OTLP/gRPC to this collector "
+                                                  "(host:port or URL; default: $OTEL_EXPORTER_OTLP_ENDPOINT; unset: "
+                                                  "no tracing)")
+    t.add_argument("--served-model-name", help="the model's name in spans and metric labels (default: the model "
+                                               "directory's name)")
     r = s.add_argument_group("router (--role router)")
     r.add_argument("--prefill", action="append", metavar="HOST:PORT[,…]",
                    help="prefill instances; a DNS name stands for every address it resolves to (re-resolved "
@@ -252,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     u.add_argument("--policy", choices=POLICIES,
                    default="round_robin", help="the router's policy (default: %(default)s)")
     u.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for all to serve")
+    u.add_argument("--trace", action="store_true", help="receive every service's traces here and print a "
+                                                        "waterfall per request (as `baton trace` does)")
     _add_engine_flags(u)
     u.set_defaults(func=_up)
 
@@ -267,6 +296,16 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     _add_engine_flags(g, skip=("seed",))  # --seed is the sampling seed here
     g.set_defaults(func=_generate)
+
+    t = sub.add_parser("trace", help="receive traces (OTLP/gRPC) and print a waterfall per request",
+                       description="A small OpenTelemetry trace receiver: point services at it "
+                                   "(OTEL_EXPORTER_OTLP_ENDPOINT=http://HOST:PORT) and it prints, for each finished "
+                                   "request, one line per phase across the tiers with its start, duration and a bar.")
+    t.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    t.add_argument("--port", type=int, default=4317, help="port to listen on (default: %(default)s, OTLP/gRPC's)")
+    t.add_argument("--quiet", type=float, default=1.0,
+                   help="seconds a trace must be quiet after its request ended before it is printed")
+    t.set_defaults(func=_trace)
     args = parser.parse_args(argv)
     args.func(args)
 

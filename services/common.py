@@ -12,6 +12,7 @@ from baton.v1 import generate_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 TOKEN_KEY = "x-baton-token"  # the stack's shared secret, in the metadata of internal calls
+DECODE_STEP_KEY = "x-baton-first-decode-step"  # a decode's initial metadata: seconds from KV landed to first token
 POLICIES = ("round_robin", "least_outstanding", "prefix_affinity")  # the router's
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}

@@ -2,8 +2,10 @@
 and M decode engines on free ports, and the router in front of them on the public port.
 
 It waits until every process reports SERVING over the health protocol, prints where to
-talk to it, and stops them all on Ctrl-C (or when one of them dies). Children die with the
-launcher (PR_SET_PDEATHSIG), so a killed launcher leaves no orphans.
+talk to it (and each service's /metrics), and stops them all on Ctrl-C (or when one of them
+dies). Children die with the launcher (PR_SET_PDEATHSIG), so a killed launcher leaves no
+orphans. With `trace`, a trace receiver in this process takes every service's spans and
+prints a waterfall per request.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class Service:
     role: str
     address: str
     argv: list[str]
+    metrics_url: str = ""
     proc: subprocess.Popen | None = None
     tail: deque = field(default_factory=lambda: deque(maxlen=30))
 
@@ -109,17 +112,20 @@ class Stack:
 def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
                 policy: str) -> Stack:
     serve = [sys.executable, "-m", "baton.services.cli", "serve", "--host", host, "--model", model]
-    engines = [Service(f"{role}-{i}", role, f"{host}:{p}", [*serve, "--role", role, "--port", str(p), *engine_argv])
-               for role, n in (("prefill", num_prefill), ("decode", num_decode))
-               for i, p in ((i, free_port(host)) for i in range(n))]
-    argv = [*serve, "--role", "router", "--port", str(port), "--policy", policy]
-    for e in engines:
-        argv += ["--" + e.role, e.address]
-    return Stack([Service("router", "router", f"{host}:{port}", argv), *engines])
+
+    def service(name: str, role: str, port: int, *argv: str) -> Service:
+        metrics = free_port(host)
+        return Service(name, role, f"{host}:{port}", [*serve, "--role", role, "--port", str(port),
+                                                      "--metrics-port", str(metrics), *argv],
+                       f"http://{host}:{metrics}/metrics")
+    engines = [service(f"{role}-{i}", role, free_port(host), *engine_argv)
+               for role, n in (("prefill", num_prefill), ("decode", num_decode)) for i in range(n)]
+    backends = [arg for e in engines for arg in ("--" + e.role, e.address)]
+    return Stack([service("router", "router", port, "--policy", policy, *backends), *engines])
 
 
 def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
-       policy: str = "round_robin", start_timeout_s: float = 300.0, grace_s: float = 10.0) -> int:
+       policy: str = "round_robin", start_timeout_s: float = 300.0, grace_s: float = 10.0, trace: bool = False) -> int:
     if not os.path.isfile(os.path.join(model, "config.json")):
         print(f"baton up: {model} is not a checkpoint directory (no config.json); "
               f"`baton prepare-models` writes the demo model", file=sys.stderr)
@@ -134,6 +140,7 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
+    receiver, printing = _start_trace_receiver(host, env) if trace else (None, None)
     stack.start(env)
     try:
         try:
@@ -144,9 +151,12 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
             print(f"baton up: {e}", file=sys.stderr)
             return 1
         engines = ", ".join(s.address for s in stack.services[1:])
+        metrics = "".join(f"\n  {s.name:<10} {s.metrics_url}" for s in stack.services)
+        traces = (f"\nTraces: every request's waterfall is printed here (receiver on {receiver.endpoint})"
+                  if receiver is not None else "")
         print(f"Baton is up: router on {host}:{port} -> {num_prefill} prefill + {num_decode} decode ({engines})\n"
               f"  baton generate --target {host}:{port} 'What is the capital of France?'\n"
-              f"Ctrl-C stops all.", flush=True)
+              f"Metrics:{metrics}{traces}\nCtrl-C stops all.", flush=True)
         while not stopping.wait(0.5):
             dead = stack.dead()
             if dead is not None:
@@ -157,3 +167,19 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
     finally:
         print("stopping", flush=True)
         stack.stop(grace_s)
+        if receiver is not None:
+            time.sleep(1.5)  # the services export their last spans as they stop: print those too
+            printing.set()
+            receiver.stop()
+
+
+def _start_trace_receiver(host: str, env: dict):
+    """A receiver for the services' spans (their OTLP endpoint), printing waterfalls until the
+    returned event is set."""
+    from baton.services.trace_view import TraceReceiver, print_waterfalls
+
+    receiver, stop = TraceReceiver(host, 0), threading.Event()
+    env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
+    env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "200")  # waterfalls within a second of the request's end
+    threading.Thread(target=print_waterfalls, args=(receiver, stop), daemon=True).start()
+    return receiver, stop

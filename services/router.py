@@ -5,19 +5,19 @@ For each request it picks a prefill and a decode instance, calls the prefill's i
 the decode's `Generate`, whose tokens it streams back. A client cannot tell it from a
 colocated server.
 
-Backends come from addresses or DNS names (a Kubernetes headless service resolves to its
-pods), re-resolved periodically; each is watched with the gRPC health protocol. Failures
-before the client saw a token are retried once elsewhere; with no healthy prefill instance
-the decode computes the prompt itself; after the first token a failure is UNAVAILABLE.
+Backends (services/backends.py) come from addresses or DNS names, re-resolved periodically,
+each watched with the gRPC health protocol; policies (services/policies.py) pick among them.
+Failures before the client saw a token are retried once elsewhere; with no healthy prefill
+instance the decode computes the prompt itself; after the first token a failure is
+UNAVAILABLE. Each request's spans and metrics: services/router_telemetry.py.
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import socket
+import os
+import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import grpc
@@ -25,17 +25,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from baton.engine.kv_cache_manager import extend_block_hashes
+from baton.services import tracing
+from baton.services.backends import Backend, Tier, split_host_port
 from baton.services.common import (POLICIES, SERVICE_NAME, TOKEN_KEY, chat_messages, drain, in_background,
                                    make_grpc_server, set_health, token_metadata)
+from baton.services.metrics import MetricsServer, RouterMetrics, make_registry
+from baton.services.policies import make_policy
+from baton.services.router_telemetry import RouterTrace
 from baton.v1 import generate_pb2 as pb
-from baton.v1 import internal_pb2_grpc
 
 log = logging.getLogger("baton.router")
 
-GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
-# Reconnect quickly to a backend that comes back (gRPC's default backoff grows to 2 minutes).
-_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                    ("grpc.max_reconnect_backoff_ms", 2000)]
 # Client metadata that is the transport's own, not the application's, and is not forwarded.
 _HOP_BY_HOP = ("user-agent", TOKEN_KEY)
 
@@ -58,6 +58,9 @@ class RouterOptions:
     health_retry_s: float = 0.5
     max_message_bytes: int = 16 << 20
     grace_s: float = 10.0
+    served_model_name: str | None = None  # in spans and metric labels; default: the tokenizer directory's name
+    metrics_port: int | None = None  # /metrics over HTTP (0: any free port); None: no metrics
+    otlp_traces_endpoint: str | None = None  # default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; none: no tracing
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -66,158 +69,6 @@ class RouterOptions:
             raise ValueError("decode: at least one decode instance is needed")
         for addr in (*self.prefill, *self.decode):
             split_host_port(addr)
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"backend address {address!r}: expected HOST:PORT")
-    return host.strip("[]"), int(port)
-
-
-class Backend:
-    """One instance: a channel, its stubs, its health, and the requests it has in flight."""
-
-    def __init__(self, address: str, retry_s: float, on_health_change):
-        self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        # Responses stay bytes: the router forwards them without parsing them again.
-        self.generate = self.channel.unary_stream(GENERATE_METHOD, request_serializer=pb.GenerateRequest.SerializeToString,
-                                                  response_deserializer=None)
-        self.prefill = internal_pb2_grpc.PrefillStub(self.channel)
-        self.healthy = False
-        self.outstanding = 0
-        self.num_routed = 0
-        self._retry_s = retry_s
-        self._on_health_change = on_health_change
-        self._watch: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._watch = asyncio.ensure_future(self._watch_health())
-
-    def _set_healthy(self, healthy: bool) -> None:
-        if healthy != self.healthy:
-            self.healthy = healthy
-            log.info("%s is %s", self.address, "healthy" if healthy else "unhealthy")
-            self._on_health_change()
-
-    async def _watch_health(self) -> None:
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        while True:
-            try:
-                async for resp in stub.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME)):
-                    self._set_healthy(resp.status == health_pb2.HealthCheckResponse.SERVING)
-            except grpc.aio.AioRpcError:
-                pass
-            self._set_healthy(False)
-            await asyncio.sleep(self._retry_s)
-
-    def failed(self) -> None:
-        """A call found it unreachable: out at once, back when its health watch says so."""
-        self._set_healthy(False)
-        if self._watch is not None:
-            self._watch.cancel()
-            self.start()
-
-    async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-        await self.channel.close(grace=None)
-
-
-class Tier:
-    """The instances of one role, from addresses and DNS names, kept up to date."""
-
-    def __init__(self, name: str, specs: list[str], options: RouterOptions, on_health_change):
-        self.name = name
-        self.specs = [split_host_port(s) for s in specs]
-        self.backends: dict[str, Backend] = {}
-        self._options = options
-        self._on_health_change = on_health_change
-
-    def healthy(self, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
-        return [b for b in self.backends.values() if b.healthy and b not in exclude]
-
-    async def refresh(self) -> None:
-        """Resolve every name again: add the new addresses, drop the ones that went away."""
-        loop = asyncio.get_running_loop()
-        addresses: list[str] = []
-        for host, port in self.specs:
-            try:
-                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            except OSError as e:  # keep what the name gave before
-                log.warning("cannot resolve %s backend %s: %s", self.name, host, e)
-                addresses += [a for a in self.backends if a.endswith(f":{port}")]
-                continue
-            for *_, sockaddr in infos:
-                ip = sockaddr[0]
-                addresses.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
-        wanted = dict.fromkeys(addresses)
-        for address in wanted.keys() - self.backends.keys():
-            backend = self.backends[address] = Backend(address, self._options.health_retry_s,
-                                                       self._on_health_change)
-            backend.start()
-        for address in self.backends.keys() - wanted.keys():
-            log.info("%s backend %s is gone from DNS", self.name, address)
-            await self.backends.pop(address).close()
-
-    async def close(self) -> None:
-        for backend in self.backends.values():
-            await backend.close()
-        self.backends.clear()
-
-
-class RoundRobin:
-    def __init__(self):
-        self._counter = itertools.count()
-
-    def choose(self, backends: list[Backend], hashes: list[int]) -> Backend:
-        ordered = sorted(backends, key=lambda b: b.address)  # stable under health flaps
-        return ordered[next(self._counter) % len(ordered)]
-
-
-class LeastOutstanding:
-    def choose(self, backends: list[Backend], hashes: list[int]) -> Backend:
-        return min(backends, key=lambda b: (b.outstanding, b.num_routed))
-
-
-class PrefixAffinity:
-    """The instance that last served the longest matching prefix (so its prefix cache hits),
-    unless that would load it beyond `load_factor` × the mean and `slack` above the least
-    loaded: then the least loaded, which the prefix then follows."""
-
-    def __init__(self, load_factor: float, slack: int, table_size: int):
-        self.load_factor = load_factor
-        self.slack = slack
-        self.table_size = table_size
-        self._table: OrderedDict[int, str] = OrderedDict()  # block hash -> address, LRU order
-        self._fallback = LeastOutstanding()
-
-    def choose(self, backends: list[Backend], hashes: list[int]) -> Backend:
-        by_address = {b.address: b for b in backends}
-        loads = [b.outstanding for b in backends]
-        bound = max(self.load_factor * (sum(loads) + 1) / len(backends), min(loads) + self.slack)
-        chosen = None
-        for h in reversed(hashes):  # deepest match first
-            backend = by_address.get(self._table.get(h))
-            if backend is not None:
-                chosen = backend if backend.outstanding + 1 <= bound else None
-                break
-        chosen = chosen or self._fallback.choose(backends, hashes)
-        for h in hashes:
-            self._table[h] = chosen.address
-            self._table.move_to_end(h)
-        while len(self._table) > self.table_size:
-            self._table.popitem(last=False)
-        return chosen
-
-
-def make_policy(options: RouterOptions):
-    if options.policy == "round_robin":
-        return RoundRobin()
-    if options.policy == "least_outstanding":
-        return LeastOutstanding()
-    return PrefixAffinity(options.affinity_load_factor, options.affinity_slack, options.affinity_table_size)
 
 
 async def _pass_on_or_take_out(backend: Backend, e: grpc.aio.AioRpcError, context) -> None:
@@ -242,111 +93,151 @@ class RouterService:
         self.router = router
 
     async def Generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        self.router.num_in_flight += 1
+        r = self.router
+        if not msg.request_id:  # one id across both tiers, for their logs and traces
+            msg.request_id = uuid.uuid4().hex
+        r.num_in_flight += 1
         try:
-            async for resp in self._generate(msg, context):
-                yield resp
+            with RouterTrace(r.tracer, r.metrics, r.model_name, context, msg) as trace:
+                async for resp in self._generate(msg, context, trace):
+                    trace.last = resp
+                    yield resp
         finally:
-            self.router.num_in_flight -= 1
+            r.num_in_flight -= 1
 
-    async def _generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def _generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RouterTrace):
         r = self.router
         if not r.serving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is starting or draining")
-        if not msg.request_id:  # one id across both tiers, for their logs and traces
-            msg.request_id = uuid.uuid4().hex
         metadata = r.forwarded_metadata(context)
         # Tokenizing for affinity takes a while on a long prompt: not on the event loop.
         hashes = await asyncio.to_thread(r.prefix_hashes, msg) if r.options.policy == "prefix_affinity" else []
         prefill_tried: list[Backend] = []
         reply = None
         while reply is None and len(prefill_tried) < 2:
-            prefill = r.pick(r.prefill, r.prefill_policy, hashes, prefill_tried)
+            prefill = r.pick(r.prefill, r.prefill_policy, hashes, trace, prefill_tried)
             if prefill is None:
                 break  # no prefill instance: the decode computes the prompt itself
+            if prefill_tried:
+                trace.retried("prefill")
             prefill_tried.append(prefill)
-            reply = await self._prefill(prefill, msg, metadata, context)
+            reply = await self._prefill(prefill, msg, metadata, context, trace)
         if reply is None:
-            async for resp in self._colocated(msg, hashes, metadata, context):
+            trace.fallback("prefill_failed" if prefill_tried else "no_prefill")
+            async for resp in self._colocated(msg, hashes, metadata, context, trace):
                 yield resp
             return
+        trace.first_token()  # sent now: the first token goes out while the decode pulls the KV
         if not reply.HasField("handle"):  # the first token ended the request
             yield reply.first.SerializeToString()
             return
         msg.kv_handle.CopyFrom(reply.handle)
-        decode = r.pick(r.decode, r.decode_policy, hashes)
+        decode = r.pick(r.decode, r.decode_policy, hashes, trace)
         if decode is None:
             await r.release(prefill_tried[-1], reply.handle)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode instance")
-        call = decode.generate(msg, metadata=metadata, timeout=context.time_remaining())
-        pulled = False  # the decode's first response means it has the blocks
+        span, call_metadata = trace.client_call("decode", decode, "Generate", metadata)
+        call = decode.generate(msg, metadata=call_metadata, timeout=context.time_remaining())
+        pulled, error = False, None  # the decode's first response means it has the blocks
         try:
-            yield reply.first.SerializeToString()  # the first token goes out while the decode pulls the KV
+            yield reply.first.SerializeToString()
             async for resp in call:
-                pulled = True
+                if not pulled:
+                    pulled = True
+                    trace.decode_answer(await call.initial_metadata())
                 yield resp
         except grpc.aio.AioRpcError as e:
+            error = e
             await _pass_on_or_take_out(decode, e, context)
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"decode instance {decode.address} failed after the first token "
                                 f"({e.details()}); the request cannot resume: send it again")
+        except BaseException as e:  # the client went away
+            error = e
+            raise
         finally:
+            trace.call_ended(span, "decode", decode, error)
             _end_call(decode, call)
             if not pulled:  # the blocks may still be held for a reader that will never come
                 in_background(r.background, r.release(prefill_tried[-1], reply.handle))
 
-    async def _prefill(self, prefill: Backend, msg, metadata, context):
+    async def _prefill(self, prefill: Backend, msg, metadata, context, trace: RouterTrace):
         """The prefill's reply, or None when the instance is unreachable."""
         # Cancelled, or past the deadline, the prefill may still have answered with blocks held
         # for a reply that never arrives: let go of them by request id (a no-op when nothing is
         # held; the prefill keys its request by the id the router set).
         forget = pb.KVHandle(request_id=msg.request_id)
+        span, metadata = trace.client_call("prefill", prefill, "Prefill", metadata)
+        sent, error = time.monotonic(), None
         try:
-            return await prefill.prefill.Prefill(msg, metadata=metadata, timeout=context.time_remaining())
-        except asyncio.CancelledError:
+            reply = await prefill.prefill.Prefill(msg, metadata=metadata, timeout=context.time_remaining())
+            trace.prefill_answer(sent)
+            return reply
+        except asyncio.CancelledError as e:
+            error = e
             in_background(self.router.background, self.router.release(prefill, forget))
             raise
         except grpc.aio.AioRpcError as e:
+            error = e
             if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                 in_background(self.router.background, self.router.release(prefill, forget))
             await _pass_on_or_take_out(prefill, e, context)
             log.warning("prefill %s failed for %s: %s", prefill.address, msg.request_id, e.details())
             return None
         finally:
+            trace.call_ended(span, "prefill", prefill, error)
             prefill.outstanding -= 1
 
-    async def _colocated(self, msg, hashes, metadata, context):
+    async def _colocated(self, msg, hashes, metadata, context, trace: RouterTrace):
         """The decode instance runs the whole request; one retry elsewhere before a token."""
         r, tried = self.router, []
         while True:
-            decode = r.pick(r.decode, r.decode_policy, hashes, tried)
+            decode = r.pick(r.decode, r.decode_policy, hashes, trace, tried)
             if decode is None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode instance" +
                                     (f" (tried {', '.join(b.address for b in tried)})" if tried else ""))
+            if tried:
+                trace.retried("decode")
             tried.append(decode)
-            call = decode.generate(msg, metadata=metadata, timeout=context.time_remaining())
-            started = False
+            span, call_metadata = trace.client_call("decode", decode, "Generate", metadata)
+            call = decode.generate(msg, metadata=call_metadata, timeout=context.time_remaining())
+            started, error = False, None
             try:
                 async for resp in call:
-                    started = True
+                    if not started:
+                        started = True
+                        trace.first_token()
                     yield resp
                 return
             except grpc.aio.AioRpcError as e:
+                error = e
                 await _pass_on_or_take_out(decode, e, context)
                 if started or len(tried) == 2:
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         f"decode instance {decode.address} failed: {e.details()}")
+            except BaseException as e:  # the client went away
+                error = e
+                raise
             finally:
+                trace.call_ended(span, "decode", decode, error)
                 _end_call(decode, call)
 
 
 class Router:
     def __init__(self, options: RouterOptions):
         self.options = o = options
-        self.prefill = Tier("prefill", o.prefill, o, self._health_changed)
-        self.decode = Tier("decode", o.decode, o, self._health_changed)
-        self.prefill_policy, self.decode_policy = make_policy(o), make_policy(o)
+        self.prefill = Tier("prefill", o.prefill, o.health_retry_s, self._health_changed)
+        self.decode = Tier("decode", o.decode, o.health_retry_s, self._health_changed)
+        self.prefill_policy, self.decode_policy = (
+            make_policy(o.policy, o.affinity_load_factor, o.affinity_slack, o.affinity_table_size) for _ in range(2))
         self.tokenizer = None
+        self.model_name = o.served_model_name or (os.path.basename(os.path.normpath(o.tokenizer_dir))
+                                                  if o.tokenizer_dir else "baton")
+        self.tracer = tracing.make_tracer("router", f"router-{uuid.uuid4().hex[:12]}", o.otlp_traces_endpoint)
+        registry = make_registry() if o.metrics_port is not None else None
+        self.metrics = (RouterMetrics(registry, self.model_name, lambda: self.num_in_flight)
+                        if registry is not None else None)
+        self.metrics_server = MetricsServer(registry, o.host, o.metrics_port) if registry is not None else None
         self.health = health.aio.HealthServicer()
         self.grpc, self.port = make_grpc_server(o.host, o.port, o.max_message_bytes)
         service = RouterService(self)
@@ -395,11 +286,13 @@ class Router:
         at worst)."""
         in_background(self.background, self._report(self.serving and bool(self.decode.healthy())))
 
-    def pick(self, tier: Tier, policy, hashes: list[int], exclude=()) -> Backend | None:
+    def pick(self, tier: Tier, policy, hashes: list[int], trace: RouterTrace, exclude=()) -> Backend | None:
         backends = tier.healthy(tuple(exclude))
         if not backends:
             return None
-        backend = policy.choose(backends, hashes)
+        choice = policy.choose(backends, hashes)
+        trace.picked(tier.name, self.options.policy, backends, choice)
+        backend = choice.backend
         backend.outstanding += 1
         backend.num_routed += 1
         return backend
@@ -445,3 +338,6 @@ class Router:
             self._resolver.cancel()
         for tier in (self.prefill, self.decode):
             await tier.close()
+        tracing.shutdown(self.tracer)
+        if self.metrics_server is not None:
+            self.metrics_server.close()

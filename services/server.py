@@ -1,10 +1,14 @@
-"""The colocated Baton server: one engine behind the public `Generate` API, with the
-standard gRPC health and reflection services and a graceful drain."""
+"""A Baton engine server: one engine behind the public `Generate` API, with the standard gRPC
+health and reflection services and a graceful drain. As a prefill or decode tier it also
+serves the internal calls of services/kv_peers.py. Spans and metrics come from the engine's
+events through services/engine_telemetry.py."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import os
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -14,13 +18,18 @@ from grpc_reflection.v1alpha import reflection
 
 from baton.engine.config import EngineConfig
 from baton.engine.errors import InvalidArgument, check
-from baton.engine.llm_engine import LLMEngine, StepOutput
+from baton.engine.llm_engine import LLMEngine
 from baton.engine.request import Request
 from baton.engine.sampling_params import SamplingParams
-from baton.services.async_engine import AsyncEngine, DuplicateRequest, EngineDead, QueueFull
-from baton.services.common import (FINISH_REASONS, SERVICE_NAME, TOKEN_KEY, chat_messages, drain, in_background,
-                                   make_grpc_server, set_health, token_metadata)
-from baton.kv_transfer.nixl_connector import DEFAULT_HOLD_TIMEOUT_S, KVLayout, make_nixl_connector
+from baton.kv_transfer.nixl_connector import DEFAULT_HOLD_TIMEOUT_S, make_nixl_connector
+from baton.services import tracing
+from baton.services.async_engine import AsyncEngine
+from baton.services.common import (SERVICE_NAME, TOKEN_KEY, chat_messages, drain, in_background, make_grpc_server,
+                                   set_health)
+from baton.services.engine_rpc import ENGINE_ERRORS, abort_for_engine_error, decode_timing, response_from_output
+from baton.services.engine_telemetry import EngineTelemetry
+from baton.services.kv_peers import KVPeers, KVPeerService, PrefillService
+from baton.services.metrics import EngineMetrics, MetricsServer, make_registry, on_loop
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
 
@@ -29,17 +38,8 @@ log = logging.getLogger("baton.server")
 ROLES = ("both", "prefill", "decode")
 MAX_REQUEST_ID_CHARS = 256
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens")
-_ENGINE_ERRORS = (InvalidArgument, DuplicateRequest, QueueFull, EngineDead)  # raised by AsyncEngine.generate
 # Engine field names as the public API spells them.
 _API_FIELD = {"prompt_token_ids": "token_ids", "messages": "chat"}
-
-
-class PeerUnusable(Exception):
-    """A handle's prefill engine cannot serve its blocks: the status and message for the stream."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(slots=True)
@@ -54,6 +54,9 @@ class ServerOptions:
     internal_token: str | None = None  # required in TOKEN_KEY metadata of internal calls when set
     kv_hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S  # prefill: free blocks nobody pulled by then
     engine_id: str | None = None  # the NIXL agent's name; default: role + a random suffix
+    served_model_name: str | None = None  # in spans and metric labels; default: the model directory's name
+    metrics_port: int | None = None  # /metrics over HTTP (0: any free port); None: no metrics
+    otlp_traces_endpoint: str | None = None  # default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; none: no tracing
 
     def __post_init__(self):
         check(self.role in ROLES, "role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
@@ -122,78 +125,29 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
                 "remote_block_ids": list(h.block_ids), "num_tokens": h.num_tokens, "first_token": h.first_token}
 
     async def Generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        if not self.server.serving:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading or draining")
-        if msg.HasField("kv_handle"):
-            await self.server.check_token(context)
-        try:
-            request, output = self.make_request(msg)
-        except InvalidArgument as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if msg.HasField("kv_handle"):
-            await self.server.ensure_peer(msg.kv_handle, context)
-        try:
-            async for out in self.server.engine.generate(request):
-                yield response_from_output(out, output)
-        except _ENGINE_ERRORS as e:
-            await abort_for_engine_error(context, e)
-
-
-class PrefillService(internal_pb2_grpc.PrefillServicer):
-    def __init__(self, server: Server, generation: GenerationService):
-        self.server = server
-        self.generation = generation
-
-    async def Prefill(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        await self.server.check_token(context)
-        if not self.server.serving:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading or draining")
-        try:
-            request, output = self.generation.make_request(msg, for_prefill=True)
-        except InvalidArgument as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        # A caller gone before the handle reached it leaves nobody to pull the blocks: also
-        # when the request had finished (and its blocks were held) just as the call was
-        # cancelled, where the engine's abort comes too late. Releasing a request that is
-        # not held does nothing.
-        context.add_done_callback(lambda ctx: ctx.cancelled() and in_background(
-            self.server.background, self.server.release_hold(request.request_id)))
-        last = None
-        try:
-            async for last in self.server.engine.generate(request):
-                pass
-        except _ENGINE_ERRORS as e:
-            await abort_for_engine_error(context, e)
-        if last is None or last.finish_reason not in ("stop", "length"):
-            await context.abort(grpc.StatusCode.ABORTED, f"request {request.request_id} ended without its first token")
-        first = response_from_output(last, output)
-        handle = last.kv_transfer_params
-        if handle is None:  # the first token ended the request (a stop token, or max_tokens 1)
-            return internal_pb2.PrefillResponse(first=first)
-        first.ClearField("finish_reason")  # the request goes on at the decode side
-        first.ClearField("usage")
-        return internal_pb2.PrefillResponse(
-            first=first,
-            handle=pb.KVHandle(engine_id=handle["remote_engine_id"], address=self.server.address,
-                               request_id=handle["remote_request_id"], block_ids=handle["remote_block_ids"],
-                               num_tokens=handle["num_tokens"], first_token=handle["first_token"]))
-
-    async def Release(self, handle: pb.KVHandle, context: grpc.aio.ServicerContext):
-        await self.server.check_internal(context)
-        return internal_pb2.ReleaseResponse(released=await self.server.release_hold(handle.request_id))
-
-
-class KVPeerService(internal_pb2_grpc.KVPeerServicer):
-    def __init__(self, server: Server):
-        self.server = server
-
-    async def Handshake(self, theirs: internal_pb2.KVLayout, context: grpc.aio.ServicerContext):
-        await self.server.check_internal(context)
-        try:
-            await self.server.engine.call(self.server.kv_worker.add_peer, layout_from_proto(theirs))
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        return layout_to_proto(self.server.kv_worker.layout)
+        server = self.server
+        handle = msg.kv_handle if msg.HasField("kv_handle") else None
+        with server.server_span(context, msg, "Generate") as span:
+            if not server.serving:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading or draining")
+            if handle is not None:
+                await server.check_token(context)
+            try:
+                request, output = self.make_request(msg)
+            except InvalidArgument as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            rt = server.telemetry.track(request, span, dict(handle.trace_context) if handle is not None else None)
+            if handle is not None:
+                await server.kv_peers.ensure(handle, context, rt)
+            try:
+                async for out in server.engine.generate(request):
+                    if handle is not None:  # the router's P/D breakdown needs the decode's side of it
+                        await context.send_initial_metadata(decode_timing(request))
+                        handle = None
+                    yield response_from_output(out, output)
+            except ENGINE_ERRORS as e:
+                server.telemetry.drop(rt, time.monotonic(), str(e))
+                await abort_for_engine_error(context, e)
 
 
 class AdminService(internal_pb2_grpc.AdminServicer):
@@ -203,40 +157,6 @@ class AdminService(internal_pb2_grpc.AdminServicer):
     async def Stats(self, msg: internal_pb2.StatsRequest, context: grpc.aio.ServicerContext):
         await self.server.check_internal(context)
         return await self.server.engine.call(self.server.stats)
-
-
-def layout_to_proto(layout: KVLayout) -> internal_pb2.KVLayout:
-    return internal_pb2.KVLayout(engine_id=layout.engine_id, agent_metadata=layout.agent_metadata,
-                                 base_addr=layout.base_addr, block_bytes=layout.block_bytes,
-                                 num_blocks=layout.num_blocks, mem_type=layout.mem_type, dev_id=layout.dev_id)
-
-
-def layout_from_proto(msg: internal_pb2.KVLayout) -> KVLayout:
-    return KVLayout(msg.engine_id, msg.agent_metadata, msg.base_addr, msg.block_bytes, msg.num_blocks,
-                    msg.mem_type, msg.dev_id)
-
-
-async def abort_for_engine_error(context: grpc.aio.ServicerContext, e: Exception) -> None:
-    if isinstance(e, DuplicateRequest):
-        await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e.args[0]!r} is already in flight")
-    code = {InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,  # raised by the engine on admission
-            QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED, EngineDead: grpc.StatusCode.INTERNAL}[type(e)]
-    await context.abort(code, str(e))
-
-
-def response_from_output(out: StepOutput, output: int) -> pb.GenerateResponse:
-    """The API's message for an engine output, with text, token ids or both (`output`)."""
-    resp = pb.GenerateResponse(request_id=out.request_id)
-    if output != pb.OUTPUT_TEXT:
-        resp.token_ids.extend(out.new_token_ids)
-    if output != pb.OUTPUT_TOKEN_IDS:
-        resp.text = out.text
-    if out.finished:
-        resp.finish_reason = FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_ERROR)
-        resp.usage.prompt_tokens = out.num_prompt_tokens
-        resp.usage.completion_tokens = out.num_output_tokens
-        resp.usage.cached_tokens = out.num_cached_tokens
-    return resp
 
 
 class Server:
@@ -263,10 +183,15 @@ class Server:
         reflection.enable_server_reflection(
             [*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], self.grpc)
         self.kv_worker = None
+        self.engine_id = o.engine_id or f"{o.role}-{uuid.uuid4().hex[:12]}"
+        self.model_name = o.served_model_name or os.path.basename(os.path.normpath(config.model))
+        self.tracer = tracing.make_tracer(o.role, self.engine_id, o.otlp_traces_endpoint)
+        self.telemetry = EngineTelemetry(self.tracer, None)
+        self.metrics_registry = make_registry() if o.metrics_port is not None else None
+        self.metrics_server = (MetricsServer(self.metrics_registry, o.host, o.metrics_port)
+                               if self.metrics_registry is not None else None)
         self.background: set[asyncio.Task] = set()
-        self._peer_channels: dict[str, grpc.aio.Channel] = {}
-        self._handshakes: dict[str, asyncio.Future] = {}  # prefill engine id -> the handshake under way
-        self.num_handshakes = 0  # started by this (decode) server
+        self.kv_peers = KVPeers(self)
 
     @property
     def address(self) -> str:
@@ -277,15 +202,37 @@ class Server:
         await set_health(self.health, False)
         await self.grpc.start()
         o = self.options
-        connector = make_nixl_connector(o.engine_id or f"{o.role}-{uuid.uuid4().hex[:12]}", self.config.block_size,
-                                        o.kv_hold_timeout_s)
+        connector = make_nixl_connector(self.engine_id, self.config.block_size, o.kv_hold_timeout_s)
         engine = await asyncio.to_thread(LLMEngine, self.config, connector)
         self.kv_worker = engine.runner.connector
-        self.engine = AsyncEngine(engine, self.options.max_waiting_requests, on_dead=self._on_engine_dead)
+        self.telemetry.block_bytes = self.kv_worker.layout.block_bytes
+        if self.metrics_registry is not None:
+            loop = asyncio.get_running_loop()
+            self.telemetry.metrics = EngineMetrics(self.metrics_registry, self.model_name, o.role,
+                                                   self.config.max_model_len, lambda: self._snapshot(loop))
+        self.engine = AsyncEngine(engine, self.options.max_waiting_requests, on_dead=self._on_engine_dead,
+                                  on_step=self.telemetry.on_step if self.telemetry.enabled else None)
         self.engine.start()
         self.serving = True
         await set_health(self.health, True)
         log.info("serving %s on %s", self.config.model, self.address)
+
+    def server_span(self, context: grpc.aio.ServicerContext, msg: pb.GenerateRequest, method: str) -> tracing.ServerSpan:
+        """The SERVER span of a Generate or Prefill call (GenAI naming: `{operation} {model}`)."""
+        operation = tracing.operation_of(msg)
+        service = SERVICE_NAME if method == "Generate" else internal_pb2.DESCRIPTOR.services_by_name[method].full_name
+        return tracing.ServerSpan(self.tracer, context, f"{operation} {self.model_name}", {
+            **tracing.rpc_attributes(service, method),
+            **tracing.genai_request_attributes(operation, self.model_name, msg.request_id, msg.sampling)})
+
+    def _snapshot(self, loop: asyncio.AbstractEventLoop):
+        """The engine's figures for a scrape (from the HTTP thread), or None when it cannot answer."""
+        if self.engine is None or not self.serving:
+            return None
+        try:
+            return on_loop(loop, lambda: self.engine.call(self.engine.engine.snapshot))
+        except Exception:  # noqa: BLE001 - a scrape during shutdown, or a dead engine: no load figures
+            return None
 
     async def check_token(self, context: grpc.aio.ServicerContext) -> None:
         """Internal calls must come from the stack: the shared token, when one is configured."""
@@ -299,62 +246,16 @@ class Server:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
 
-    async def ensure_peer(self, handle: pb.KVHandle, context: grpc.aio.ServicerContext) -> None:
-        """Trade layouts with the handle's prefill engine unless we know it (a restarted prefill
-        has a new engine id, so it is met again). Streams arriving together for an engine we
-        have not met share one handshake."""
-        if handle.engine_id in self.kv_worker.peers:
-            return
-        pending = self._handshakes.get(handle.engine_id)
-        if pending is None:
-            pending = self._handshakes[handle.engine_id] = asyncio.ensure_future(self._handshake(handle))
-            pending.add_done_callback(lambda f: self._handshake_done(handle.engine_id, f))
-        try:
-            await asyncio.shield(pending)  # a cancelled stream leaves the handshake to the others
-        except PeerUnusable as e:
-            await context.abort(e.code, str(e))
-
-    def _handshake_done(self, engine_id: str, handshake: asyncio.Future) -> None:
-        del self._handshakes[engine_id]  # a failed one is tried again by the next stream
-        if not handshake.cancelled():
-            handshake.exception()  # retrieved, even when every waiting stream was cancelled
-
-    async def _handshake(self, handle: pb.KVHandle) -> None:
-        self.num_handshakes += 1
-        channel = self._peer_channels.get(handle.address)
-        if channel is None:
-            channel = self._peer_channels[handle.address] = grpc.aio.insecure_channel(handle.address)
-        try:
-            theirs = await internal_pb2_grpc.KVPeerStub(channel).Handshake(
-                layout_to_proto(self.kv_worker.layout), metadata=token_metadata(self.options.internal_token), timeout=10)
-        except grpc.aio.AioRpcError as e:
-            raise PeerUnusable(grpc.StatusCode.UNAVAILABLE, f"kv_handle: cannot reach prefill {handle.address}: "
-                                                            f"{e.code().name} {e.details()}") from e
-        if theirs.engine_id != handle.engine_id:
-            raise PeerUnusable(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"kv_handle: {handle.address} is now engine {theirs.engine_id}, not "
-                               f"{handle.engine_id} (it restarted; its blocks are gone)")
-        await self.engine.call(self.kv_worker.add_peer, layout_from_proto(theirs))
-
-    async def release_hold(self, request_id: str) -> bool:
-        def release() -> bool:  # on the step-loop thread, between steps
-            if request_id not in self.engine.engine.scheduler.held:
-                return False
-            self.kv_worker.release(request_id)
-            return True
-        return await self.engine.call(release)
-
     def stats(self) -> internal_pb2.EngineStats:
         """Runs on the step-loop thread (AsyncEngine.call): a consistent snapshot."""
-        engine, worker = self.engine.engine, self.kv_worker
-        sched = engine.scheduler
+        s, worker = self.engine.engine.snapshot(), self.kv_worker
         return internal_pb2.EngineStats(
-            engine_id=worker.engine_id, role=self.options.role, num_kv_blocks=engine.num_kv_blocks,
-            num_free_kv_blocks=engine.kv.num_free_blocks, num_running=len(sched.running),
-            num_waiting=len(sched.waiting), num_held=engine.num_held_requests,
-            num_in_flight_streams=self.engine.num_in_flight, num_prefix_hit_tokens=engine.kv.prefix_hits,
-            num_expired_holds=worker.num_expired_holds, num_failed_loads=sched.num_failed_loads,
-            num_blocks_pulled=worker.num_blocks_pulled, num_requests=self.engine.num_requests)
+            engine_id=worker.engine_id, role=self.options.role, num_kv_blocks=s.num_kv_blocks,
+            num_free_kv_blocks=s.num_free_kv_blocks, num_running=s.num_running, num_waiting=s.num_waiting,
+            num_held=s.num_held_requests, num_in_flight_streams=self.engine.num_in_flight,
+            num_prefix_hit_tokens=s.prefix_cache_hits, num_expired_holds=worker.num_expired_holds,
+            num_failed_loads=s.num_failed_loads, num_blocks_pulled=worker.num_blocks_pulled,
+            num_requests=self.engine.num_requests)
 
     def _on_engine_dead(self, error: BaseException) -> None:
         self.serving = False
@@ -367,8 +268,11 @@ class Server:
         await set_health(self.health, False)
         await drain(self.grpc, lambda: self.engine.num_in_flight if self.engine else 0,
                     self.options.grace_s if grace_s is None else grace_s)
-        for channel in self._peer_channels.values():
-            await channel.close()
+        await self.kv_peers.close()
         if self.engine is not None:
             await self.engine.stop()
             self.kv_worker.close()
+        self.telemetry.close(time.monotonic())
+        tracing.shutdown(self.tracer)
+        if self.metrics_server is not None:
+            self.metrics_server.close()

@@ -76,7 +76,7 @@ def test_streams_meeting_a_new_prefill_together_share_one_handshake(tiers, tiny_
         return await asyncio.gather(*(decode_on(decode.address, r, p, **greedy) for r, p in zip(replies, prompts)))
 
     got = asyncio.run(run())
-    assert decode.server.num_handshakes == 1
+    assert decode.server.kv_peers.num_handshakes == 1
     assert got == [o.token_ids for o in LLM(tiny_llama, dtype="float32", device="cpu").generate(
         prompts, SamplingParams(**greedy))]
     assert prefill.wait_pool_full() and decode.wait_pool_full()

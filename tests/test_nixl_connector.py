@@ -9,6 +9,7 @@ from baton import LLM, SamplingParams
 from baton.engine.config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.request import RequestStatus
+from baton.engine.stats import EventType
 from baton.kv_transfer.nixl_connector import make_nixl_connector, merge_runs
 
 from helpers import random_prompts
@@ -256,4 +257,65 @@ def test_a_restarted_decode_re_handshakes(tiny_llama):
     assert decode.runner.connector.layout.agent_metadata != old_metadata
     connect(prefill, decode)  # prefill replaces the old peer's metadata
     assert disaggregated(prefill, decode, [prompt], [greedy]) == [want]
+    assert_pools_full(prefill, decode)
+
+
+def events_by_request(*engines) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for eng in engines:
+        for ev in eng.take_events().events:
+            out.setdefault(ev.request_id, []).append(ev)
+    return out
+
+
+def test_engines_report_each_request_as_events_in_order(tiny_llama):
+    """The plain data telemetry is made from: a chunked prefill, a pull, a hold let go."""
+    prompts = random_prompts([40, 70], seed=18)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prefill = nixl_engine(tiny_llama, "prefill", max_num_batched_tokens=32)
+    decode = nixl_engine(tiny_llama, "decode")
+    connect(prefill, decode)
+    for eng in (prefill, decode):
+        eng.record_events()
+    handles = run_prefill(prefill, prompts, [greedy] * 2)
+    ids = [decode.add_request(f"e{i}", p, greedy, kv_transfer_params=h).request_id
+           for i, (p, h) in enumerate(zip(prompts, handles))]
+    run_until_done(prefill, decode)
+    events = events_by_request(prefill, decode)
+    for handle, req_id, prompt in zip(handles, ids, prompts):
+        mine = events[handle["remote_request_id"]]
+        kinds = [e.type for e in mine]
+        assert kinds[0] == EventType.SCHEDULED and kinds[-2:] == [EventType.FINISHED, EventType.HOLD_END]
+        assert sum(e.num_tokens for e in mine if e.type == EventType.PREFILL_CHUNK) == len(prompt)
+        assert mine[-1].detail == "pulled"
+        theirs = events[req_id]
+        assert [e.type for e in theirs] == [EventType.KV_WAIT, EventType.KV_LOAD_START, EventType.KV_LOAD_END,
+                                            EventType.SCHEDULED, EventType.FINISHED]
+        transfer = theirs[2].transfer
+        assert transfer.ok and transfer.num_blocks == -(-len(prompt) // 16) and transfer.recompute_from_block is None
+        assert transfer.num_bytes == transfer.num_blocks * decode.runner.connector.layout.block_bytes
+        assert transfer.start_time <= transfer.end_time and all(a.time <= b.time for a, b in zip(theirs, theirs[1:]))
+        request_times = [theirs[0].time, transfer.end_time, theirs[3].time, theirs[4].time]
+        assert request_times == sorted(request_times)
+    assert_pools_full(prefill, decode)
+    snap = decode.snapshot()
+    assert snap.num_prompt_tokens_external == sum(map(len, prompts)) and snap.num_generation_tokens == 6
+
+
+def test_failed_and_unpulled_transfers_say_so_in_their_events(tiny_llama):
+    prompts = random_prompts([50, 40], seed=19)
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    prefill = nixl_engine(tiny_llama, "prefill", hold_timeout_s=0.3)
+    prefill.record_events()
+    handles = run_prefill(prefill, prompts, [greedy] * 2)
+    decode = nixl_engine(tiny_llama, "decode", agent=FaultyAgent(f"decode-g{next(_ids)}",
+                                                                 {handles[0]["remote_request_id"]}))
+    decode.record_events()
+    connect(prefill, decode)
+    decode.add_request("g0", prompts[0], greedy, kv_transfer_params=handles[0])  # the second is never pulled
+    run_until_done(prefill, decode)
+    events = events_by_request(prefill, decode)
+    (end,) = [e for e in events["g0"] if e.type == EventType.KV_LOAD_END]
+    assert not end.transfer.ok and end.transfer.recompute_from_block == 0 and end.transfer.error
+    assert events[handles[1]["remote_request_id"]][-1].detail == "expired"
     assert_pools_full(prefill, decode)

@@ -17,7 +17,7 @@ import pytest
 from baton import LLM, SamplingParams
 from baton.services.client import AsyncClient
 from baton.services.launcher import free_port
-from baton.services.router import PrefixAffinity
+from baton.services.policies import PrefixAffinity
 
 from conftest import ServerProcess
 from helpers import TOKEN, collect, pools_full, random_prompts, stats, wait_serving, workload
@@ -143,7 +143,7 @@ def test_prefix_affinity_bounds_the_load_one_hot_prefix_puts_on_one_instance():
     hot = [11, 22, 33]  # one prefix's block hashes
     picks = []
     for _ in range(30):  # none finishes: the load only grows
-        b = policy.choose(backends, hot)
+        b = policy.choose(backends, hot).backend
         b.outstanding += 1
         b.num_routed += 1
         picks.append(b.address)
@@ -151,7 +151,7 @@ def test_prefix_affinity_bounds_the_load_one_hot_prefix_puts_on_one_instance():
     loads = [b.outstanding for b in backends]
     assert max(loads) <= max(1.5 * 30 / 3, min(loads) + 3) and min(loads) > 0, loads
     # A different prefix is not pulled along: it goes to the least loaded.
-    assert policy.choose(backends, [44, 55]) is min(backends, key=lambda b: (b.outstanding, b.num_routed))
+    assert policy.choose(backends, [44, 55]).backend is min(backends, key=lambda b: (b.outstanding, b.num_routed))
 
 
 def test_a_killed_decode_fails_its_streams_cleanly_and_comes_back(tiny_llama, spawn):

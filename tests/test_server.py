@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -123,7 +124,9 @@ def test_duplicate_in_flight_request_id_and_full_waiting_queue(serve, tiny_llama
                 await collect(client, [8, 9], request_id="dup", **short)
             assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
             assert "request_id" in err.value.details()
-            # One running (max_num_seqs=1) and two waiting fill the queue; the next is refused.
+            # One running (max_num_seqs=1) and two waiting fill the queue; the next is refused. The
+            # step loop is held meanwhile, so "dup" cannot finish and let the two in first.
+            held = asyncio.run_coroutine_threadsafe(srv.server.engine.call(time.sleep, 2.0), srv.loop)
             waiting = [asyncio.ensure_future(collect(client, [10 + i], **short)) for i in range(2)]
 
             async def queue_filled():
@@ -134,6 +137,7 @@ def test_duplicate_in_flight_request_id_and_full_waiting_queue(serve, tiny_llama
                 await collect(client, [20], **short)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "max_waiting_requests" in err.value.details()
+            await asyncio.wrap_future(held)
             rest = [t async for t in first]
             done = await asyncio.gather(*waiting)
             return rest, done

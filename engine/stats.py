@@ -1,0 +1,66 @@
+"""What the engine tells its callers about each request as it happens, in plain data (vLLM
+v1's EngineCoreEvents): the services turn these events into live spans and metrics. The
+engine itself never imports a telemetry library.
+
+Events are recorded only when a caller asks (`LLMEngine.record_events`) and takes them after
+each step (`LLMEngine.take_events`); the offline API records none.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from baton.kv_transfer.base import KVTransfer
+
+
+class EventType(enum.Enum):
+    SCHEDULED = "scheduled"  # admitted to run: first time, or again after a preemption
+    PREEMPTED = "preempted"  # its blocks were taken back; it waits to be recomputed
+    PREFILL_CHUNK = "prefill_chunk"  # num_tokens prompt tokens were computed in the step
+    KV_WAIT = "kv_wait"  # parked in WAITING_FOR_REMOTE_KVS
+    KV_LOAD_START = "kv_load_start"  # the worker started pulling its blocks (transfer)
+    KV_LOAD_END = "kv_load_end"  # the pull ended (transfer says how); the request may run
+    FINISHED = "finished"  # the request's status says why; a prefill may now hold its blocks
+    HOLD_END = "hold_end"  # a prefill let go of the blocks it held for a reader (detail: outcome)
+
+
+@dataclass(slots=True)
+class RequestEvent:
+    request_id: str
+    type: EventType
+    time: float  # time.monotonic()
+    num_tokens: int = 0  # PREFILL_CHUNK: tokens computed; SCHEDULED: tokens already computed
+    transfer: KVTransfer | None = None  # KV_LOAD_*
+    detail: str | None = None  # HOLD_END: pulled, released or expired
+
+
+@dataclass(slots=True)
+class StepEvents:
+    """Everything recorded since the last `take_events`."""
+    events: list[RequestEvent]
+    step_tokens: list[int]  # tokens scheduled in each step that ran (vLLM's iteration tokens)
+    time: float  # when the last of those steps' tokens were sampled
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    """The engine's load and its running totals at one moment (taken on the step-loop thread)."""
+    num_running: int
+    num_waiting: int  # all waiting requests, those in WAITING_FOR_REMOTE_KVS included
+    num_waiting_for_kvs: int
+    num_held_requests: int  # finished; their blocks wait for a transfer
+    num_held_blocks: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # tokens found there
+    num_preemptions: int
+    num_failed_loads: int
+    num_prompt_tokens: int  # prompts of requests that got their first token here
+    num_prompt_tokens_cached: int  # ... of which the local prefix cache held
+    num_prompt_tokens_external: int  # ... of which a peer sent
+    num_generation_tokens: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks

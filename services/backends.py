@@ -1,0 +1,120 @@
+"""The router's view of its backends: the instances of a tier, from addresses and DNS names
+(a Kubernetes headless service resolves to its pods) re-resolved periodically, each with its
+channel, its health (watched with the gRPC health protocol) and its requests in flight."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from baton.services.common import SERVICE_NAME
+from baton.v1 import generate_pb2 as pb
+from baton.v1 import internal_pb2_grpc
+
+log = logging.getLogger("baton.router")
+
+GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
+# Reconnect quickly to a backend that comes back (gRPC's default backoff grows to 2 minutes).
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 2000)]
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"backend address {address!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class Backend:
+    """One instance: a channel, its stubs, its health, and the requests it has in flight."""
+
+    def __init__(self, address: str, retry_s: float, on_health_change):
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        # Responses stay bytes: the router forwards them without parsing them again.
+        self.generate = self.channel.unary_stream(GENERATE_METHOD, request_serializer=pb.GenerateRequest.SerializeToString,
+                                                  response_deserializer=None)
+        self.prefill = internal_pb2_grpc.PrefillStub(self.channel)
+        self.healthy = False
+        self.outstanding = 0
+        self.num_routed = 0
+        self._retry_s = retry_s
+        self._on_health_change = on_health_change
+        self._watch: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._watch = asyncio.ensure_future(self._watch_health())
+
+    def _set_healthy(self, healthy: bool) -> None:
+        if healthy != self.healthy:
+            self.healthy = healthy
+            log.info("%s is %s", self.address, "healthy" if healthy else "unhealthy")
+            self._on_health_change()
+
+    async def _watch_health(self) -> None:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        while True:
+            try:
+                async for resp in stub.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME)):
+                    self._set_healthy(resp.status == health_pb2.HealthCheckResponse.SERVING)
+            except grpc.aio.AioRpcError:
+                pass
+            self._set_healthy(False)
+            await asyncio.sleep(self._retry_s)
+
+    def failed(self) -> None:
+        """A call found it unreachable: out at once, back when its health watch says so."""
+        self._set_healthy(False)
+        if self._watch is not None:
+            self._watch.cancel()
+            self.start()
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        await self.channel.close(grace=None)
+
+
+class Tier:
+    """The instances of one role, from addresses and DNS names, kept up to date."""
+
+    def __init__(self, name: str, specs: list[str], health_retry_s: float, on_health_change):
+        self.name = name
+        self.specs = [split_host_port(s) for s in specs]
+        self.backends: dict[str, Backend] = {}
+        self._health_retry_s = health_retry_s
+        self._on_health_change = on_health_change
+
+    def healthy(self, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
+        return [b for b in self.backends.values() if b.healthy and b not in exclude]
+
+    async def refresh(self) -> None:
+        """Resolve every name again: add the new addresses, drop the ones that went away."""
+        loop = asyncio.get_running_loop()
+        addresses: list[str] = []
+        for host, port in self.specs:
+            try:
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as e:  # keep what the name gave before
+                log.warning("cannot resolve %s backend %s: %s", self.name, host, e)
+                addresses += [a for a in self.backends if a.endswith(f":{port}")]
+                continue
+            for *_, sockaddr in infos:
+                ip = sockaddr[0]
+                addresses.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+        wanted = dict.fromkeys(addresses)
+        for address in wanted.keys() - self.backends.keys():
+            backend = self.backends[address] = Backend(address, self._health_retry_s,
+                                                       self._on_health_change)
+            backend.start()
+        for address in self.backends.keys() - wanted.keys():
+            log.info("%s backend %s is gone from DNS", self.name, address)
+            await self.backends.pop(address).close()
+
+    async def close(self) -> None:
+        for backend in self.backends.values():
+            await backend.close()
+        self.backends.clear()

@@ -1,0 +1,276 @@
+"""Live spans and per-request metrics of one engine server, made from the engine's plain events
+(engine/stats.py) as each step reports them.
+
+Under the RPC's SERVER span, each request gets a span per phase, started and ended as the
+engine reports it (with the engine's own timestamps):
+  queue        arrival -> admitted (to run, or to wait for its KV)
+  kv_handshake meeting the handle's prefill engine, the first time             (decode tier)
+  kv_wait      parked in WAITING_FOR_REMOTE_KVS until its KV landed          (decode tier)
+  kv_transfer  the pull, linked to the prefill's kv_hold span                 (decode tier)
+  prefill      first scheduled -> first token; chunks as events               (prefill, colocated)
+  decode       first token (decode tier: first scheduled) -> finished; preemptions as events
+  kv_hold      finished -> pulled, released or expired; outlives the RPC      (prefill tier)
+The same events feed the per-request Prometheus figures (vLLM's definitions of queue,
+prefill, decode and inference time). With neither tracing nor metrics on, none of this runs.
+"""
+from __future__ import annotations
+
+from baton.engine.request import Request
+from baton.engine.stats import EventType, RequestEvent, StepEvents
+from baton.services.metrics import EngineMetrics
+from baton.services.tracing import carrier_of, end_span, link_to, start_span, wall_ns
+
+_PHASES_WITH_EVENTS = ("decode", "prefill")  # where chunks, preemptions and resumptions are noted
+
+
+class RequestTelemetry:
+    """One request's open spans and the figures its metrics need."""
+
+    __slots__ = ("hub", "request", "span", "remote", "hold_links", "phases", "last_token_time", "num_chunks")
+
+    def __init__(self, hub: EngineTelemetry, request: Request, span, kv_handle_context: dict | None):
+        self.hub = hub
+        self.request = request
+        self.span = span  # the RPC's SERVER span; None when tracing is off (or not sampled)
+        self.remote = kv_handle_context is not None  # a decode request whose prompt KV is a peer's
+        self.hold_links = link_to(kv_handle_context) if span is not None else []
+        self.phases: dict[str, object] = {}
+        self.last_token_time: float | None = None
+        self.num_chunks = 0
+        if span is not None:
+            span.set_attribute("gen_ai.request.id", request.request_id)  # assigned by the server when not sent
+        self.start_phase("queue", request.arrival_time)
+
+    # ---- spans ----------------------------------------------------------------------------
+    def start_phase(self, name: str, when: float, attributes: dict | None = None, links: list | None = None) -> None:
+        if self.span is not None:
+            self.phases[name] = start_span(self.hub.tracer, name, self.span, start=when, attributes=attributes,
+                                           links=links)
+
+    def end_phase(self, name: str, when: float, attributes: dict | None = None, error: str | None = None) -> None:
+        end_span(self.phases.pop(name, None), when, attributes, error)
+
+    def _note(self, name: str, when: float, attributes: dict | None = None) -> None:
+        for phase in _PHASES_WITH_EVENTS:
+            span = self.phases.get(phase)
+            if span is not None:
+                span.add_event(name, attributes, timestamp=wall_ns(when))
+                return
+
+    def hold_context(self) -> dict[str, str]:
+        """The kv_hold span's W3C context, for the KV handle (empty when not traced)."""
+        return carrier_of(self.phases.get("kv_hold"))
+
+    # ---- engine events --------------------------------------------------------------------
+    def on_event(self, ev: RequestEvent) -> None:
+        kind = ev.type
+        if kind is EventType.SCHEDULED:
+            self.end_phase("queue", ev.time)
+            if "prefill" in self.phases or "decode" in self.phases:
+                self._note("resumed", ev.time)
+            elif self.remote:
+                self.start_phase("decode", ev.time)
+            else:
+                self.start_phase("prefill", ev.time, {"gen_ai.usage.input_tokens": self.request.num_prompt_tokens,
+                                                 "gen_ai.usage.cache_read.input_tokens": ev.num_tokens})
+        elif kind is EventType.PREFILL_CHUNK:
+            self.num_chunks += 1
+            self._note("chunk", ev.time, {"baton.tokens": ev.num_tokens})
+        elif kind is EventType.PREEMPTED:
+            self._note("preempted", ev.time)
+        elif kind is EventType.KV_WAIT:
+            self.end_phase("queue", ev.time)
+            self.start_phase("kv_wait", ev.time)
+        elif kind is EventType.KV_LOAD_START:
+            t = ev.transfer
+            self.start_phase("kv_transfer", t.start_time, {
+                "baton.kv.remote_engine_id": t.remote_engine_id, "baton.kv.blocks": t.num_blocks,
+                "baton.kv.bytes": t.num_bytes, "baton.kv.descriptors": t.num_descriptors}, self.hold_links)
+        elif kind is EventType.KV_LOAD_END:
+            self._transfer_ended(ev)
+        elif kind is EventType.FINISHED:
+            self._finished(ev.time)
+        elif kind is EventType.HOLD_END:
+            self._hold_ended(ev)
+
+    def on_output(self, step_time: float) -> None:
+        """A step gave this request tokens."""
+        if self.last_token_time is not None and self.hub.metrics is not None:
+            self.hub.metrics.itl.observe(step_time - self.last_token_time)
+        self.last_token_time = step_time
+        self._first_token(finished=False)
+
+    def _first_token(self, finished: bool) -> None:
+        """prefill -> decode, at the first token (seen lazily: its time is the engine's)."""
+        first = self.request.first_token_time
+        if "prefill" in self.phases and first is not None:
+            self.end_phase("prefill", first, {"baton.prefill.chunks": self.num_chunks})
+            if not finished:
+                self.start_phase("decode", first)
+
+    def _transfer_ended(self, ev: RequestEvent) -> None:
+        t, r, metrics = ev.transfer, self.request, self.hub.metrics
+        outcome = "ok" if t.ok else "recomputed"
+        seconds = t.end_time - t.start_time
+        self.end_phase("kv_transfer", t.end_time, {
+            "baton.kv.outcome": outcome, "baton.kv.recompute_from_block": t.recompute_from_block,
+            "baton.kv.bandwidth_bytes_per_s": t.num_bytes / seconds if t.num_blocks and seconds > 0 else None},
+            error=None if t.ok else f"KV pull failed ({t.error}); recomputed from block {t.recompute_from_block}")
+        self.end_phase("kv_wait", ev.time)
+        if metrics is None:
+            return
+        metrics.transfer_outcomes.labels(**metrics.labels, outcome=outcome).inc()
+        if not t.num_blocks:  # every block was a local hit: nothing moved
+            return
+        metrics.xfer_time.observe(seconds)
+        metrics.xfer_bytes.observe(t.num_bytes)
+        metrics.xfer_descriptors.observe(t.num_descriptors)
+        metrics.observe_transfer(t.remote_engine_id, t.num_bytes, seconds)
+        if not t.ok:
+            metrics.failed_transfers.inc()
+            metrics.recomputed_tokens.inc(r.num_prompt_tokens - r.num_cached_tokens - r.num_external_tokens)
+
+    def transfer_failed(self, error: str, when: float) -> None:
+        """The handle's peer could not be reached: no pull started, the request fails."""
+        self.start_phase("kv_transfer", when, links=self.hold_links)
+        self.end_phase("kv_transfer", when, {"baton.kv.outcome": "failed"}, error=error)
+        if self.hub.metrics is not None:
+            m = self.hub.metrics
+            m.failed_transfers.inc()
+            m.transfer_outcomes.labels(**m.labels, outcome="failed").inc()
+
+    def _finished(self, when: float) -> None:
+        r = self.request
+        self._first_token(finished=True)
+        reason = r.status.finish_reason
+        for name in list(self.phases):
+            self.end_phase(name, when, {"gen_ai.usage.output_tokens": r.num_output_tokens,
+                                   "gen_ai.response.finish_reasons": [reason]} if name == "decode" else None)
+        latencies = self._latencies()
+        if self.span is not None and self.span.is_recording():
+            self.span.set_attributes({
+                "gen_ai.usage.input_tokens": r.num_prompt_tokens, "gen_ai.usage.output_tokens": r.num_output_tokens,
+                "gen_ai.usage.cache_read.input_tokens": max(r.num_cached_tokens, 0),
+                "gen_ai.response.finish_reasons": [reason], "baton.num_preemptions": r.num_preemptions,
+                **{f"gen_ai.latency.{k}": v for k, v in latencies.items() if v is not None}})
+        if self.hub.metrics is not None:
+            self.hub.observe_finished(self, reason, latencies)
+        if self.holds_blocks:  # the blocks wait for a decode to pull them
+            blocks = len(r.kv_transfer_params["remote_block_ids"])
+            self.start_phase("kv_hold", when, {"baton.kv.blocks": blocks, "baton.kv.bytes": blocks * self.hub.block_bytes})
+
+    @property
+    def holds_blocks(self) -> bool:
+        """A prefill request that ended with its blocks held (its handle is out)."""
+        return not self.remote and bool(self.request.kv_transfer_params)
+
+    def _latencies(self) -> dict[str, float | None]:
+        """vLLM's request figures, named as its spans name them (gen_ai.latency.*)."""
+        r = self.request
+        first, last, scheduled = r.first_token_time, r.last_token_time, r.scheduled_time
+
+        def between(a, b):
+            return b - a if a is not None and b is not None else None
+        return {"time_in_queue": between(r.arrival_time, scheduled), "time_to_first_token": between(r.arrival_time, first),
+                "e2e": between(r.arrival_time, r.finished_time), "time_in_model_prefill": between(scheduled, first),
+                "time_in_model_decode": between(first, last), "time_in_model_inference": between(scheduled, last)}
+
+    def _hold_ended(self, ev: RequestEvent) -> None:
+        self.end_phase("kv_hold", ev.time, {"baton.kv.hold.outcome": ev.detail})
+        m = self.hub.metrics
+        if m is not None:
+            m.hold_outcomes.labels(**m.labels, outcome=ev.detail).inc()
+            m.hold_time.observe(ev.time - self.request.finished_time)
+            if ev.detail == "expired":
+                m.expired_holds.inc()
+
+    def close(self, when: float, error: str) -> None:
+        """End whatever is open (the request never ran, or the server stops)."""
+        for name in list(self.phases):
+            self.end_phase(name, when, error=error)
+
+    @property
+    def trace_id(self) -> str | None:
+        """For exemplars: the trace of a sampled request."""
+        if self.span is None:
+            return None
+        context = self.span.get_span_context()
+        return format(context.trace_id, "032x") if context.trace_flags.sampled else None
+
+
+class EngineTelemetry:
+    """Routes each step's events to the requests' telemetry (on the event loop, before the
+    step's outputs reach their streams, so a finished prefill's hold span exists by the time
+    its handle is built)."""
+
+    def __init__(self, tracer, metrics: EngineMetrics | None):
+        self.tracer = tracer
+        self.metrics = metrics
+        self.block_bytes = 0  # set once the KV cache exists
+        self.active: dict[str, RequestTelemetry] = {}  # in the engine
+        self.holding: dict[str, RequestTelemetry] = {}  # finished; blocks held for a decode
+
+    @property
+    def enabled(self) -> bool:
+        return self.tracer is not None or self.metrics is not None
+
+    def track(self, request: Request, span, kv_handle_context: dict | None = None) -> RequestTelemetry | None:
+        if not self.enabled:
+            return None
+        rt = RequestTelemetry(self, request, span, kv_handle_context)
+        # A duplicate id in flight is refused by the engine: it must not take the live one's place.
+        self.active.setdefault(request.request_id, rt)
+        return rt
+
+    def drop(self, rt: RequestTelemetry | None, when: float, error: str) -> None:
+        """A request that never reached the engine (refused, or its peer unreachable)."""
+        if rt is not None:
+            rt.close(when, error)
+            if self.active.get(rt.request.request_id) is rt:
+                del self.active[rt.request.request_id]
+
+    def on_step(self, step: StepEvents, outputs) -> None:
+        done = []
+        for ev in step.events:
+            rt = (self.holding.pop(ev.request_id, None) if ev.type is EventType.HOLD_END
+                  else self.active.get(ev.request_id))
+            if rt is None:
+                continue
+            rt.on_event(ev)
+            if ev.type is EventType.FINISHED:
+                done.append(rt)
+        for out in outputs:
+            rt = self.active.get(out.request_id)
+            if rt is not None:
+                rt.on_output(step.time)
+        for rt in done:
+            req_id = rt.request.request_id
+            del self.active[req_id]
+            if rt.holds_blocks:
+                self.holding[req_id] = rt
+        if self.metrics is not None:
+            for n in step.step_tokens:
+                self.metrics.iteration_tokens.observe(n)
+
+    def observe_finished(self, rt: RequestTelemetry, reason: str, latencies: dict) -> None:
+        m, r = self.metrics, rt.request
+        exemplar = {"trace_id": rt.trace_id} if rt.trace_id else None
+        m.request_success.labels(**m.labels, finished_reason=reason).inc()
+        m.prompt_tokens_hist.observe(r.num_prompt_tokens)
+        m.generation_tokens_hist.observe(r.num_output_tokens)
+        m.max_tokens_param.observe(r.sampling_params.max_tokens)
+        m.preemptions_hist.observe(r.num_preemptions)
+        for name, histogram in (("time_to_first_token", m.ttft), ("e2e", m.e2e), ("time_in_queue", m.queue_time),
+                                ("time_in_model_prefill", m.prefill_time), ("time_in_model_decode", m.decode_time),
+                                ("time_in_model_inference", m.inference_time)):
+            if latencies[name] is not None:
+                histogram.observe(latencies[name], exemplar)
+        n = r.num_output_tokens - (1 if rt.remote else 0)  # tokens this engine sampled
+        if n > 1 and latencies["time_in_model_decode"] is not None:
+            m.tpot.observe(latencies["time_in_model_decode"] / (n - 1), exemplar)
+
+    def close(self, when: float) -> None:
+        for rt in [*self.active.values(), *self.holding.values()]:
+            rt.close(when, "the server stopped")
+        self.active.clear()
+        self.holding.clear()

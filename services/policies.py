@@ -1,0 +1,70 @@
+"""How the router picks an instance of a tier: round robin, fewest requests in flight, or the
+instance whose prefix cache most likely holds the prompt's start (within a load bound).
+
+A policy sees backends through `address`, `outstanding` and `num_routed` only, and says why
+it chose what it chose (for the route span and the policy-decision metric)."""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from typing import NamedTuple
+
+
+class Choice(NamedTuple):
+    backend: object
+    decision: str  # round_robin, least_loaded, affinity, or load_bound (affinity overruled by load)
+    prefix_hit_blocks: int = 0  # how deep the prompt's prefix matched what the instance served
+
+
+class RoundRobin:
+    def __init__(self):
+        self._counter = itertools.count()
+
+    def choose(self, backends: list, hashes: list[int]) -> Choice:
+        ordered = sorted(backends, key=lambda b: b.address)  # stable under health flaps
+        return Choice(ordered[next(self._counter) % len(ordered)], "round_robin")
+
+
+class LeastOutstanding:
+    def choose(self, backends: list, hashes: list[int]) -> Choice:
+        return Choice(min(backends, key=lambda b: (b.outstanding, b.num_routed)), "least_loaded")
+
+
+class PrefixAffinity:
+    """The instance that last served the longest matching prefix (so its prefix cache hits),
+    unless that would load it beyond `load_factor` × the mean and `slack` above the least
+    loaded: then the least loaded, which the prefix then follows."""
+
+    def __init__(self, load_factor: float, slack: int, table_size: int):
+        self.load_factor = load_factor
+        self.slack = slack
+        self.table_size = table_size
+        self._table: OrderedDict[int, str] = OrderedDict()  # block hash -> address, LRU order
+        self._fallback = LeastOutstanding()
+
+    def choose(self, backends: list, hashes: list[int]) -> Choice:
+        by_address = {b.address: b for b in backends}
+        loads = [b.outstanding for b in backends]
+        bound = max(self.load_factor * (sum(loads) + 1) / len(backends), min(loads) + self.slack)
+        choice = None
+        for depth in range(len(hashes), 0, -1):  # deepest match first
+            backend = by_address.get(self._table.get(hashes[depth - 1]))
+            if backend is not None:
+                choice = (Choice(backend, "affinity", depth) if backend.outstanding + 1 <= bound
+                          else Choice(self._fallback.choose(backends, hashes).backend, "load_bound"))
+                break
+        choice = choice or self._fallback.choose(backends, hashes)
+        for h in hashes:
+            self._table[h] = choice.backend.address
+            self._table.move_to_end(h)
+        while len(self._table) > self.table_size:
+            self._table.popitem(last=False)
+        return choice
+
+
+def make_policy(name: str, load_factor: float, slack: int, table_size: int):
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_outstanding":
+        return LeastOutstanding()
+    return PrefixAffinity(load_factor, slack, table_size)
