@@ -15,9 +15,10 @@ the prefill and decode engines are each pinned to a core of their own (the coloc
 server gets both).
 
 --telemetry runs each service mode again with observability on: `metrics` (/metrics
-served), `traced` (metrics, and every request traced over OTLP/gRPC to a receiver in this
-process). --rounds N alternates all runs N times and keeps each one's fastest, so that the
-machine's drift does not land on one side.
+served), `traced` (metrics, and every request traced over OTLP/gRPC to a sink in this process
+that takes the spans and drops them unread, as a collector on another machine would cost
+these cores nothing). --rounds N repeats all runs N times, in ABBA order, and keeps each one's fastest,
+so that the machine's drift does not land on one side.
 
     .venv/bin/python bench/serve.py --max-concurrency 32
     .venv/bin/python bench/serve.py --modes colocated,disaggregated,router --long-every 4
@@ -200,11 +201,33 @@ def start_stack(args: argparse.Namespace, mode: str, flags: tuple[str, ...] = ()
     return [p for p, _ in procs], procs[-1][1]
 
 
-def telemetry_flags(variant: str, receiver) -> tuple[str, ...]:
+class SpanSink:
+    """An OTLP/gRPC trace endpoint that counts what it is sent and parses none of it."""
+
+    def __init__(self):
+        import grpc
+        from concurrent import futures
+
+        self.bytes = self.exports = 0
+
+        def export(request: bytes, context) -> bytes:
+            self.bytes += len(request)
+            self.exports += 1
+            return b""  # an empty ExportTraceServiceResponse
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "opentelemetry.proto.collector.trace.v1.TraceService",
+            {"Export": grpc.unary_unary_rpc_method_handler(export)})])
+        self.endpoint = f"http://127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+
+def telemetry_flags(variant: str, sink: SpanSink | None) -> tuple[str, ...]:
     if variant == "off":
         return ()
     flags = ("--metrics-port", "0")
-    return flags + ("--otlp-traces-endpoint", receiver.endpoint) if variant == "traced" else flags
+    return flags + ("--otlp-traces-endpoint", sink.endpoint) if variant == "traced" else flags
 
 
 def stop_stack(procs: list[subprocess.Popen]) -> None:
@@ -288,29 +311,27 @@ def main() -> None:
     print(f"model {args.model.name}; {args.num_prompts} requests, input ~{args.input_len}, output ~{args.output_len} "
           f"(range ratio {args.range_ratio}), "
           f"{f'every {args.long_every}th prompt {args.long_input_len} tokens, ' if args.long_every else ''}rate {args.request_rate}/s, max concurrency {args.max_concurrency}; {os.cpu_count()} cores")
-    receiver = None
-    if "traced" in args.telemetry:
-        from baton.services.trace_view import TraceReceiver
-        receiver = TraceReceiver()
+    sink = SpanSink() if "traced" in args.telemetry else None
     runs = [(mode, "off") if mode == "offline" else (mode, variant)
             for mode in args.modes for variant in (args.telemetry if mode != "offline" else ["off"])]
     rows = {}
-    for _ in range(args.rounds):
-        for mode, variant in runs:
+    for round_ in range(args.rounds):
+        for mode, variant in runs if round_ % 2 == 0 else reversed(runs):  # ABBA: a drift favours no one
             name = mode if variant == "off" else f"{mode}+{variant}"
             if mode == "offline":
                 row = metrics(*run_offline(args, workload), workload)
             else:
-                procs, address = start_stack(args, mode, telemetry_flags(variant, receiver))
+                procs, address = start_stack(args, mode, telemetry_flags(variant, sink))
                 try:
                     row = metrics(*asyncio.run(run_grpc(args, workload, address, name)), workload)
                 finally:
                     stop_stack(procs)
+            tqdm.write(f"round {round_ + 1} {name}: {row['output tok/s']:.1f} output tok/s")
             if name not in rows or row["output tok/s"] > rows[name]["output tok/s"]:
                 rows[name] = row
-    if receiver is not None:
-        print(f"\nthe trace receiver got {len(receiver.spans())} spans")
-        receiver.stop()
+    if sink is not None:
+        print(f"\nthe span sink got {sink.exports} exports, {sink.bytes / 1e6:.1f} MB")
+        sink.server.stop(0)
     base = "offline" if "offline" in rows and len(rows) == 2 else ("colocated" if "colocated" in rows else None)
     print_table(rows, base)
     if "offline" in rows and "colocated" in rows:

@@ -31,14 +31,15 @@ class RequestTelemetry:
     def __init__(self, hub: EngineTelemetry, request: Request, span, kv_handle_context: dict | None):
         self.hub = hub
         self.request = request
-        self.span = span  # the RPC's SERVER span; None when tracing is off (or not sampled)
+        # The RPC's SERVER span; None when tracing is off or the trace is not sampled (no phases then).
+        self.span = span if span is not None and span.is_recording() else None
         self.remote = kv_handle_context is not None  # a decode request whose prompt KV is a peer's
-        self.hold_links = link_to(kv_handle_context) if span is not None else []
+        self.hold_links = link_to(kv_handle_context) if self.span is not None else []
         self.phases: dict[str, object] = {}
         self.last_token_time: float | None = None
         self.num_chunks = 0
-        if span is not None:
-            span.set_attribute("gen_ai.request.id", request.request_id)  # assigned by the server when not sent
+        if self.span is not None:
+            self.span.set_attribute("gen_ai.request.id", request.request_id)  # the server's when none was sent
         self.start_phase("queue", request.arrival_time)
 
     # ---- spans ----------------------------------------------------------------------------
@@ -61,44 +62,33 @@ class RequestTelemetry:
         """The kv_hold span's W3C context, for the KV handle (empty when not traced)."""
         return carrier_of(self.phases.get("kv_hold"))
 
-    # ---- engine events --------------------------------------------------------------------
-    def on_event(self, ev: RequestEvent) -> None:
-        kind = ev.type
-        if kind is EventType.SCHEDULED:
-            self.end_phase("queue", ev.time)
-            if "prefill" in self.phases or "decode" in self.phases:
-                self._note("resumed", ev.time)
-            elif self.remote:
-                self.start_phase("decode", ev.time)
-            else:
-                self.start_phase("prefill", ev.time, {"gen_ai.usage.input_tokens": self.request.num_prompt_tokens,
-                                                 "gen_ai.usage.cache_read.input_tokens": ev.num_tokens})
-        elif kind is EventType.PREFILL_CHUNK:
-            self.num_chunks += 1
-            self._note("chunk", ev.time, {"baton.tokens": ev.num_tokens})
-        elif kind is EventType.PREEMPTED:
-            self._note("preempted", ev.time)
-        elif kind is EventType.KV_WAIT:
-            self.end_phase("queue", ev.time)
-            self.start_phase("kv_wait", ev.time)
-        elif kind is EventType.KV_LOAD_START:
-            t = ev.transfer
-            self.start_phase("kv_transfer", t.start_time, {
-                "baton.kv.remote_engine_id": t.remote_engine_id, "baton.kv.blocks": t.num_blocks,
-                "baton.kv.bytes": t.num_bytes, "baton.kv.descriptors": t.num_descriptors}, self.hold_links)
-        elif kind is EventType.KV_LOAD_END:
-            self._transfer_ended(ev)
-        elif kind is EventType.FINISHED:
-            self._finished(ev.time)
-        elif kind is EventType.HOLD_END:
-            self._hold_ended(ev)
+    # ---- engine events (one method each; EVENT_HANDLERS maps them) -------------------------
+    def _scheduled(self, ev: RequestEvent) -> None:
+        self.end_phase("queue", ev.time)
+        if "prefill" in self.phases or "decode" in self.phases:
+            self._note("resumed", ev.time)
+        elif self.remote:
+            self.start_phase("decode", ev.time)
+        else:
+            self.start_phase("prefill", ev.time, {"gen_ai.usage.input_tokens": self.request.num_prompt_tokens,
+                                                  "gen_ai.usage.cache_read.input_tokens": ev.num_tokens})
 
-    def on_output(self, step_time: float) -> None:
-        """A step gave this request tokens."""
-        if self.last_token_time is not None and self.hub.metrics is not None:
-            self.hub.metrics.itl.observe(step_time - self.last_token_time)
-        self.last_token_time = step_time
-        self._first_token(finished=False)
+    def _prefill_chunk(self, ev: RequestEvent) -> None:
+        self.num_chunks += 1
+        self._note("chunk", ev.time, {"baton.tokens": ev.num_tokens})
+
+    def _preempted(self, ev: RequestEvent) -> None:
+        self._note("preempted", ev.time)
+
+    def _kv_wait(self, ev: RequestEvent) -> None:
+        self.end_phase("queue", ev.time)
+        self.start_phase("kv_wait", ev.time)
+
+    def _transfer_started(self, ev: RequestEvent) -> None:
+        t = ev.transfer
+        self.start_phase("kv_transfer", t.start_time, {
+            "baton.kv.remote_engine_id": t.remote_engine_id, "baton.kv.blocks": t.num_blocks,
+            "baton.kv.bytes": t.num_bytes, "baton.kv.descriptors": t.num_descriptors}, self.hold_links)
 
     def _first_token(self, finished: bool) -> None:
         """prefill -> decode, at the first token (seen lazily: its time is the engine's)."""
@@ -139,8 +129,8 @@ class RequestTelemetry:
             m.failed_transfers.inc()
             m.transfer_outcomes.labels(**m.labels, outcome="failed").inc()
 
-    def _finished(self, when: float) -> None:
-        r = self.request
+    def _finished(self, ev: RequestEvent) -> None:
+        when, r = ev.time, self.request
         self._first_token(finished=True)
         reason = r.status.finish_reason
         for name in list(self.phases):
@@ -184,6 +174,11 @@ class RequestTelemetry:
             if ev.detail == "expired":
                 m.expired_holds.inc()
 
+    def on_output(self) -> None:
+        """A step gave this request tokens (the lazy prefill -> decode switch)."""
+        if "prefill" in self.phases:
+            self._first_token(finished=False)
+
     def close(self, when: float, error: str) -> None:
         """End whatever is open (the request never ran, or the server stops)."""
         for name in list(self.phases):
@@ -196,6 +191,13 @@ class RequestTelemetry:
             return None
         context = self.span.get_span_context()
         return format(context.trace_id, "032x") if context.trace_flags.sampled else None
+
+
+EVENT_HANDLERS = {
+    EventType.SCHEDULED: RequestTelemetry._scheduled, EventType.PREFILL_CHUNK: RequestTelemetry._prefill_chunk,
+    EventType.PREEMPTED: RequestTelemetry._preempted, EventType.KV_WAIT: RequestTelemetry._kv_wait,
+    EventType.KV_LOAD_START: RequestTelemetry._transfer_started, EventType.KV_LOAD_END: RequestTelemetry._transfer_ended,
+    EventType.FINISHED: RequestTelemetry._finished, EventType.HOLD_END: RequestTelemetry._hold_ended}
 
 
 class EngineTelemetry:
@@ -236,13 +238,20 @@ class EngineTelemetry:
                   else self.active.get(ev.request_id))
             if rt is None:
                 continue
-            rt.on_event(ev)
+            EVENT_HANDLERS[ev.type](rt, ev)
             if ev.type is EventType.FINISHED:
                 done.append(rt)
+        gaps: dict[float, int] = {}  # the previous token's time -> tokens since (most share one step)
         for out in outputs:
             rt = self.active.get(out.request_id)
             if rt is not None:
-                rt.on_output(step.time)
+                if rt.last_token_time is not None:
+                    gaps[rt.last_token_time] = gaps.get(rt.last_token_time, 0) + 1
+                rt.last_token_time = step.time
+                rt.on_output()
+        if self.metrics is not None:
+            for last, n in gaps.items():
+                self.metrics.itl.observe(step.time - last, n)
         for rt in done:
             req_id = rt.request.request_id
             del self.active[req_id]

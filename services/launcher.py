@@ -140,8 +140,13 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    receiver, printing = _start_trace_receiver(host, env) if trace else (None, None)
+    trace_port = free_port(host) if trace else None
+    if trace_port is not None:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://{host}:{trace_port}"
+        env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "200")  # waterfalls within a second of the request's end
     stack.start(env)
+    # After the children are forked: gRPC's threads in this process would make it warn at each fork.
+    receiver, printing = _start_trace_receiver(host, trace_port) if trace else (None, None)
     try:
         try:
             stack.wait_serving(start_timeout_s)
@@ -173,13 +178,10 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
             receiver.stop()
 
 
-def _start_trace_receiver(host: str, env: dict):
-    """A receiver for the services' spans (their OTLP endpoint), printing waterfalls until the
-    returned event is set."""
+def _start_trace_receiver(host: str, port: int):
+    """A receiver for the services' spans, printing waterfalls until the returned event is set."""
     from baton.services.trace_view import TraceReceiver, print_waterfalls
 
-    receiver, stop = TraceReceiver(host, 0), threading.Event()
-    env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
-    env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "200")  # waterfalls within a second of the request's end
+    receiver, stop = TraceReceiver(host, port), threading.Event()
     threading.Thread(target=print_waterfalls, args=(receiver, stop), daemon=True).start()
     return receiver, stop

@@ -34,11 +34,15 @@ class RouterTrace:
         self.prefill_answered: float | None = None
         self.first_sent = False
         self.last: bytes | None = None  # the last response passed on: it has the finish reason and usage
-        operation = tracing.operation_of(msg)
-        self._server = tracing.ServerSpan(tracer, context, f"{operation} {model}", {
-            **tracing.rpc_attributes(SERVICE_NAME, "Generate"),
-            **tracing.genai_request_attributes(operation, model, msg.request_id, msg.sampling)})
-        self.span = self._server.span
+        if tracer is None:
+            self._server = tracing.ServerSpan(None, context, "", {})
+        else:
+            operation = tracing.operation_of(msg)
+            self._server = tracing.ServerSpan(tracer, context, f"{operation} {model}", {
+                **tracing.rpc_attributes(SERVICE_NAME, "Generate"),
+                **tracing.genai_request_attributes(operation, model, msg.request_id, msg.sampling)})
+        # Children only under a sampled root; an unsampled one still passes its context on.
+        self.span = self._server.span if self._server.span is not None and self._server.span.is_recording() else None
 
     def __enter__(self) -> RouterTrace:
         return self
@@ -99,6 +103,8 @@ class RouterTrace:
         """A CLIENT span for a call to a backend, and the metadata that carries it."""
         if self.metrics is not None:
             self.metrics.backend_requests.labels(**self.metrics.labels, tier=tier, backend=backend.address).inc()
+        if self.span is None:  # not traced, or not sampled: pass the (unsampled) context on as it is
+            return None, tracing.replace_trace_metadata(metadata, self._server.span)
         service = SERVICE_NAME if method == "Generate" else PREFILL_SERVICE
         span = tracing.start_span(self.tracer, f"{service}/{method}", self.span, "CLIENT", attributes={
             **tracing.rpc_attributes(service, method), "server.address": backend.address, "baton.tier": tier})

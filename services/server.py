@@ -219,6 +219,8 @@ class Server:
 
     def server_span(self, context: grpc.aio.ServicerContext, msg: pb.GenerateRequest, method: str) -> tracing.ServerSpan:
         """The SERVER span of a Generate or Prefill call (GenAI naming: `{operation} {model}`)."""
+        if self.tracer is None:
+            return tracing.ServerSpan(None, context, "", {})
         operation = tracing.operation_of(msg)
         service = SERVICE_NAME if method == "Generate" else internal_pb2.DESCRIPTOR.services_by_name[method].full_name
         return tracing.ServerSpan(self.tracer, context, f"{operation} {self.model_name}", {

@@ -46,8 +46,9 @@ def tracing_endpoint(flag: str | None) -> str | None:
 
 
 def make_tracer(role: str, instance_id: str, endpoint_flag: str | None = None):
-    """The service's tracer, or None when no endpoint is configured (tracing off)."""
-    if tracing_endpoint(endpoint_flag) is None:
+    """The service's tracer, or None when no endpoint is configured (tracing off), or when
+    OTEL_SDK_DISABLED says so."""
+    if tracing_endpoint(endpoint_flag) is None or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return None
     from opentelemetry.sdk.resources import OTELResourceDetector, Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -65,6 +66,8 @@ def make_tracer(role: str, instance_id: str, endpoint_flag: str | None = None):
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        if endpoint and endpoint.count("/") == 2:  # a collector's address: its traces path, as the SDK adds it
+            endpoint = endpoint.rstrip("/") + "/v1/traces"
     # Our defaults, under what the environment says (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES).
     defaults = {"service.name": DEFAULT_SERVICE_NAMES[role], "service.instance.id": instance_id,
                 "service.version": baton_version(), "baton.role": role}

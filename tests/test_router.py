@@ -9,7 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -349,23 +351,39 @@ def baton(*argv: str, **kwargs) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
-def test_baton_up_answers_and_stops_cleanly(tiny_llama):
+def test_baton_up_answers_traces_and_stops_cleanly(tiny_llama):
     port = free_port("127.0.0.1")
-    up = baton("up", "--model", tiny_llama, "--port", str(port), "--dtype", "float32")
+    up = baton("up", "--model", tiny_llama, "--port", str(port), "--dtype", "float32", "--trace")
     lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(up.stdout), daemon=True)  # never blocks the test
+    reader.start()
+
+    def wait_for(pattern: str, timeout: float = 120) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while not any(line.startswith(pattern) for line in lines):
+            assert time.monotonic() < deadline and up.poll() is None, "".join(lines)
+            time.sleep(0.1)
+        return lines[next(i for i, line in enumerate(lines) if line.startswith(pattern)):]
+
     try:
-        for line in up.stdout:
-            lines.append(line)
-            if line.startswith("Baton is up"):
-                break
-        assert lines and lines[-1].startswith("Baton is up"), "".join(lines)
+        wait_for("Baton is up")
         pids = [int(x) for x in subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True,
                                                 text=True).stdout.split()]
         assert len(pids) == 3
+        metrics = [line.split()[1] for line in wait_for("Metrics:")[1:4]]
+        assert all(urllib.request.urlopen(url, timeout=10).read().startswith(b"#") for url in metrics)
         answer = subprocess.run([sys.executable, "-m", "baton.services.cli", "generate", "--target",
                                  f"127.0.0.1:{port}", "--raw", "--max-tokens", "5", "hello"],
                                 capture_output=True, text=True, timeout=60)
         assert answer.returncode == 0 and "5 tokens" in answer.stderr, answer.stderr
+        wait_for("trace ", 30)
+        deadline = time.monotonic() + 10
+        while "\n" not in (rows := wait_for("trace ")):  # a blank line ends the waterfall
+            assert time.monotonic() < deadline, "".join(rows)
+            time.sleep(0.1)
+        phases = [line.split()[:2] for line in rows[:rows.index("\n")] if line.startswith("  ")]
+        assert ["router", "request"] in phases and ["prefill", "compute"] in phases
+        assert ["decode", "transfer"] in phases and ["prefill", "hold"] in phases, "".join(rows)
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
         time.sleep(0.2)

@@ -279,7 +279,7 @@ def test_metrics_count_a_known_workload(stack, receiver):
                  and "# {trace_id=" in line]
     assert exemplars, "no exemplar on the e2e histogram"
     trace_id = exemplars[0].split('trace_id="')[1][:32]
-    assert any(sp.trace_id == trace_id for sp in receiver.spans())
+    assert receiver.wait_for(lambda spans: any(sp.trace_id == trace_id for sp in spans), 10)
 
 
 def test_the_grafana_dashboard_is_fresh_and_queries_what_the_services_export(stack):
@@ -385,6 +385,13 @@ def test_tracing_off_makes_no_tracer_and_otel_variables_apply(monkeypatch, tiny_
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         monkeypatch.delenv(name, raising=False)
     assert tracing.make_tracer("both", "x") is None
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert tracing.make_tracer("both", "x", "127.0.0.1:4317") is None
+    monkeypatch.delenv("OTEL_SDK_DISABLED")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        tracing.make_tracer("both", "x", "127.0.0.1:4317")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
     receiver = TraceReceiver()
     try:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
@@ -434,3 +441,32 @@ def test_baton_trace_prints_a_waterfall(tiny_llama, serve, monkeypatch):
     assert [line.split()[:2] for line in lines[2:6]] == [["colocated", "request"], ["colocated", "queue"],
                                                           ["colocated", "prefill"], ["colocated", "decode"]]
     assert all("|" in line and "ms" in line for line in lines[2:6])
+
+
+def test_a_router_without_prefill_traces_and_counts_its_colocated_fallback(tiny_llama, spawn, receiver):
+    common = ("--internal-token", TOKEN, "--otlp-traces-endpoint", receiver.endpoint, "--metrics-port", "0")
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
+    try:
+        decode = spawn(tiny_llama, "--role", "decode", *common)
+        router = spawn(tiny_llama, "--role", "router", "--decode", decode.address, *common)
+        wait_serving(router.address)
+    finally:
+        os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
+
+    async def go():
+        async with AsyncClient(router.address) as client:
+            return await collect(client, random_prompts([30], seed=147)[0], max_tokens=5, temperature=0.0,
+                                 ignore_eos=True, request_id="fallback-0")
+
+    _, _, last = run(go())
+    spans = request_spans(receiver, "fallback-0", services=2, names=("prefill", "decode"))
+    (root,) = [s for s in spans if s.service == "baton-router" and s.kind == KIND_SERVER]
+    assert root.attributes["baton.fallback"] == "no_prefill"
+    assert root.attributes["gen_ai.usage.output_tokens"] == last.usage.completion_tokens == 5
+    # The decode computed the prompt itself: its own prefill phase, no transfer, no hold.
+    assert {s.name for s in spans if s.service == "baton-decode"} >= {"queue", "prefill", "decode"}
+    assert not {"kv_transfer", "kv_hold", "kv_wait"} & {s.name for s in spans}
+    counted = samples(metrics_url(router))
+    assert counted[("baton:router_colocated_fallbacks_total", (("reason", "no_prefill"),))] == 1
+    assert counted[("baton:router_policy_decisions_total", (("decision", "round_robin"), ("policy", "round_robin"),
+                                                             ("tier", "decode")))] == 1
