@@ -84,13 +84,16 @@ class Scheduler:
         self.num_prompt_tokens = self.num_prompt_tokens_cached = self.num_prompt_tokens_external = 0
         self.num_generation_tokens = 0
         self.events: list[RequestEvent] | None = None  # recorded when a list is set (LLMEngine.record_events)
-        self._chunks: list[tuple[str, int]] = []  # prompt chunks scheduled this step (when recording)
+        self._chunks: list[tuple[Request, int]] = []  # prompt chunks scheduled this step (when recording)
         self._now = 0.0  # this step's schedule() time
         self.last_step_time = 0.0  # when the last step's tokens were sampled
 
-    def _record(self, request_id: str, kind: EventType, when: float, **fields) -> None:
-        if self.events is not None:
-            self.events.append(RequestEvent(request_id, kind, when, **fields))
+    def _record(self, request: Request | None, kind: EventType, when: float, **fields) -> None:
+        if self.events is not None and request is not None:
+            self.events.append(RequestEvent(request.request_id, request, kind, when, **fields))
+
+    def _live_or_held(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id) or self.held.get(request_id)
 
     # ---- requests in and out --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -134,7 +137,7 @@ class Scheduler:
             self.held[request.request_id] = request
         else:
             self.kv.free(request)
-        self._record(request.request_id, EventType.FINISHED, request.finished_time)
+        self._record(request, EventType.FINISHED, request.finished_time)
 
     @property
     def num_unfinished(self) -> int:
@@ -153,7 +156,7 @@ class Scheduler:
         for req_id, n in out.num_scheduled_tokens.items():
             request = self.requests[req_id]
             if chunks is not None and request.num_computed_tokens < request.num_prompt_tokens:
-                chunks.append((req_id, n))
+                chunks.append((request, n))
             request.num_computed_tokens += n
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
@@ -195,7 +198,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self._record(victim.request_id, EventType.PREEMPTED, self._now)
+        self._record(victim, EventType.PREEMPTED, self._now)
         out.preempted_req_ids.add(victim.request_id)
         self._enqueue(victim, front=True)
         return victim
@@ -224,13 +227,13 @@ class Scheduler:
                 request.num_external_tokens = num_external
             if load_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                self._record(request.request_id, EventType.KV_WAIT, self._now)
+                self._record(request, EventType.KV_WAIT, self._now)
                 skipped.append(request)
                 continue
             request.status = RequestStatus.RUNNING
             if request.scheduled_time is None:
                 request.scheduled_time = self._now
-            self._record(request.request_id, EventType.SCHEDULED, self._now, num_tokens=num_computed)
+            self._record(request, EventType.SCHEDULED, self._now, num_tokens=num_computed)
             self.running.append(request)
             out.scheduled_new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), self.kv.block_ids(request.request_id),
@@ -254,8 +257,8 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         updates = []
         now = self.last_step_time = time.monotonic()
-        for req_id, n in self._chunks:
-            self._record(req_id, EventType.PREFILL_CHUNK, now, num_tokens=n)
+        for request, n in self._chunks:
+            self._record(request, EventType.PREFILL_CHUNK, now, num_tokens=n)
         self._chunks.clear()
         for req_id, token_id in result.sampled_token_ids.items():
             request = self.requests.get(req_id)
@@ -291,7 +294,8 @@ class Scheduler:
 
     def _update_from_connector(self, kv_out: KVConnectorOutput) -> None:
         for transfer in kv_out.transfers_started:
-            self._record(transfer.request_id, EventType.KV_LOAD_START, transfer.start_time, transfer=transfer)
+            self._record(self._live_or_held(transfer.request_id), EventType.KV_LOAD_START, transfer.start_time,
+                         transfer=transfer)
         for req_id in kv_out.finished_recving:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -309,9 +313,9 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.kv.cache_blocks(request, request.num_computed_tokens)
         for req_id, transfer in kv_out.transfers_ended.items():
-            self._record(req_id, EventType.KV_LOAD_END, transfer.end_time, transfer=transfer)
+            self._record(self._live_or_held(req_id), EventType.KV_LOAD_END, transfer.end_time, transfer=transfer)
         for end in kv_out.holds_ended:
-            self._record(end.request_id, EventType.HOLD_END, end.time, detail=end.outcome)
+            self._record(self.held.get(end.request_id), EventType.HOLD_END, end.time, detail=end.outcome)
         for req_id in kv_out.finished_sending | kv_out.finished_recving:
             request = self.held.pop(req_id, None)
             if request is not None:

@@ -10,7 +10,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from baton.kv_transfer.base import KVTransfer
+
+if TYPE_CHECKING:
+    from baton.engine.request import Request
 
 
 class EventType(enum.Enum):
@@ -27,6 +32,7 @@ class EventType(enum.Enum):
 @dataclass(slots=True)
 class RequestEvent:
     request_id: str
+    request: Request  # the object itself: an id may be reused once its request ended
     type: EventType
     time: float  # time.monotonic()
     num_tokens: int = 0  # PREFILL_CHUNK: tokens computed; SCHEDULED: tokens already computed

@@ -13,8 +13,9 @@ The path of one request:
 - when the READ is done the worker reports the request in `finished_recving` (a failed READ
   also lists its blocks in `invalid_block_ids`, and the scheduler recomputes from there);
   NIXL delivers the tag to the prefill side as a notification, whose worker reports the
-  request in `finished_sending`, and the held blocks are freed. A handle nobody pulls
-  within `hold_timeout_s` is freed too, with a log line and `num_expired_holds`.
+  request in `finished_sending`, and the held blocks are freed. A decode whose load failed
+  says so (a `release:` notification), so the prefill frees them without waiting; a handle
+  nobody pulls within `hold_timeout_s` is freed too, with a log line and `num_expired_holds`.
 
 A block holds all layers' K and V ([num_blocks, layers, 2, block_size, heads, head_dim]),
 so a run of consecutive block ids on both sides is one contiguous region: one descriptor.
@@ -48,6 +49,9 @@ log = logging.getLogger("baton.kv_transfer")
 DEFAULT_HOLD_TIMEOUT_S = 120.0
 _EARLY_NOTIF_TTL_S = 60.0  # a hold registers one step after its request finished: far less
 DEFAULT_LOAD_TIMEOUT_S = 30.0
+# A decode's notification that it will not read a hold (its load failed): the prefill lets go.
+# Any other notification is a finished read's tag, the request id.
+RELEASE_PREFIX = "release:"
 
 
 @dataclass(slots=True)
@@ -161,8 +165,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.load_timeout_s = load_timeout_s
         self.layout: KVLayout | None = None
         self.peers: dict[str, _Peer] = {}
-        # request id -> (xfer handle, local blocks, give-up time, its record)
-        self._loading: dict[str, tuple[object, list[int], float, KVTransfer]] = {}
+        # request id -> (xfer handle, the load, give-up time, its record)
+        self._loading: dict[str, tuple[object, LoadSpec, float, KVTransfer]] = {}
         self._failed: dict[str, tuple[list[int], KVTransfer]] = {}  # loads that could not start
         self._started: list[KVTransfer] = []  # loads started since the last report
         self._holds: dict[str, float] = {}  # request id -> deadline
@@ -171,6 +175,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         # request id -> (when, outcome)), and reads of holds already let go: forgotten after
         # _EARLY_NOTIF_TTL_S.
         self._early_notifs: dict[str, tuple[float, str]] = {}
+        self._ended: dict[str, tuple[float, str]] = {}  # holds let go lately (id -> when, how): a repeat is no news
         self._lock = threading.Lock()  # one caller into the agent at a time
         self._inbox: list[bytes] = []  # notifications the progress thread collected
         self._active_until = 0.0  # the progress thread polls until then (or while work is pending)
@@ -243,18 +248,21 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     def _start_loads(self, metadata: NixlConnectorMeta) -> None:
         for req_id, deadline in metadata.holds.items():
+            self._ended.pop(req_id, None)  # a new hold under a reused id
             early = self._early_notifs.pop(req_id, None)
             if early is None:
                 self._holds[req_id] = deadline
             else:  # already read (or released): let go at once
-                self._holds_ended.append(KVHoldEnd(req_id, early[1], time.monotonic()))
+                self._holds_ended.append(KVHoldEnd(req_id, early[1], early[0]))
+                self._ended[req_id] = early
         for load in metadata.loads:
             blocks = load.local_block_ids
-            runs = merge_runs(blocks, load.remote_block_ids)
             record = KVTransfer(load.request_id, load.remote_engine_id, len(blocks),
-                                len(blocks) * self.layout.block_bytes, len(runs), time.monotonic())
+                                len(blocks) * self.layout.block_bytes, 0, time.monotonic())
             self._started.append(record)
-            try:
+            try:  # a malformed handle (block lists of other lengths) fails this request only
+                runs = merge_runs(blocks, load.remote_block_ids)
+                record.num_descriptors = len(runs)
                 peer = self.peers.get(load.remote_engine_id)
                 if peer is None:
                     raise KeyError(f"no layout for peer {load.remote_engine_id!r}")
@@ -268,7 +276,7 @@ class NixlConnectorWorker(KVConnectorWorker):
                 if self.agent.transfer(handle) == "ERR":
                     self.agent.release_xfer_handle(handle)
                     raise RuntimeError("NIXL refused the transfer")
-                self._loading[load.request_id] = (handle, blocks, time.monotonic() + self.load_timeout_s, record)
+                self._loading[load.request_id] = (handle, load, time.monotonic() + self.load_timeout_s, record)
                 self.num_descriptors += len(runs)
                 self.num_blocks_pulled += len(blocks)
                 self.num_bytes_pulled += record.num_bytes
@@ -276,6 +284,17 @@ class NixlConnectorWorker(KVConnectorWorker):
                 log.warning("KV load for %s from %s failed to start: %s", load.request_id, load.remote_engine_id, e)
                 record.error = f"failed to start: {e}"
                 self._failed[load.request_id] = (blocks, record)
+                self._let_go(load)
+
+    def _let_go(self, load: LoadSpec) -> None:
+        """Tell the prefill to free a hold this engine will not read (best effort: it expires anyway)."""
+        peer = self.peers.get(load.remote_engine_id)
+        try:
+            if peer is not None:
+                self.agent.send_notif(peer.agent_name, (RELEASE_PREFIX + load.remote_request_id).encode())
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not tell %s to free the blocks of %s: %s", load.remote_engine_id,
+                        load.remote_request_id, e)
 
     def release(self, req_id: str) -> None:
         """Let go of a hold no decode will pull, as if its reader had said it is done."""
@@ -284,8 +303,10 @@ class NixlConnectorWorker(KVConnectorWorker):
     def _end_hold(self, req_id: str, outcome: str, now: float) -> None:
         if self._holds.pop(req_id, None) is not None:
             self._holds_ended.append(KVHoldEnd(req_id, outcome, now))
-        else:  # finished this step: its hold registers with the next step's metadata
+            self._ended[req_id] = (now, outcome)
+        elif req_id not in self._ended:  # finished this step: its hold registers with the next step's metadata
             self._early_notifs[req_id] = (now, outcome)
+        # else: a second release, or a read of a hold let go already: nothing more to end
 
     def get_finished(self) -> KVConnectorOutput:
         with self._lock:
@@ -295,7 +316,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         out = KVConnectorOutput(transfers_started=self._started)
         self._started = []
         now = time.monotonic()
-        for req_id, (handle, blocks, give_up, record) in list(self._loading.items()):
+        for req_id, (handle, load, give_up, record) in list(self._loading.items()):
             state = self.agent.check_xfer_state(handle)
             if state in ("PROC", "WAIT") and now < give_up:  # still moving
                 continue
@@ -307,8 +328,11 @@ class NixlConnectorWorker(KVConnectorWorker):
             record.end_time = now
             if state != "DONE":
                 log.warning("KV load for %s ended in state %s; recomputing its blocks", req_id, state)
-                record.error = "timed out" if state in ("PROC", "WAIT") else f"ended in state {state}"
-                self._failed[req_id] = (blocks, record)
+                timed_out = state in ("PROC", "WAIT")
+                record.error = "timed out" if timed_out else f"ended in state {state}"
+                self._failed[req_id] = (load.local_block_ids, record)
+                if not timed_out:  # over: the prefill need not wait for its timeout (a stuck read may still land)
+                    self._let_go(load)
             else:
                 record.ok = True
                 out.finished_recving.add(req_id)
@@ -324,11 +348,15 @@ class NixlConnectorWorker(KVConnectorWorker):
                 out.transfers_ended[record.request_id] = record
         self._collect_notifs()
         inbox, self._inbox = self._inbox, []
-        for message in inbox:
-            self._end_hold(message.decode(), "pulled", now)
-        for req_id, (seen, _) in list(self._early_notifs.items()) if self._early_notifs else ():
-            if now - seen > _EARLY_NOTIF_TTL_S:  # its hold was let go (released, expired) before the read
-                del self._early_notifs[req_id]
+        for message in map(bytes.decode, inbox):
+            if message.startswith(RELEASE_PREFIX):
+                self._end_hold(message[len(RELEASE_PREFIX):], "released", now)
+            else:
+                self._end_hold(message, "pulled", now)
+        for seen in (self._early_notifs, self._ended):  # an early one: its hold was let go before the read
+            for req_id, (when, _) in list(seen.items()) if seen else ():
+                if now - when > _EARLY_NOTIF_TTL_S:
+                    del seen[req_id]
         for req_id, deadline in list(self._holds.items()):
             if now >= deadline:
                 self.num_expired_holds += 1

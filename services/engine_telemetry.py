@@ -15,11 +15,14 @@ prefill, decode and inference time). With neither tracing nor metrics on, none o
 """
 from __future__ import annotations
 
+import logging
+
 from baton.engine.request import Request
 from baton.engine.stats import EventType, RequestEvent, StepEvents
 from baton.services.metrics import EngineMetrics
 from baton.services.tracing import carrier_of, end_span, link_to, start_span, wall_ns
 
+log = logging.getLogger("baton.telemetry")
 _PHASES_WITH_EVENTS = ("decode", "prefill")  # where chunks, preemptions and resumptions are noted
 
 
@@ -110,15 +113,14 @@ class RequestTelemetry:
         if metrics is None:
             return
         metrics.transfer_outcomes.labels(**metrics.labels, outcome=outcome).inc()
-        if not t.num_blocks:  # every block was a local hit: nothing moved
-            return
-        metrics.xfer_time.observe(seconds)
-        metrics.xfer_bytes.observe(t.num_bytes)
-        metrics.xfer_descriptors.observe(t.num_descriptors)
-        metrics.observe_transfer(t.remote_engine_id, t.num_bytes, seconds)
         if not t.ok:
             metrics.failed_transfers.inc()
             metrics.recomputed_tokens.inc(r.num_prompt_tokens - r.num_cached_tokens - r.num_external_tokens)
+        elif t.num_blocks:  # what moved (all local hits move nothing), as vLLM counts successful transfers only
+            metrics.xfer_time.observe(seconds)
+            metrics.xfer_bytes.observe(t.num_bytes)
+            metrics.xfer_descriptors.observe(t.num_descriptors)
+            metrics.observe_transfer(t.remote_engine_id, t.num_bytes, seconds)
 
     def transfer_failed(self, error: str, when: float) -> None:
         """The handle's peer could not be reached: no pull started, the request fails."""
@@ -209,8 +211,10 @@ class EngineTelemetry:
         self.tracer = tracer
         self.metrics = metrics
         self.block_bytes = 0  # set once the KV cache exists
-        self.active: dict[str, RequestTelemetry] = {}  # in the engine
-        self.holding: dict[str, RequestTelemetry] = {}  # finished; blocks held for a decode
+        # Keyed by the Request itself, as events name it: an id can be reused once its request ended.
+        self.active: dict[Request, RequestTelemetry] = {}  # in the engine
+        self.holding: dict[Request, RequestTelemetry] = {}  # finished; blocks held for a decode
+        self.by_id: dict[str, RequestTelemetry] = {}  # the newest tracked under an id (outputs carry ids)
 
     @property
     def enabled(self) -> bool:
@@ -219,47 +223,58 @@ class EngineTelemetry:
     def track(self, request: Request, span, kv_handle_context: dict | None = None) -> RequestTelemetry | None:
         if not self.enabled:
             return None
-        rt = RequestTelemetry(self, request, span, kv_handle_context)
-        # A duplicate id in flight is refused by the engine: it must not take the live one's place.
-        self.active.setdefault(request.request_id, rt)
+        rt = self.active[request] = self.by_id[request.request_id] = RequestTelemetry(
+            self, request, span, kv_handle_context)
         return rt
 
     def drop(self, rt: RequestTelemetry | None, when: float, error: str) -> None:
-        """A request that never reached the engine (refused, or its peer unreachable)."""
+        """A request that never ran to its end in the engine (refused, failed before admission)."""
         if rt is not None:
             rt.close(when, error)
-            if self.active.get(rt.request.request_id) is rt:
-                del self.active[rt.request.request_id]
+            self._forget(rt)
+
+    def _forget(self, rt: RequestTelemetry) -> None:
+        self.active.pop(rt.request, None)
+        if self.by_id.get(rt.request.request_id) is rt:
+            del self.by_id[rt.request.request_id]
 
     def on_step(self, step: StepEvents, outputs) -> None:
         done = []
-        for ev in step.events:
-            rt = (self.holding.pop(ev.request_id, None) if ev.type is EventType.HOLD_END
-                  else self.active.get(ev.request_id))
-            if rt is None:
-                continue
-            EVENT_HANDLERS[ev.type](rt, ev)
-            if ev.type is EventType.FINISHED:
-                done.append(rt)
-        gaps: dict[float, int] = {}  # the previous token's time -> tokens since (most share one step)
+        try:
+            for ev in step.events:
+                rt = (self.holding.pop(ev.request, None) if ev.type is EventType.HOLD_END
+                      else self.active.get(ev.request))
+                if rt is None:
+                    continue
+                if ev.type is EventType.FINISHED:
+                    done.append(rt)
+                try:
+                    EVENT_HANDLERS[ev.type](rt, ev)
+                except Exception:  # noqa: BLE001 - one request's telemetry must not cost the others'
+                    log.exception("telemetry failed on %s of %s", ev.type.value, ev.request_id)
+            self._tokens(step.time, outputs)
+            if self.metrics is not None:
+                for n in step.step_tokens:
+                    self.metrics.iteration_tokens.observe(n)
+        finally:
+            for rt in done:
+                self._forget(rt)
+                if rt.holds_blocks:
+                    self.holding[rt.request] = rt
+
+    def _tokens(self, now: float, outputs) -> None:
+        """Inter-token gaps, counted per step (most of a step's tokens share theirs)."""
+        gaps: dict[float, int] = {}  # the previous token's time -> tokens since
         for out in outputs:
-            rt = self.active.get(out.request_id)
+            rt = self.by_id.get(out.request_id)
             if rt is not None:
                 if rt.last_token_time is not None:
                     gaps[rt.last_token_time] = gaps.get(rt.last_token_time, 0) + 1
-                rt.last_token_time = step.time
+                rt.last_token_time = now
                 rt.on_output()
         if self.metrics is not None:
             for last, n in gaps.items():
-                self.metrics.itl.observe(step.time - last, n)
-        for rt in done:
-            req_id = rt.request.request_id
-            del self.active[req_id]
-            if rt.holds_blocks:
-                self.holding[req_id] = rt
-        if self.metrics is not None:
-            for n in step.step_tokens:
-                self.metrics.iteration_tokens.observe(n)
+                self.metrics.itl.observe(now - last, n)
 
     def observe_finished(self, rt: RequestTelemetry, reason: str, latencies: dict) -> None:
         m, r = self.metrics, rt.request
@@ -283,3 +298,4 @@ class EngineTelemetry:
             rt.close(when, "the server stopped")
         self.active.clear()
         self.holding.clear()
+        self.by_id.clear()

@@ -145,7 +145,6 @@ class KVPeers:
             if rt is not None:  # the trace shows the pull that could not happen
                 rt.end_phase("kv_handshake", time.monotonic(), error=str(e))
                 rt.transfer_failed(str(e), time.monotonic())
-                self.server.telemetry.drop(rt, time.monotonic(), str(e))
             await context.abort(e.code, str(e))
         if rt is not None:
             rt.end_phase("kv_handshake", time.monotonic())

@@ -44,7 +44,7 @@ PREEMPTION_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
 XFER_TIME_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]
 XFER_BYTES_BUCKETS = [2 ** (10 + i) for i in range(1, 25, 2)]
 XFER_DESCRIPTOR_BUCKETS = [10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000]
-MAX_PEER_LABELS = 32  # distinct peers with their own bandwidth series; the rest share "other"
+MAX_PEER_LABELS = 32  # distinct peers (backends) with series of their own; the rest share "other"
 
 
 def request_token_buckets(max_model_len: int) -> list[int]:
@@ -145,13 +145,19 @@ class EngineMetrics(_Family):
     def observe_transfer(self, peer: str, num_bytes: int, seconds: float) -> None:
         children = self._peers.get(peer)
         if children is None:
-            label = peer if len(self._peers) < MAX_PEER_LABELS else "other"
+            label = bounded_label(peer, self._peers)
             children = (self._peer_bytes.labels(**self.labels, peer=label),
                         self._peer_seconds.labels(**self.labels, peer=label))
             if label != "other":
                 self._peers[peer] = children
         children[0].inc(num_bytes)
         children[1].inc(seconds)
+
+
+def bounded_label(value: str, seen) -> str:
+    """`value` as a label while fewer than MAX_PEER_LABELS are in `seen`, else "other": peers and
+    backends come and go (restarts, pods), and every label value is a series kept forever."""
+    return value if value in seen or len(seen) < MAX_PEER_LABELS else "other"
 
 
 class TokenHistogram:
@@ -261,6 +267,12 @@ class RouterMetrics(_Family):
                          "run the request (its call, handshake, KV pull, wait for a step).", TTFT_BUCKETS)
         self.first_decode_step = h("router_first_decode_step_seconds", "P/D breakdown: the decode's first step, "
                                    "from its KV landing to its first token.", TTFT_BUCKETS)
+        self._backends: set[str] = set()
+
+    def backend_label(self, address: str) -> str:
+        label = bounded_label(address, self._backends)
+        self._backends.add(label)
+        return label
 
 
 def make_registry() -> CollectorRegistry:

@@ -96,6 +96,7 @@ class RouterService:
         r = self.router
         if not msg.request_id:  # one id across both tiers, for their logs and traces
             msg.request_id = uuid.uuid4().hex
+        msg.ClearField("kv_handle")  # the router's to set: a client's would reach a decode with the stack's token
         r.num_in_flight += 1
         try:
             with RouterTrace(r.tracer, r.metrics, r.model_name, context, msg) as trace:
@@ -127,8 +128,8 @@ class RouterService:
             async for resp in self._colocated(msg, hashes, metadata, context, trace):
                 yield resp
             return
-        trace.first_token()  # sent now: the first token goes out while the decode pulls the KV
         if not reply.HasField("handle"):  # the first token ended the request
+            trace.first_token()
             yield reply.first.SerializeToString()
             return
         msg.kv_handle.CopyFrom(reply.handle)
@@ -140,6 +141,7 @@ class RouterService:
         call = decode.generate(msg, metadata=call_metadata, timeout=context.time_remaining())
         pulled, error = False, None  # the decode's first response means it has the blocks
         try:
+            trace.first_token()  # it goes out now, while the decode pulls the KV
             yield reply.first.SerializeToString()
             async for resp in call:
                 if not pulled:
@@ -156,10 +158,10 @@ class RouterService:
             error = e
             raise
         finally:
-            trace.call_ended(span, "decode", decode, error)
             _end_call(decode, call)
             if not pulled:  # the blocks may still be held for a reader that will never come
                 in_background(r.background, r.release(prefill_tried[-1], reply.handle))
+            trace.call_ended(span, "decode", decode, error)
 
     async def _prefill(self, prefill: Backend, msg, metadata, context, trace: RouterTrace):
         """The prefill's reply, or None when the instance is unreachable."""
@@ -185,8 +187,8 @@ class RouterService:
             log.warning("prefill %s failed for %s: %s", prefill.address, msg.request_id, e.details())
             return None
         finally:
-            trace.call_ended(span, "prefill", prefill, error)
             prefill.outstanding -= 1
+            trace.call_ended(span, "prefill", prefill, error)
 
     async def _colocated(self, msg, hashes, metadata, context, trace: RouterTrace):
         """The decode instance runs the whole request; one retry elsewhere before a token."""
@@ -219,8 +221,8 @@ class RouterService:
                 error = e
                 raise
             finally:
-                trace.call_ended(span, "decode", decode, error)
                 _end_call(decode, call)
+                trace.call_ended(span, "decode", decode, error)
 
 
 class Router:

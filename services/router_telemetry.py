@@ -11,6 +11,7 @@ Without a tracer or metrics every method returns at once.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -66,7 +67,7 @@ class RouterTrace:
 
     def _finish_attributes(self) -> dict:
         """Usage and finish reason from the last response (the only one the router parses)."""
-        if self.last is None:
+        if self.last is None or (self.span is None and self.metrics is None):
             return {}
         last = pb.GenerateResponse.FromString(self.last)
         if last.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
@@ -102,7 +103,8 @@ class RouterTrace:
     def client_call(self, tier: str, backend, method: str, metadata: tuple):
         """A CLIENT span for a call to a backend, and the metadata that carries it."""
         if self.metrics is not None:
-            self.metrics.backend_requests.labels(**self.metrics.labels, tier=tier, backend=backend.address).inc()
+            m = self.metrics
+            m.backend_requests.labels(**m.labels, tier=tier, backend=m.backend_label(backend.address)).inc()
         if self.span is None:  # not traced, or not sampled: pass the (unsampled) context on as it is
             return None, tracing.replace_trace_metadata(metadata, self._server.span)
         service = SERVICE_NAME if method == "Generate" else PREFILL_SERVICE
@@ -114,9 +116,10 @@ class RouterTrace:
         code, details = tracing.status_of(error)
         tracing.set_grpc_status(span, code, details)
         tracing.end_span(span)
-        if code != grpc.StatusCode.OK and self.metrics is not None:
+        ours = isinstance(error, (asyncio.CancelledError, GeneratorExit))  # our client left: not the backend's fault
+        if code != grpc.StatusCode.OK and not ours and self.metrics is not None:
             m = self.metrics
-            m.backend_errors.labels(**m.labels, tier=tier, backend=backend.address, code=code.name).inc()
+            m.backend_errors.labels(**m.labels, tier=tier, backend=m.backend_label(backend.address), code=code.name).inc()
 
     def retried(self, tier: str) -> None:
         if self.metrics is not None:

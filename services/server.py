@@ -94,8 +94,11 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
         except InvalidArgument as e:
             raise InvalidArgument(_API_FIELD.get(e.field, e.field), e.reason) from None
         if msg.HasField("kv_handle"):
-            check(msg.kv_handle.num_tokens == request.num_prompt_tokens, "kv_handle.num_tokens",
-                  f"is {msg.kv_handle.num_tokens}, the prompt has {request.num_prompt_tokens} tokens")
+            h, block_size = msg.kv_handle, engine.config.block_size
+            check(h.num_tokens == request.num_prompt_tokens, "kv_handle.num_tokens",
+                  f"is {h.num_tokens}, the prompt has {request.num_prompt_tokens} tokens")
+            check(len(h.block_ids) == -(-h.num_tokens // block_size), "kv_handle.block_ids",
+                  f"has {len(h.block_ids)} ids for {h.num_tokens} tokens in blocks of {block_size}")
         limit = engine.config.max_model_len
         check(request.num_prompt_tokens + params.max_tokens <= limit, "sampling.max_tokens",
               f"{params.max_tokens} new tokens after a prompt of {request.num_prompt_tokens} exceed "
@@ -138,7 +141,11 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             rt = server.telemetry.track(request, span, dict(handle.trace_context) if handle is not None else None)
             if handle is not None:
-                await server.kv_peers.ensure(handle, context, rt)
+                try:
+                    await server.kv_peers.ensure(handle, context, rt)
+                except BaseException as e:  # never reached the engine: nothing else ends its telemetry
+                    server.telemetry.drop(rt, time.monotonic(), f"no KV peer: {e!r}")
+                    raise
             try:
                 async for out in server.engine.generate(request):
                     if handle is not None:  # the router's P/D breakdown needs the decode's side of it

@@ -130,12 +130,15 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         return True
 
     def take_finished(self, quiet_s: float) -> list[list[SpanRecord]]:
-        """Traces whose root span has ended and that got no span for quiet_s; they are
-        forgotten once taken."""
+        """Traces that got no span for quiet_s and hold their top span (one without a parent,
+        or the router's under a client's span); any trace quiet ten times as long. Each is
+        forgotten once taken. (An engine's spans come before the router's, which end later.)"""
         now, done = time.monotonic(), []
         with self._lock:
             for trace_id, spans in list(self.traces.items()):
-                if now - self.last_arrival[trace_id] >= quiet_s and roots(spans):
+                quiet = now - self.last_arrival[trace_id]
+                if quiet >= 10 * quiet_s or (quiet >= quiet_s and any(
+                        s.parent_id == "" or s.role == "router" for s in roots(spans))):
                     done.append(spans)
                     del self.traces[trace_id], self.last_arrival[trace_id]
         return done

@@ -25,12 +25,10 @@ DEFAULT_SERVICE_NAMES = {"router": "baton-router", "prefill": "baton-prefill", "
                          "both": "baton"}
 _PROTOCOLS = ("grpc", "http/protobuf")
 
-# Engine times are time.monotonic(); spans want wall-clock nanoseconds.
-_WALL0_NS, _MONO0 = time.time_ns(), time.monotonic()
-
-
 def wall_ns(monotonic: float) -> int:
-    return _WALL0_NS + int((monotonic - _MONO0) * 1e9)
+    """Engine times are time.monotonic(); spans want wall-clock nanoseconds (the offset is taken
+    now: a wall clock stepped since start moves every span alike)."""
+    return time.time_ns() + int((monotonic - time.monotonic()) * 1e9)
 
 
 def baton_version() -> str:

@@ -104,6 +104,14 @@ def test_internal_calls_need_the_token_and_a_consistent_handle(tiers):
                     pass
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details().startswith("kv_handle.num_tokens")
+            short = build_request([5, 6, 7], max_tokens=4)  # the right prompt, a block list that is not
+            short.kv_handle.CopyFrom(reply.handle)
+            short.kv_handle.block_ids.append(0)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in generate_pb2_grpc.TextGenerationStub(dch).Generate(short, metadata=AUTH, timeout=10):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith("kv_handle.block_ids")
             with pytest.raises(grpc.aio.AioRpcError) as err:  # the decode role serves no Prefill
                 await internal_pb2_grpc.PrefillStub(dch).Prefill(build_request([5]), metadata=AUTH, timeout=10)
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED

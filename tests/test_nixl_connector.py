@@ -319,3 +319,43 @@ def test_failed_and_unpulled_transfers_say_so_in_their_events(tiny_llama):
     assert not end.transfer.ok and end.transfer.recompute_from_block == 0 and end.transfer.error
     assert events[handles[1]["remote_request_id"]][-1].detail == "expired"
     assert_pools_full(prefill, decode)
+
+
+def test_a_malformed_handle_fails_its_own_load_not_the_engine(tiny_llama):
+    prompts = random_prompts([40, 50], seed=20)
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(tiny_llama, dtype="float32", device="cpu").generate(prompts, greedy)]
+    prefill, decode = nixl_engine(tiny_llama, "prefill"), nixl_engine(tiny_llama, "decode")
+    connect(prefill, decode)
+    handles = run_prefill(prefill, prompts, [greedy] * 2)
+    handles[0] = {**handles[0], "remote_block_ids": handles[0]["remote_block_ids"][:-1]}  # one block short
+    ids = [decode.add_request(f"m{i}", p, greedy, kv_transfer_params=h).request_id
+           for i, (p, h) in enumerate(zip(prompts, handles))]
+    tokens = run_until_done(prefill, decode)
+    assert [[h["first_token"]] + tokens[r] for h, r in zip(handles, ids)] == want  # the first recomputed
+    assert decode.scheduler.num_failed_loads == 1
+    assert_pools_full(prefill, decode)  # the short handle's hold expired or was released, not leaked
+
+
+def test_a_hold_released_twice_ends_once_and_a_reused_id_is_held_again(tiny_llama):
+    prefill = nixl_engine(tiny_llama, "prefill", hold_timeout_s=60)
+    prefill.record_events()
+    params = [SamplingParams(max_tokens=1, temperature=0)]
+    prompt = random_prompts([40], seed=21)
+    [handle] = run_prefill(prefill, prompt, params)
+    req_id, worker = handle["remote_request_id"], prefill.runner.connector
+    prefill.step()  # the hold registers
+    worker.release(req_id)
+    worker.release(req_id)  # the router's Release and the cancelled call's both come
+    run_until_done(prefill)
+    ends = [e for e in prefill.take_events().events if e.type == EventType.HOLD_END]
+    assert [e.detail for e in ends] == ["released"]
+    # The same id again (a client's own ids): its hold is not let go by the stale release.
+    prefill.add_request(req_id, prompt[0], SamplingParams(max_tokens=1, temperature=0),
+                        kv_transfer_params={"do_remote_decode": True})
+    for _ in range(5):
+        prefill.step()
+    assert prefill.num_held_requests == 1
+    worker.release(req_id)
+    run_until_done(prefill)
+    assert_pools_full(prefill)
