@@ -5,7 +5,7 @@ import importlib
 
 # Imported on first use, so that clients (`baton generate --target`, baton.services.client)
 # start without loading torch and transformers.
-_LAZY = {"LLM": "baton.engine.llm", "RequestOutput": "baton.engine.llm",
+_LAZY = {"LLM": "baton.engine.llm", "RequestOutput": "baton.engine.llm", "CompletionOutput": "baton.engine.llm",
          "SamplingParams": "baton.engine.sampling_params"}
 
 __all__ = list(_LAZY)

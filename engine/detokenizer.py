@@ -39,3 +39,41 @@ class IncrementalDetokenizer:
             self.prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
             return new_text
         return ""
+
+
+class TextStream:
+    """A request's text as it streams: detokenized incrementally and, when the request has stop
+    strings, cut at the first one found. Text that could still turn out to begin a stop string
+    is held back until it cannot, so a client never sees a character past a stop string."""
+
+    __slots__ = ("detokenizer", "stops", "include_stop", "pending", "hands_over")
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stops: list[str] = (), include_stop: bool = False,
+                 skip_special_tokens: bool = True):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self.stops = list(stops)
+        self.include_stop = include_stop
+        self.pending = ""  # decoded, not yet emitted
+        self.hands_over = False  # the request goes on elsewhere when it ends by length (a prefill's)
+
+    def push(self, new_token_ids: list[int], final: bool = False, look_for_stops: bool = True) -> tuple[str, str | None]:
+        """Add tokens; returns the text to emit now and the stop string that ended the text, if
+        one did (`look_for_stops` false: none can yet, min_tokens not reached). `final` flushes."""
+        text = self.detokenizer.push(new_token_ids, final)
+        if not self.stops:
+            return text, None
+        self.pending += text
+        if look_for_stops:
+            found = min(((i, s) for s in self.stops if (i := self.pending.find(s)) >= 0), default=None)
+            if found is not None:
+                at, stop = found
+                out = self.pending[:at + (len(stop) if self.include_stop else 0)]
+                self.pending = ""
+                return out, stop
+        if final:
+            out, self.pending = self.pending, ""
+            return out, None
+        keep = max((n for s in self.stops for n in range(min(len(s) - 1, len(self.pending)), 0, -1)
+                    if self.pending.endswith(s[:n])), default=0)
+        out, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        return out, None

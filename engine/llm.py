@@ -1,23 +1,55 @@
 """The offline API, shaped like vLLM's: LLM(model_dir, **engine_args).generate(prompts, params)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
 from baton.engine.config import EngineConfig
 from baton.engine.errors import check
-from baton.engine.llm_engine import LLMEngine
+from baton.engine.llm_engine import LLMEngine, StepOutput
 from baton.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One completion of a prompt (a request with n > 1 has n)."""
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list | None = None  # one TokenLogprobs per token, when asked for
 
 
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list | None = None  # None for the first token, then one TokenLogprobs per token
     num_cached_tokens: int = 0
+
+    # The first completion's, for the usual n = 1.
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The index-th of a request's n completions: one request of its own whose seed, when the
+    request has one, is offset by the index (a different but reproducible stream); only the
+    first asks for the prompt's logprobs."""
+    return dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index,
+                               prompt_logprobs=params.prompt_logprobs if index == 0 else None)
 
 
 class LLM:
@@ -43,14 +75,20 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         check(len(params) == len(prompts), "sampling_params", f"has {len(params)} entries for {len(prompts)} prompts")
         check(priority is None or len(priority) == len(prompts), "priority", "needs one entry per prompt")
-        outputs: dict[str, RequestOutput] = {}
-        order = []
+        outputs: list[RequestOutput] = []
+        children: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             req_id = str(next(self._ids))
-            req = self.engine.add_request(req_id, prompt, p, priority[i] if priority else 0)
-            outputs[req_id] = RequestOutput(req_id, list(req.prompt_token_ids))
-            order.append(req_id)
-        return self._run(outputs, order, use_tqdm)
+            out = None
+            for index in range(p.n):  # the later ones find the prompt's blocks in the prefix cache
+                req = self.engine.add_request(f"{req_id}-{index}" if p.n > 1 else req_id, prompt,
+                                              child_params(p, index), priority[i] if priority else 0)
+                out = out or RequestOutput(req_id, list(req.prompt_token_ids))
+                out.outputs.append(CompletionOutput(index))
+                children[req.request_id] = (out, out.outputs[-1])
+            outputs.append(out)
+        self._run(children, use_tqdm)
+        return outputs
 
     def chat(self, conversations: list[list[dict]] | list[dict], sampling_params=None, use_tqdm: bool = False):
         """Chat prompts through the checkpoint's chat template."""
@@ -59,23 +97,30 @@ class LLM:
         return self.generate([self.engine.apply_chat_template(c) for c in conversations], sampling_params,
                              use_tqdm=use_tqdm)
 
-    def _run(self, outputs: dict[str, RequestOutput], order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, children: dict[str, tuple[RequestOutput, CompletionOutput]], use_tqdm: bool) -> None:
         bar = None
         if use_tqdm:
             from tqdm import tqdm
-            bar = tqdm(total=len(order), desc="requests", unit="req")
+            bar = tqdm(total=len(children), desc="requests", unit="req")
         try:
             while self.engine.has_unfinished_requests():
                 for step in self.engine.step():
-                    out = outputs[step.request_id]
-                    out.token_ids.extend(step.new_token_ids)
-                    out.text += step.text
-                    if step.finished:
-                        out.finish_reason = step.finish_reason
-                        out.num_cached_tokens = step.num_cached_tokens
-                        if bar:
-                            bar.update(1)
+                    out, completion = children[step.request_id]
+                    _add_step(out, completion, step)
+                    if step.finished and bar:
+                        bar.update(1)
         finally:
             if bar:
                 bar.close()
-        return [outputs[r] for r in order]
+
+
+def _add_step(out: RequestOutput, completion: CompletionOutput, step: StepOutput) -> None:
+    completion.token_ids.extend(step.new_token_ids)
+    completion.text += step.text
+    if step.logprobs is not None:
+        completion.logprobs = (completion.logprobs or []) + step.logprobs
+    if step.prompt_logprobs is not None:
+        out.prompt_logprobs = step.prompt_logprobs
+    if step.finished:
+        completion.finish_reason, completion.stop_reason = step.finish_reason, step.stop_reason
+        out.num_cached_tokens = step.num_cached_tokens

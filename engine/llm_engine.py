@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from baton.engine.config import EngineConfig
-from baton.engine.detokenizer import IncrementalDetokenizer
+from baton.engine.detokenizer import TextStream
 from baton.engine.errors import InvalidArgument, check
 from baton.engine.kv_cache_manager import KVCacheManager
 from baton.engine.loader import load_model, read_config
@@ -37,6 +37,9 @@ class StepOutput:
     num_output_tokens: int
     num_cached_tokens: int
     kv_transfer_params: dict | None = None  # when finished: the connector's handle (prefill side)
+    logprobs: list | None = None  # one TokenLogprobs per new token, when asked for
+    prompt_logprobs: list | None = None  # with the first token, when asked for: None, then one per prompt token
+    stop_reason: str | int | None = None  # when finished by a stop string or stop token id
 
 
 @dataclass(slots=True)
@@ -75,9 +78,11 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         connector_scheduler, connector_worker = kv_connector or (None, None)
         self.scheduler = Scheduler(config, self.kv, connector_scheduler)
+        self.scheduler.on_token = self._on_token
         self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker)
         self.vocab_size = args.vocab_size
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.text_streams: dict[str, TextStream] = {}
+        self._stop_text: dict[str, str] = {}  # this step's text of requests with stop strings (_on_token)
         self.times = StepTimes()
         self._step_tokens: list[int] | None = None  # per step, while events are recorded
 
@@ -131,7 +136,9 @@ class LLMEngine:
         check(len(token_ids) > 0, "prompt", "has no tokens")
         check(len(token_ids) <= self.config.max_model_len, "prompt",
               f"has {len(token_ids)} tokens, more than max_model_len {self.config.max_model_len}")
-        request = Request(request_id, token_ids, params or SamplingParams(), self.eos_token_ids, priority, arrival_time)
+        params = params or SamplingParams()
+        params.check_vocab(self.vocab_size)
+        request = Request(request_id, token_ids, params, self.eos_token_ids, priority, arrival_time)
         request.kv_transfer_params = kv_transfer_params  # for the connector: a remote handle in, or a request out
         first_token = (kv_transfer_params or {}).get("first_token")
         if first_token is not None:  # sampled by the prefill peer: an output already, not re-sent
@@ -143,8 +150,14 @@ class LLMEngine:
         check(request.request_id not in self.scheduler.requests, "request_id",
               f"{request.request_id!r} is already running")
         self.scheduler.add_request(request)
-        if detokenize:
-            self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.all_token_ids)
+        p = request.sampling_params
+        if detokenize or p.stop:
+            stream = self.text_streams[request.request_id] = TextStream(
+                self.tokenizer, request.prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens)
+            # A prefill's request ends at its first token and goes on at a decode: its text is not final.
+            stream.hands_over = bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+            if request.output_token_ids:  # sampled by a prefill peer, whose text it sent: replayed silently
+                stream.push(request.output_token_ids)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, detokenize: bool = True,
@@ -155,7 +168,8 @@ class LLMEngine:
 
     def abort_request(self, request_ids) -> None:
         for request in self.scheduler.finish_requests(request_ids):
-            self.detokenizers.pop(request.request_id, None)
+            self.text_streams.pop(request.request_id, None)
+            self._stop_text.pop(request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -176,6 +190,35 @@ class LLMEngine:
             sched.num_failed_loads, sched.num_prompt_tokens, sched.num_prompt_tokens_cached,
             sched.num_prompt_tokens_external, sched.num_generation_tokens)
 
+    # ---- text ---------------------------------------------------------------------------------
+    def _on_token(self, request: Request, status: RequestStatus | None) -> bool:
+        """The scheduler's hook, for requests with stop strings: their text now, because a stop
+        string found in it ends the request in this very step."""
+        if not request.sampling_params.stop:
+            return False
+        stream = self.text_streams[request.request_id]
+        text, stop = stream.push(request.output_token_ids[-1:], self._final(stream, status),
+                                 request.num_output_tokens >= request.sampling_params.min_tokens)
+        self._stop_text[request.request_id] = text
+        if stop is not None:
+            request.stop_reason = stop
+        return stop is not None
+
+    @staticmethod
+    def _final(stream: TextStream, status: RequestStatus | None) -> bool:
+        return status is not None and not (stream.hands_over and status == RequestStatus.FINISHED_LENGTH_CAPPED)
+
+    def _text(self, request: Request, new_token_ids: list[int], finished: bool) -> str:
+        req_id = request.request_id
+        if req_id in self._stop_text:
+            text = self._stop_text.pop(req_id)
+        else:
+            stream = self.text_streams.get(req_id)
+            text = stream.push(new_token_ids, self._final(stream, request.status if finished else None))[0] if stream else ""
+        if finished:
+            self.text_streams.pop(req_id, None)
+        return text
+
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
@@ -191,15 +234,16 @@ class LLMEngine:
         self.times.step_s += t3 - t0
         self.times.scheduler_s += (t1 - t0) + (t3 - t2)
         outputs = []
+        logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
         for u in updates:
             req = u.request
-            detok = self.detokenizers.get(req.request_id)
-            text = detok.push(u.new_token_ids, final=u.finished) if detok else ""
-            if u.finished:
-                self.detokenizers.pop(req.request_id, None)
-            outputs.append(StepOutput(req.request_id, u.new_token_ids, text, u.finished, req.status.finish_reason,
-                                      req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0),
-                                      req.kv_transfer_params if u.finished else None))
+            lp = logprobs.get(req.request_id) if logprobs else None
+            outputs.append(StepOutput(req.request_id, u.new_token_ids, self._text(req, u.new_token_ids, u.finished),
+                                      u.finished, req.status.finish_reason, req.num_prompt_tokens,
+                                      req.num_output_tokens, max(req.num_cached_tokens, 0),
+                                      req.kv_transfer_params if u.finished else None, None if lp is None else [lp],
+                                      prompt_logprobs.get(req.request_id) if prompt_logprobs else None,
+                                      req.stop_reason if u.finished else None))
         return outputs
 
 

@@ -9,7 +9,7 @@ import torch
 
 from baton.engine.config import EngineConfig
 from baton.engine.model import CausalLM
-from baton.engine.sampler import sample, skip_draws
+from baton.engine.sampler import apply_processors, sample, skip_draws, token_logprobs
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from baton.kernels import cpu_kernels
@@ -18,15 +18,20 @@ from baton.kernels.attention import (DECODE_PADDING_ELEMS, AttentionMetadata, De
 from baton.kv_transfer.base import KVConnectorWorker
 
 
-class RequestState:
-    __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens")
+_PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are materialized at once
 
-    def __init__(self, token_ids, block_ids, sampling_params: SamplingParams, generator, num_prompt_tokens):
+
+class RequestState:
+    __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens", "prompt_logprobs")
+
+    def __init__(self, token_ids, block_ids, sampling_params: SamplingParams, generator, num_prompt_tokens,
+                 prompt_logprobs: list | None):
         self.token_ids = token_ids
         self.block_ids = block_ids
         self.sampling_params = sampling_params
         self.generator = generator
         self.num_prompt_tokens = num_prompt_tokens
+        self.prompt_logprobs = prompt_logprobs  # accumulating over chunks; None: not asked, or sent
 
 
 class ModelRunner:
@@ -54,8 +59,12 @@ class ModelRunner:
     def _add_request(self, new) -> None:
         params = new.sampling_params
         generator = self.default_generator
+        old = self.states.get(new.req_id)  # resumed after preemption
+        # Prompt logprobs from the first prompt token (prefix-cache hits are not taken for such a
+        # request), once: not again after a preemption that came once they were sent.
+        prompt_logprobs = ([None] if params.prompt_logprobs is not None and new.num_computed_tokens == 0
+                           and (old is None or old.prompt_logprobs is not None) else None)
         if params.seed is not None:
-            old = self.states.get(new.req_id)
             if old is not None:  # resumed after preemption: keep the stream where it was
                 generator = old.generator
             else:
@@ -64,7 +73,7 @@ class ModelRunner:
                     skip_draws(generator, len(new.token_ids) - new.num_prompt_tokens, self.model.args.vocab_size,
                                self.device)
         self.states[new.req_id] = RequestState(list(new.token_ids), list(new.block_ids), params, generator,
-                                               new.num_prompt_tokens)
+                                               new.num_prompt_tokens, prompt_logprobs)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -76,22 +85,57 @@ class ModelRunner:
             self.states[cached.req_id].block_ids.extend(cached.new_block_ids)
         if self.connector is not None:
             self.connector.start_load_kv(sched.kv_connector_metadata)
-        sampled = self._run(sched) if sched.total_num_scheduled_tokens else {}
-        return ModelRunnerOutput(sampled, self.connector.get_finished() if self.connector is not None else None)
+        out = self._run(sched) if sched.total_num_scheduled_tokens else ModelRunnerOutput({})
+        if self.connector is not None:
+            out.kv_connector_output = self.connector.get_finished()
+        return out
 
-    def _run(self, sched: SchedulerOutput) -> dict[str, int]:
+    def _run(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         batch = self._build_batch(sched)
         hidden = self.model(batch["input_ids"], batch["positions"], self.kv_cache, batch["meta"])
+        out = ModelRunnerOutput({})
+        if batch["prompt_rows"]:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, batch["prompt_rows"])
         sampled_ids = batch["sample_req_ids"]
         if not sampled_ids:
-            return {}
+            return out
         logits = self.model.compute_logits(hidden[batch["sample_rows"]])
         states = [self.states[r] for r in sampled_ids]
+        params = [s.sampling_params for s in states]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = logits[want].float().log_softmax(dim=-1) if want else None  # before any processing
         self._suppress_stops_before_min_tokens(logits, states)
-        tokens = sample(logits, [s.sampling_params for s in states], [s.generator for s in states])
+        processed = [i for i, p in enumerate(params) if p.penalized]
+        if processed:
+            apply_processors(logits, processed, params, [s.token_ids for s in states],
+                             [s.num_prompt_tokens for s in states])
+        tokens = sample(logits, params, [s.generator for s in states])
         for state, token in zip(states, tokens):
             state.token_ids.append(token)
-        return dict(zip(sampled_ids, tokens))
+        out.sampled_token_ids = dict(zip(sampled_ids, tokens))
+        if want:
+            k = max(params[i].logprobs for i in want)
+            for i, lp in zip(want, token_logprobs(raw, [tokens[i] for i in want], k)):
+                n = params[i].logprobs
+                lp.top_token_ids, lp.top_logprobs = lp.top_token_ids[:n], lp.top_logprobs[:n]
+                out.logprobs[sampled_ids[i]] = lp
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list[tuple[str, int, int, int]]) -> dict[str, list]:
+        """Each prompt token's logprob given the tokens before it, from the rows of this step's
+        chunk (position p predicts token p + 1); a request's list goes out once complete."""
+        done = {}
+        for req_id, row0, start, end in prompt_rows:
+            state = self.states[req_id]
+            end = min(end, state.num_prompt_tokens - 1)  # the last prompt position predicts an output
+            for a in range(start, end, _PROMPT_LOGPROB_ROWS):
+                b = min(a + _PROMPT_LOGPROB_ROWS, end)
+                logprobs = self.model.compute_logits(hidden[row0 + a - start:row0 + b - start]).float().log_softmax(-1)
+                state.prompt_logprobs += token_logprobs(logprobs, state.token_ids[a + 1:b + 1],
+                                                        state.sampling_params.prompt_logprobs)
+            if len(state.prompt_logprobs) == state.num_prompt_tokens:
+                done[req_id], state.prompt_logprobs = state.prompt_logprobs, None
+        return done
 
     def _build_batch(self, sched: SchedulerOutput) -> dict:
         starts = {c.req_id: c.num_computed_tokens for c in sched.scheduled_cached_reqs}
@@ -99,10 +143,12 @@ class ModelRunner:
         # One-token decodes first, longest context first (the reference's length groups are
         # then row ranges), then prefill chunks.
         order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: (kv[1] != 1, -starts[kv[0]]))
-        input_ids, positions, sample_rows, sample_req_ids, spans = [], [], [], [], []
+        input_ids, positions, sample_rows, sample_req_ids, spans, prompt_rows = [], [], [], [], [], []
         for req_id, n in order:
             state, start = self.states[req_id], starts[req_id]
             end = start + n
+            if state.prompt_logprobs is not None:
+                prompt_rows.append((req_id, len(input_ids), start, end))
             input_ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             spans.append((start, end, state.block_ids))
@@ -112,8 +158,9 @@ class ModelRunner:
         dev = self.device
         positions_t = torch.tensor(positions, device=dev)
         meta = self._kernel_batch(spans, positions_t) if self.use_cpu_kernel else self._reference_batch(spans)
-        return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t,
-                "meta": meta, "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids}
+        return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t, "meta": meta,
+                "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids,
+                "prompt_rows": prompt_rows}
 
     def _kernel_batch(self, spans: list[tuple[int, int, list[int]]], positions: torch.Tensor) -> AttentionMetadata:
         block_ids, row_block_start, bs = [], [], self.block_size

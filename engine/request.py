@@ -42,7 +42,8 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "sampling_params",
                  "eos_token_ids", "priority", "arrival_time", "arrival_seq", "status", "num_computed_tokens",
                  "num_cached_tokens", "num_external_tokens", "num_preemptions", "block_hashes", "kv_transfer_params",
-                 "scheduled_time", "kv_ready_time", "first_token_time", "last_token_time", "finished_time")
+                 "scheduled_time", "kv_ready_time", "first_token_time", "last_token_time", "finished_time",
+                 "stop_reason")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, arrival_time: float | None = None):
@@ -69,6 +70,7 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's)
 
     @property
     def num_tokens(self) -> int:

@@ -1,13 +1,61 @@
-"""Turn the logits of the step's sampled rows into tokens: greedy, temperature, top-k, top-p.
+"""Turn the logits of the step's sampled rows into tokens: logits processors (logit bias,
+repetition, presence and frequency penalties), then greedy or temperature, min-p, top-k,
+top-p; and the logprobs a request asks for, from the model's distribution before any of that
+(vLLM's default).
 
 A seeded request draws from its own torch.Generator, one draw per token, so its tokens do not
 depend on what else is in the batch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from baton.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """One position's logprobs: the token's (and its rank, 1 = likeliest) and the top ones'."""
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
+    """logprobs [R, V] (log-softmax of the raw logits), one row per token_ids entry."""
+    ids = torch.tensor(token_ids, device=logprobs.device)
+    chosen = logprobs.gather(1, ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    chosen, ranks = chosen[:, 0].tolist(), ranks.tolist()
+    if k:
+        top = logprobs.topk(k, dim=1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    else:
+        top_ids = top_values = [[] for _ in token_ids]
+    return [TokenLogprobs(t, lp, r, i, v) for t, lp, r, i, v in zip(token_ids, chosen, ranks, top_ids, top_values)]
+
+
+def apply_processors(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+                     token_ids: list[list[int]], num_prompt_tokens: list[int]) -> None:
+    """In place, on the given rows: logit bias, then the repetition penalty over prompt and
+    output tokens (transformers' definition: a positive logit divided, a negative multiplied),
+    and the presence and frequency penalties over output tokens (OpenAI's)."""
+    for row in rows:
+        p, ids = params[row], token_ids[row]
+        if p.logit_bias:
+            logits[row, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
+                                                              device=logits.device)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(ids, device=logits.device).unique()
+            scores = logits[row, seen]
+            logits[row, seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and len(ids) > num_prompt_tokens[row]:
+            out, counts = torch.tensor(ids[num_prompt_tokens[row]:], device=logits.device).unique(return_counts=True)
+            logits[row, out] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -33,6 +81,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         return greedy.tolist()
     rows = torch.tensor(random_rows, device=logits.device)
     sub = logits[rows] / torch.tensor([params[i].temperature for i in random_rows], device=logits.device)[:, None]
+    if any(params[i].min_p > 0 for i in random_rows):  # after temperature, before top-k/top-p (vLLM's order)
+        min_p = torch.tensor([params[i].min_p for i in random_rows], device=logits.device)
+        probs = sub.softmax(dim=-1)
+        sub = sub.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in random_rows):
         top_k = torch.tensor([params[i].top_k for i in random_rows], device=logits.device)
         top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,8 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]  # only requests that reached the end of their known tokens
     kv_connector_output: KVConnectorOutput | None = None
+    logprobs: dict[str, Any] = field(default_factory=dict)  # request id -> the sampled token's TokenLogprobs
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)  # request id -> one per prompt token, when complete
 
 
 @dataclass(slots=True)
@@ -87,6 +90,9 @@ class Scheduler:
         self._chunks: list[tuple[Request, int]] = []  # prompt chunks scheduled this step (when recording)
         self._now = 0.0  # this step's schedule() time
         self.last_step_time = 0.0  # when the last step's tokens were sampled
+        # Called with each request that got a token, and the status it would end with (or None);
+        # true when its text reached a stop string (the engine detokenizes; the scheduler never does).
+        self.on_token: Callable[[Request, RequestStatus | None], bool] | None = None
 
     def _record(self, request: Request | None, kind: EventType, when: float, **fields) -> None:
         if self.events is not None and request is not None:
@@ -247,7 +253,9 @@ class Scheduler:
         """Prefix-cache hits and remote tokens for a request being admitted."""
         if request.request_id in self.kv.req_blocks:  # its blocks came with a remote load
             return [], 0, False
-        computed, num_local = self.kv.get_computed_blocks(request)
+        # A request that wants its prompt's logprobs computes every prompt token (vLLM does so too).
+        computed, num_local = (self.kv.get_computed_blocks(request) if request.sampling_params.prompt_logprobs is None
+                               else ([], 0))
         if self.connector is None:
             return computed, 0, False
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
@@ -273,6 +281,8 @@ class Scheduler:
             request.last_token_time = now
             self.num_generation_tokens += 1
             status = self._stop_status(request, token_id)
+            if self.on_token is not None and self.on_token(request, status):
+                status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
@@ -287,6 +297,7 @@ class Scheduler:
             if token_id in request.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
         if n >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED

@@ -46,7 +46,8 @@ def _merge_queued(out: StepOutput | BaseException, outputs: asyncio.Queue) -> St
         if isinstance(more, BaseException):
             raise more
         out = dataclasses.replace(more, new_token_ids=out.new_token_ids + more.new_token_ids,
-                                  text=out.text + more.text)
+                                  text=out.text + more.text, prompt_logprobs=out.prompt_logprobs or more.prompt_logprobs,
+                                  logprobs=None if more.logprobs is None else (out.logprobs or []) + more.logprobs)
     return out
 
 
