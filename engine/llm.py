@@ -1,7 +1,6 @@
 """The offline API, shaped like vLLM's: LLM(model_dir, **engine_args).generate(prompts, params)."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -44,14 +43,6 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The index-th of a request's n completions: one request of its own whose seed, when the
-    request has one, is offset by the index (a different but reproducible stream); only the
-    first asks for the prompt's logprobs."""
-    return dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index,
-                               prompt_logprobs=params.prompt_logprobs if index == 0 else None)
-
-
 class LLM:
     def __init__(self, model: str | EngineConfig, **engine_args):
         """model: a checkpoint directory (with engine_args), or a whole EngineConfig."""
@@ -82,7 +73,7 @@ class LLM:
             out = None
             for index in range(p.n):  # the later ones find the prompt's blocks in the prefix cache
                 req = self.engine.add_request(f"{req_id}-{index}" if p.n > 1 else req_id, prompt,
-                                              child_params(p, index), priority[i] if priority else 0)
+                                              p.child(index), priority[i] if priority else 0)
                 out = out or RequestOutput(req_id, list(req.prompt_token_ids))
                 out.outputs.append(CompletionOutput(index))
                 children[req.request_id] = (out, out.outputs[-1])

@@ -3,6 +3,7 @@ the field."""
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass, field
 
 from baton.engine.errors import check
@@ -85,6 +86,13 @@ class SamplingParams:
         """Whether any logits processor applies (the runner skips the work when none does)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or bool(self.logit_bias))
+
+    def child(self, index: int) -> SamplingParams:
+        """The index-th of n completions: a request of its own whose seed, when there is one, is
+        offset by the index (a different but reproducible stream); only the first asks for the
+        prompt's logprobs. (services/fan_out.py splits API requests alike.)"""
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + index,
+                                   prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the request names must exist in the model's vocabulary."""

@@ -29,19 +29,29 @@ class Usage:
 @dataclass(slots=True)
 class Chunk:
     """One streamed response: the tokens since the last one, the text they completed, and
-    on the last chunk the finish reason and usage."""
+    on the last chunk (of each completion, with n > 1) the finish reason and usage.
+    `logprobs`/`prompt_logprobs` hold TokenLogprobs messages (token_id, logprob, rank,
+    top_token_ids, top_logprobs), when asked for."""
     request_id: str
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    index: int = 0
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+    stop_reason: str | int | None = None
 
 
 def build_request(prompt: str | list[int] | list[dict], *, request_id: str = "", priority: int = 0,
                   output: str = "both", **sampling) -> pb.GenerateRequest:
     """prompt: text, token ids, or chat messages ({"role", "content"} dicts); `sampling`:
-    the SamplingParams fields (max_tokens, temperature, top_p, top_k, seed, stop_token_ids,
-    ignore_eos, min_tokens)."""
+    the SamplingParams fields (max_tokens, temperature, top_p, top_k, min_p, seed, stop,
+    stop_token_ids, include_stop_str_in_output, ignore_eos, min_tokens, repetition_penalty,
+    presence_penalty, frequency_penalty, logit_bias, logprobs, prompt_logprobs,
+    skip_special_tokens, n)."""
+    if isinstance(sampling.get("stop"), str):
+        sampling["stop"] = [sampling["stop"]]
     msg = pb.GenerateRequest(request_id=request_id, priority=priority, output=_OUTPUTS[output],
                              sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}))
     if isinstance(prompt, str):
@@ -54,7 +64,11 @@ def build_request(prompt: str | list[int] | list[dict], *, request_id: str = "",
 
 
 def chunk_from_response(resp: pb.GenerateResponse) -> Chunk:
-    chunk = Chunk(resp.request_id, list(resp.token_ids), resp.text)
+    chunk = Chunk(resp.request_id, list(resp.token_ids), resp.text, index=resp.index,
+                  logprobs=list(resp.logprobs) or None, prompt_logprobs=list(resp.prompt_logprobs) or None)
+    stop = resp.WhichOneof("stop_reason")
+    if stop is not None:
+        chunk.stop_reason = getattr(resp, stop)
     if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
         chunk.finish_reason = _FINISH_REASONS[resp.finish_reason]
         u = resp.usage

@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from baton.engine.errors import InvalidArgument
+from baton.engine.errors import InvalidArgument, check
 from baton.engine.llm_engine import StepOutput
 from baton.kv_transfer.nixl_connector import KVLayout
 from baton.services.common import in_background, token_metadata
 from baton.services.engine_rpc import ENGINE_ERRORS, abort_for_engine_error, response_from_output
+from baton.services.fan_out import num_completions
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2, internal_pb2_grpc
 
@@ -53,6 +54,7 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             if not server.serving:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading or draining")
             try:
+                check(num_completions(msg) == 1, "sampling.n", "must be 1 at a prefill (the router fans n out)")
                 request, output = self.generation.make_request(msg, for_prefill=True)
             except InvalidArgument as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

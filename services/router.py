@@ -26,7 +26,9 @@ from grpc_reflection.v1alpha import reflection
 
 from baton.engine.kv_cache_manager import extend_block_hashes
 from baton.services import tracing
+from baton.engine.errors import InvalidArgument
 from baton.services.backends import Backend, Tier, split_host_port
+from baton.services.fan_out import child_requests, merge, num_completions, retag
 from baton.services.common import (POLICIES, SERVICE_NAME, TOKEN_KEY, chat_messages, drain, in_background,
                                    make_grpc_server, set_health, token_metadata)
 from baton.services.metrics import MetricsServer, RouterMetrics, make_registry
@@ -100,11 +102,23 @@ class RouterService:
         r.num_in_flight += 1
         try:
             with RouterTrace(r.tracer, r.metrics, r.model_name, context, msg) as trace:
-                async for resp in self._generate(msg, context, trace):
+                try:
+                    n = num_completions(msg)
+                except InvalidArgument as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                stream = self._generate(msg, context, trace) if n == 1 else merge(
+                    [self._completion(child, i, msg.request_id, context, trace)
+                     for i, child in enumerate(child_requests(msg, n))])
+                async for resp in stream:
                     trace.last = resp
                     yield resp
         finally:
             r.num_in_flight -= 1
+
+    async def _completion(self, child: pb.GenerateRequest, index: int, request_id: str, context, trace):
+        """One of n completions, each routed as a request of its own."""
+        async for resp in self._generate(child, context, trace):
+            yield retag(resp, request_id, index)
 
     async def _generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RouterTrace):
         r = self.router

@@ -28,6 +28,7 @@ from baton.services.common import (SERVICE_NAME, TOKEN_KEY, chat_messages, drain
                                    set_health)
 from baton.services.engine_rpc import ENGINE_ERRORS, abort_for_engine_error, decode_timing, response_from_output
 from baton.services.engine_telemetry import EngineTelemetry
+from baton.services.fan_out import child_requests, merge, num_completions
 from baton.services.kv_peers import KVPeers, KVPeerService, PrefillService
 from baton.services.metrics import EngineMetrics, MetricsServer, make_registry, on_loop
 from baton.v1 import generate_pb2 as pb
@@ -37,9 +38,11 @@ log = logging.getLogger("baton.server")
 
 ROLES = ("both", "prefill", "decode")
 MAX_REQUEST_ID_CHARS = 256
-_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens")
+_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens",
+                             "include_stop_str_in_output", "repetition_penalty", "presence_penalty",
+                             "frequency_penalty", "min_p", "logprobs", "prompt_logprobs", "skip_special_tokens", "n")
 # Engine field names as the public API spells them.
-_API_FIELD = {"prompt_token_ids": "token_ids", "messages": "chat"}
+_API_FIELD = {"prompt_token_ids": "token_ids", "messages": "chat", "logit_bias": "sampling.logit_bias"}
 
 
 @dataclass(slots=True)
@@ -64,8 +67,11 @@ class ServerOptions:
 
 def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
     kwargs = {name: getattr(p, name) for name in _OPTIONAL_SAMPLING_FIELDS if p.HasField(name)}
-    if p.stop_token_ids:
-        kwargs["stop_token_ids"] = list(p.stop_token_ids)
+    for name in ("stop_token_ids", "stop"):
+        if getattr(p, name):
+            kwargs[name] = list(getattr(p, name))
+    if p.logit_bias:
+        kwargs["logit_bias"] = dict(p.logit_bias)
     try:
         return SamplingParams(**kwargs)
     except InvalidArgument as e:
@@ -88,6 +94,8 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
         kv_params = self._kv_params(msg, params, for_prefill)
         if for_prefill:
             params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        elif kv_params is not None:  # the prefill computed the prompt and sent its logprobs
+            params = dataclasses.replace(params, prompt_logprobs=None)
         try:
             request = engine.make_request(msg.request_id or uuid.uuid4().hex, self._prompt(msg), params,
                                           msg.priority, kv_transfer_params=kv_params)
@@ -135,26 +143,38 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading or draining")
             if handle is not None:
                 await server.check_token(context)
+            msg.request_id = msg.request_id or uuid.uuid4().hex
             try:
-                request, output = self.make_request(msg)
+                n = num_completions(msg)
+                check(n == 1 or handle is None, "sampling.n", "must be 1 with a kv_handle")
+                made = [self.make_request(child) for child in (child_requests(msg, n) if n > 1 else [msg])]
             except InvalidArgument as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            rt = server.telemetry.track(request, span, dict(handle.trace_context) if handle is not None else None)
-            if handle is not None:
-                try:
-                    await server.kv_peers.ensure(handle, context, rt)
-                except BaseException as e:  # never reached the engine: nothing else ends its telemetry
-                    server.telemetry.drop(rt, time.monotonic(), f"no KV peer: {e!r}")
-                    raise
+            streams = [self._completion(request, output, i, msg.request_id, handle, span, context)
+                       for i, (request, output) in enumerate(made)]
+            async for resp in streams[0] if n == 1 else merge(streams):
+                yield resp
+
+    async def _completion(self, request: Request, output: int, index: int, request_id: str,
+                          handle: pb.KVHandle | None, span, context: grpc.aio.ServicerContext):
+        """One engine request's responses (one of n completions)."""
+        server = self.server
+        rt = server.telemetry.track(request, span, dict(handle.trace_context) if handle is not None else None)
+        if handle is not None:
             try:
-                async for out in server.engine.generate(request):
-                    if handle is not None:  # the router's P/D breakdown needs the decode's side of it
-                        await context.send_initial_metadata(decode_timing(request))
-                        handle = None
-                    yield response_from_output(out, output)
-            except ENGINE_ERRORS as e:
-                server.telemetry.drop(rt, time.monotonic(), str(e))
-                await abort_for_engine_error(context, e)
+                await server.kv_peers.ensure(handle, context, rt)
+            except BaseException as e:  # never reached the engine: nothing else ends its telemetry
+                server.telemetry.drop(rt, time.monotonic(), f"no KV peer: {e!r}")
+                raise
+        try:
+            async for out in server.engine.generate(request):
+                if handle is not None:  # the router's P/D breakdown needs the decode's side of it
+                    await context.send_initial_metadata(decode_timing(request))
+                    handle = None
+                yield response_from_output(out, output, index, request_id)
+        except ENGINE_ERRORS as e:
+            server.telemetry.drop(rt, time.monotonic(), str(e))
+            await abort_for_engine_error(context, e)
 
 
 class AdminService(internal_pb2_grpc.AdminServicer):

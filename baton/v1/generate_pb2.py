@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62\x61ton/v1/generate.proto\x12\x08\x62\x61ton.v1\"\x8f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12\x1e\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x0e.baton.v1.ChatH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12 \n\x06output\x18\x06 \x01(\x0e\x32\x10.baton.v1.Output\x12%\n\tkv_handle\x18\x0f \x01(\x0b\x32\x12.baton.v1.KVHandleB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"/\n\x04\x43hat\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa2\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x17\n\nignore_eos\x18\x07 \x01(\x08H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x08 \x01(\x05H\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\r\n\x0b_min_tokens\"\x96\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xf0\x01\n\x08KVHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\x05\x12;\n\rtrace_context\x18\x07 \x03(\x0b\x32$.baton.v1.KVHandle.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*f\n\x06Output\x12\x16\n\x12OUTPUT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bOUTPUT_TEXT\x10\x01\x12\x14\n\x10OUTPUT_TOKEN_IDS\x10\x02\x12\x1d\n\x19OUTPUT_TEXT_AND_TOKEN_IDS\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32U\n\x0eTextGeneration\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62\x61ton/v1/generate.proto\x12\x08\x62\x61ton.v1\"\x8f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12\x1e\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x0e.baton.v1.ChatH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12 \n\x06output\x18\x06 \x01(\x0e\x32\x10.baton.v1.Output\x12%\n\tkv_handle\x18\x0f \x01(\x0b\x32\x12.baton.v1.KVHandleB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"/\n\x04\x43hat\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xcd\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x17\n\nignore_eos\x18\x07 \x01(\x08H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x08 \x01(\x05H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\'\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\n\x88\x01\x01\x12\x12\n\x05min_p\x18\x0e \x01(\x02H\x0b\x88\x01\x01\x12;\n\nlogit_bias\x18\x0f \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x0e\x88\x01\x01\x12\x0e\n\x01n\x18\x13 \x01(\x05H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_outputB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_n\"\xc1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\x05\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.baton.v1.TokenLogprobs\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\x05H\x00\x42\r\n\x0bstop_reason\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xf0\x01\n\x08KVHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\x05\x12;\n\rtrace_context\x18\x07 \x03(\x0b\x32$.baton.v1.KVHandle.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*f\n\x06Output\x12\x16\n\x12OUTPUT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bOUTPUT_TEXT\x10\x01\x12\x14\n\x10OUTPUT_TOKEN_IDS\x10\x02\x12\x1d\n\x19OUTPUT_TEXT_AND_TOKEN_IDS\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32U\n\x0eTextGeneration\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_KVHANDLE_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_KVHANDLE_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_OUTPUT']._serialized_start=1202
-  _globals['_OUTPUT']._serialized_end=1304
-  _globals['_FINISHREASON']._serialized_start=1307
-  _globals['_FINISHREASON']._serialized_end=1452
+  _globals['_OUTPUT']._serialized_start=2039
+  _globals['_OUTPUT']._serialized_end=2141
+  _globals['_FINISHREASON']._serialized_start=2144
+  _globals['_FINISHREASON']._serialized_end=2289
   _globals['_GENERATEREQUEST']._serialized_start=38
   _globals['_GENERATEREQUEST']._serialized_end=309
   _globals['_TOKENIDS']._serialized_start=311
@@ -46,15 +48,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=385
   _globals['_CHATMESSAGE']._serialized_end=429
   _globals['_SAMPLINGPARAMS']._serialized_start=432
-  _globals['_SAMPLINGPARAMS']._serialized_end=722
-  _globals['_GENERATERESPONSE']._serialized_start=725
-  _globals['_GENERATERESPONSE']._serialized_end=875
-  _globals['_USAGE']._serialized_start=877
-  _globals['_USAGE']._serialized_end=957
-  _globals['_KVHANDLE']._serialized_start=960
-  _globals['_KVHANDLE']._serialized_end=1200
-  _globals['_KVHANDLE_TRACECONTEXTENTRY']._serialized_start=1149
-  _globals['_KVHANDLE_TRACECONTEXTENTRY']._serialized_end=1200
-  _globals['_TEXTGENERATION']._serialized_start=1454
-  _globals['_TEXTGENERATION']._serialized_end=1539
+  _globals['_SAMPLINGPARAMS']._serialized_end=1277
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=969
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1017
+  _globals['_GENERATERESPONSE']._serialized_start=1280
+  _globals['_GENERATERESPONSE']._serialized_end=1601
+  _globals['_TOKENLOGPROBS']._serialized_start=1603
+  _globals['_TOKENLOGPROBS']._serialized_end=1712
+  _globals['_USAGE']._serialized_start=1714
+  _globals['_USAGE']._serialized_end=1794
+  _globals['_KVHANDLE']._serialized_start=1797
+  _globals['_KVHANDLE']._serialized_end=2037
+  _globals['_KVHANDLE_TRACECONTEXTENTRY']._serialized_start=1986
+  _globals['_KVHANDLE_TRACECONTEXTENTRY']._serialized_end=2037
+  _globals['_TEXTGENERATION']._serialized_start=2291
+  _globals['_TEXTGENERATION']._serialized_end=2376
 # @@protoc_insertion_point(module_scope)
