@@ -166,10 +166,16 @@ class LLMEngine:
         self.add(request, detokenize)
         return request
 
-    def abort_request(self, request_ids) -> None:
+    def abort_request(self, request_ids) -> list[StepOutput]:
+        """Abort live requests; returns the last output of each (finish reason "abort")."""
+        outputs = []
         for request in self.scheduler.finish_requests(request_ids):
             self.text_streams.pop(request.request_id, None)
             self._stop_text.pop(request.request_id, None)
+            outputs.append(StepOutput(request.request_id, [], "", True, request.status.finish_reason,
+                                      request.num_prompt_tokens, request.num_output_tokens,
+                                      max(request.num_cached_tokens, 0)))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -117,7 +117,7 @@ class AsyncEngine:
         finally:
             del self._streams[req_id]
             if not finished:
-                self._submit(("abort", req_id))
+                self._submit(("abort", [req_id]))
 
     async def call(self, fn, *args):
         """Run fn(*args) on the step-loop thread between steps (for anything that touches the
@@ -129,6 +129,11 @@ class AsyncEngine:
         if self._error is not None:  # the loop died meanwhile: nobody will run it
             self._fail_pending_calls()
         return await asyncio.wrap_future(future)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests by id (the Abort API): each stream gets a last output, finish reason
+        "abort"; ids not in the engine are ignored."""
+        self._submit(("abort", list(request_ids)))
 
     def _submit(self, command: tuple) -> None:
         self._commands.put(command)
@@ -168,15 +173,15 @@ class AsyncEngine:
                 arg[0].set_exception(EngineDead(f"the engine stopped: {self._error!r}"))
 
     # ---- the step loop (its own thread) -----------------------------------------------------
-    def _apply_commands(self) -> tuple[int, list[tuple[str, Exception]]]:
-        num_added, failed = 0, []
+    def _apply_commands(self) -> tuple[int, list[tuple[str, Exception]], list[StepOutput]]:
+        num_added, failed, aborted = 0, [], []
         while True:
             try:
                 kind, arg = self._commands.get_nowait()
             except queue.Empty:
-                return num_added, failed
+                return num_added, failed, aborted
             if kind == "abort":
-                self.engine.abort_request([arg])
+                aborted += self.engine.abort_request(arg)
                 continue
             if kind == "call":
                 future, fn, args = arg
@@ -202,9 +207,10 @@ class AsyncEngine:
         engine = self.engine
         try:
             while not self._stopping:
-                num_added, failed = self._apply_commands()
+                num_added, failed, outputs = self._apply_commands()
                 busy = engine.has_unfinished_requests()
-                outputs = engine.step() if busy or engine.num_held_requests else []
+                if busy or engine.num_held_requests:
+                    outputs += engine.step()
                 events = engine.take_events() if self.on_step is not None else None
                 if outputs or num_added or (events is not None and (events.events or events.step_tokens)):
                     self._loop.call_soon_threadsafe(self._dispatch, outputs, num_added, failed, events)

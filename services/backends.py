@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.services.common import SERVICE_NAME
 from baton.v1 import generate_pb2 as pb
-from baton.v1 import internal_pb2_grpc
+from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
 
 log = logging.getLogger("baton.router")
 
@@ -38,6 +38,7 @@ class Backend:
         self.generate = self.channel.unary_stream(GENERATE_METHOD, request_serializer=pb.GenerateRequest.SerializeToString,
                                                   response_deserializer=None)
         self.prefill = internal_pb2_grpc.PrefillStub(self.channel)
+        self.api = generate_pb2_grpc.TextGenerationStub(self.channel)  # the runtime API
         self.healthy = False
         self.outstanding = 0
         self.num_routed = 0

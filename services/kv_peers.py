@@ -63,15 +63,18 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             # cancelled, where the engine's abort comes too late. Releasing a request that is
             # not held does nothing.
             context.add_done_callback(lambda ctx: ctx.cancelled() and in_background(
-                server.background, self.release_hold(request.request_id)))
+                server.background, server.release_hold(request.request_id)))
             rt = server.telemetry.track(request, span)
-            last = None
+            last, calls = None, self.generation.calls
+            calls.started(request.request_id, [request.request_id])
             try:
                 async for last in server.engine.generate(request):
                     pass
             except ENGINE_ERRORS as e:
                 server.telemetry.drop(rt, time.monotonic(), str(e))
                 await abort_for_engine_error(context, e)
+            finally:
+                calls.ended(request.request_id)
             if last is None or last.finish_reason not in ("stop", "length"):
                 await context.abort(grpc.StatusCode.ABORTED, f"request {request.request_id} ended without its first token")
             return self._reply(last, output, rt)
@@ -92,17 +95,7 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
 
     async def Release(self, handle: pb.KVHandle, context: grpc.aio.ServicerContext):
         await self.server.check_internal(context)
-        return internal_pb2.ReleaseResponse(released=await self.release_hold(handle.request_id))
-
-    async def release_hold(self, request_id: str) -> bool:
-        engine, worker = self.server.engine, self.server.kv_worker
-
-        def release() -> bool:  # on the step-loop thread, between steps
-            if request_id not in engine.engine.scheduler.held:
-                return False
-            worker.release(request_id)
-            return True
-        return await engine.call(release)
+        return internal_pb2.ReleaseResponse(released=await self.server.release_hold(handle.request_id))
 
 
 class KVPeerService(internal_pb2_grpc.KVPeerServicer):

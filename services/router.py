@@ -34,9 +34,11 @@ from baton.services.common import (POLICIES, SERVICE_NAME, TOKEN_KEY, chat_messa
 from baton.services.metrics import MetricsServer, RouterMetrics, make_registry
 from baton.services.policies import make_policy
 from baton.services.router_telemetry import RouterTrace
+from baton.services.runtime_api import CallRegistry, RouterRuntime
 from baton.v1 import generate_pb2 as pb
 
 log = logging.getLogger("baton.router")
+_ABORTED = object()  # a prefill call ended by the Abort API
 
 # Client metadata that is the transport's own, not the application's, and is not forwarded.
 _HOP_BY_HOP = ("user-agent", TOKEN_KEY)
@@ -82,14 +84,20 @@ async def _pass_on_or_take_out(backend: Backend, e: grpc.aio.AioRpcError, contex
     backend.failed()
 
 
+def _aborted(msg: pb.GenerateRequest) -> bytes:
+    """The last response of a call the Abort API ended (its backend call is cancelled after)."""
+    return pb.GenerateResponse(request_id=msg.request_id, finish_reason=pb.FINISH_REASON_ABORT).SerializeToString()
+
+
 def _end_call(backend: Backend, call) -> None:
     backend.outstanding -= 1
     if not call.done():  # the client went away (cancel, deadline): stop the backend's work too
         call.cancel()
 
 
-class RouterService:
-    """baton.v1.TextGeneration, its responses passed through as serialized bytes."""
+class RouterService(RouterRuntime):
+    """baton.v1.TextGeneration: Generate's responses passed through as serialized bytes, and
+    the runtime API (services/runtime_api.py)."""
 
     def __init__(self, router: Router):
         self.router = router
@@ -99,21 +107,30 @@ class RouterService:
         if not msg.request_id:  # one id across both tiers, for their logs and traces
             msg.request_id = uuid.uuid4().hex
         msg.ClearField("kv_handle")  # the router's to set: a client's would reach a decode with the stack's token
+        if msg.request_id in r.calls.live:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {msg.request_id!r} is already in flight")
         r.num_in_flight += 1
+        ids = [msg.request_id]
         try:
             with RouterTrace(r.tracer, r.metrics, r.model_name, context, msg) as trace:
                 try:
                     n = num_completions(msg)
                 except InvalidArgument as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                children = child_requests(msg, n) if n > 1 else [msg]
+                ids = [child.request_id for child in children]
+                r.calls.started(msg.request_id, ids)
                 stream = self._generate(msg, context, trace) if n == 1 else merge(
-                    [self._completion(child, i, msg.request_id, context, trace)
-                     for i, child in enumerate(child_requests(msg, n))])
+                    [self._completion(child, i, msg.request_id, context, trace) for i, child in enumerate(children)])
                 async for resp in stream:
                     trace.last = resp
                     yield resp
         finally:
             r.num_in_flight -= 1
+            r.calls.ended(msg.request_id)
+            for request_id in ids:
+                r.routed.pop(request_id, None)
+                r.aborted.discard(request_id)
 
     async def _completion(self, child: pb.GenerateRequest, index: int, request_id: str, context, trace):
         """One of n completions, each routed as a request of its own."""
@@ -130,7 +147,7 @@ class RouterService:
         prefill_tried: list[Backend] = []
         reply = None
         while reply is None and len(prefill_tried) < 2:
-            prefill = r.pick(r.prefill, r.prefill_policy, hashes, trace, prefill_tried)
+            prefill = r.pick(r.prefill, r.prefill_policy, hashes, trace, msg.request_id, prefill_tried)
             if prefill is None:
                 break  # no prefill instance: the decode computes the prompt itself
             if prefill_tried:
@@ -142,12 +159,17 @@ class RouterService:
             async for resp in self._colocated(msg, hashes, metadata, context, trace):
                 yield resp
             return
+        if reply is _ABORTED or msg.request_id in r.aborted:  # by the Abort API, before the decode
+            if reply is not _ABORTED and reply.HasField("handle"):
+                in_background(r.background, r.release(prefill_tried[-1], reply.handle))
+            yield _aborted(msg)
+            return
         if not reply.HasField("handle"):  # the first token ended the request
             trace.first_token()
             yield reply.first.SerializeToString()
             return
         msg.kv_handle.CopyFrom(reply.handle)
-        decode = r.pick(r.decode, r.decode_policy, hashes, trace)
+        decode = r.pick(r.decode, r.decode_policy, hashes, trace, msg.request_id)
         if decode is None:
             await r.release(prefill_tried[-1], reply.handle)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode instance")
@@ -161,6 +183,9 @@ class RouterService:
                 if not pulled:
                     pulled = True
                     trace.decode_answer(await call.initial_metadata())
+                if msg.request_id in r.aborted:  # the Abort API (it may have reached the decode too late)
+                    yield _aborted(msg)
+                    return
                 yield resp
         except grpc.aio.AioRpcError as e:
             error = e
@@ -197,6 +222,8 @@ class RouterService:
             error = e
             if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                 in_background(self.router.background, self.router.release(prefill, forget))
+            if e.code() == grpc.StatusCode.ABORTED and msg.request_id in self.router.aborted:
+                return _ABORTED
             await _pass_on_or_take_out(prefill, e, context)
             log.warning("prefill %s failed for %s: %s", prefill.address, msg.request_id, e.details())
             return None
@@ -208,7 +235,7 @@ class RouterService:
         """The decode instance runs the whole request; one retry elsewhere before a token."""
         r, tried = self.router, []
         while True:
-            decode = r.pick(r.decode, r.decode_policy, hashes, trace, tried)
+            decode = r.pick(r.decode, r.decode_policy, hashes, trace, msg.request_id, tried)
             if decode is None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode instance" +
                                     (f" (tried {', '.join(b.address for b in tried)})" if tried else ""))
@@ -223,6 +250,9 @@ class RouterService:
                     if not started:
                         started = True
                         trace.first_token()
+                    if msg.request_id in r.aborted:
+                        yield _aborted(msg)
+                        return
                     yield resp
                 return
             except grpc.aio.AioRpcError as e:
@@ -237,6 +267,17 @@ class RouterService:
             finally:
                 _end_call(decode, call)
                 trace.call_ended(span, "decode", decode, error)
+
+
+def _handlers(service: RouterService) -> dict:
+    """The service's methods; Generate's responses are bytes already."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["TextGeneration"].methods:
+        request, response = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(getattr(service, method.name), request_deserializer=request.FromString,
+                                     response_serializer=None if method.name == "Generate" else response.SerializeToString)
+    return handlers
 
 
 class Router:
@@ -257,9 +298,7 @@ class Router:
         self.health = health.aio.HealthServicer()
         self.grpc, self.port = make_grpc_server(o.host, o.port, o.max_message_bytes)
         service = RouterService(self)
-        self.grpc.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            "Generate": grpc.unary_stream_rpc_method_handler(
-                service.Generate, request_deserializer=pb.GenerateRequest.FromString, response_serializer=None)})])
+        self.grpc.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, _handlers(service))])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
@@ -269,6 +308,9 @@ class Router:
         self.serving = False  # takes requests (between start and stop)
         self.num_in_flight = 0
         self.background: set[asyncio.Task] = set()
+        self.calls = CallRegistry()  # Generate calls in flight (by the client's id), for Abort
+        self.routed: dict[str, set[Backend]] = {}  # a request id sent to backends -> where it went
+        self.aborted: set[str] = set()  # ids of requests in flight that the Abort API ended
 
     @property
     def address(self) -> str:
@@ -302,7 +344,8 @@ class Router:
         at worst)."""
         in_background(self.background, self._report(self.serving and bool(self.decode.healthy())))
 
-    def pick(self, tier: Tier, policy, hashes: list[int], trace: RouterTrace, exclude=()) -> Backend | None:
+    def pick(self, tier: Tier, policy, hashes: list[int], trace: RouterTrace, request_id: str,
+             exclude=()) -> Backend | None:
         backends = tier.healthy(tuple(exclude))
         if not backends:
             return None
@@ -311,6 +354,7 @@ class Router:
         backend = choice.backend
         backend.outstanding += 1
         backend.num_routed += 1
+        self.routed.setdefault(request_id, set()).add(backend)  # where an Abort must go
         return backend
 
     def prefix_hashes(self, msg: pb.GenerateRequest) -> list[int]:

@@ -31,6 +31,7 @@ from baton.services.engine_telemetry import EngineTelemetry
 from baton.services.fan_out import child_requests, merge, num_completions
 from baton.services.kv_peers import KVPeers, KVPeerService, PrefillService
 from baton.services.metrics import EngineMetrics, MetricsServer, make_registry, on_loop
+from baton.services.runtime_api import CallRegistry, EngineRuntime, load_from_snapshot, model_info
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
 
@@ -78,9 +79,10 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         raise InvalidArgument(f"sampling.{e.field}", e.reason) from None
 
 
-class GenerationService(generate_pb2_grpc.TextGenerationServicer):
+class GenerationService(EngineRuntime, generate_pb2_grpc.TextGenerationServicer):
     def __init__(self, server: Server):
         self.server = server
+        self.calls = CallRegistry()  # for Abort
 
     def make_request(self, msg: pb.GenerateRequest, for_prefill: bool = False) -> tuple[Request, int]:
         """The engine request for a GenerateRequest, and its output mode; raises
@@ -144,6 +146,8 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
             if handle is not None:
                 await server.check_token(context)
             msg.request_id = msg.request_id or uuid.uuid4().hex
+            if msg.request_id in self.calls.live:
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {msg.request_id!r} is already in flight")
             try:
                 n = num_completions(msg)
                 check(n == 1 or handle is None, "sampling.n", "must be 1 with a kv_handle")
@@ -152,8 +156,12 @@ class GenerationService(generate_pb2_grpc.TextGenerationServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             streams = [self._completion(request, output, i, msg.request_id, handle, span, context)
                        for i, (request, output) in enumerate(made)]
-            async for resp in streams[0] if n == 1 else merge(streams):
-                yield resp
+            self.calls.started(msg.request_id, [request.request_id for request, _ in made])
+            try:
+                async for resp in streams[0] if n == 1 else merge(streams):
+                    yield resp
+            finally:
+                self.calls.ended(msg.request_id)
 
     async def _completion(self, request: Request, output: int, index: int, request_id: str,
                           handle: pb.KVHandle | None, span, context: grpc.aio.ServicerContext):
@@ -253,6 +261,24 @@ class Server:
         return tracing.ServerSpan(self.tracer, context, f"{operation} {self.model_name}", {
             **tracing.rpc_attributes(service, method),
             **tracing.genai_request_attributes(operation, self.model_name, msg.request_id, msg.sampling)})
+
+    def model_info(self) -> pb.ModelInfo:
+        return model_info(self.engine.engine, self.model_name, self.options.role)
+
+    async def load(self) -> pb.Load:
+        snapshot = await self.engine.call(self.engine.engine.snapshot)
+        return load_from_snapshot(snapshot, self.options.role, self.address, self.engine.num_in_flight)
+
+    async def release_hold(self, request_id: str) -> bool:
+        """Let go of blocks held for a decode that will not pull them; false when none are held."""
+        engine, worker = self.engine, self.kv_worker
+
+        def release() -> bool:  # on the step-loop thread, between steps
+            if request_id not in engine.engine.scheduler.held:
+                return False
+            worker.release(request_id)
+            return True
+        return await engine.call(release)
 
     def _snapshot(self, loop: asyncio.AbstractEventLoop):
         """The engine's figures for a scrape (from the HTTP thread), or None when it cannot answer."""

@@ -21,6 +21,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class AbortStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ABORT_STATUS_UNSPECIFIED: _ClassVar[AbortStatus]
+    ABORT_STATUS_ABORTED: _ClassVar[AbortStatus]
+    ABORT_STATUS_ALREADY_FINISHED: _ClassVar[AbortStatus]
+    ABORT_STATUS_NOT_FOUND: _ClassVar[AbortStatus]
 OUTPUT_UNSPECIFIED: Output
 OUTPUT_TEXT: Output
 OUTPUT_TOKEN_IDS: Output
@@ -30,6 +37,10 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
+ABORT_STATUS_UNSPECIFIED: AbortStatus
+ABORT_STATUS_ABORTED: AbortStatus
+ABORT_STATUS_ALREADY_FINISHED: AbortStatus
+ABORT_STATUS_NOT_FOUND: AbortStatus
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "output", "kv_handle")
@@ -192,3 +203,125 @@ class KVHandle(_message.Message):
     first_token: int
     trace_context: _containers.ScalarMap[str, str]
     def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_name", "model_path", "architecture", "max_model_len", "vocab_size", "block_size", "dtype", "eos_token_ids", "has_chat_template", "baton_version", "role")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    BATON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    model_path: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    dtype: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    has_chat_template: bool
+    baton_version: str
+    role: str
+    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., baton_version: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ("interval_ms",)
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: int
+    def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+
+class Load(_message.Message):
+    __slots__ = ("role", "address", "num_running", "num_waiting", "num_waiting_for_remote_kvs", "kv_cache_usage", "num_held_blocks", "num_in_flight", "backends")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FOR_REMOTE_KVS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    address: str
+    num_running: int
+    num_waiting: int
+    num_waiting_for_remote_kvs: int
+    kv_cache_usage: float
+    num_held_blocks: int
+    num_in_flight: int
+    backends: _containers.RepeatedCompositeFieldContainer[BackendLoad]
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_remote_kvs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_held_blocks: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., backends: _Optional[_Iterable[_Union[BackendLoad, _Mapping]]] = ...) -> None: ...
+
+class BackendLoad(_message.Message):
+    __slots__ = ("address", "tier", "healthy", "outstanding", "load")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    tier: str
+    healthy: bool
+    outstanding: int
+    load: Load
+    def __init__(self, address: _Optional[str] = ..., tier: _Optional[str] = ..., healthy: _Optional[bool] = ..., outstanding: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[AbortResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[AbortResult, _Mapping]]] = ...) -> None: ...
+
+class AbortResult(_message.Message):
+    __slots__ = ("request_id", "status")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    status: AbortStatus
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[AbortStatus, str]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("text", "chat")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    chat: Chat
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "max_model_len")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_model_len: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("token_ids", "skip_special_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_special_tokens: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...

@@ -39,6 +39,36 @@ class TextGenerationStub:
                 request_serializer=baton_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/baton.v1.TextGeneration/GetModelInfo',
+                request_serializer=baton_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+                _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/baton.v1.TextGeneration/GetLoad',
+                request_serializer=baton_dot_v1_dot_generate__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generate__pb2.Load.FromString,
+                _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/baton.v1.TextGeneration/WatchLoad',
+                request_serializer=baton_dot_v1_dot_generate__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generate__pb2.Load.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/baton.v1.TextGeneration/Abort',
+                request_serializer=baton_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generate__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/baton.v1.TextGeneration/Tokenize',
+                request_serializer=baton_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/baton.v1.TextGeneration/Detokenize',
+                request_serializer=baton_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -58,6 +88,49 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """The runtime API (every service, the router included).
+        What is served: the model, its limits, its tokenizer's facts, Baton's version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLoad(self, request, context):
+        """The load now; on the router, with each backend's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchLoad(self, request, context):
+        """The load, and again whenever it changes (checked every interval_ms).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Aborts Generate calls by request_id: each stream ends with FINISH_REASON_ABORT and its
+        blocks are freed (a prefill's held blocks too). Idempotent; each id is answered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """Token ids of a text or of a conversation (through the chat template), as Generate counts them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -65,6 +138,36 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=baton_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
                     response_serializer=baton_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=baton_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=baton_dot_v1_dot_generate__pb2.GetLoadRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generate__pb2.Load.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=baton_dot_v1_dot_generate__pb2.GetLoadRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generate__pb2.Load.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=baton_dot_v1_dot_generate__pb2.AbortRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=baton_dot_v1_dot_generate__pb2.TokenizeRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generate__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=baton_dot_v1_dot_generate__pb2.DetokenizeRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generate__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -94,6 +197,168 @@ class TextGeneration:
             '/baton.v1.TextGeneration/Generate',
             baton_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
             baton_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.TextGeneration/GetModelInfo',
+            baton_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
+            baton_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.TextGeneration/GetLoad',
+            baton_dot_v1_dot_generate__pb2.GetLoadRequest.SerializeToString,
+            baton_dot_v1_dot_generate__pb2.Load.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.TextGeneration/WatchLoad',
+            baton_dot_v1_dot_generate__pb2.GetLoadRequest.SerializeToString,
+            baton_dot_v1_dot_generate__pb2.Load.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.TextGeneration/Abort',
+            baton_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+            baton_dot_v1_dot_generate__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.TextGeneration/Tokenize',
+            baton_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+            baton_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.TextGeneration/Detokenize',
+            baton_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+            baton_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
