@@ -23,6 +23,8 @@ so that the machine's drift does not land on one side.
     .venv/bin/python bench/serve.py --max-concurrency 32
     .venv/bin/python bench/serve.py --modes colocated,disaggregated,router --long-every 4
     .venv/bin/python bench/serve.py --modes disaggregated --telemetry off,traced --rounds 2
+    .venv/bin/python bench/serve.py --modes colocated,colocated-http --max-concurrency 32
+    .venv/bin/python bench/serve.py --modes colocated,openai --openai-url http://127.0.0.1:8000   # e.g. vLLM
 """
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 FIRST_TOKEN_ID = 3  # skip the usual special ids at the bottom of the vocabulary
-MODES = ("offline", "colocated", "disaggregated", "router")
+MODES = ("offline", "colocated", "disaggregated", "router", "colocated-http", "disaggregated-http", "router-http",
+         "openai")
 TELEMETRY = ("off", "metrics", "traced")
 TOKEN = "bench-token"
 
@@ -85,7 +88,11 @@ def parse_args() -> argparse.Namespace:
                         "client get the other core, so the router's own cost is not taken from the engine")
     p.add_argument("--modes", default="offline,colocated,disaggregated,router",
                    help="comma list of: offline, colocated, disaggregated (router + 1 prefill + 1 decode), "
-                        "router (router + the colocated server)")
+                        "router (router + the colocated server); each service mode with -http is loaded through "
+                        "its OpenAI-compatible HTTP front instead of gRPC; openai: the server at --openai-url")
+    p.add_argument("--openai-url", help="an OpenAI-compatible server to load in the `openai` mode (e.g. a vLLM "
+                                        "server's http://127.0.0.1:8000), with the same workload and metrics")
+    p.add_argument("--openai-model", help="the model name it serves (default: the first of its /v1/models)")
     p.add_argument("--telemetry", default="off", help="comma list of: off, metrics, traced (each service mode "
                                                       "runs once per entry)")
     p.add_argument("--rounds", type=int, default=1, help="alternate every run this many times; keep the fastest")
@@ -94,6 +101,8 @@ def parse_args() -> argparse.Namespace:
     for name, given, known in (("modes", args.modes, MODES), ("telemetry", args.telemetry, TELEMETRY)):
         if set(given) - set(known):
             p.error(f"--{name}: unknown {', '.join(sorted(set(given) - set(known)))}; choose from {', '.join(known)}")
+    if "openai" in args.modes and not args.openai_url:
+        p.error("--modes openai: give the server with --openai-url")
     args.model = Path(args.model) if Path(args.model).is_absolute() else REPO / args.model
     return args
 
@@ -159,7 +168,8 @@ def run_offline(args: argparse.Namespace, workload: list[Request]) -> tuple[list
 
 # ---- the services -----------------------------------------------------------------------------
 def start_service(args: argparse.Namespace, *flags: str, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
-    """`baton serve` in a process (on `cpus`, with as many torch threads); its address."""
+    """`baton serve` in a process (on `cpus`, with as many torch threads); its address (the
+    URL of its OpenAI front, when started with one)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(len(cpus))) if cpus else None
     proc = subprocess.Popen([sys.executable, "-m", "baton.services.cli", "serve", "--model", str(args.model),
                              "--port", "0", "--max-num-seqs", str(args.max_num_seqs),
@@ -167,11 +177,15 @@ def start_service(args: argparse.Namespace, *flags: str, cpus: set[int] | None =
                              "--max-waiting-requests", str(args.num_prompts + 1), "--internal-token", TOKEN, *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+    address = None
     for line in proc.stdout:
         if line.startswith("serving on "):
             address = line.split()[2].rstrip(";")
             wait_serving(address)  # a router serves once its backends do
-            return proc, address
+            if "--http-port" not in flags:
+                return proc, address
+        if line.startswith("OpenAI API on "):
+            return proc, line.split()[3].removesuffix("/v1")
     proc.kill()
     sys.exit(f"`baton serve {' '.join(flags)}` exited before it served; run it by hand to see why")
 
@@ -187,17 +201,20 @@ def wait_serving(address: str, timeout_s: float = 60.0) -> None:
 
 
 def start_stack(args: argparse.Namespace, mode: str, flags: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], str]:
-    """The processes of one mode, router last; the address clients call. `flags` go to every one."""
+    """The processes of one mode, router last; the address clients call (the URL of the front
+    service's OpenAI API in an -http mode). `flags` go to every one."""
     cores = sorted(os.sched_getaffinity(0))
+    mode, http = mode.removesuffix("-http"), ("--http-port", "0") if mode.endswith("-http") else ()
     if mode in ("colocated", "router"):
-        procs = [start_service(args, *flags, cpus=set(cores[:args.colocated_cores or len(cores)]))]
+        procs = [start_service(args, *flags, *(http if mode == "colocated" else ()),
+                               cpus=set(cores[:args.colocated_cores or len(cores)]))]
         if mode == "router":
-            procs.append(start_service(args, "--role", "router", "--decode", procs[0][1], *flags))
+            procs.append(start_service(args, "--role", "router", "--decode", procs[0][1], *flags, *http))
     else:  # disaggregated: one core each (the same core twice on a one-core machine)
         procs = [start_service(args, "--role", role, *flags, cpus={cores[i % len(cores)]})
                  for i, role in enumerate(("prefill", "decode"))]
         procs.append(start_service(args, "--role", "router", "--prefill", procs[0][1], "--decode", procs[1][1],
-                                   *flags))
+                                   *flags, *http))
     return [p for p, _ in procs], procs[-1][1]
 
 
@@ -273,6 +290,59 @@ async def run_grpc(args: argparse.Namespace, workload: list[Request], address: s
     return traces, wall
 
 
+async def run_http(args: argparse.Namespace, workload: list[Request], url: str, mode: str,
+                   model: str | None = None) -> tuple[list[Trace], float]:
+    """The same workload over an OpenAI-compatible server's /v1/completions (token-id prompts,
+    streamed); a chunk is an event that carries text, tokens counted from the usage."""
+    import aiohttp
+
+    traces = [Trace() for _ in workload]
+    limit = asyncio.Semaphore(args.max_concurrency or len(workload))
+    bar = tqdm(total=len(workload), desc=mode, unit="req")
+    async with aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=None),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        if model is None:
+            async with session.get("/v1/models") as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"{url}/v1/models: HTTP {resp.status}: {await resp.text()}")
+                model = (await resp.json())["data"][0]["id"]
+
+        async def stream(prompt: list[int], max_tokens: int, trace: Trace | None, t0: float) -> None:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                    "ignore_eos": True, "stream_options": {"include_usage": True}}
+            async with session.post("/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+                async for line in resp.content:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]") or trace is None:
+                        continue
+                    event = json.loads(line[6:])
+                    if event.get("choices") and event["choices"][0].get("text"):
+                        trace.chunk_s.append(time.perf_counter() - t0)
+                    if event.get("usage"):
+                        trace.tokens = event["usage"]["completion_tokens"]
+
+        await stream(workload[0].prompt[:8], 2, None, 0.0)  # warm-up
+        t0 = time.perf_counter()
+
+        async def one(i: int, r: Request) -> None:
+            await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
+            async with limit:
+                trace = traces[i]
+                trace.start_s = time.perf_counter() - t0
+                try:
+                    await stream(r.prompt, r.output_len, trace, t0)
+                except Exception as e:  # noqa: BLE001 - counted as a failed request
+                    trace.ok = False
+                    tqdm.write(f"request {i} failed: {e}")
+            bar.update(1)
+
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(workload)))
+        wall = time.perf_counter() - t0
+    bar.close()
+    return traces, wall
+
+
 # ---- report -----------------------------------------------------------------------------------
 def metrics(traces: list[Trace], wall: float, workload: list[Request]) -> dict[str, float]:
     ok = [(t, r) for t, r in zip(traces, workload) if t.ok and t.chunk_s]
@@ -320,10 +390,14 @@ def main() -> None:
             name = mode if variant == "off" else f"{mode}+{variant}"
             if mode == "offline":
                 row = metrics(*run_offline(args, workload), workload)
+            elif mode == "openai":
+                row = metrics(*asyncio.run(run_http(args, workload, args.openai_url, name, args.openai_model)),
+                              workload)
             else:
                 procs, address = start_stack(args, mode, telemetry_flags(variant, sink))
+                client = run_http if mode.endswith("-http") else run_grpc
                 try:
-                    row = metrics(*asyncio.run(run_grpc(args, workload, address, name)), workload)
+                    row = metrics(*asyncio.run(client(args, workload, address, name)), workload)
                 finally:
                     stop_stack(procs)
             tqdm.write(f"round {round_ + 1} {name}: {row['output tok/s']:.1f} output tok/s")
@@ -343,6 +417,10 @@ def main() -> None:
     if "disaggregated" in rows and "colocated" in rows:
         ratio = rows["disaggregated"]["TPOT p99 ms"] / rows["colocated"]["TPOT p99 ms"]
         print(f"disaggregation: p99 TPOT = {ratio:.3f}x colocated")
+    for name in rows:
+        if name.endswith("-http") and name.removesuffix("-http") in rows:
+            ratio = rows[name]["output tok/s"] / rows[name.removesuffix("-http")]["output tok/s"]
+            print(f"HTTP front: {name.removesuffix('-http')} output token throughput over HTTP = {ratio:.3f}x gRPC")
     for name in rows:
         mode, _, variant = name.partition("+")
         if variant and mode in rows:

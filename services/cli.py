@@ -83,11 +83,11 @@ def _serve(args) -> None:
         make = lambda: Router(_router_options(args))  # noqa: E731
     else:
         from baton.services.server import Server, ServerOptions
-        options = ServerOptions(host=args.host, port=args.port, max_concurrent_streams=args.max_concurrent_streams,
-                                max_message_bytes=args.max_message_bytes,
-                                max_waiting_requests=args.max_waiting_requests, grace_s=args.grace_period,
-                                role=args.role, internal_token=args.internal_token,
-                                kv_hold_timeout_s=args.kv_hold_timeout, **_telemetry_options(args))
+        options = _checked(ServerOptions, host=args.host, port=args.port,
+                           max_concurrent_streams=args.max_concurrent_streams, max_message_bytes=args.max_message_bytes,
+                           max_waiting_requests=args.max_waiting_requests, grace_s=args.grace_period,
+                           role=args.role, internal_token=args.internal_token, kv_hold_timeout_s=args.kv_hold_timeout,
+                           **_telemetry_options(args))
         make = lambda: Server(_engine_config(args), options)  # noqa: E731
 
     async def run() -> None:
@@ -102,6 +102,8 @@ def _serve(args) -> None:
         if server.metrics_server is not None:  # listening already: scrapes answer while the model loads
             print(f"metrics on {server.metrics_server.url}", flush=True)
         await server.start()
+        if server.http is not None:
+            print(f"OpenAI API on {server.http.url}/v1", flush=True)
         print(f"serving on {server.address}; try:\n  baton generate --target {server.address} "
               f"'What is the capital of France?'", flush=True)
         await stop.wait()
@@ -111,10 +113,18 @@ def _serve(args) -> None:
     asyncio.run(run())
 
 
+def _checked(make, **kwargs):
+    """Options, or a one-line exit naming what is wrong with them."""
+    try:
+        return make(**kwargs)
+    except ValueError as e:
+        sys.exit(f"baton serve: {e}")
+
+
 def _telemetry_options(args) -> dict:
     """The observability flags that were given (a router's config file may set the others)."""
-    return {name: getattr(args, name) for name in ("metrics_port", "otlp_traces_endpoint", "served_model_name")
-            if getattr(args, name) is not None}
+    return {name: getattr(args, name) for name in ("metrics_port", "otlp_traces_endpoint", "served_model_name",
+                                                   "http_port") if getattr(args, name) is not None}
 
 
 def _router_options(args):
@@ -156,7 +166,7 @@ def _up(args) -> None:
     argv += [flag for flag, on in (("--no-prefix-caching", args.no_prefix_caching),
                                    ("--no-chunked-prefill", args.no_chunked_prefill)) if on]
     sys.exit(up(_model_dir(args), args.host, args.port, args.prefill, args.decode, argv, args.policy,
-                args.start_timeout, trace=args.trace))
+                args.start_timeout, trace=args.trace, http_port=args.http_port or None))
 
 
 def _trace(args) -> None:
@@ -252,8 +262,10 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--otlp-traces-endpoint", help="export OpenTelemetry traces over OTLP/gRPC to this collector "
                                                   "(host:port or URL; default: $OTEL_EXPORTER_OTLP_ENDPOINT; unset: "
                                                   "no tracing)")
-    t.add_argument("--served-model-name", help="the model's name in spans and metric labels (default: the model "
-                                               "directory's name)")
+    t.add_argument("--served-model-name", help="the model's name in spans, metric labels and the OpenAI API "
+                                               "(default: the model directory's name)")
+    s.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port too (0: a free "
+                                                 "one, printed), on a colocated server or the router; default: none")
     r = s.add_argument_group("router (--role router)")
     r.add_argument("--prefill", action="append", metavar="HOST:PORT[,…]",
                    help="prefill instances; a DNS name stands for every address it resolves to (re-resolved "
@@ -273,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
                                    "all serve, print the address; Ctrl-C stops them all.")
     u.add_argument("--host", default="127.0.0.1", help="address every service listens on (default: %(default)s)")
     u.add_argument("--port", type=int, default=50051, help="the router's port (default: %(default)s)")
+    u.add_argument("--http-port", type=int, default=8000,
+                   help="the router's OpenAI-compatible HTTP API (default: %(default)s, vLLM's; 0: none)")
     u.add_argument("--prefill", type=int, default=1, help="prefill instances (default: %(default)s; 0: decode "
                                                            "instances compute prompts themselves)")
     u.add_argument("--decode", type=int, default=1, help="decode instances (default: %(default)s)")

@@ -110,7 +110,7 @@ class Stack:
 
 
 def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
-                policy: str) -> Stack:
+                policy: str, http_port: int | None = None) -> Stack:
     serve = [sys.executable, "-m", "baton.services.cli", "serve", "--host", host, "--model", model]
 
     def service(name: str, role: str, port: int, *argv: str) -> Service:
@@ -121,19 +121,22 @@ def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: 
     engines = [service(f"{role}-{i}", role, free_port(host), *engine_argv)
                for role, n in (("prefill", num_prefill), ("decode", num_decode)) for i in range(n)]
     backends = [arg for e in engines for arg in ("--" + e.role, e.address)]
-    return Stack([service("router", "router", port, "--policy", policy, *backends), *engines])
+    http = ["--http-port", str(http_port)] if http_port is not None else []
+    return Stack([service("router", "router", port, "--policy", policy, *backends, *http), *engines])
 
 
 def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
-       policy: str = "round_robin", start_timeout_s: float = 300.0, grace_s: float = 10.0, trace: bool = False) -> int:
+       policy: str = "round_robin", start_timeout_s: float = 300.0, grace_s: float = 10.0, trace: bool = False,
+       http_port: int | None = None) -> int:
     if not os.path.isfile(os.path.join(model, "config.json")):
         print(f"baton up: {model} is not a checkpoint directory (no config.json); "
               f"`baton prepare-models` writes the demo model", file=sys.stderr)
         return 2
-    if not port_is_free(host, port):
-        print(f"baton up: {host}:{port} is taken; pick another with --port", file=sys.stderr)
-        return 2
-    stack = build_stack(model, host, port, num_prefill, num_decode, engine_argv, policy)
+    for taken, flag in ((port, "--port"), (http_port, "--http-port")):
+        if taken and not port_is_free(host, taken):
+            print(f"baton up: {host}:{taken} is taken; pick another with {flag}", file=sys.stderr)
+            return 2
+    stack = build_stack(model, host, port, num_prefill, num_decode, engine_argv, policy, http_port)
     env = dict(os.environ, BATON_INTERNAL_TOKEN=os.environ.get("BATON_INTERNAL_TOKEN") or secrets.token_hex(16))
     # Engines share the cores instead of each assuming all of them.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (num_prefill + num_decode))))
@@ -159,9 +162,11 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
         metrics = "".join(f"\n  {s.name:<10} {s.metrics_url}" for s in stack.services)
         traces = (f"\nTraces: every request's waterfall is printed here (receiver on {receiver.endpoint})"
                   if receiver is not None else "")
+        http = (f"OpenAI API: http://{host}:{http_port}/v1 (e.g. curl http://{host}:{http_port}/v1/models)\n"
+                if http_port else "")
         print(f"Baton is up: router on {host}:{port} -> {num_prefill} prefill + {num_decode} decode ({engines})\n"
               f"  baton generate --target {host}:{port} 'What is the capital of France?'\n"
-              f"Metrics:{metrics}{traces}\nCtrl-C stops all.", flush=True)
+              f"{http}Metrics:{metrics}{traces}\nCtrl-C stops all.", flush=True)
         while not stopping.wait(0.5):
             dead = stack.dead()
             if dead is not None:

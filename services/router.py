@@ -65,6 +65,7 @@ class RouterOptions:
     served_model_name: str | None = None  # in spans and metric labels; default: the tokenizer directory's name
     metrics_port: int | None = None  # /metrics over HTTP (0: any free port); None: no metrics
     otlp_traces_endpoint: str | None = None  # default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; none: no tracing
+    http_port: int | None = None  # the OpenAI-compatible HTTP front (0: any free port); None: none
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -297,7 +298,7 @@ class Router:
         self.metrics_server = MetricsServer(registry, o.host, o.metrics_port) if registry is not None else None
         self.health = health.aio.HealthServicer()
         self.grpc, self.port = make_grpc_server(o.host, o.port, o.max_message_bytes)
-        service = RouterService(self)
+        service = self.service = RouterService(self)
         self.grpc.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, _handlers(service))])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
@@ -308,6 +309,7 @@ class Router:
         self.serving = False  # takes requests (between start and stop)
         self.num_in_flight = 0
         self.background: set[asyncio.Task] = set()
+        self.http = None  # the OpenAI front, once started
         self.calls = CallRegistry()  # Generate calls in flight (by the client's id), for Abort
         self.routed: dict[str, set[Backend]] = {}  # a request id sent to backends -> where it went
         self.aborted: set[str] = set()  # ids of requests in flight that the Abort API ended
@@ -319,12 +321,17 @@ class Router:
     async def start(self) -> None:
         await self._report(False)
         await self.grpc.start()
-        if self.options.tokenizer_dir and self.options.policy == "prefix_affinity":
+        o = self.options
+        if o.tokenizer_dir and (o.policy == "prefix_affinity" or o.http_port is not None):
             from baton.engine.tokenizer import load_tokenizer
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.options.tokenizer_dir)
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, o.tokenizer_dir)
         for tier in (self.prefill, self.decode):
             await tier.refresh()
         self._resolver = asyncio.ensure_future(self._resolve_periodically())
+        if o.http_port is not None:
+            from baton.services.openai_http import OpenAIFront
+            self.http = OpenAIFront(self.service, o.host, o.http_port, lambda: self.serving, self.tokenizer)
+            await self.http.start()
         self.serving = True
         self._health_changed()
 
@@ -394,6 +401,8 @@ class Router:
         self.serving = False
         await self._report(False)
         await drain(self.grpc, lambda: self.num_in_flight, self.options.grace_s if grace_s is None else grace_s)
+        if self.http is not None:
+            await self.http.stop()
         if self._resolver is not None:
             self._resolver.cancel()
         for tier in (self.prefill, self.decode):

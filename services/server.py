@@ -61,9 +61,12 @@ class ServerOptions:
     served_model_name: str | None = None  # in spans and metric labels; default: the model directory's name
     metrics_port: int | None = None  # /metrics over HTTP (0: any free port); None: no metrics
     otlp_traces_endpoint: str | None = None  # default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; none: no tracing
+    http_port: int | None = None  # the OpenAI-compatible HTTP front (0: any free port); None: none
 
     def __post_init__(self):
         check(self.role in ROLES, "role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
+        check(self.http_port is None or self.role == "both", "http_port",
+              "the OpenAI front serves on a colocated server or the router, not on one tier")
 
 
 def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
@@ -206,7 +209,7 @@ class Server:
         o = self.options
         streams = [("grpc.max_concurrent_streams", o.max_concurrent_streams)] if o.max_concurrent_streams else []
         self.grpc, self.port = make_grpc_server(o.host, o.port, o.max_message_bytes, streams)
-        generation = GenerationService(self)
+        generation = self.generation = GenerationService(self)
         generate_pb2_grpc.add_TextGenerationServicer_to_server(generation, self.grpc)
         internal_pb2_grpc.add_KVPeerServicer_to_server(KVPeerService(self), self.grpc)
         internal_pb2_grpc.add_AdminServicer_to_server(AdminService(self), self.grpc)
@@ -227,6 +230,7 @@ class Server:
                                if self.metrics_registry is not None else None)
         self.background: set[asyncio.Task] = set()
         self.kv_peers = KVPeers(self)
+        self.http = None  # the OpenAI front, once started
 
     @property
     def address(self) -> str:
@@ -248,6 +252,10 @@ class Server:
         self.engine = AsyncEngine(engine, self.options.max_waiting_requests, on_dead=self._on_engine_dead,
                                   on_step=self.telemetry.on_step if self.telemetry.enabled else None)
         self.engine.start()
+        if o.http_port is not None:
+            from baton.services.openai_http import OpenAIFront
+            self.http = OpenAIFront(self.generation, o.host, o.http_port, lambda: self.serving, engine.tokenizer)
+            await self.http.start()
         self.serving = True
         await set_health(self.health, True)
         log.info("serving %s on %s", self.config.model, self.address)
@@ -323,6 +331,8 @@ class Server:
         await set_health(self.health, False)
         await drain(self.grpc, lambda: self.engine.num_in_flight if self.engine else 0,
                     self.options.grace_s if grace_s is None else grace_s)
+        if self.http is not None:
+            await self.http.stop()
         await self.kv_peers.close()
         if self.engine is not None:
             await self.engine.stop()

@@ -14,6 +14,7 @@ import time
 import urllib.request
 
 import grpc
+import openai
 import pytest
 
 from baton import LLM, SamplingParams
@@ -352,8 +353,9 @@ def baton(*argv: str, **kwargs) -> subprocess.Popen:
 
 
 def test_baton_up_answers_traces_and_stops_cleanly(tiny_llama):
-    port = free_port("127.0.0.1")
-    up = baton("up", "--model", tiny_llama, "--port", str(port), "--dtype", "float32", "--trace")
+    port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    up = baton("up", "--model", tiny_llama, "--port", str(port), "--dtype", "float32", "--trace",
+               "--http-port", str(http_port))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(up.stdout), daemon=True)  # never blocks the test
     reader.start()
@@ -376,6 +378,11 @@ def test_baton_up_answers_traces_and_stops_cleanly(tiny_llama):
                                  f"127.0.0.1:{port}", "--raw", "--max-tokens", "5", "hello"],
                                 capture_output=True, text=True, timeout=60)
         assert answer.returncode == 0 and "5 tokens" in answer.stderr, answer.stderr
+        assert any(line.startswith(f"OpenAI API: http://127.0.0.1:{http_port}/v1") for line in lines)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=client.models.list().data[0].id, prompt="hello", max_tokens=5, temperature=0, stream=True))
+        assert streamed == answer.stdout  # what `baton generate --raw` printed
         wait_for("trace ", 30)
         deadline = time.monotonic() + 10
         while "\n" not in (rows := wait_for("trace ")):  # a blank line ends the waterfall

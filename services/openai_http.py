@@ -1,0 +1,245 @@
+"""The OpenAI-compatible HTTP front of a colocated server or the router: /v1/completions and
+/v1/chat/completions (server-sent events or whole), /v1/models, /health, /tokenize and
+/detokenize, on aiohttp in the gRPC server's own event loop.
+
+A request takes the same path as a gRPC call, not an extra hop: its JSON becomes a
+GenerateRequest (one request id across both) handed to the service's own Generate with a
+stand-in for the gRPC context, whose aborts become OpenAI error bodies with the HTTP status
+that fits (400 naming the parameter, 404, 429, 503). A client that goes away cancels the
+handler, which aborts the request and frees its blocks.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from aiohttp import web
+
+from baton.services.fan_out import merge
+from baton.services.openai_protocol import (ApiError, Completion, chat_messages_from_body, error_for_status, int_list,
+                                            prompts_from_body, sampling_from_body, sse)
+from baton.v1 import generate_pb2 as pb
+
+log = logging.getLogger("baton.http")
+
+class _Aborted(Exception):
+    """The stand-in context's abort (a gRPC handler's abort raises, so does this)."""
+
+
+class CallContext:
+    """What the gRPC handlers use of grpc.aio.ServicerContext, for a call that came over HTTP."""
+
+    def __init__(self, headers):
+        self._metadata = tuple((k.lower(), v) for k, v in headers.items() if k.lower() in ("traceparent", "tracestate"))
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()):
+        self._code, self._details = code, details
+        raise _Aborted(details)
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def time_remaining(self):
+        return None
+
+    async def send_initial_metadata(self, metadata) -> None:
+        pass
+
+    def error(self) -> ApiError:
+        return error_for_status(self._code, self._details)
+
+
+class OpenAIFront:
+    """The HTTP front over `service`, the servicer of baton.v1.TextGeneration (an engine server's
+    or the router's): its Generate, GetModelInfo, Tokenize and Detokenize answer."""
+
+    def __init__(self, service, host: str, port: int, is_serving, tokenizer=None):
+        self.service, self.host, self.port = service, host, port
+        self.is_serving = is_serving
+        self.tokenizer = tokenizer  # token strings of logprobs; without one, "token_id:N" (vLLM's spelling)
+        self.app = web.Application(client_max_size=16 << 20)
+        self.app.add_routes([web.post("/v1/completions", self.completions),
+                             web.post("/v1/chat/completions", self.chat_completions),
+                             web.get("/v1/models", self.models), web.get("/health", self.health),
+                             web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize)])
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self._model_info: pb.ModelInfo | None = None
+
+    async def start(self) -> None:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=False)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+    # ---- what the service knows -----------------------------------------------------------
+    async def _call(self, method: str, msg, request: web.Request):
+        context = CallContext(request.headers)
+        try:
+            return await getattr(self.service, method)(msg, context)
+        except _Aborted:
+            raise context.error() from None
+
+    async def model_info(self, request: web.Request) -> pb.ModelInfo:
+        if self._model_info is None:
+            self._model_info = await self._call("GetModelInfo", pb.GetModelInfoRequest(), request)
+        return self._model_info
+
+    async def _check_model(self, body: dict, request: web.Request) -> str:
+        name = (await self.model_info(request)).model_name
+        if body.get("model") not in (None, name):
+            raise ApiError(404, f"The model `{body['model']}` does not exist (this server serves `{name}`)", "model",
+                           "NotFoundError")
+        return name
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+
+    # ---- endpoints ----------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.is_serving() else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return await _answer(self._models(request))
+
+    async def _models(self, request):
+        info = await self.model_info(request)
+        return {"object": "list", "data": [{"id": info.model_name, "object": "model", "created": 0,
+                                            "owned_by": "baton", "root": info.model_path,
+                                            "max_model_len": info.max_model_len}]}
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await _answer(self._tokenize(request))
+
+    async def _tokenize(self, request):
+        body = await _json(request)
+        msg = pb.TokenizeRequest()
+        if "messages" in body:
+            msg.chat.messages.extend(chat_messages_from_body(body))
+        elif isinstance(body.get("prompt"), str):
+            msg.text = body["prompt"]
+        else:
+            raise ApiError(400, "prompt: give a text prompt, or messages", "prompt")
+        out = await self._call("Tokenize", msg, request)
+        return {"tokens": list(out.token_ids), "count": len(out.token_ids), "max_model_len": out.max_model_len}
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await _answer(self._detokenize(request))
+
+    async def _detokenize(self, request):
+        body = await _json(request)
+        out = await self._call("Detokenize", pb.DetokenizeRequest(token_ids=int_list(body, "tokens")
+                                                                  if "tokens" in body else []), request)
+        return {"prompt": out.text}
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=True)
+
+    async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await _json(request)
+            model = await self._check_model(body, request)
+            sampling = sampling_from_body(body, chat)
+            if chat:
+                msg = pb.GenerateRequest(sampling=sampling)
+                msg.chat.messages.extend(chat_messages_from_body(body))
+                if not sampling.HasField("max_tokens"):  # as vLLM: up to the context length
+                    tokens = await self._call("Tokenize", pb.TokenizeRequest(chat=msg.chat), request)
+                    msg.sampling.max_tokens = max(1, tokens.max_model_len - len(tokens.token_ids))
+                requests = [msg]
+            else:
+                requests = prompts_from_body(body)
+                for msg in requests:
+                    msg.sampling.CopyFrom(sampling)
+            request_id = request.headers.get("x-request-id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            for i, msg in enumerate(requests):
+                msg.request_id = request_id if len(requests) == 1 else f"{request_id}-{i}"
+            stream = body.get("stream") is True
+            include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
+            responses = self._responses(requests, request, max(sampling.n, 1))
+            first = await anext(responses, None)  # errors before any token still get their HTTP status
+        except ApiError as e:
+            return _error_response(e)
+        shape = Completion(self.token_text, request_id, model, chat, time.time())
+        if not stream:
+            try:
+                if first is not None:
+                    shape.add(first)
+                async for resp in responses:
+                    shape.add(resp)
+            except ApiError as e:
+                return _error_response(e)
+            return web.json_response(shape.whole())
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        try:
+            for resp in ([first] if first is not None else []):
+                for event in shape.events(resp):
+                    await out.write(sse(event))
+            async for resp in responses:
+                for event in shape.events(resp):
+                    await out.write(sse(event))
+            if include_usage:
+                await out.write(sse(shape.usage_event()))
+        except ApiError as e:  # after the first byte the status is sent: the error is an event
+            await out.write(sse(e.body()))
+        await out.write(b"data: [DONE]\n\n")
+        return out
+
+    async def _responses(self, requests: list[pb.GenerateRequest], request: web.Request,
+                         n: int) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+        """(choice index, response) of every prompt's Generate; a prompt's n completions are
+        choices i * n + index."""
+        async def one(i: int, msg: pb.GenerateRequest):
+            context = CallContext(request.headers)
+            try:
+                async for resp in self.service.Generate(msg, context):
+                    resp = pb.GenerateResponse.FromString(resp) if isinstance(resp, bytes) else resp
+                    yield i * n + resp.index, resp
+            except _Aborted:
+                raise context.error() from None
+        streams = [one(i, msg) for i, msg in enumerate(requests)]
+        async for item in (streams[0] if len(streams) == 1 else merge(streams)):
+            yield item
+
+
+async def _json(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+async def _answer(work) -> web.Response:
+    try:
+        return web.json_response(await work)
+    except ApiError as e:
+        return _error_response(e)
+
+
+def _error_response(e: ApiError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)

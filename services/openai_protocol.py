@@ -1,0 +1,240 @@
+"""The OpenAI API's wire format: a request's JSON as Baton's sampling parameters and prompts
+(vLLM's extra parameters included), checked with errors that name the parameter; Generate's
+responses as OpenAI's completion and chat completion objects, whole or as stream events; gRPC
+statuses as HTTP ones."""
+from __future__ import annotations
+
+import json
+
+import grpc
+
+from baton.v1 import generate_pb2 as pb
+
+_HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
+                grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.PERMISSION_DENIED: 403,
+                grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
+                grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort",
+           pb.FINISH_REASON_ERROR: "error"}
+# OpenAI parameter -> (SamplingParams field, expected type); vLLM's extra parameters included.
+_SAMPLING = {"max_tokens": ("max_tokens", int), "max_completion_tokens": ("max_tokens", int),
+             "temperature": ("temperature", float), "top_p": ("top_p", float), "top_k": ("top_k", int),
+             "min_p": ("min_p", float), "seed": ("seed", int), "n": ("n", int),
+             "presence_penalty": ("presence_penalty", float), "frequency_penalty": ("frequency_penalty", float),
+             "repetition_penalty": ("repetition_penalty", float), "min_tokens": ("min_tokens", int),
+             "ignore_eos": ("ignore_eos", bool), "skip_special_tokens": ("skip_special_tokens", bool),
+             "include_stop_str_in_output": ("include_stop_str_in_output", bool),
+             "prompt_logprobs": ("prompt_logprobs", int)}
+# The API's field names (in gRPC errors) as OpenAI's parameters.
+_PARAM = {"sampling.max_tokens": "max_tokens", "sampling.stop": "stop", "token_ids": "prompt", "chat": "messages",
+          "chat.messages": "messages", "prompt": "prompt"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "BadRequestError"):
+        super().__init__(message)
+        self.status, self.param, self.kind = status, param, kind
+
+    def body(self) -> dict:
+        """OpenAI's error body (with vLLM's type names, and the HTTP status as the code)."""
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.status}}
+
+
+def error_for_status(code: grpc.StatusCode | None, details: str) -> ApiError:
+    """A gRPC status as an HTTP one; an INVALID_ARGUMENT's field (its message's start) as the parameter."""
+    field = details.split(":", 1)[0] if ":" in details else None
+    status = _HTTP_STATUS.get(code, 500)
+    param = _PARAM.get(field, field.removeprefix("sampling.") if field else None) if status == 400 else None
+    kinds = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+    return ApiError(status, details, param, kinds.get(status, "InternalServerError"))
+
+
+def _typed(body: dict, name: str, kind: type):
+    value = body[name]
+    ok = isinstance(value, bool) if kind is bool else (
+        isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
+        isinstance(value, int) and not isinstance(value, bool))
+    if not ok:
+        raise ApiError(400, f"{name}: must be {'a boolean' if kind is bool else 'a number' if kind is float else 'an integer'}, "
+                            f"got {value!r}", name)
+    return value
+
+
+def sampling_from_body(body: dict, chat: bool) -> pb.SamplingParams:
+    s = pb.SamplingParams()
+    for name, (field, kind) in _SAMPLING.items():
+        if body.get(name) is not None:
+            setattr(s, field, _typed(body, name, kind))
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
+            raise ApiError(400, "stop: must be a string or a list of strings", "stop")
+        s.stop.extend(stops)
+    if body.get("stop_token_ids") is not None:
+        s.stop_token_ids.extend(int_list(body, "stop_token_ids"))
+    bias = body.get("logit_bias")
+    if bias is not None:
+        try:
+            s.logit_bias.update({int(k): float(v) for k, v in bias.items()})
+        except (AttributeError, TypeError, ValueError):
+            raise ApiError(400, "logit_bias: must map token ids to numbers", "logit_bias") from None
+    logprobs = body.get("logprobs")
+    if chat:  # logprobs: true, with top_logprobs alternatives
+        if logprobs is not None and _typed(body, "logprobs", bool):
+            s.logprobs = _typed(body, "top_logprobs", int) if body.get("top_logprobs") is not None else 0
+    elif logprobs is not None:
+        s.logprobs = _typed(body, "logprobs", int)
+    return s
+
+
+def int_list(body: dict, name: str) -> list[int]:
+    value = body[name]
+    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise ApiError(400, f"{name}: must be a list of integers", name)
+    return value
+
+
+def chat_messages_from_body(body: dict) -> list[pb.ChatMessage]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages: must be a non-empty list", "messages")
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):  # [{"type": "text", "text": ...}]: the text parts
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+            raise ApiError(400, "messages: each needs a role and a text content", "messages")
+        out.append(pb.ChatMessage(role=m["role"], content=content))
+    return out
+
+
+def prompts_from_body(body: dict) -> list[pb.GenerateRequest]:
+    """/v1/completions' prompt: a text, token ids, or a list of either (a request each)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise ApiError(400, "prompt: must be a text, token ids, or a non-empty list of either", "prompt")
+    requests = []
+    for p in prompt:
+        msg = pb.GenerateRequest()
+        if isinstance(p, str):
+            msg.text = p
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            msg.token_ids.ids.extend(p)
+        else:
+            raise ApiError(400, "prompt: must be a text, token ids, or a non-empty list of either", "prompt")
+        requests.append(msg)
+    return requests
+
+
+class Completion:
+    """The OpenAI shapes of one completion request's responses: as a whole, or event by event."""
+
+    def __init__(self, token_text, request_id: str, model: str, chat: bool, created: float):
+        """token_text(token id) -> the token's text, for logprobs."""
+        self.token_text, self.id, self.model, self.chat = token_text, request_id, model, chat
+        self.created = int(created)
+        self.choices: dict[int, dict] = {}
+        self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        self._prompts_counted: set[str] = set()
+
+    def _choice(self, index: int) -> dict:
+        return self.choices.setdefault(index, {"text": "", "logprobs": [], "finish_reason": None,
+                                               "stop_reason": None, "started": False, "prompt_logprobs": None})
+
+    def _account(self, index: int, resp: pb.GenerateResponse) -> dict:
+        choice = self._choice(index)
+        choice["text"] += resp.text
+        choice["logprobs"] += self._logprobs(resp)
+        if resp.prompt_logprobs:  # vLLM's shape: None for the first token, then {token id: ...} per token
+            text = self.token_text
+            choice["prompt_logprobs"] = [None] + [
+                {str(t): {"logprob": v, "decoded_token": text(t)} for t, v in
+                 [(lp.token_id, lp.logprob), *zip(lp.top_token_ids, lp.top_logprobs)]} for lp in resp.prompt_logprobs]
+        if resp.finish_reason:
+            choice["finish_reason"] = _FINISH.get(resp.finish_reason, "stop")
+            stop = resp.WhichOneof("stop_reason")
+            choice["stop_reason"] = getattr(resp, stop) if stop else None
+            u = resp.usage
+            self.usage["completion_tokens"] += u.completion_tokens
+            if resp.request_id not in self._prompts_counted:  # a prompt counts once, not per completion
+                self._prompts_counted.add(resp.request_id)
+                self.usage["prompt_tokens"] += u.prompt_tokens
+                self.usage["cached_tokens"] += u.cached_tokens
+        return choice
+
+    def _logprobs(self, resp: pb.GenerateResponse) -> list[dict]:
+        text = self.token_text
+        return [{"token": text(lp.token_id), "logprob": lp.logprob, "top": [
+            (text(t), v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)]} for lp in resp.logprobs]
+
+    def add(self, item: tuple[int, pb.GenerateResponse]) -> None:
+        self._account(*item)
+
+    def _usage(self) -> dict:
+        u = self.usage
+        return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+                "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+    def _logprobs_shape(self, entries: list[dict], offset: int = 0) -> dict | None:
+        if not entries:
+            return None
+        if self.chat:
+            return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode()),
+                                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                                  for t, v in e["top"]]} for e in entries]}
+        offsets, at = [], offset
+        for e in entries:
+            offsets.append(at)
+            at += len(e["token"])
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [dict(e["top"]) for e in entries], "text_offset": offsets}
+
+    def whole(self) -> dict:
+        choices = []
+        for index in sorted(self.choices):
+            c = self.choices[index]
+            choice = {"index": index, "finish_reason": c["finish_reason"], "stop_reason": c["stop_reason"],
+                      "logprobs": self._logprobs_shape(c["logprobs"])}
+            if c["prompt_logprobs"] is not None:
+                choice["prompt_logprobs"] = c["prompt_logprobs"]
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": c["text"]}
+            else:
+                choice["text"] = c["text"]
+            choices.append(choice)
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self._usage()}
+
+    def events(self, item: tuple[int, pb.GenerateResponse]) -> list[dict]:
+        index, resp = item
+        choice = self._choice(index)
+        offset = len(choice["text"])
+        first = not choice["started"]
+        choice["started"] = True
+        self._account(index, resp)
+        logprobs = self._logprobs_shape(self._logprobs(resp), offset)
+        finish = _FINISH.get(resp.finish_reason) if resp.finish_reason else None
+        if not (resp.text or logprobs or finish or (first and self.chat)):
+            return []
+        if self.chat:
+            delta = {"role": "assistant", "content": resp.text} if first else {"content": resp.text}
+            body = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            body = {"index": index, "text": resp.text, "logprobs": logprobs, "finish_reason": finish}
+        if finish:
+            body["stop_reason"] = choice["stop_reason"]
+        return [{"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.model, "choices": [body]}]
+
+    def usage_event(self) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [], "usage": self._usage()}
+
+
+def sse(event: dict) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"

@@ -1,0 +1,194 @@
+"""The OpenAI-compatible HTTP front, driven by the official `openai` client and by plain HTTP:
+on a colocated server and on the router in front of prefill and decode processes, its text
+equals the gRPC API's; parameters carry over; errors get OpenAI's body with the right status;
+a client that disconnects mid-stream leaves every pool full."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from baton.services.client import AsyncClient
+
+from conftest import ServerProcess
+from helpers import TOKEN, collect, pools_full, random_prompts, wait_serving
+
+CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+def grpc_text(address: str, prompt, **sampling) -> tuple[str, object]:
+    async def go():
+        async with AsyncClient(address) as client:
+            _, text, last = await collect(client, prompt, **sampling)
+            return text, last
+    return asyncio.run(go())
+
+
+def post(url: str, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def disconnect_mid_stream(url: str, after_events: int = 3) -> int:
+    """A streamed completion read for a few events, then the connection dropped."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": [5, 6, 7, 8], "max_tokens": 600, "stream": True,
+                                                        "temperature": 0, "ignore_eos": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    events = 0
+    while events < after_events:
+        if resp.readline().startswith(b"data: "):
+            events += 1
+    conn.close()
+    return resp.status
+
+
+def check_the_openai_client_equals_grpc(url: str, grpc_address: str, model: str) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [model]
+    want, last = grpc_text(grpc_address, CHAT, max_tokens=24, temperature=0, ignore_eos=True)
+    whole = client.chat.completions.create(model=model, messages=CHAT, max_tokens=24, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.content == want and whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == last.usage.prompt_tokens and whole.usage.completion_tokens == 24
+    streamed, usage = "", None
+    for chunk in client.chat.completions.create(model=model, messages=CHAT, max_tokens=24, temperature=0, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}):
+        if chunk.choices:
+            streamed += chunk.choices[0].delta.content or ""
+        else:
+            usage = chunk.usage
+    assert streamed == want and usage.completion_tokens == 24
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: its prefix was cached
+    prompt = "The capital of France is"
+    want, _ = grpc_text(grpc_address, prompt, max_tokens=12, temperature=0, ignore_eos=True)
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert text == want
+
+
+def test_the_openai_client_on_a_colocated_server(serve, tiny_llama):
+    srv = serve(tiny_llama, {"http_port": 0})
+    url, model = srv.server.http.url, srv.server.model_name
+    check_the_openai_client_equals_grpc(url, srv.address, model)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    # Parameters carry over: logprobs (both shapes), stop strings, n with a seed, penalties.
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    legacy = client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=5, temperature=0, logprobs=2,
+                                       extra_body={"ignore_eos": True})
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 5 and all(len(t) <= 2 for t in lp.top_logprobs)
+    full = legacy.choices[0].text
+    stop = full[2:4]
+    stopped = client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=5, temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True})
+    assert stopped.choices[0].text == full[:full.index(stop)] and stopped.choices[0].finish_reason == "stop"
+    many = client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=8, temperature=1.0, n=3, seed=9,
+                                     presence_penalty=0.5, extra_body={"ignore_eos": True})
+    again = client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=8, temperature=1.0, n=3, seed=9,
+                                      presence_penalty=0.5, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in many.choices) == [0, 1, 2] and many.usage.completion_tokens == 24
+    assert [c.text for c in many.choices] == [c.text for c in again.choices]
+    # Tokenization as the server counts it.
+    status, tokens = post(url, "/tokenize", {"messages": CHAT})
+    assert status == 200 and tokens["count"] == chat.usage.prompt_tokens
+    assert post(url, "/detokenize", {"tokens": [5, 6, 7]})[1]["prompt"] == srv.engine.tokenizer.decode([5, 6, 7])
+    assert srv.wait_pool_full()
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"prompt": "hi", "presence_penalty": 5}, 400, "presence_penalty"),
+    ({"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"prompt": "hi", "stop": [3]}, 400, "stop"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens")])
+def test_bad_requests_get_openai_errors_naming_the_parameter(serve, tiny_llama, body, status, param):
+    srv = serve(tiny_llama, {"http_port": 0})
+    got, error = post(srv.server.http.url, "/v1/completions", body)
+    assert got == status and error["error"]["param"] == param and error["error"]["code"] == status
+    assert error["error"]["message"]
+
+
+def test_a_full_queue_gets_429_and_a_draining_server_503(serve, tiny_llama):
+    srv = serve(tiny_llama, {"http_port": 0, "max_waiting_requests": 2}, max_num_seqs=1)
+    url = srv.server.http.url
+    held = asyncio.run_coroutine_threadsafe(srv.server.engine.call(time.sleep, 3.0), srv.loop)  # steps wait
+    results = []
+    body = {"prompt": [5, 6], "max_tokens": 4}
+    threads = [threading.Thread(target=lambda: results.append(post(url, "/v1/completions", body))) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)
+    status, error = post(url, "/v1/completions", body)
+    held.result(10)
+    for t in threads:
+        t.join(30)
+    assert status == 429 and error["error"]["type"] == "RateLimitError" and "max_waiting_requests" in error["error"]["message"]
+    long = threading.Thread(target=lambda: results.append(post(url, "/v1/completions", {
+        "prompt": [5, 6], "max_tokens": 600, "ignore_eos": True})))
+    long.start()
+    time.sleep(0.3)
+    stopping = asyncio.run_coroutine_threadsafe(srv.server.stop(5.0), srv.loop)
+    time.sleep(0.2)
+    status, error = post(url, "/v1/completions", body)
+    assert status == 503 and error["error"]["type"] == "ServiceUnavailableError"
+    stopping.result(30)
+    long.join(30)
+    assert [s for s, _ in results] == [200, 200, 200]  # the one in flight finished during the drain
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(serve, tiny_llama):
+    srv = serve(tiny_llama, {"http_port": 0})
+    assert disconnect_mid_stream(srv.server.http.url) == 200
+    assert srv.wait_pool_full()
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama):
+    prefill = ServerProcess(tiny_llama, "--role", "prefill", "--internal-token", TOKEN)
+    decode = ServerProcess(tiny_llama, "--role", "decode", "--internal-token", TOKEN)
+    procs = [prefill, decode]
+    try:
+        router = ServerProcess(tiny_llama, "--role", "router", "--internal-token", TOKEN, "--prefill",
+                               prefill.address, "--decode", decode.address, "--http-port", "0",
+                               "--served-model-name", "tiny")
+        procs.append(router)
+        wait_serving(router.address)
+        url = next(line.split()[3].removesuffix("/v1") for line in router.lines if line.startswith("OpenAI API on"))
+        yield router, prefill, decode, url
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_the_openai_client_through_the_router(stack):
+    router, prefill, decode, url = stack
+    check_the_openai_client_equals_grpc(url, router.address, "tiny")
+    with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+        assert resp.status == 200
+    assert post(url, "/tokenize", {"prompt": "hello"})[1]["count"] > 0
+    assert disconnect_mid_stream(url) == 200
+    assert pools_full(prefill.address) and pools_full(decode.address)
+    prompt = random_prompts([30], seed=501)[0]
+    status, body = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                 "ignore_eos": True, "logprobs": 1})
+    want, _ = grpc_text(router.address, prompt, max_tokens=6, temperature=0, ignore_eos=True)
+    assert status == 200 and body["choices"][0]["text"] == want and len(body["choices"][0]["logprobs"]["tokens"]) == 6
