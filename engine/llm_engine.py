@@ -121,9 +121,11 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                      priority: int = 0, arrival_time: float | None = None,
-                     kv_transfer_params: dict | None = None) -> Request:
+                     kv_transfer_params: dict | None = None, resumed_output: list[int] = ()) -> Request:
         """Validate and tokenize a request. Reads no mutable engine state, so a service's RPC
-        threads may call it while the step loop runs."""
+        threads may call it while the step loop runs. `resumed_output`: tokens another instance
+        generated and streamed already (it failed); they become this request's first outputs,
+        recomputed with the prompt, so the rest continues as an uninterrupted run would."""
         check(isinstance(request_id, str) and request_id != "", "request_id", "must be a non-empty string")
         check(isinstance(priority, int), "priority", f"must be an integer, got {priority!r}")
         if isinstance(prompt, str):
@@ -143,6 +145,15 @@ class LLMEngine:
         first_token = (kv_transfer_params or {}).get("first_token")
         if first_token is not None:  # sampled by the prefill peer: an output already, not re-sent
             request.append_output_token(first_token)
+        if resumed_output:
+            bad = next((t for t in resumed_output if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+            check(bad is None, "resumed_output", f"must be integers in [0, {self.vocab_size}), got {bad!r}")
+            check(len(resumed_output) < params.max_tokens, "resumed_output",
+                  f"has {len(resumed_output)} tokens, max_tokens is {params.max_tokens}: nothing is left to generate")
+            check(len(token_ids) + len(resumed_output) < self.config.max_model_len, "resumed_output",
+                  f"with the prompt reaches max_model_len {self.config.max_model_len}")
+            for token in resumed_output:
+                request.append_output_token(token)
         return request
 
     def add(self, request: Request, detokenize: bool = True) -> None:
@@ -157,7 +168,7 @@ class LLMEngine:
             # A prefill's request ends at its first token and goes on at a decode: its text is not final.
             stream.hands_over = bool((request.kv_transfer_params or {}).get("do_remote_decode"))
             if request.output_token_ids:  # sampled by a prefill peer, whose text it sent: replayed silently
-                stream.push(request.output_token_ids)
+                stream.push(request.output_token_ids, look_for_stops=request.num_output_tokens >= p.min_tokens)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, detokenize: bool = True,

@@ -10,6 +10,14 @@ from baton.engine.errors import check
 
 MAX_LOGPROBS = 20  # top tokens a request may ask for per position (vLLM's default max_logprobs)
 MAX_N = 16  # completions of one prompt
+SEED_LIMIT = 1 << 63  # seeds are 64-bit signed (the API's int64)
+# Below this, temperature is greedy (vLLM's _SAMPLING_EPS): dividing by it would overflow the logits.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of the index-th of n completions: seed + index, wrapped into 64 bits."""
+    return (seed + index + SEED_LIMIT) % (2 * SEED_LIMIT) - SEED_LIMIT
 
 
 def _number(value) -> bool:
@@ -51,7 +59,8 @@ class SamplingParams:
         check(_integer(self.top_k) and self.top_k >= -1, "top_k",
               f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         check(_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        check(self.seed is None or _integer(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        check(self.seed is None or (_integer(self.seed) and -SEED_LIMIT <= self.seed < SEED_LIMIT), "seed",
+              f"must be a 64-bit signed integer, got {self.seed!r}")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(all(_integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
@@ -79,7 +88,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def penalized(self) -> bool:
@@ -91,10 +100,11 @@ class SamplingParams:
         """The index-th of n completions: a request of its own whose seed, when there is one, is
         offset by the index (a different but reproducible stream); only the first asks for the
         prompt's logprobs. (services/fan_out.py splits API requests alike.)"""
-        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + index,
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else child_seed(self.seed, index),
                                    prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the request names must exist in the model's vocabulary."""
-        bad = next((t for t in self.logit_bias if t >= vocab_size), None)
-        check(bad is None, "logit_bias", f"token {bad} is outside the vocabulary of {vocab_size}")
+        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            check(bad is None, name, f"token {bad} is outside the vocabulary of {vocab_size}")

@@ -5,6 +5,10 @@ takes most of a minute); the library is cached under ~/.cache/baton/kernels, key
 source, the flags, the compiler and the CPU (it is built with -march=native). Without a
 compiler, or with BATON_CPU_KERNELS=0, `load()` returns None and callers use the PyTorch
 reference in kernels/attention.py.
+
+A container image builds the library once, for a portable target (BATON_KERNEL_MARCH, e.g.
+x86-64-v3, instead of the build machine's CPU), with `python -m baton.kernels.cpu_kernels
+OUT.so`, and points BATON_KERNEL_LIB at it: the runtime image needs no compiler.
 """
 from __future__ import annotations
 
@@ -26,10 +30,14 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention.cpp"
 # No -ffast-math: its start-up code would set flush-to-zero for the whole process.
 # -fno-math-errno lets floor and the softmax loop vectorize.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared",
+MARCH = os.environ.get("BATON_KERNEL_MARCH", "native")
+FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared",
          "-fPIC"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's stack buffers
+# What the CPU must have for a library built for a portable -march (from /proc/cpuinfo's flags).
+MARCH_NEEDS = {"x86-64-v2": {"sse4_2", "popcnt", "ssse3"}, "x86-64-v3": {"avx2", "fma", "bmi2", "f16c", "movbe"},
+               "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}}
 
 
 def _cache_dir() -> Path:
@@ -47,12 +55,22 @@ def _cpu_signature() -> str:
     return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
 
 
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
-    target = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
+def _cpu_flags() -> set[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return {f for ln in lines if ln.startswith("flags") for f in ln.partition(":")[2].split()}
+
+
+def _build(compiler: str, target: Path | None = None) -> Path:
+    if target is None:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+        cpu = _cpu_signature() if MARCH == "native" else MARCH
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, cpu]).encode())
+        target = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+        if target.exists():
+            return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: processes starting together never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -60,6 +78,9 @@ def _build(compiler: str) -> Path:
     try:
         subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True,
                        timeout=300)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o755 & ~umask)  # mkstemp's 0600 would keep other users (an image's) from loading it
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -86,6 +107,18 @@ def load() -> ctypes.CDLL | None:
     """The compiled library, or None when it cannot be built here (the reason is logged once)."""
     if os.environ.get("BATON_CPU_KERNELS", "1") == "0":
         return None
+    prebuilt = os.environ.get("BATON_KERNEL_LIB")
+    missing = MARCH_NEEDS.get(MARCH, set()) - _cpu_flags()
+    if prebuilt and missing:
+        log.warning("%s was built for %s, which this CPU lacks (%s): CPU attention uses the PyTorch reference",
+                    prebuilt, MARCH, " ".join(sorted(missing)))
+        return None
+    if prebuilt:
+        try:
+            return _declare(ctypes.CDLL(prebuilt))
+        except OSError as e:
+            log.warning("cannot load BATON_KERNEL_LIB=%s, CPU attention uses the PyTorch reference: %s", prebuilt, e)
+            return None
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         log.warning("no C++ compiler found: CPU attention uses the PyTorch reference")
@@ -98,6 +131,10 @@ def load() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or e
         log.warning("building the CPU kernels failed, CPU attention uses the PyTorch reference: %s", detail)
         return None
+    return _declare(lib)
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.baton_paged_attention.argtypes = [ctypes.c_int, ctypes.POINTER(Batch)]
     lib.baton_paged_attention.restype = ctypes.c_int
     return lib
@@ -151,3 +188,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if rc != 0:
         raise ValueError(f"paged_attention: unsupported shape q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
     return out
+
+
+if __name__ == "__main__":  # python -m baton.kernels.cpu_kernels OUT.so: build for BATON_KERNEL_MARCH there
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m baton.kernels.cpu_kernels OUT.so")
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        sys.exit("no C++ compiler (set CXX or install g++)")
+    print(_build(compiler, Path(sys.argv[1])))

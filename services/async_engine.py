@@ -47,7 +47,8 @@ def _merge_queued(out: StepOutput | BaseException, outputs: asyncio.Queue) -> St
             raise more
         out = dataclasses.replace(more, new_token_ids=out.new_token_ids + more.new_token_ids,
                                   text=out.text + more.text, prompt_logprobs=out.prompt_logprobs or more.prompt_logprobs,
-                                  logprobs=None if more.logprobs is None else (out.logprobs or []) + more.logprobs)
+                                  logprobs=None if out.logprobs is None and more.logprobs is None
+                                  else (out.logprobs or []) + (more.logprobs or []))
     return out
 
 
@@ -66,6 +67,9 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}  # event-loop side: request id -> its outputs
+        # Ids whose stream left before the request finished, until the step loop has aborted
+        # it: a new request with the id waits, or it would get the old one's last outputs.
+        self._leaving: dict[str, asyncio.Future] = {}
         self._num_pending_adds = 0  # handed over, not yet in the scheduler (event-loop side)
         self.num_requests = 0  # admitted since start
         self._stopping = False
@@ -82,6 +86,7 @@ class AsyncEngine:
         self._stopping = True
         self._wakeup.set()
         await asyncio.to_thread(self._thread.join)
+        self._release_leaving()
 
     @property
     def num_waiting(self) -> int:
@@ -95,9 +100,11 @@ class AsyncEngine:
     async def generate(self, request: Request) -> AsyncIterator[StepOutput]:
         """Run a request made by `engine.make_request`; yields its outputs as steps produce
         them. Leaving the iteration early (cancellation included) aborts it in the engine."""
+        req_id = request.request_id
+        while req_id in self._leaving and req_id not in self._streams:
+            await asyncio.shield(self._leaving[req_id])
         if self._error is not None:
             raise EngineDead(f"the engine stopped: {self._error!r}")
-        req_id = request.request_id
         if req_id in self._streams:
             raise DuplicateRequest(req_id)
         if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
@@ -117,7 +124,8 @@ class AsyncEngine:
         finally:
             del self._streams[req_id]
             if not finished:
-                self._submit(("abort", [req_id]))
+                self._leaving[req_id] = self._loop.create_future()
+                self._submit(("abort", ([req_id], False)))
 
     async def call(self, fn, *args):
         """Run fn(*args) on the step-loop thread between steps (for anything that touches the
@@ -133,14 +141,14 @@ class AsyncEngine:
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests by id (the Abort API): each stream gets a last output, finish reason
         "abort"; ids not in the engine are ignored."""
-        self._submit(("abort", list(request_ids)))
+        self._submit(("abort", (list(request_ids), True)))
 
     def _submit(self, command: tuple) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
     def _dispatch(self, outputs: list[StepOutput], num_added: int, failed: list[tuple[str, Exception]],
-                  events: StepEvents | None) -> None:
+                  events: StepEvents | None, left: list[str]) -> None:
         self._num_pending_adds -= num_added
         if events is not None:
             try:
@@ -155,12 +163,25 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is not None:  # else the caller left already; its abort is queued
                 stream.put_nowait(out)
+        # After this step's outputs: those of an earlier step reached their dispatch first.
+        for req_id in left:
+            done = self._leaving.pop(req_id, None)
+            if done is not None:
+                done.set_result(None)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
             stream.put_nowait(EngineDead(f"the engine stopped: {error!r}"))
+        self._release_leaving()
         if self.on_dead is not None:
             self.on_dead(error)
+
+    def _release_leaving(self) -> None:
+        """The step loop is gone: nobody waits for an abort that will not be applied."""
+        for done in self._leaving.values():
+            if not done.done():
+                done.set_result(None)
+        self._leaving.clear()
 
     def _fail_pending_calls(self) -> None:
         """Commands queued for a step loop that is gone: their callers get EngineDead."""
@@ -173,15 +194,23 @@ class AsyncEngine:
                 arg[0].set_exception(EngineDead(f"the engine stopped: {self._error!r}"))
 
     # ---- the step loop (its own thread) -----------------------------------------------------
-    def _apply_commands(self) -> tuple[int, list[tuple[str, Exception]], list[StepOutput]]:
-        num_added, failed, aborted = 0, [], []
+    def _apply_commands(self) -> tuple[int, list[tuple[str, Exception]], list[StepOutput], list[str]]:
+        """Adds, aborts and calls queued since the last step: how many were added, the adds that
+        failed, the last outputs of requests the Abort API ended, and the ids of those whose
+        stream had left (ended quietly)."""
+        num_added, failed, aborted, left = 0, [], [], []
         while True:
             try:
                 kind, arg = self._commands.get_nowait()
             except queue.Empty:
-                return num_added, failed, aborted
+                return num_added, failed, aborted, left
             if kind == "abort":
-                aborted += self.engine.abort_request(arg)
+                request_ids, tell = arg
+                outputs = self.engine.abort_request(request_ids)
+                if tell:
+                    aborted += outputs
+                else:
+                    left += request_ids
                 continue
             if kind == "call":
                 future, fn, args = arg
@@ -207,13 +236,13 @@ class AsyncEngine:
         engine = self.engine
         try:
             while not self._stopping:
-                num_added, failed, outputs = self._apply_commands()
+                num_added, failed, outputs, left = self._apply_commands()
                 busy = engine.has_unfinished_requests()
                 if busy or engine.num_held_requests:
                     outputs += engine.step()
                 events = engine.take_events() if self.on_step is not None else None
-                if outputs or num_added or (events is not None and (events.events or events.step_tokens)):
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs, num_added, failed, events)
+                if outputs or num_added or left or (events is not None and (events.events or events.step_tokens)):
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs, num_added, failed, events, left)
                 if not busy:  # idle, or only polling held blocks for a remote reader
                     self._wakeup.wait(0.001 if engine.num_held_requests else None)
                     self._wakeup.clear()

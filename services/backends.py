@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.services.common import SERVICE_NAME
+from baton.services.tls import aio_channel
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
 
@@ -31,9 +32,9 @@ def split_host_port(address: str) -> tuple[str, int]:
 class Backend:
     """One instance: a channel, its stubs, its health, and the requests it has in flight."""
 
-    def __init__(self, address: str, retry_s: float, on_health_change):
+    def __init__(self, address: str, retry_s: float, on_health_change, tls=None):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = aio_channel(address, tls, _CHANNEL_OPTIONS)
         # Responses stay bytes: the router forwards them without parsing them again.
         self.generate = self.channel.unary_stream(GENERATE_METHOD, request_serializer=pb.GenerateRequest.SerializeToString,
                                                   response_deserializer=None)
@@ -82,8 +83,9 @@ class Backend:
 class Tier:
     """The instances of one role, from addresses and DNS names, kept up to date."""
 
-    def __init__(self, name: str, specs: list[str], health_retry_s: float, on_health_change):
+    def __init__(self, name: str, specs: list[str], health_retry_s: float, on_health_change, tls=None):
         self.name = name
+        self.tls = tls
         self.specs = [split_host_port(s) for s in specs]
         self.backends: dict[str, Backend] = {}
         self._health_retry_s = health_retry_s
@@ -109,7 +111,7 @@ class Tier:
         wanted = dict.fromkeys(addresses)
         for address in wanted.keys() - self.backends.keys():
             backend = self.backends[address] = Backend(address, self._health_retry_s,
-                                                       self._on_health_change)
+                                                       self._on_health_change, self.tls)
             backend.start()
         for address in self.backends.keys() - wanted.keys():
             log.info("%s backend %s is gone from DNS", self.name, address)

@@ -87,7 +87,7 @@ def _serve(args) -> None:
                            max_concurrent_streams=args.max_concurrent_streams, max_message_bytes=args.max_message_bytes,
                            max_waiting_requests=args.max_waiting_requests, grace_s=args.grace_period,
                            role=args.role, internal_token=args.internal_token, kv_hold_timeout_s=args.kv_hold_timeout,
-                           **_telemetry_options(args))
+                           advertise_host=args.advertise_host, tls=_tls(args), **_telemetry_options(args))
         make = lambda: Server(_engine_config(args), options)  # noqa: E731
 
     async def run() -> None:
@@ -121,6 +121,16 @@ def _checked(make, **kwargs):
         sys.exit(f"baton serve: {e}")
 
 
+def _tls(args):
+    """The --tls-* flags as a TLSConfig (None: plaintext), or a one-line exit naming the bad one."""
+    from baton.services.tls import TLSConfig
+
+    try:
+        return TLSConfig.from_args(args)
+    except ValueError as e:
+        sys.exit(f"baton {args.command}: {e}")
+
+
 def _telemetry_options(args) -> dict:
     """The observability flags that were given (a router's config file may set the others)."""
     return {name: getattr(args, name) for name in ("metrics_port", "otlp_traces_endpoint", "served_model_name",
@@ -147,12 +157,15 @@ def _router_options(args):
             config[name] = flags
     if args.policy:
         config["policy"] = args.policy
+    for name in ("max_migrations", "max_in_flight"):
+        if getattr(args, name) is not None:
+            config[name] = getattr(args, name)
     tokenizer_dir = _model_dir(args)
     config.setdefault("tokenizer_dir", tokenizer_dir if os.path.isdir(tokenizer_dir) else None)
     if args.block_size:
         config["block_size"] = args.block_size
     return RouterOptions(host=args.host, port=args.port, internal_token=args.internal_token,
-                         max_message_bytes=args.max_message_bytes, grace_s=args.grace_period,
+                         max_message_bytes=args.max_message_bytes, grace_s=args.grace_period, tls=_tls(args),
                          **{**config, **_telemetry_options(args)})
 
 
@@ -166,7 +179,7 @@ def _up(args) -> None:
     argv += [flag for flag, on in (("--no-prefix-caching", args.no_prefix_caching),
                                    ("--no-chunked-prefill", args.no_chunked_prefill)) if on]
     sys.exit(up(_model_dir(args), args.host, args.port, args.prefill, args.decode, argv, args.policy,
-                args.start_timeout, trace=args.trace, http_port=args.http_port or None))
+                args.start_timeout, trace=args.trace, http_port=args.http_port or None, restart=not args.no_restart))
 
 
 def _trace(args) -> None:
@@ -194,7 +207,7 @@ def _generate_remote(args) -> None:
     if not args.raw:
         prompt = [{"role": "user", "content": prompt}]
     t0, n = time.perf_counter(), 0
-    with Client(args.target) as client:
+    with Client(args.target, tls=_tls(args)) as client:
         try:
             for chunk in client.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                          seed=args.seed, timeout=args.timeout):
@@ -225,7 +238,32 @@ def _generate_offline(args) -> None:
     print(f"{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s)", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _check_stack(args) -> None:
+    from baton.services.stack_check import check_stack
+
+    sys.exit(check_stack(args))
+
+
+def _add_tls_flags(p: argparse.ArgumentParser, serving: bool) -> None:
+    g = p.add_argument_group("TLS")
+    if serving:
+        g.add_argument("--tls-cert-file", help="PEM certificate chain: serve gRPC (and HTTP) over TLS with it, and "
+                                               "present it as the client certificate on internal calls")
+        g.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
+        g.add_argument("--tls-ca-file", help="PEM CA bundle: require client certificates it signed (mTLS), and "
+                                             "verify the servers this one calls against it")
+        g.add_argument("--tls-server-name", help="the name to verify in the certificates of the servers this one "
+                                                 "calls (default: the host of their address; set it when they are "
+                                                 "called by IP, as behind a headless Service)")
+    else:
+        g.add_argument("--tls-ca-file", help="PEM CA bundle to verify the server with (turns TLS on)")
+        g.add_argument("--tls-cert-file", help="PEM client certificate, for a server that requires one (mTLS)")
+        g.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
+        g.add_argument("--tls-server-name", help="the name to verify in the server's certificate (default: the host "
+                                                 "of the address)")
+
+
+def build_parser() -> argparse.ArgumentParser:
     from baton.services.common import POLICIES
 
     parser = argparse.ArgumentParser(prog="baton", description="Baton: disaggregated LLM serving")
@@ -242,6 +280,9 @@ def main(argv: list[str] | None = None) -> None:
                                    "period to finish.")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     s.add_argument("--port", type=int, default=50051, help="port to listen on; 0 picks a free one (default: %(default)s)")
+    s.add_argument("--advertise-host", help="the address peers reach this server at, in the KV handles a prefill "
+                                            "gives out (default: --host, or this host's IP when --host is 0.0.0.0 "
+                                            "or ::)")
     s.add_argument("--max-concurrent-streams", type=int, help="most concurrent streams per client connection")
     s.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest request or response message")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
@@ -274,8 +315,14 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--policy", choices=POLICIES,
                    help="how to pick an instance (default round_robin); prefix_affinity sends shared prompt "
                         "prefixes to one instance, within a load bound")
+    r.add_argument("--max-migrations", type=int,
+                   help="times a request may move to another decode instance when its instance fails mid-stream "
+                        "(it resumes from the tokens already streamed; default 2)")
+    r.add_argument("--max-in-flight", type=int,
+                   help="streams the router carries at once; beyond it, RESOURCE_EXHAUSTED at once (default 4096)")
     r.add_argument("--router-config", metavar="FILE",
                    help="YAML/JSON with prefill, decode, policy and other router options; flags win")
+    _add_tls_flags(s, serving=True)
     _add_engine_flags(s)
     s.set_defaults(func=_serve)
 
@@ -293,6 +340,9 @@ def main(argv: list[str] | None = None) -> None:
     u.add_argument("--policy", choices=POLICIES,
                    default="round_robin", help="the router's policy (default: %(default)s)")
     u.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for all to serve")
+    u.add_argument("--no-restart", action="store_true",
+                   help="stop the whole stack when any service dies (default: restart it with backoff, stopping "
+                        "only on a crash loop)")
     u.add_argument("--trace", action="store_true", help="receive every service's traces here and print a "
                                                         "waterfall per request (as `baton trace` does)")
     _add_engine_flags(u)
@@ -308,8 +358,24 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     g.add_argument("--timeout", type=float, default=None, help="deadline of the call, in seconds (with --target)")
     g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    _add_tls_flags(g, serving=False)
     _add_engine_flags(g, skip=("seed",))  # --seed is the sampling seed here
     g.set_defaults(func=_generate)
+
+    c = sub.add_parser("check-stack", help="send one request through a stack and check that its tiers did their "
+                                           "part (Helm's test hook runs it)",
+                       description="Stream one Generate through --target, then read each --prefill-metrics and "
+                                   "--decode-metrics endpoint (HOST:PORT of /metrics; a DNS name stands for every "
+                                   "address it resolves to): with prefill endpoints given, the decodes must have "
+                                   "pulled KV blocks from a prefill for it. Exits 1, saying what failed, otherwise.")
+    c.add_argument("--target", required=True, help="HOST:PORT of the router (or a colocated server)")
+    c.add_argument("--prefill-metrics", action="append", default=[], metavar="HOST:PORT",
+                   help="a prefill tier's metrics endpoint; repeat for several")
+    c.add_argument("--decode-metrics", action="append", default=[], metavar="HOST:PORT",
+                   help="a decode tier's metrics endpoint; repeat for several")
+    c.add_argument("--timeout", type=float, default=120.0, help="seconds the whole check may take")
+    _add_tls_flags(c, serving=False)
+    c.set_defaults(func=_check_stack)
 
     t = sub.add_parser("trace", help="receive traces (OTLP/gRPC) and print a waterfall per request",
                        description="A small OpenTelemetry trace receiver: point services at it "
@@ -320,7 +386,11 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--quiet", type=float, default=1.0,
                    help="seconds a trace must be quiet after its request ended before it is printed")
     t.set_defaults(func=_trace)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     args.func(args)
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
-import grpc
 
 from baton.services.common import FINISH_REASONS
+from baton.services.tls import TLSConfig, aio_channel, sync_channel
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
 
@@ -77,8 +77,8 @@ def chunk_from_response(resp: pb.GenerateResponse) -> Chunk:
 
 
 class Client:
-    def __init__(self, target: str, options: list[tuple] | None = None):
-        self.channel = grpc.insecure_channel(target, options=options)
+    def __init__(self, target: str, options: list[tuple] | None = None, tls: TLSConfig | None = None):
+        self.channel = sync_channel(target, tls, options or [])
         self.stub = generate_pb2_grpc.TextGenerationStub(self.channel)
 
     def generate(self, prompt, *, timeout: float | None = None, metadata=None, **kwargs) -> Iterator[Chunk]:
@@ -101,8 +101,8 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, target: str, options: list[tuple] | None = None):
-        self.channel = grpc.aio.insecure_channel(target, options=options)
+    def __init__(self, target: str, options: list[tuple] | None = None, tls: TLSConfig | None = None):
+        self.channel = aio_channel(target, tls, options or [])
         self.stub = generate_pb2_grpc.TextGenerationStub(self.channel)
 
     async def generate(self, prompt, *, timeout: float | None = None, metadata=None,

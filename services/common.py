@@ -4,6 +4,7 @@ listening server and its drain."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,9 +27,11 @@ def chat_messages(chat: pb.Chat) -> list[dict]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
-def is_serving(address: str, timeout_s: float = 1.0) -> bool:
+def is_serving(address: str, timeout_s: float = 1.0, tls=None) -> bool:
     """Whether the server at address reports SERVING (unreachable counts as not)."""
-    with grpc.insecure_channel(address) as channel:
+    from baton.services.tls import sync_channel
+
+    with sync_channel(address, tls) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:
@@ -36,14 +39,27 @@ def is_serving(address: str, timeout_s: float = 1.0) -> bool:
     return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def make_grpc_server(host: str, port: int, max_message_bytes: int,
-                     extra_options: list[tuple] = ()) -> tuple[grpc.aio.Server, int]:
-    """A grpc.aio server listening on host:port (0: any free port); returns it and its port."""
+def advertised_host(host: str, advertise_host: str | None) -> str:
+    """The host peers should dial: the one given, else the listening host, else (listening on
+    every interface) the address this host's name resolves to, as a pod's does to its IP."""
+    if advertise_host:
+        return advertise_host
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+
+def make_grpc_server(host: str, port: int, max_message_bytes: int, extra_options: list[tuple] = (),
+                     tls=None) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server listening on host:port (0: any free port), over TLS when tls (a
+    TLSConfig) is given; returns it and its port."""
     server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message_bytes),
                                       ("grpc.max_receive_message_length", max_message_bytes),
                                       ("grpc.so_reuseport", 0),  # a taken port is an error, not a shared one
                                       *extra_options])
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, tls.server_credentials()) if tls is not None
+             else server.add_insecure_port(address))
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (in use?)")
     return server, bound

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from baton.engine.errors import check
-from baton.engine.sampling_params import MAX_N
+from baton.engine.sampling_params import MAX_N, child_seed
 from baton.v1 import generate_pb2 as pb
 
 _DONE = object()
@@ -28,7 +28,7 @@ def child_requests(msg: pb.GenerateRequest, n: int) -> list[pb.GenerateRequest]:
         child.request_id = f"{msg.request_id}-{i}"
         child.sampling.ClearField("n")
         if msg.sampling.HasField("seed"):
-            child.sampling.seed = msg.sampling.seed + i
+            child.sampling.seed = child_seed(msg.sampling.seed, i)
         if i:
             child.sampling.ClearField("prompt_logprobs")
         children.append(child)

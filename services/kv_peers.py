@@ -13,6 +13,7 @@ import grpc
 from baton.engine.errors import InvalidArgument, check
 from baton.engine.llm_engine import StepOutput
 from baton.kv_transfer.nixl_connector import KVLayout
+from baton.services.tls import aio_channel
 from baton.services.common import in_background, token_metadata
 from baton.services.engine_rpc import ENGINE_ERRORS, abort_for_engine_error, response_from_output
 from baton.services.fan_out import num_completions
@@ -154,7 +155,7 @@ class KVPeers:
         self.num_handshakes += 1
         channel = self._channels.get(handle.address)
         if channel is None:
-            channel = self._channels[handle.address] = grpc.aio.insecure_channel(handle.address)
+            channel = self._channels[handle.address] = aio_channel(handle.address, server.options.tls)
         try:
             theirs = await internal_pb2_grpc.KVPeerStub(channel).Handshake(
                 layout_to_proto(server.kv_worker.layout), metadata=token_metadata(server.options.internal_token),

@@ -2,9 +2,12 @@
 and M decode engines on free ports, and the router in front of them on the public port.
 
 It waits until every process reports SERVING over the health protocol, prints where to
-talk to it (and each service's /metrics), and stops them all on Ctrl-C (or when one of them
-dies). Children die with the launcher (PR_SET_PDEATHSIG), so a killed launcher leaves no
-orphans. With `trace`, a trace receiver in this process takes every service's spans and
+talk to it (and each service's /metrics), and stops them all on Ctrl-C. It supervises as
+Kubernetes would: a service that dies is started again on its address after a backoff
+(doubling from RESTART_BACKOFF_S, reset once it has run for a minute), while the router serves
+on the survivors; only a crash loop (CRASH_LOOP deaths within CRASH_WINDOW_S) stops the stack.
+With restart off, the first death does. Children die with the launcher (PR_SET_PDEATHSIG), so
+a killed launcher leaves no orphans. With `trace`, a trace receiver in this process takes every service's spans and
 prints a waterfall per request.
 """
 from __future__ import annotations
@@ -22,6 +25,10 @@ from dataclasses import dataclass, field
 
 from baton.services.common import is_serving
 
+RESTART_BACKOFF_S, MAX_BACKOFF_S = 0.5, 30.0
+CRASH_LOOP, CRASH_WINDOW_S = 5, 60.0  # this many deaths of one service within the window stop the stack
+STABLE_S = 60.0  # a service that ran this long starts its backoff over
+
 
 def free_port(host: str) -> int:
     with socket.socket() as s:
@@ -37,6 +44,21 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def router_sees_healthy(address: str) -> int:
+    """How many of its backends the router at address reports healthy (0 when unreachable)."""
+    import grpc
+
+    from baton.v1 import generate_pb2 as pb
+    from baton.v1 import generate_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            load = generate_pb2_grpc.TextGenerationStub(channel).GetLoad(pb.GetLoadRequest(), timeout=2)
+        except grpc.RpcError:
+            return 0
+    return sum(b.healthy for b in load.backends)
 
 
 def _die_with_parent() -> None:
@@ -57,8 +79,14 @@ class Service:
     metrics_url: str = ""
     proc: subprocess.Popen | None = None
     tail: deque = field(default_factory=lambda: deque(maxlen=30))
+    deaths: deque = field(default_factory=lambda: deque(maxlen=CRASH_LOOP))  # monotonic times
+    started_at: float = 0.0
+    restart_at: float | None = None  # dead, to be started again then
+    backoff_s: float = RESTART_BACKOFF_S
+    coming_back: bool = False  # restarted, not serving yet
 
     def start(self, env: dict) -> None:
+        self.started_at = time.monotonic()
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env, preexec_fn=_die_with_parent)
         threading.Thread(target=self._relay, daemon=True).start()
@@ -73,10 +101,39 @@ class Service:
 class Stack:
     def __init__(self, services: list[Service]):
         self.services = services
+        self.env: dict = {}
 
     def start(self, env: dict) -> None:
+        self.env = env
         for service in self.services:
             service.start(env)
+
+    def supervise(self) -> Service | None:
+        """One round of supervision: note deaths, restart what is due, report what serves
+        again. Returns a service in a crash loop (the stack should stop), else None."""
+        now = time.monotonic()
+        for s in self.services:
+            if s.restart_at is None and s.proc.poll() is not None:  # just died
+                s.deaths.append(now)
+                s.coming_back = False
+                if len(s.deaths) == CRASH_LOOP and now - s.deaths[0] <= CRASH_WINDOW_S:
+                    return s
+                if now - s.started_at >= STABLE_S:
+                    s.backoff_s = RESTART_BACKOFF_S
+                s.restart_at = now + s.backoff_s
+                print(f"baton up: {s.name} ({s.address}) exited with status {s.proc.returncode}; restarting it in "
+                      f"{s.backoff_s:g}s (death {len(s.deaths)} in the last {CRASH_WINDOW_S:g}s)", file=sys.stderr,
+                      flush=True)
+                s.backoff_s = min(s.backoff_s * 2, MAX_BACKOFF_S)
+            elif s.restart_at is not None and now >= s.restart_at:
+                s.restart_at = None
+                s.coming_back = True
+                s.start(self.env)
+                print(f"baton up: {s.name} restarted (pid {s.proc.pid})", file=sys.stderr, flush=True)
+            elif s.coming_back and s.proc.poll() is None and is_serving(s.address, 0.2):
+                s.coming_back = False
+                print(f"baton up: {s.name} serves again on {s.address}", file=sys.stderr, flush=True)
+        return None
 
     def dead(self) -> Service | None:
         return next((s for s in self.services if s.proc.poll() is not None), None)
@@ -94,6 +151,12 @@ class Stack:
                 raise RuntimeError(f"not serving after {timeout_s:g}s: {', '.join(s.name for s in pending)}")
             pending = [s for s in pending if not is_serving(s.address)]
             time.sleep(0.2)
+        # The router's own view lags by a health watch: until it sees every engine, a request
+        # could skip a prefill that is in fact up.
+        while router_sees_healthy(self.services[0].address) < len(self.services) - 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the router did not see every engine healthy within {timeout_s:g}s")
+            time.sleep(0.05)
 
     def stop(self, grace_s: float) -> None:
         """Router first (no new requests), then the engines; SIGKILL whatever outlives the grace."""
@@ -127,7 +190,7 @@ def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: 
 
 def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
        policy: str = "round_robin", start_timeout_s: float = 300.0, grace_s: float = 10.0, trace: bool = False,
-       http_port: int | None = None) -> int:
+       http_port: int | None = None, restart: bool = True) -> int:
     if not os.path.isfile(os.path.join(model, "config.json")):
         print(f"baton up: {model} is not a checkpoint directory (no config.json); "
               f"`baton prepare-models` writes the demo model", file=sys.stderr)
@@ -168,10 +231,17 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
               f"  baton generate --target {host}:{port} 'What is the capital of France?'\n"
               f"{http}Metrics:{metrics}{traces}\nCtrl-C stops all.", flush=True)
         while not stopping.wait(0.5):
-            dead = stack.dead()
-            if dead is not None:
-                print(f"baton up: {dead.name} exited with status {dead.proc.returncode}; stopping the stack",
-                      file=sys.stderr)
+            if not restart:
+                dead = stack.dead()
+                if dead is not None:
+                    print(f"baton up: {dead.name} exited with status {dead.proc.returncode}; stopping the stack "
+                          f"(--no-restart)", file=sys.stderr)
+                    return 1
+                continue
+            looping = stack.supervise()
+            if looping is not None:
+                print(f"baton up: {looping.name} died {CRASH_LOOP} times within {CRASH_WINDOW_S:g}s; stopping the "
+                      f"stack. Its last output:\n" + "".join(looping.tail), file=sys.stderr)
                 return 1
         return 0
     finally:

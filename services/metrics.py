@@ -249,6 +249,8 @@ class RouterMetrics(_Family):
         self.backend_errors = c("router_backend_errors", "Backend calls that failed, by tier, instance and gRPC "
                                 "code.", ("tier", "backend", "code"))
         self.retries = c("router_retries", "Requests tried again on another instance, by tier.", ("tier",))
+        self.migrations = c("router_migrations", "Requests moved mid-stream to another decode instance after theirs "
+                            "failed (resumed from the tokens already streamed).")
         self.fallbacks = c("router_colocated_fallbacks", "Requests a decode instance computed whole (no prefill), "
                            "by reason: no_prefill (none healthy), prefill_failed.", ("reason",))
         self.decisions = c("router_policy_decisions", "Instances chosen, by policy, tier and why: affinity "

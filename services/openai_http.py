@@ -65,8 +65,9 @@ class OpenAIFront:
     """The HTTP front over `service`, the servicer of baton.v1.TextGeneration (an engine server's
     or the router's): its Generate, GetModelInfo, Tokenize and Detokenize answer."""
 
-    def __init__(self, service, host: str, port: int, is_serving, tokenizer=None):
+    def __init__(self, service, host: str, port: int, is_serving, tokenizer=None, tls=None):
         self.service, self.host, self.port = service, host, port
+        self.ssl_context = tls.http_context() if tls is not None else None
         self.is_serving = is_serving
         self.tokenizer = tokenizer  # token strings of logprobs; without one, "token_id:N" (vLLM's spelling)
         self.app = web.Application(client_max_size=16 << 20)
@@ -79,13 +80,16 @@ class OpenAIFront:
 
     async def start(self) -> None:
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=False)
+        # SO_REUSEADDR: a restarted server binds its port again at once (a port with a live
+        # listener stays an error on Linux; SO_REUSEPORT, which would share it, stays off).
+        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True, reuse_port=False,
+                           ssl_context=self.ssl_context)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.ssl_context else 'http'}://{self.host}:{self.port}"
 
     async def stop(self) -> None:
         await self.runner.cleanup()
@@ -182,29 +186,44 @@ class OpenAIFront:
         except ApiError as e:
             return _error_response(e)
         shape = Completion(self.token_text, request_id, model, chat, time.time())
-        if not stream:
-            try:
-                if first is not None:
-                    shape.add(first)
-                async for resp in responses:
-                    shape.add(resp)
-            except ApiError as e:
-                return _error_response(e)
-            return web.json_response(shape.whole())
+        try:
+            return await (self._stream(request, shape, first, responses, include_usage) if stream
+                          else self._whole(shape, first, responses))
+        finally:
+            # Now, not whenever the collector finds the generator: its requests end with it.
+            await responses.aclose()
+
+    @staticmethod
+    async def _whole(shape: Completion, first, responses) -> web.Response:
+        try:
+            if first is not None:
+                shape.add(first)
+            async for resp in responses:
+                shape.add(resp)
+        except ApiError as e:
+            return _error_response(e)
+        return web.json_response(shape.whole())
+
+    @staticmethod
+    async def _stream(request: web.Request, shape: Completion, first, responses,
+                      include_usage: bool) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
         try:
-            for resp in ([first] if first is not None else []):
-                for event in shape.events(resp):
-                    await out.write(sse(event))
-            async for resp in responses:
-                for event in shape.events(resp):
-                    await out.write(sse(event))
-            if include_usage:
-                await out.write(sse(shape.usage_event()))
-        except ApiError as e:  # after the first byte the status is sent: the error is an event
-            await out.write(sse(e.body()))
-        await out.write(b"data: [DONE]\n\n")
+            try:
+                for resp in ([first] if first is not None else []):
+                    for event in shape.events(resp):
+                        await out.write(sse(event))
+                async for resp in responses:
+                    for event in shape.events(resp):
+                        await out.write(sse(event))
+                if include_usage:
+                    await out.write(sse(shape.usage_event()))
+            except ApiError as e:  # after the first byte the status is sent: the error is an event
+                await out.write(sse(e.body()))
+            await out.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:  # the client left between two writes; the finally above ends its requests
+            pass
         return out
 
     async def _responses(self, requests: list[pb.GenerateRequest], request: web.Request,

@@ -60,11 +60,20 @@ def _typed(body: dict, name: str, kind: type):
     return value
 
 
+def _in_range(name: str, assign) -> None:
+    """Run assign() (a protobuf field set), naming the parameter when a value does not fit it."""
+    try:
+        assign()
+    except (ValueError, TypeError, OverflowError):
+        raise ApiError(400, f"{name}: a value is out of range", name) from None
+
+
 def sampling_from_body(body: dict, chat: bool) -> pb.SamplingParams:
     s = pb.SamplingParams()
     for name, (field, kind) in _SAMPLING.items():
         if body.get(name) is not None:
-            setattr(s, field, _typed(body, name, kind))
+            value = _typed(body, name, kind)
+            _in_range(name, lambda: setattr(s, field, value))  # noqa: B023 - called at once
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -72,19 +81,22 @@ def sampling_from_body(body: dict, chat: bool) -> pb.SamplingParams:
             raise ApiError(400, "stop: must be a string or a list of strings", "stop")
         s.stop.extend(stops)
     if body.get("stop_token_ids") is not None:
-        s.stop_token_ids.extend(int_list(body, "stop_token_ids"))
+        ids = int_list(body, "stop_token_ids")
+        _in_range("stop_token_ids", lambda: s.stop_token_ids.extend(ids))
     bias = body.get("logit_bias")
     if bias is not None:
         try:
             s.logit_bias.update({int(k): float(v) for k, v in bias.items()})
-        except (AttributeError, TypeError, ValueError):
-            raise ApiError(400, "logit_bias: must map token ids to numbers", "logit_bias") from None
+        except (AttributeError, TypeError, ValueError, OverflowError):
+            raise ApiError(400, "logit_bias: must map token ids (in range) to numbers", "logit_bias") from None
     logprobs = body.get("logprobs")
     if chat:  # logprobs: true, with top_logprobs alternatives
         if logprobs is not None and _typed(body, "logprobs", bool):
-            s.logprobs = _typed(body, "top_logprobs", int) if body.get("top_logprobs") is not None else 0
+            top = _typed(body, "top_logprobs", int) if body.get("top_logprobs") is not None else 0
+            _in_range("top_logprobs", lambda: setattr(s, "logprobs", top))
     elif logprobs is not None:
-        s.logprobs = _typed(body, "logprobs", int)
+        top = _typed(body, "logprobs", int)
+        _in_range("logprobs", lambda: setattr(s, "logprobs", top))
     return s
 
 
@@ -123,7 +135,7 @@ def prompts_from_body(body: dict) -> list[pb.GenerateRequest]:
         if isinstance(p, str):
             msg.text = p
         elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            msg.token_ids.ids.extend(p)
+            _in_range("prompt", lambda: msg.token_ids.ids.extend(p))  # noqa: B023 - called at once
         else:
             raise ApiError(400, "prompt: must be a text, token ids, or a non-empty list of either", "prompt")
         requests.append(msg)

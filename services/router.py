@@ -28,6 +28,7 @@ from baton.engine.kv_cache_manager import extend_block_hashes
 from baton.services import tracing
 from baton.engine.errors import InvalidArgument
 from baton.services.backends import Backend, Tier, split_host_port
+from baton.services.failover import Relay, aborted_response, decode_leg, pass_on_or_take_out
 from baton.services.fan_out import child_requests, merge, num_completions, retag
 from baton.services.common import (POLICIES, SERVICE_NAME, TOKEN_KEY, chat_messages, drain, in_background,
                                    make_grpc_server, set_health, token_metadata)
@@ -35,6 +36,7 @@ from baton.services.metrics import MetricsServer, RouterMetrics, make_registry
 from baton.services.policies import make_policy
 from baton.services.router_telemetry import RouterTrace
 from baton.services.runtime_api import CallRegistry, RouterRuntime
+from baton.services.tls import TLSConfig
 from baton.v1 import generate_pb2 as pb
 
 log = logging.getLogger("baton.router")
@@ -66,34 +68,21 @@ class RouterOptions:
     metrics_port: int | None = None  # /metrics over HTTP (0: any free port); None: no metrics
     otlp_traces_endpoint: str | None = None  # default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; none: no tracing
     http_port: int | None = None  # the OpenAI-compatible HTTP front (0: any free port); None: none
+    max_migrations: int = 2  # moves of a request to another decode instance after failures
+    max_in_flight: int | None = 4096  # streams at once; beyond it, RESOURCE_EXHAUSTED at once (None: no bound)
+    tls: TLSConfig | None = None  # serve TLS, and call the backends over it
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not self.decode:
             raise ValueError("decode: at least one decode instance is needed")
+        if self.max_in_flight is not None and not (isinstance(self.max_in_flight, int) and self.max_in_flight >= 1):
+            raise ValueError(f"max_in_flight: must be an integer >= 1, got {self.max_in_flight!r}")
+        if not (isinstance(self.max_migrations, int) and self.max_migrations >= 0):
+            raise ValueError(f"max_migrations: must be an integer >= 0, got {self.max_migrations!r}")
         for addr in (*self.prefill, *self.decode):
             split_host_port(addr)
-
-
-async def _pass_on_or_take_out(backend: Backend, e: grpc.aio.AioRpcError, context) -> None:
-    """An error from a backend call. The request's own (or its prefill's, named `kv_handle`)
-    goes to the client as it is; an unreachable backend is taken out, and the caller decides
-    between another instance and UNAVAILABLE."""
-    if e.code() != grpc.StatusCode.UNAVAILABLE or e.details().startswith("kv_handle"):
-        await context.abort(e.code(), e.details())
-    backend.failed()
-
-
-def _aborted(msg: pb.GenerateRequest) -> bytes:
-    """The last response of a call the Abort API ended (its backend call is cancelled after)."""
-    return pb.GenerateResponse(request_id=msg.request_id, finish_reason=pb.FINISH_REASON_ABORT).SerializeToString()
-
-
-def _end_call(backend: Backend, call) -> None:
-    backend.outstanding -= 1
-    if not call.done():  # the client went away (cancel, deadline): stop the backend's work too
-        call.cancel()
 
 
 class RouterService(RouterRuntime):
@@ -107,9 +96,15 @@ class RouterService(RouterRuntime):
         r = self.router
         if not msg.request_id:  # one id across both tiers, for their logs and traces
             msg.request_id = uuid.uuid4().hex
-        msg.ClearField("kv_handle")  # the router's to set: a client's would reach a decode with the stack's token
+        # The router's to set: a client's handle would reach a decode with the stack's token.
+        msg.ClearField("kv_handle")
+        msg.ClearField("resume")
         if msg.request_id in r.calls.live:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {msg.request_id!r} is already in flight")
+        bound = r.options.max_in_flight
+        if bound is not None and r.num_in_flight >= bound:  # shed now, rather than queue past every deadline
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{r.num_in_flight} requests are in flight, the bound (max_in_flight) is {bound}")
         r.num_in_flight += 1
         ids = [msg.request_id]
         try:
@@ -145,6 +140,7 @@ class RouterService(RouterRuntime):
         metadata = r.forwarded_metadata(context)
         # Tokenizing for affinity takes a while on a long prompt: not on the event loop.
         hashes = await asyncio.to_thread(r.prefix_hashes, msg) if r.options.policy == "prefix_affinity" else []
+        relay = Relay(msg)  # before the prefill call: its first token is the client's too
         prefill_tried: list[Backend] = []
         reply = None
         while reply is None and len(prefill_tried) < 2:
@@ -157,51 +153,28 @@ class RouterService(RouterRuntime):
             reply = await self._prefill(prefill, msg, metadata, context, trace)
         if reply is None:
             trace.fallback("prefill_failed" if prefill_tried else "no_prefill")
-            async for resp in self._colocated(msg, hashes, metadata, context, trace):
+            async for resp in decode_leg(r, msg, hashes, metadata, context, trace, relay):
                 yield resp
             return
         if reply is _ABORTED or msg.request_id in r.aborted:  # by the Abort API, before the decode
             if reply is not _ABORTED and reply.HasField("handle"):
                 in_background(r.background, r.release(prefill_tried[-1], reply.handle))
-            yield _aborted(msg)
+            yield aborted_response(msg)
             return
+        trace.first_token()
+        first = relay.forward(reply.first)  # it goes out now, while the decode pulls the KV
         if not reply.HasField("handle"):  # the first token ended the request
-            trace.first_token()
-            yield reply.first.SerializeToString()
+            yield first
             return
         msg.kv_handle.CopyFrom(reply.handle)
-        decode = r.pick(r.decode, r.decode_policy, hashes, trace, msg.request_id)
-        if decode is None:
-            await r.release(prefill_tried[-1], reply.handle)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode instance")
-        span, call_metadata = trace.client_call("decode", decode, "Generate", metadata)
-        call = decode.generate(msg, metadata=call_metadata, timeout=context.time_remaining())
-        pulled, error = False, None  # the decode's first response means it has the blocks
+        held = (prefill_tried[-1], reply.handle)
         try:
-            trace.first_token()  # it goes out now, while the decode pulls the KV
-            yield reply.first.SerializeToString()
-            async for resp in call:
-                if not pulled:
-                    pulled = True
-                    trace.decode_answer(await call.initial_metadata())
-                if msg.request_id in r.aborted:  # the Abort API (it may have reached the decode too late)
-                    yield _aborted(msg)
-                    return
-                yield resp
-        except grpc.aio.AioRpcError as e:
-            error = e
-            await _pass_on_or_take_out(decode, e, context)
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"decode instance {decode.address} failed after the first token "
-                                f"({e.details()}); the request cannot resume: send it again")
-        except BaseException as e:  # the client went away
-            error = e
+            yield first
+        except BaseException:  # the client went away
+            in_background(r.background, r.release(*held))
             raise
-        finally:
-            _end_call(decode, call)
-            if not pulled:  # the blocks may still be held for a reader that will never come
-                in_background(r.background, r.release(prefill_tried[-1], reply.handle))
-            trace.call_ended(span, "decode", decode, error)
+        async for resp in decode_leg(r, msg, hashes, metadata, context, trace, relay, held):
+            yield resp
 
     async def _prefill(self, prefill: Backend, msg, metadata, context, trace: RouterTrace):
         """The prefill's reply, or None when the instance is unreachable."""
@@ -225,49 +198,12 @@ class RouterService(RouterRuntime):
                 in_background(self.router.background, self.router.release(prefill, forget))
             if e.code() == grpc.StatusCode.ABORTED and msg.request_id in self.router.aborted:
                 return _ABORTED
-            await _pass_on_or_take_out(prefill, e, context)
+            await pass_on_or_take_out(prefill, e, context)
             log.warning("prefill %s failed for %s: %s", prefill.address, msg.request_id, e.details())
             return None
         finally:
             prefill.outstanding -= 1
             trace.call_ended(span, "prefill", prefill, error)
-
-    async def _colocated(self, msg, hashes, metadata, context, trace: RouterTrace):
-        """The decode instance runs the whole request; one retry elsewhere before a token."""
-        r, tried = self.router, []
-        while True:
-            decode = r.pick(r.decode, r.decode_policy, hashes, trace, msg.request_id, tried)
-            if decode is None:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode instance" +
-                                    (f" (tried {', '.join(b.address for b in tried)})" if tried else ""))
-            if tried:
-                trace.retried("decode")
-            tried.append(decode)
-            span, call_metadata = trace.client_call("decode", decode, "Generate", metadata)
-            call = decode.generate(msg, metadata=call_metadata, timeout=context.time_remaining())
-            started, error = False, None
-            try:
-                async for resp in call:
-                    if not started:
-                        started = True
-                        trace.first_token()
-                    if msg.request_id in r.aborted:
-                        yield _aborted(msg)
-                        return
-                    yield resp
-                return
-            except grpc.aio.AioRpcError as e:
-                error = e
-                await _pass_on_or_take_out(decode, e, context)
-                if started or len(tried) == 2:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        f"decode instance {decode.address} failed: {e.details()}")
-            except BaseException as e:  # the client went away
-                error = e
-                raise
-            finally:
-                _end_call(decode, call)
-                trace.call_ended(span, "decode", decode, error)
 
 
 def _handlers(service: RouterService) -> dict:
@@ -284,8 +220,8 @@ def _handlers(service: RouterService) -> dict:
 class Router:
     def __init__(self, options: RouterOptions):
         self.options = o = options
-        self.prefill = Tier("prefill", o.prefill, o.health_retry_s, self._health_changed)
-        self.decode = Tier("decode", o.decode, o.health_retry_s, self._health_changed)
+        self.prefill = Tier("prefill", o.prefill, o.health_retry_s, self._health_changed, o.tls)
+        self.decode = Tier("decode", o.decode, o.health_retry_s, self._health_changed, o.tls)
         self.prefill_policy, self.decode_policy = (
             make_policy(o.policy, o.affinity_load_factor, o.affinity_slack, o.affinity_table_size) for _ in range(2))
         self.tokenizer = None
@@ -297,7 +233,7 @@ class Router:
                         if registry is not None else None)
         self.metrics_server = MetricsServer(registry, o.host, o.metrics_port) if registry is not None else None
         self.health = health.aio.HealthServicer()
-        self.grpc, self.port = make_grpc_server(o.host, o.port, o.max_message_bytes)
+        self.grpc, self.port = make_grpc_server(o.host, o.port, o.max_message_bytes, tls=o.tls)
         service = self.service = RouterService(self)
         self.grpc.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, _handlers(service))])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -330,7 +266,7 @@ class Router:
         self._resolver = asyncio.ensure_future(self._resolve_periodically())
         if o.http_port is not None:
             from baton.services.openai_http import OpenAIFront
-            self.http = OpenAIFront(self.service, o.host, o.http_port, lambda: self.serving, self.tokenizer)
+            self.http = OpenAIFront(self.service, o.host, o.http_port, lambda: self.serving, self.tokenizer, o.tls)
             await self.http.start()
         self.serving = True
         self._health_changed()

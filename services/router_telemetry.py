@@ -125,6 +125,14 @@ class RouterTrace:
         if self.metrics is not None:
             self.metrics.retries.labels(**self.metrics.labels, tier=tier).inc()
 
+    def migrated(self, backend, num_tokens: int) -> None:
+        """backend failed after num_tokens were streamed: the request moves to another instance."""
+        if self.span is not None:
+            self.span.add_event("migrated", {"baton.migration.from": backend.address,
+                                             "baton.migration.streamed_tokens": num_tokens})
+        if self.metrics is not None:
+            self.metrics.migrations.inc()
+
     def fallback(self, reason: str) -> None:
         """The decode computes the prompt itself (no prefill tier to use)."""
         self._set(fallback=reason)

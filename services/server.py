@@ -24,14 +24,15 @@ from baton.engine.sampling_params import SamplingParams
 from baton.kv_transfer.nixl_connector import DEFAULT_HOLD_TIMEOUT_S, make_nixl_connector
 from baton.services import tracing
 from baton.services.async_engine import AsyncEngine
-from baton.services.common import (SERVICE_NAME, TOKEN_KEY, chat_messages, drain, in_background, make_grpc_server,
-                                   set_health)
+from baton.services.common import (SERVICE_NAME, TOKEN_KEY, advertised_host, chat_messages, drain, in_background,
+                                   make_grpc_server, set_health)
 from baton.services.engine_rpc import ENGINE_ERRORS, abort_for_engine_error, decode_timing, response_from_output
 from baton.services.engine_telemetry import EngineTelemetry
 from baton.services.fan_out import child_requests, merge, num_completions
 from baton.services.kv_peers import KVPeers, KVPeerService, PrefillService
 from baton.services.metrics import EngineMetrics, MetricsServer, make_registry, on_loop
 from baton.services.runtime_api import CallRegistry, EngineRuntime, load_from_snapshot, model_info
+from baton.services.tls import TLSConfig
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
 
@@ -43,7 +44,8 @@ _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "see
                              "include_stop_str_in_output", "repetition_penalty", "presence_penalty",
                              "frequency_penalty", "min_p", "logprobs", "prompt_logprobs", "skip_special_tokens", "n")
 # Engine field names as the public API spells them.
-_API_FIELD = {"prompt_token_ids": "token_ids", "messages": "chat", "logit_bias": "sampling.logit_bias"}
+_API_FIELD = {"prompt_token_ids": "token_ids", "resumed_output": "resume", "messages": "chat",
+              "logit_bias": "sampling.logit_bias", "stop_token_ids": "sampling.stop_token_ids"}
 
 
 @dataclass(slots=True)
@@ -62,6 +64,8 @@ class ServerOptions:
     metrics_port: int | None = None  # /metrics over HTTP (0: any free port); None: no metrics
     otlp_traces_endpoint: str | None = None  # default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; none: no tracing
     http_port: int | None = None  # the OpenAI-compatible HTTP front (0: any free port); None: none
+    tls: TLSConfig | None = None  # serve TLS (mTLS with a CA), and call peers over it
+    advertise_host: str | None = None  # in KV handles; default: host, or this host's IP when host is a wildcard
 
     def __post_init__(self):
         check(self.role in ROLES, "role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
@@ -98,12 +102,19 @@ class GenerationService(EngineRuntime, generate_pb2_grpc.TextGenerationServicer)
         params = sampling_params_from_proto(msg.sampling)
         kv_params = self._kv_params(msg, params, for_prefill)
         if for_prefill:
-            params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        elif kv_params is not None:  # the prefill computed the prompt and sent its logprobs
+            min_tokens = params.min_tokens
+            params = dataclasses.replace(params, max_tokens=1, min_tokens=min(min_tokens, 1))
+            # The request's own min_tokens, past the check that it fits max_tokens: the first
+            # token is sampled the same either way, but a stop string in it must not end the
+            # request before min_tokens, as it would not colocated.
+            params.min_tokens = min_tokens
+        elif kv_params is not None or msg.resume.ids:  # the prompt's logprobs went out already
             params = dataclasses.replace(params, prompt_logprobs=None)
+        check(not (msg.resume.ids and msg.HasField("kv_handle")), "resume", "cannot come with a kv_handle")
         try:
             request = engine.make_request(msg.request_id or uuid.uuid4().hex, self._prompt(msg), params,
-                                          msg.priority, kv_transfer_params=kv_params)
+                                          msg.priority, kv_transfer_params=kv_params,
+                                          resumed_output=list(msg.resume.ids))
         except InvalidArgument as e:
             raise InvalidArgument(_API_FIELD.get(e.field, e.field), e.reason) from None
         if msg.HasField("kv_handle"):
@@ -208,7 +219,8 @@ class Server:
         self.health = health.aio.HealthServicer()
         o = self.options
         streams = [("grpc.max_concurrent_streams", o.max_concurrent_streams)] if o.max_concurrent_streams else []
-        self.grpc, self.port = make_grpc_server(o.host, o.port, o.max_message_bytes, streams)
+        self.grpc, self.port = make_grpc_server(o.host, o.port, o.max_message_bytes, streams, o.tls)
+        self.advertised_host = advertised_host(o.host, o.advertise_host)
         generation = self.generation = GenerationService(self)
         generate_pb2_grpc.add_TextGenerationServicer_to_server(generation, self.grpc)
         internal_pb2_grpc.add_KVPeerServicer_to_server(KVPeerService(self), self.grpc)
@@ -234,7 +246,8 @@ class Server:
 
     @property
     def address(self) -> str:
-        return f"{self.options.host}:{self.port}"
+        """Where peers reach this server (the address in its KV handles)."""
+        return f"{self.advertised_host}:{self.port}"
 
     async def start(self) -> None:
         """Listen, load the model, then report SERVING."""
@@ -254,7 +267,8 @@ class Server:
         self.engine.start()
         if o.http_port is not None:
             from baton.services.openai_http import OpenAIFront
-            self.http = OpenAIFront(self.generation, o.host, o.http_port, lambda: self.serving, engine.tokenizer)
+            self.http = OpenAIFront(self.generation, o.host, o.http_port, lambda: self.serving, engine.tokenizer,
+                                    o.tls)
             await self.http.start()
         self.serving = True
         await set_health(self.health, True)

@@ -116,8 +116,28 @@ def test_a_stop_string_across_the_handoff_is_cut_and_never_streamed_past(tiers, 
     assert pools_full(prefill.address) and pools_full(decode.address)
 
 
+def test_a_stop_string_in_the_first_token_waits_for_min_tokens_across_the_handoff(tiers, tiny_llama):
+    """The prefill samples the first token; a stop string in it must not end the request there
+    while min_tokens is not reached (the decode goes on, as colocated does)."""
+    router, colocated, prefill, decode = tiers
+    llm = LLM(tiny_llama, dtype="float32", device="cpu")
+    prompt = random_prompts([24], seed=320)[0]
+    first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))[0].text
+    stop = next(ch for ch in first if not ch.isspace())
+    for min_tokens in (0, 3):
+        sampling = dict(max_tokens=6, temperature=0, ignore_eos=True, stop=[stop], min_tokens=min_tokens)
+        want = llm.generate([prompt], SamplingParams(**sampling))[0]
+        assert len(want.token_ids) == (1 if min_tokens == 0 else 6) or want.finish_reason == "stop"
+        for address in (router.address, colocated.address):
+            got = run(completions(address, prompt, **sampling))[0]
+            assert (got["ids"], got["text"], got["last"].finish_reason) == (want.token_ids, want.text,
+                                                                            want.finish_reason), (address, min_tokens)
+    assert pools_full(prefill.address) and pools_full(decode.address)
+
+
 @pytest.mark.parametrize("field,value", [("presence_penalty", 3.0), ("logprobs", 50), ("stop", [""]),
-                                         ("logit_bias", {10**6: 1.0}), ("n", 40), ("min_p", 2.0)])
+                                         ("logit_bias", {10**6: 1.0}), ("n", 40), ("min_p", 2.0),
+                                         ("stop_token_ids", [10**6])])
 def test_bad_sampling_values_are_refused_naming_the_field(tiers, field, value):
     router, colocated, _, _ = tiers
     for address in (router.address, colocated.address):

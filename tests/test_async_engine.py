@@ -25,6 +25,17 @@ def test_queued_outputs_merge_up_to_the_last():
     assert drained
 
 
+def test_logprobs_queued_before_a_last_output_without_them_are_kept():
+    async def run():
+        queue = asyncio.Queue()
+        queue.put_nowait(step([], "", finished=True))  # an abort's last output carries no logprobs
+        first = step([1], "a")
+        first.logprobs = ["lp1"]
+        return _merge_queued(first, queue)
+
+    assert asyncio.run(run()).logprobs == ["lp1"]
+
+
 def test_an_error_queued_behind_outputs_is_raised():
     async def run():
         queue = asyncio.Queue()
@@ -60,3 +71,32 @@ def test_a_call_whose_caller_left_still_runs_and_the_loop_goes_on(tiny_llama):
 
     assert asyncio.run(run()) == "alive"
     assert ran == ["release"]
+
+
+def test_an_id_reused_right_after_its_stream_left_gets_a_run_of_its_own(tiny_llama):
+    """A client that cancels and retries at once with the same request id: the retry waits
+    for the old request's abort, and never receives the old request's outputs."""
+    from baton import LLM, SamplingParams
+    from baton.services.async_engine import AsyncEngine
+
+    engine = LLM(tiny_llama, dtype="float32", device="cpu").engine
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)
+
+    async def run():
+        loop = AsyncEngine(engine)
+        loop.start()
+        try:
+            results = []
+            for _ in range(5):
+                first = loop.generate(engine.make_request("x", [5, 6, 7, 8], params))
+                await anext(first)
+                await anext(first)
+                await first.aclose()  # the client leaves: the abort is only queued
+                outs = [o async for o in loop.generate(engine.make_request("x", [5, 6, 7, 8], params))]
+                results.append((outs[-1].finish_reason, sum(len(o.new_token_ids) for o in outs)))
+            return results
+        finally:
+            await loop.stop()
+
+    assert asyncio.run(asyncio.wait_for(run(), 120)) == [("length", 40)] * 5
+    assert engine.kv.num_free_blocks == engine.num_kv_blocks

@@ -160,30 +160,58 @@ def test_decode_preempts_while_others_wait_for_remote_kv(tiny_llama, hf):
 
 
 class FaultyAgent:
-    """The real NIXL agent, except that chosen transfers end in ERR and every transfer reports
-    PROC for its first `slow_checks` polls (faults injected at the transport only)."""
+    """The real NIXL agent, with faults injected at the transport only: chosen transfers end in
+    ERR after moving their blocks (`fail_requests`), or fail half-way (`half_requests`: the
+    first half of the blocks moves, the rest of the destination is overwritten with garbage,
+    then ERR); transfers report PROC for their first `slow_checks` polls (`late_requests`: only
+    theirs, for that many)."""
 
-    def __init__(self, name, fail_requests: set[str] = frozenset(), slow_checks: int = 0):
+    def __init__(self, name, fail_requests: set[str] = frozenset(), slow_checks: int = 0,
+                 half_requests: set[str] = frozenset(), late_requests: dict[str, int] | None = None):
         from baton.kv_transfer.nixl_connector import _new_agent
         self._agent = _new_agent(name)
-        self.fail_requests = fail_requests
-        self.slow_checks = slow_checks
-        self._failing = set()
+        self.fail_requests, self.half_requests = fail_requests, half_requests
+        self.slow_checks, self.late_requests = slow_checks, late_requests or {}
+        self._failing, self._late = set(), {}
         self._checks: dict[int, int] = {}
+        self._descs: dict[int, list] = {}  # id of a descriptor list -> its (address, bytes, device)
 
     def __getattr__(self, attr):
         return getattr(self._agent, attr)
 
+    def get_xfer_descs(self, descs, mem_type):
+        out = self._agent.get_xfer_descs(descs, mem_type)
+        self._descs[id(out)] = list(descs)
+        return out
+
     def initialize_xfer(self, op, local, remote, peer, notif=b""):
+        import ctypes
+
+        request = notif.decode()
+        if request in self.half_requests:
+            here, there = self._descs[id(local)], self._descs[id(remote)]
+            half = [sum(size for _, size, _ in here) // 2]  # bytes that arrive
+
+            def cut(descs):  # the first `half` bytes of a descriptor list
+                out, left = [], half[0]
+                for addr, size, dev in descs:
+                    if left > 0:
+                        out.append((addr, min(size, left), dev))
+                    left -= size
+                return out
+            for addr, size, _ in here:  # what does not arrive is garbage, not stale blocks
+                ctypes.memset(addr, 0x7F, size)
+            local, remote = (self._agent.get_xfer_descs(cut(d), "DRAM") for d in (here, there))
         handle = self._agent.initialize_xfer(op, local, remote, peer, notif)
-        if notif.decode() in self.fail_requests:
+        if request in self.fail_requests or request in self.half_requests:
             self._failing.add(id(handle))
+        self._late[id(handle)] = self.late_requests.get(request, self.slow_checks)
         return handle
 
     def check_xfer_state(self, handle):
         state = self._agent.check_xfer_state(handle)
         self._checks[id(handle)] = seen = self._checks.get(id(handle), 0) + 1
-        if state == "PROC" or seen <= self.slow_checks:
+        if state == "PROC" or seen <= self._late.get(id(handle), self.slow_checks):
             return "PROC"
         return "ERR" if id(handle) in self._failing else state
 
@@ -202,6 +230,28 @@ def test_failed_loads_recompute_with_the_same_output(tiny_llama):
     tokens = run_until_done(prefill, decode)
     assert [[h["first_token"]] + tokens[r] for h, r in zip(handles, ids)] == want
     assert decode.scheduler.num_failed_loads == 1
+    assert_pools_full(prefill, decode)
+
+
+def test_transfers_that_fail_arrive_late_or_fail_half_way_give_the_clean_output(tiny_llama):
+    """Faults at the transport: the output equals a clean run's, each failed pull is counted
+    and recomputed, a late one is waited for and not recomputed."""
+    prompts = random_prompts([70, 45, 90, 33, 64, 20], seed=15)
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True)] * 3
+    want = [o.token_ids for o in LLM(tiny_llama, dtype="float32", device="cpu").generate(prompts, params)]
+    prefill = nixl_engine(tiny_llama, "prefill")
+    handles = run_prefill(prefill, prompts, params)
+    remote = [h["remote_request_id"] for h in handles]
+    agent = FaultyAgent(f"decode-x{next(_ids)}", fail_requests={remote[0]}, half_requests={remote[2], remote[3]},
+                        late_requests={remote[4]: 40, remote[5]: 15})
+    decode = nixl_engine(tiny_llama, "decode", agent=agent)
+    connect(prefill, decode)
+    ids = [decode.add_request(f"x{i}", p, sp, kv_transfer_params=h).request_id
+           for i, (p, sp, h) in enumerate(zip(prompts, params, handles))]
+    tokens = run_until_done(prefill, decode)
+    assert [[h["first_token"]] + tokens[r] for h, r in zip(handles, ids)] == want
+    assert decode.scheduler.num_failed_loads == 3  # the failed and the two half-way ones, not the late ones
     assert_pools_full(prefill, decode)
 
 

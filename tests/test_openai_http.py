@@ -119,7 +119,11 @@ def test_the_openai_client_on_a_colocated_server(serve, tiny_llama):
     ({"prompt": "hi", "stop": [3]}, 400, "stop"),
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
-    ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens")])
+    ({"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10**12}, 400, "max_tokens"),
+    ({"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ({"prompt": [1, 2**40]}, 400, "prompt"),
+    ({"prompt": "hi", "stop_token_ids": [10**6], "min_tokens": 2}, 400, "stop_token_ids")])
 def test_bad_requests_get_openai_errors_naming_the_parameter(serve, tiny_llama, body, status, param):
     srv = serve(tiny_llama, {"http_port": 0})
     got, error = post(srv.server.http.url, "/v1/completions", body)

@@ -157,7 +157,9 @@ def test_prefix_affinity_bounds_the_load_one_hot_prefix_puts_on_one_instance():
     assert policy.choose(backends, [44, 55]).backend is min(backends, key=lambda b: (b.outstanding, b.num_routed))
 
 
-def test_a_killed_decode_fails_its_streams_cleanly_and_comes_back(tiny_llama, spawn):
+def test_a_killed_decode_s_streams_move_to_the_survivor_and_it_comes_back(tiny_llama, spawn):
+    """kill -9 of a decode mid-stream: its streams resume on the other decode from the tokens
+    already streamed, and end as an uninterrupted run would; the restarted one is used again."""
     prefill = engine(tiny_llama, "prefill", start=spawn)
     port = free_port("127.0.0.1")
     decode = [engine(tiny_llama, "decode", "--port", str(port), start=spawn),
@@ -167,8 +169,9 @@ def test_a_killed_decode_fails_its_streams_cleanly_and_comes_back(tiny_llama, sp
               "--decode", decode[0].address, "--decode", "localhost:" + decode[1].address.split(":")[1])
     wait_serving(r.address)
     prompt = random_prompts([30], seed=75)[0]
-    want = LLM(tiny_llama, dtype="float32", device="cpu").generate(
-        [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
+    llm = LLM(tiny_llama, dtype="float32", device="cpu")
+    want, want_long = (llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
+                       .token_ids for n in (6, 400))
 
     async def long_stream(client, started: asyncio.Event):
         ids = []
@@ -193,12 +196,10 @@ def test_a_killed_decode_fails_its_streams_cleanly_and_comes_back(tiny_llama, sp
             return results, after
 
     results, after = run(go())
-    failed = [e for e in results if isinstance(e, grpc.aio.AioRpcError)]
-    assert len(failed) == 2 and all(e.code() == grpc.StatusCode.UNAVAILABLE for e in failed)
-    assert all(decode[0].address in e.details() for e in failed)
-    assert all(len(ids) == 400 for ids in results if not isinstance(ids, grpc.aio.AioRpcError))
+    assert results == [want_long] * 4  # no token repeated, missing or different
     assert [ids for ids, _, _ in after] == [want] * 4
-    assert stats(decode[1].address).num_requests == 2 + 4  # the survivors, then every new request
+    # Its own two, the two that moved over, then every new request.
+    assert stats(decode[1].address).num_requests == 2 + 2 + 4
 
     decode[0] = engine(tiny_llama, "decode", "--port", str(port), start=spawn)  # restarted on its address
     decode[0].address  # noqa: B018
@@ -352,6 +353,20 @@ def baton(*argv: str, **kwargs) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
+def waterfalls(lines: list[str]) -> list[list[list[str]]]:
+    """The (tier, phase) rows of each complete waterfall `baton up --trace` printed."""
+    found, rows = [], None
+    for line in list(lines):
+        if line.startswith("trace "):
+            rows = []
+        elif rows is not None and line == "\n":
+            found.append(rows)
+            rows = None
+        elif rows is not None and line.startswith("  "):
+            rows.append(line.split()[:2])
+    return found
+
+
 def test_baton_up_answers_traces_and_stops_cleanly(tiny_llama):
     port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
     up = baton("up", "--model", tiny_llama, "--port", str(port), "--dtype", "float32", "--trace",
@@ -384,13 +399,13 @@ def test_baton_up_answers_traces_and_stops_cleanly(tiny_llama):
             model=client.models.list().data[0].id, prompt="hello", max_tokens=5, temperature=0, stream=True))
         assert streamed == answer.stdout  # what `baton generate --raw` printed
         wait_for("trace ", 30)
-        deadline = time.monotonic() + 10
-        while "\n" not in (rows := wait_for("trace ")):  # a blank line ends the waterfall
-            assert time.monotonic() < deadline, "".join(rows)
+        want = (["router", "request"], ["prefill", "compute"], ["decode", "transfer"], ["prefill", "hold"])
+        deadline = time.monotonic() + 20
+        # One of the two requests' waterfalls (a blank line ends each) shows every tier's phases;
+        # on a loaded machine a tier's spans may come after the first one was printed.
+        while not any(all(p in phases for p in want) for phases in waterfalls(lines)):
+            assert time.monotonic() < deadline, "".join(lines)
             time.sleep(0.1)
-        phases = [line.split()[:2] for line in rows[:rows.index("\n")] if line.startswith("  ")]
-        assert ["router", "request"] in phases and ["prefill", "compute"] in phases
-        assert ["decode", "transfer"] in phases and ["prefill", "hold"] in phases, "".join(rows)
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
         time.sleep(0.2)

@@ -1,0 +1,65 @@
+{{/*
+Checks values.schema.json cannot express; each failure names the values involved.
+*/}}
+{{- define "baton.validate" -}}
+{{- $v := .Values }}
+{{- if not (has $v.mode (list "disaggregated" "colocated")) }}
+{{- fail (printf "mode: %q is not one of disaggregated, colocated" (toString $v.mode)) }}
+{{- end }}
+{{- /* Exactly one model source. */}}
+{{- $sources := splitList " " (include "baton.modelSources" .) | compact }}
+{{- if ne (len $sources) 1 }}
+{{- $named := list }}{{ range $sources }}{{ $named = append $named (printf "model.%s" .) }}{{ end }}
+{{- fail (printf "model: set exactly one of model.pvc, model.hostPath, model.image, model.initImage (set: %s); model.pvc is the default, empty model.pvc.claimName to use another source" (default "none" (join ", " $named))) }}
+{{- end }}
+{{- /* The router. */}}
+{{- if and (eq $v.mode "disaggregated") (not $v.router.enabled) }}
+{{- fail "router.enabled: false needs mode: colocated (in disaggregated mode the router joins prefill and decode)" }}
+{{- end }}
+{{- /* Replicas of the tiers that run. */}}
+{{- $tiers := splitList " " (include "baton.engineTiers" .) }}
+{{- if include "baton.routerEnabled" . }}{{ $tiers = prepend $tiers "router" }}{{ end }}
+{{- range $tier := $tiers }}
+{{- $t := index $v $tier }}
+{{- if and $t.autoscaling $t.autoscaling.enabled }}
+{{- if lt (int $t.autoscaling.minReplicas) 1 }}
+{{- fail (printf "%s.autoscaling.minReplicas: must be at least 1 for the %s tier (got %v)" $tier $tier $t.autoscaling.minReplicas) }}
+{{- end }}
+{{- if gt (int $t.autoscaling.minReplicas) (int $t.autoscaling.maxReplicas) }}
+{{- fail (printf "%s.autoscaling.minReplicas (%v) is above %s.autoscaling.maxReplicas (%v)" $tier $t.autoscaling.minReplicas $tier $t.autoscaling.maxReplicas) }}
+{{- end }}
+{{- else if lt (int $t.replicas) 1 }}
+{{- fail (printf "%s.replicas: must be at least 1 for the %s tier in mode %s (got %v)" $tier $tier $v.mode $t.replicas) }}
+{{- end }}
+{{- end }}
+{{- /* prefill and decode exchange KV blocks: same model, dtype and block size. */}}
+{{- if eq $v.mode "disaggregated" }}
+{{- $p := include "baton.engineJson" (dict "ctx" . "tier" "prefill") | fromJson }}
+{{- $d := include "baton.engineJson" (dict "ctx" . "tier" "decode") | fromJson }}
+{{- range $key := list "model" "dtype" "blockSize" }}
+{{- $pv := toString (index $p $key | default "") }}
+{{- $dv := toString (index $d $key | default "") }}
+{{- if ne $pv $dv }}
+{{- fail (printf "prefill.engine.%s (%q) and decode.engine.%s (%q) must agree: decodes load the KV blocks prefills computed (set engine.%s once, or both the same)" $key $pv $key $dv $key) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- /* TLS. */}}
+{{- if $v.tls.enabled }}
+{{- if not $v.tls.secretName }}
+{{- fail "tls.secretName: required with tls.enabled (a kubernetes.io/tls Secret: tls.crt, tls.key, ca.crt)" }}
+{{- end }}
+{{- if not $v.tls.serverName }}
+{{- fail "tls.serverName: required with tls.enabled (a DNS name in the certificate; peers are called by pod IP)" }}
+{{- end }}
+{{- end }}
+{{- with $v.ucx.tcpPortRange }}
+{{- $range := splitList "-" . }}
+{{- if or (ne (len $range) 2) (lt (int (index $range 0)) 1) (gt (int (index $range 1)) 65535) (gt (int (index $range 0)) (int (index $range 1))) }}
+{{- fail (printf "ucx.tcpPortRange: %q is not FIRST-LAST with 1 <= FIRST <= LAST <= 65535" .) }}
+{{- end }}
+{{- end }}
+{{- if and $v.serviceMonitor.enabled $v.podMonitor.enabled }}
+{{- fail "serviceMonitor.enabled and podMonitor.enabled: choose one (both would scrape every pod twice)" }}
+{{- end }}
+{{- end }}

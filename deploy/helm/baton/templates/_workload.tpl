@@ -1,0 +1,220 @@
+{{/*
+A Baton server's Deployment and, for an engine tier, its headless Service (the router resolves
+its name to every ready pod; the ServiceMonitor scrapes through it).
+(dict "ctx" $ "component" "decode" "args" (list ...) "engine" true "http" false)
+*/}}
+{{- define "baton.workload" -}}
+{{- $ctx := .ctx }}
+{{- $v := $ctx.Values }}
+{{- $component := .component }}
+{{- $t := index $v $component }}
+{{- $name := include "baton.componentName" (dict "ctx" $ctx "component" $component) }}
+{{- $sel := dict "ctx" $ctx "component" $component }}
+{{- $probes := mergeOverwrite (deepCopy $v.probes) (deepCopy ($t.probes | default dict)) }}
+{{- $grpcPort := int $v.ports.grpc }}
+{{- $rdma := and .engine $v.ucx.rdma.enabled }}
+{{- /* Resources: the tier's, plus the RDMA devices on engines with ucx.rdma.enabled. */}}
+{{- $resources := deepCopy ($t.resources | default dict) }}
+{{- if $rdma }}
+{{- $limits := $resources.limits | default dict }}
+{{- $requests := $resources.requests | default dict }}
+{{- range $res, $n := $v.ucx.rdma.resources }}
+{{- $_ := set $limits $res $n }}
+{{- $_ := set $requests $res $n }}
+{{- end }}
+{{- $_ := set $resources "limits" $limits }}
+{{- $_ := set $resources "requests" $requests }}
+{{- end }}
+{{- $securityContext := deepCopy $v.securityContext }}
+{{- if $rdma }}
+{{- $caps := $securityContext.capabilities | default dict }}
+{{- $_ := set $caps "add" (append ($caps.add | default list) "IPC_LOCK" | uniq) }}
+{{- $_ := set $securityContext "capabilities" $caps }}
+{{- end }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- include "baton.componentLabels" $sel | nindent 4 }}
+spec:
+  {{- if not $t.autoscaling.enabled }}
+  replicas: {{ int $t.replicas }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "baton.componentSelectorLabels" $sel | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "baton.componentLabels" $sel | nindent 8 }}
+        {{- with $t.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- if or $t.podAnnotations $v.metrics.podAnnotations }}
+      annotations:
+        {{- if $v.metrics.podAnnotations }}
+        prometheus.io/scrape: "true"
+        prometheus.io/port: {{ $v.metrics.port | int | quote }}
+        prometheus.io/path: /metrics
+        {{- end }}
+        {{- with $t.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- end }}
+    spec:
+      serviceAccountName: {{ include "baton.serviceAccountName" $ctx }}
+      automountServiceAccountToken: false
+      {{- with $v.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $t.priorityClassName }}
+      priorityClassName: {{ . }}
+      {{- end }}
+      terminationGracePeriodSeconds: {{ add (int (ceil $v.gracePeriodSeconds)) 15 }}
+      securityContext:
+        {{- toYaml $v.podSecurityContext | nindent 8 }}
+      {{- if eq (include "baton.modelSource" $ctx) "initImage" }}
+      initContainers:
+        {{- include "baton.modelInitContainer" $ctx | trim | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: baton
+          image: {{ include "baton.image" (dict "ctx" $ctx "override" $t.image) | quote }}
+          imagePullPolicy: {{ include "baton.imagePullPolicy" (dict "ctx" $ctx "override" $t.image) }}
+          args:
+            {{- toYaml .args | nindent 12 }}
+            {{- with include "baton.tlsArgs" (dict "ctx" $ctx "serving" true) | trim }}
+{{ . | indent 12 }}
+{{- end }}
+          ports:
+            - name: grpc
+              containerPort: {{ $grpcPort }}
+              protocol: TCP
+            {{- if .http }}
+            - name: http
+              containerPort: {{ int $v.ports.http }}
+              protocol: TCP
+            {{- end }}
+            - name: metrics
+              containerPort: {{ int $v.metrics.port }}
+              protocol: TCP
+          env:
+            {{- include "baton.env" (dict "ctx" $ctx "component" $component "engine" .engine) | trim | nindent 12 }}
+            {{- with $t.extraEnv }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          startupProbe:
+            {{- include "baton.probe" (dict "p" $probes.startup "port" $grpcPort "tls" $v.tls.enabled) | trim | nindent 12 }}
+          readinessProbe:
+            {{- include "baton.probe" (dict "p" $probes.readiness "port" $grpcPort "tls" $v.tls.enabled) | trim | nindent 12 }}
+          livenessProbe:
+            {{- include "baton.probe" (dict "p" $probes.liveness "port" $grpcPort "tls" $v.tls.enabled) | trim | nindent 12 }}
+          {{- with $resources }}
+          resources:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          securityContext:
+            {{- toYaml $securityContext | nindent 12 }}
+          volumeMounts:
+            {{- include "baton.modelMount" $ctx | trim | nindent 12 }}
+            - name: tmp
+              mountPath: /tmp
+            - name: cache
+              mountPath: /home/baton/.cache
+            {{- if .engine }}
+            - name: shm
+              mountPath: /dev/shm
+            {{- end }}
+            {{- if $v.tls.enabled }}
+            - name: tls
+              mountPath: /etc/baton/tls
+              readOnly: true
+            {{- end }}
+            {{- with $t.extraVolumeMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+      volumes:
+        {{- include "baton.modelVolume" $ctx | trim | nindent 8 }}
+        - name: tmp
+          emptyDir: {}
+        - name: cache
+          emptyDir: {}
+        {{- if .engine }}
+        - name: shm
+          emptyDir:
+            medium: Memory
+            {{- with $t.shmSizeLimit }}
+            sizeLimit: {{ . }}
+            {{- end }}
+        {{- end }}
+        {{- if $v.tls.enabled }}
+        - name: tls
+          secret:
+            secretName: {{ $v.tls.secretName }}
+            defaultMode: 288  # 0440
+        {{- end }}
+        {{- with $t.extraVolumes }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- with $t.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $t.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $t.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $t.topologySpreadConstraints }}
+      topologySpreadConstraints:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- if .engine }}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- include "baton.componentLabels" $sel | nindent 4 }}
+    baton.io/metrics: "true"
+spec:
+  clusterIP: None
+  publishNotReadyAddresses: false
+  selector:
+    {{- include "baton.componentSelectorLabels" $sel | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ $grpcPort }}
+      targetPort: grpc
+      protocol: TCP
+    - name: metrics
+      port: {{ int $v.metrics.port }}
+      targetPort: metrics
+      protocol: TCP
+{{- end }}
+{{- end }}
+
+{{/* `baton serve` flags of an engine tier: (dict "ctx" $ "tier" "prefill" "role" "prefill"). */}}
+{{- define "baton.engineArgs" -}}
+{{- $v := .ctx.Values }}
+{{- $e := include "baton.engineJson" (dict "ctx" .ctx "tier" .tier) | fromJson }}
+{{- $args := list "serve" (printf "--role=%s" .role) "--host=0.0.0.0" (printf "--port=%d" (int $v.ports.grpc)) "--advertise-host=$(POD_IP)" (printf "--metrics-port=%d" (int $v.metrics.port)) }}
+{{- if eq .role "both" }}{{ $args = append $args (printf "--http-port=%d" (int $v.ports.http)) }}{{ end }}
+{{- $args = append $args (printf "--model=%s" (include "baton.modelPath" $e)) }}
+{{- with $v.model.servedModelName }}{{ $args = append $args (printf "--served-model-name=%s" .) }}{{ end }}
+{{- with $e.dtype }}{{ $args = append $args (printf "--dtype=%s" .) }}{{ end }}
+{{- with $e.device }}{{ $args = append $args (printf "--device=%s" .) }}{{ end }}
+{{- range $key, $flag := dict "maxModelLen" "max-model-len" "blockSize" "block-size" "kvCacheMemoryBytes" "kv-cache-memory-bytes" "numKvBlocks" "num-kv-blocks" "maxNumSeqs" "max-num-seqs" "maxNumBatchedTokens" "max-num-batched-tokens" }}
+{{- if ne (toString (index $e $key | default "")) "" }}{{ $args = append $args (printf "--%s=%d" $flag (int64 (index $e $key))) }}{{ end }}
+{{- end }}
+{{- if ne (toString ($e.kvHoldTimeout | default "")) "" }}{{ $args = append $args (printf "--kv-hold-timeout=%v" $e.kvHoldTimeout) }}{{ end }}
+{{- $args = append $args (printf "--grace-period=%v" $v.gracePeriodSeconds) }}
+{{- range $e.extraArgs }}{{ $args = append $args (toString .) }}{{ end }}
+{{- toJson $args }}
+{{- end }}

@@ -1,0 +1,137 @@
+"""The router's decode leg, with mid-stream failover: a decode instance (or colocated server)
+streams the request; when the instance fails (it dies, resets the connection, goes away),
+the request moves to another healthy one as its prompt plus the tokens already streamed
+(GenerateRequest.resume) and the client's stream goes on where it stopped, no token repeated
+or missing. The new instance recomputes that prefix (its prefix cache may hold it); the
+engine counts the resumed tokens as outputs, so max_tokens, penalties, stop strings and a
+seed's draws continue as in an uninterrupted run. At most max_migrations moves per request."""
+from __future__ import annotations
+
+import grpc
+
+from baton.services.backends import Backend
+from baton.services.common import in_background
+from baton.v1 import generate_pb2 as pb
+
+# The instance failed, not the request: another may serve it. CANCELLED from a backend is its
+# own doing (a client's cancel is a CancelledError here): it stopped with the call in flight.
+INSTANCE_FAILED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+# A decode's answer when the prefill holding the prompt's blocks is gone (unreachable, or
+# restarted as another engine): the request goes on without them.
+PREFILL_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def prefill_gone(e: grpc.aio.AioRpcError) -> bool:
+    return e.code() in PREFILL_GONE and e.details().startswith("kv_handle: ")
+
+
+class Relay:
+    """What the client has been sent of one completion: its token ids, to resume from. The
+    router asks backends for token ids always, and takes them out again for a client that
+    asked for text only."""
+
+    def __init__(self, msg: pb.GenerateRequest):
+        self.strip_ids = msg.output == pb.OUTPUT_TEXT
+        if self.strip_ids:
+            msg.output = pb.OUTPUT_TEXT_AND_TOKEN_IDS
+        self.token_ids: list[int] = []
+
+    def forward(self, resp: pb.GenerateResponse | bytes) -> bytes:
+        if isinstance(resp, bytes):
+            raw, resp = resp, pb.GenerateResponse.FromString(resp)
+        else:
+            raw = None
+        self.token_ids += resp.token_ids
+        if self.strip_ids and resp.token_ids:
+            resp.ClearField("token_ids")
+            raw = None
+        return raw if raw is not None else resp.SerializeToString()
+
+
+def resumed(msg: pb.GenerateRequest, token_ids: list[int]) -> pb.GenerateRequest:
+    """The request as another instance takes it over: no KV handle (the blocks went to the
+    failed instance), the streamed tokens to recompute and go on from."""
+    out = pb.GenerateRequest()
+    out.CopyFrom(msg)
+    out.ClearField("kv_handle")
+    out.resume.ids[:] = token_ids
+    return out
+
+
+def aborted_response(msg: pb.GenerateRequest) -> bytes:
+    """The last response of a call the Abort API ended (its backend call is cancelled after)."""
+    return pb.GenerateResponse(request_id=msg.request_id, finish_reason=pb.FINISH_REASON_ABORT).SerializeToString()
+
+
+async def pass_on_or_take_out(backend: Backend, e: grpc.aio.AioRpcError, context) -> None:
+    """An error from a backend call. The request's own (or its prefill's, named `kv_handle`)
+    goes to the client as it is; a failed instance is taken out, and the caller decides
+    between another instance and UNAVAILABLE."""
+    if e.code() not in INSTANCE_FAILED or e.details().startswith("kv_handle"):
+        await context.abort(e.code(), e.details())
+    backend.failed()
+
+
+def end_call(backend: Backend, call) -> None:
+    backend.outstanding -= 1
+    if not call.done():  # the client went away (cancel, deadline): stop the backend's work too
+        call.cancel()
+
+
+async def decode_leg(router, msg: pb.GenerateRequest, hashes: list[int], metadata: tuple, context, trace,
+                     relay: Relay, held: tuple[Backend, pb.KVHandle] | None = None):
+    """Stream msg from decode instances, moving it on failure. `held`: the prefill and the
+    handle of the prompt's KV blocks that msg.kv_handle names, released here if no decode
+    ever pulls them."""
+    r, tried = router, []
+    try:
+        while True:
+            decode = r.pick(r.decode, r.decode_policy, hashes, trace, msg.request_id, tried)
+            if decode is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode instance" + (
+                    f" (tried {', '.join(b.address for b in tried)})" if tried else ""))
+            if tried:
+                trace.retried("decode")
+            tried.append(decode)
+            span, call_metadata = trace.client_call("decode", decode, "Generate", metadata)
+            call = decode.generate(msg, metadata=call_metadata, timeout=context.time_remaining())
+            answered, error = False, None
+            try:
+                async for raw in call:
+                    if not answered:
+                        answered = True
+                        if msg.HasField("kv_handle"):
+                            held = None  # the decode has the blocks: it, or the prefill's timeout, ends the hold
+                            trace.decode_answer(await call.initial_metadata())
+                    if msg.request_id in r.aborted:  # the Abort API (it may have reached the decode too late)
+                        yield aborted_response(msg)
+                        return
+                    trace.first_token()  # a no-op after the first
+                    yield relay.forward(raw)
+                return
+            except grpc.aio.AioRpcError as e:
+                error = e
+                if prefill_gone(e) and msg.HasField("kv_handle"):
+                    # This decode is fine: it computes the prompt itself, from the first token on.
+                    held, msg = None, resumed(msg, relay.token_ids)
+                    tried.pop()
+                    trace.fallback("prefill_gone")
+                    continue
+                await pass_on_or_take_out(decode, e, context)
+            except BaseException as e:  # the client went away
+                error = e
+                raise
+            finally:
+                end_call(decode, call)
+                trace.call_ended(span, "decode", decode, error)
+            if len(tried) > r.options.max_migrations:
+                names = ", ".join(b.address for b in tried)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode instances {names} failed "
+                                    f"({error.details()}); moved {len(tried) - 1} times, the most max_migrations allows")
+            if held is None and relay.token_ids:  # else the next instance pulls the held blocks, or starts over
+                msg = resumed(msg, relay.token_ids)
+                trace.migrated(decode, len(relay.token_ids))
+    finally:
+        if held is not None:  # the blocks may still be held for a reader that will never come
+            in_background(r.background, r.release(*held))
+

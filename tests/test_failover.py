@@ -1,0 +1,219 @@
+"""Failures the client never sees: under a load of long streams through a router in front of
+2 prefill and 2 decode processes, a `kill -9` of a decode mid-stream or of a prefill mid-load
+leaves every stream complete and token-for-token equal to an uninterrupted run (greedy and
+seeded); the survivors' pools are full afterwards."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from baton import LLM, SamplingParams
+from baton.services.client import AsyncClient
+
+from conftest import ServerProcess
+from helpers import TOKEN, collect, pools_full, random_prompts, stats, wait_serving
+
+NUM_STREAMS = 24
+
+
+def long_workload(seed: int):
+    rng = random.Random(seed)
+    prompts = random_prompts([rng.randint(20, 90) for _ in range(NUM_STREAMS)], seed)
+    params = [dict(max_tokens=rng.randint(250, 350), ignore_eos=True,
+                   **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": 500 + i}))
+              for i in range(NUM_STREAMS)]
+    return prompts, params
+
+
+@pytest.fixture
+def stack(tiny_llama):
+    procs = [ServerProcess(tiny_llama, "--role", role, "--internal-token", TOKEN) for role in
+             ("prefill", "prefill", "decode", "decode")]
+    try:
+        router = ServerProcess(tiny_llama, "--role", "router", "--internal-token", TOKEN,
+                               "--prefill", ",".join(p.address for p in procs[:2]),
+                               "--decode", ",".join(p.address for p in procs[2:]))
+        procs.append(router)
+        wait_serving(router.address)
+        for p in procs:
+            wait_serving(p.address)
+        yield procs[:2], procs[2:4], router
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def offline(tiny_llama, prompts, params):
+    llm = LLM(tiny_llama, dtype="float32", device="cpu")
+    return [o.token_ids for o in llm.generate(prompts, [SamplingParams(**p) for p in params])]
+
+
+async def streams_with_a_kill(address: str, prompts, params, kill, when_tokens: int):
+    """Every stream's token ids; `kill()` once every stream has when_tokens tokens (0: once
+    the first token of any stream arrived)."""
+    progress = [0] * len(prompts)
+    killed = asyncio.Event()
+
+    async def one(client, i):
+        ids = []
+        async for chunk in client.generate(prompts[i], timeout=120, **params[i]):
+            ids += chunk.token_ids
+            progress[i] = len(ids)
+            if not killed.is_set() and (min(progress) >= when_tokens if when_tokens else True):
+                killed.set()
+                kill()
+        return ids
+
+    async with AsyncClient(address) as client:
+        return await asyncio.gather(*(one(client, i) for i in range(len(prompts))))
+
+
+def test_a_decode_killed_mid_stream_costs_no_stream_a_token(stack, tiny_llama):
+    prefill, decode, router = stack
+    prompts, params = long_workload(seed=901)
+    want = offline(tiny_llama, prompts, params)
+    got = asyncio.run(asyncio.wait_for(streams_with_a_kill(router.address, prompts, params, decode[0].kill, 3), 240))
+    assert got == want
+    moved = stats(decode[1].address).num_requests
+    assert moved > NUM_STREAMS // 2, "streams of the killed decode finished on the survivor"
+    assert all(pools_full(p.address) for p in (*prefill, decode[1]))
+
+
+def test_a_prefill_killed_mid_load_costs_no_stream_a_token(stack, tiny_llama):
+    prefill, decode, router = stack
+    prompts, params = long_workload(seed=902)
+    want = offline(tiny_llama, prompts, params)
+    got = asyncio.run(asyncio.wait_for(streams_with_a_kill(router.address, prompts, params, prefill[0].kill, 0), 240))
+    assert got == want
+    assert all(pools_full(p.address) for p in (prefill[1], *decode))
+
+    async def after():  # the stack goes on answering on the surviving prefill
+        async with AsyncClient(router.address) as client:
+            return [await collect(client, p, **kw) for p, kw in zip(prompts[:4], params[:4])]
+
+    assert [ids for ids, _, _ in asyncio.run(after())] == [w[:len(w)] for w in want[:4]]
+
+
+def test_a_read_against_a_killed_prefill_recomputes_fast_and_a_restarted_one_is_met_anew(tiny_llama, spawn):
+    """The decode has met the prefill; the prefill dies holding a request's blocks: the
+    decode's pull fails within 2 s and it computes the prompt itself. The prefill restarts on
+    the same port as a new engine: the decode meets it again and pulls from it."""
+    import time
+
+    from baton.services.launcher import free_port
+
+    from test_disaggregated_services import decode_on, prefill_on
+
+    port = free_port("127.0.0.1")
+    prefill = spawn(tiny_llama, "--role", "prefill", "--internal-token", TOKEN, "--port", str(port))
+    decode = spawn(tiny_llama, "--role", "decode", "--internal-token", TOKEN)
+    prompt = random_prompts([70], seed=903)[0]
+    sampling = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = offline(tiny_llama, [prompt], [sampling])[0]
+
+    def run(coro):
+        return asyncio.run(asyncio.wait_for(coro, 60))
+
+    assert run(decode_on(decode.address, run(prefill_on(prefill.address, prompt, **sampling)), prompt,
+                         **sampling)) == want  # met
+    before = stats(decode.address)
+    reply = run(prefill_on(prefill.address, prompt, **sampling))
+    prefill.kill()
+    t0 = time.monotonic()
+    assert run(decode_on(decode.address, reply, prompt, **sampling)) == want
+    took = time.monotonic() - t0
+    after = stats(decode.address)
+    assert after.num_failed_loads == before.num_failed_loads + 1 and took < 2.0, (took, after)
+    print(f"\nrecomputed after a failed pull in {took:.3f}s")
+
+    prefill = spawn(tiny_llama, "--role", "prefill", "--internal-token", TOKEN, "--port", str(port))
+    wait_serving(prefill.address)
+    reply = run(prefill_on(prefill.address, prompt, **sampling))
+    assert run(decode_on(decode.address, reply, prompt, **sampling)) == want
+    again = stats(decode.address)
+    assert again.num_failed_loads == after.num_failed_loads and again.num_blocks_pulled > after.num_blocks_pulled
+    assert pools_full(decode.address) and pools_full(prefill.address)
+
+
+def test_a_flood_is_shed_at_once_and_the_admitted_meet_their_deadlines(tiny_llama, spawn):
+    import time
+
+    import grpc
+
+    server = spawn(tiny_llama)
+    router = spawn(tiny_llama, "--role", "router", "--decode", server.address, "--max-in-flight", "4")
+    wait_serving(router.address)
+    prompts = random_prompts([30] * 40, seed=904)
+
+    async def one(client, prompt):
+        t0 = time.monotonic()
+        try:
+            ids, _, last = await collect(client, prompt, max_tokens=60, temperature=0.0, ignore_eos=True, timeout=30)
+            return "done", len(ids), time.monotonic() - t0
+        except grpc.aio.AioRpcError as e:
+            return e.code().name, e.details(), time.monotonic() - t0
+
+    async def flood():
+        async with AsyncClient(router.address) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    results = asyncio.run(asyncio.wait_for(flood(), 120))
+    done = [r for r in results if r[0] == "done"]
+    shed = [r for r in results if r[0] == "RESOURCE_EXHAUSTED"]
+    assert len(done) + len(shed) == len(results), results
+    assert len(done) >= 4 and all(n == 60 for _, n, _ in done)
+    assert len(shed) >= 20 and all(took < 1.0 and "max_in_flight" in why for _, why, took in shed)
+
+
+def test_past_max_migrations_a_stream_ends_unavailable_naming_the_instances(tiny_llama, spawn):
+    import grpc
+
+    servers = [spawn(tiny_llama) for _ in range(2)]  # colocated servers as the decode tier
+    router = spawn(tiny_llama, "--role", "router", "--decode", ",".join(s.address for s in servers),
+                   "--max-migrations", "0")
+    wait_serving(router.address)
+    prompts, params = long_workload(seed=905)
+
+    async def go():
+        results = []
+
+        async def one(client, i):
+            try:
+                return await collect(client, prompts[i], timeout=60, **params[i])
+            except grpc.aio.AioRpcError as e:
+                return e
+
+        async with AsyncClient(router.address) as client:
+            tasks = [asyncio.ensure_future(one(client, i)) for i in range(4)]
+            await asyncio.sleep(0.3)
+            servers[0].kill()
+            results = await asyncio.gather(*tasks)
+        return results
+
+    results = asyncio.run(asyncio.wait_for(go(), 120))
+    failed = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    assert len(failed) == 2, results
+    assert all(e.code() == grpc.StatusCode.UNAVAILABLE and servers[0].address in e.details()
+               and "max_migrations" in e.details() for e in failed), [e.details() for e in failed]
+
+
+def test_a_decode_that_drains_past_its_grace_hands_its_streams_over(tiny_llama, spawn):
+    """Ctrl-C on a decode whose streams outlast its grace period: it cancels them, and the
+    router moves them to the other instance."""
+    servers = [spawn(tiny_llama, "--grace-period", "0.2") for _ in range(2)]
+    router = spawn(tiny_llama, "--role", "router", "--decode", ",".join(s.address for s in servers))
+    wait_serving(router.address)
+    prompts, params = long_workload(seed=906)
+    prompts, params = prompts[:4], [dict(p, max_tokens=600) for p in params[:4]]
+    want = offline(tiny_llama, prompts, params)
+
+    async def go():
+        async with AsyncClient(router.address) as client:
+            tasks = [asyncio.ensure_future(collect(client, p, timeout=60, **kw)) for p, kw in zip(prompts, params)]
+            await asyncio.sleep(0.3)
+            assert await asyncio.to_thread(servers[0].stop) == 0  # SIGINT: drain, then cancel what is left
+            return [ids for ids, _, _ in await asyncio.gather(*tasks)]
+
+    assert asyncio.run(asyncio.wait_for(go(), 120)) == want

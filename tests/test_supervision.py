@@ -1,0 +1,111 @@
+"""`baton up` supervises: a killed engine is restarted on its address while the router
+serves on the survivors, and is used again once back; a service in a crash loop stops the
+stack with its last output shown; --no-restart keeps the stop-at-first-death behaviour."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+from baton.services.client import Client
+from baton.services.launcher import free_port
+
+from helpers import TOKEN, stats
+
+
+class Up:
+    """`baton up` in a process, its output collected as it comes."""
+
+    def __init__(self, *argv: str):
+        # The stack's token known here, for the engines' Stats.
+        self.proc = subprocess.Popen([sys.executable, "-m", "baton.services.cli", "up", *argv],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=dict(os.environ, BATON_INTERNAL_TOKEN=TOKEN))
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+
+    def wait_for(self, pattern: str, timeout: float = 120, after: int = 0) -> re.Match:
+        """The first line from index `after` on that matches pattern."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.lines[after:]:
+                if m := re.search(pattern, line):
+                    return m
+            assert time.monotonic() < deadline and self.proc.poll() is None, "".join(self.lines[-60:])
+            time.sleep(0.05)
+
+    def children(self) -> dict[str, tuple[int, str]]:
+        """role-index -> (pid, address), from the children's command lines."""
+        out = {}
+        for pid in subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split():
+            argv = open(f"/proc/{pid}/cmdline").read().split("\0")
+            if "serve" in argv:
+                role, port = argv[argv.index("--role") + 1], argv[argv.index("--port") + 1]
+                out.setdefault(role, []).append((int(pid), f"127.0.0.1:{port}"))
+        return out
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(2)
+            try:
+                return self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+def generate(address: str, n: int = 4) -> list[str]:
+    with Client(address) as client:
+        return [[c.finish_reason for c in client.generate([5, 6, 7, 8, 9], max_tokens=4, temperature=0.0,
+                                                          ignore_eos=True, timeout=30)][-1] for _ in range(n)]
+
+
+def kill(pid: int) -> None:
+    subprocess.run(["kill", "-9", str(pid)], check=True)
+
+
+def test_a_killed_engine_comes_back_and_a_crash_loop_stops_the_stack(tiny_llama):
+    port = free_port("127.0.0.1")
+    up = Up("--model", tiny_llama, "--port", str(port), "--dtype", "float32", "--prefill", "2", "--decode", "2",
+            "--http-port", "0")
+    router = f"127.0.0.1:{port}"
+    try:
+        up.wait_for("Baton is up")  # once the router sees every engine healthy
+        pid, address = up.children()["decode"][0]
+        kill(pid)
+        up.wait_for(r"decode-0 .* exited with status -9; restarting it")
+        assert generate(router) == ["length"] * 4  # the survivors serve meanwhile
+        mark = len(up.lines)
+        up.wait_for(r"decode-0 serves again", after=mark)
+        used = stats(address).num_requests
+        deadline = time.monotonic() + 30
+        while stats(address).num_requests == used:  # round robin sends the next requests its way too
+            assert generate(router, 2) == ["length"] * 2 and time.monotonic() < deadline
+        # Killed four more times, each time as soon as it is started again: a crash loop.
+        pid = next(p for p, a in up.children()["decode"] if a == address)
+        for kills in range(4):
+            mark = len(up.lines)
+            kill(pid)
+            if kills < 3:
+                pid = int(up.wait_for(r"decode-0 restarted \(pid (\d+)\)", after=mark).group(1))
+        assert up.proc.wait(60) == 1
+        out = "".join(up.lines)
+        assert "decode-0 died 5 times within 60s; stopping the stack. Its last output:" in out
+        assert out.rstrip().splitlines()[-1] != "Its last output:"  # the child's lines follow
+    finally:
+        up.stop()
+
+
+def test_no_restart_stops_the_stack_at_the_first_death(tiny_llama):
+    up = Up("--model", tiny_llama, "--port", str(free_port("127.0.0.1")), "--dtype", "float32", "--http-port", "0",
+            "--no-restart")
+    try:
+        up.wait_for("Baton is up")
+        kill(up.children()["prefill"][0][0])
+        assert up.proc.wait(60) == 1
+        assert "prefill-0 exited with status -9; stopping the stack (--no-restart)" in "".join(up.lines)
+    finally:
+        up.stop()

@@ -1,0 +1,189 @@
+"""TLS between the tiers and for clients, with certificates made here: a stack of prefill,
+decode and router processes under mTLS streams to a client with a valid certificate and
+refuses the others; the KV handshake and the router's calls go over TLS too (check-stack
+proves the blocks moved); the HTTP front speaks HTTPS with the same files."""
+from __future__ import annotations
+
+import datetime
+import ssl
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from baton import LLM, SamplingParams
+from baton.services.client import Client
+from baton.services.tls import TLSConfig
+
+from helpers import TOKEN, wait_serving
+
+SERVER_NAME = "baton.internal"  # the only name in the servers' certificate: calls by IP need the override
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool = False, dns: tuple[str, ...] = ()):
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(_name(issuer))
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if dns:
+        builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(d) for d in dns]), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def _write(path, cert, key=None) -> str:
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM) if key is None else
+                     key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, the servers' certificate (also their client certificate on internal calls), a
+    client's, and a client certificate from another CA."""
+    d = tmp_path_factory.mktemp("pki")
+    files = {}
+    ca_key, other_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = _cert("baton-ca", ca_key, "baton-ca", ca_key, ca=True)
+    other_ca = _cert("other-ca", other_key, "other-ca", other_key, ca=True)
+    files["ca"] = _write(d / "ca.crt", ca)
+    for name, issuer, issuer_key, dns in (("server", "baton-ca", ca_key, (SERVER_NAME,)),
+                                          ("client", "baton-ca", ca_key, ()),
+                                          ("stranger", "other-ca", other_key, ())):
+        key = ec.generate_private_key(ec.SECP256R1())
+        files[name] = _write(d / f"{name}.crt", _cert(name, key, issuer, issuer_key, dns=dns))
+        files[name + "_key"] = _write(d / f"{name}.key", None, key)
+    assert other_ca is not None
+    return files
+
+
+def tls_flags(pki) -> list[str]:
+    return ["--tls-cert-file", pki["server"], "--tls-key-file", pki["server_key"], "--tls-ca-file", pki["ca"],
+            "--tls-server-name", SERVER_NAME]
+
+
+def client_tls(pki, who: str = "client", **overrides) -> TLSConfig:
+    kwargs = dict(cert_file=pki[who], key_file=pki[who + "_key"], ca_file=pki["ca"], server_name=SERVER_NAME)
+    return TLSConfig(**{**kwargs, **overrides})
+
+
+def metrics_address(proc) -> str:
+    proc.address  # noqa: B018 - the metrics line comes before "serving on"
+    line = next(ln for ln in proc.lines if ln.startswith("metrics on "))
+    return line.split()[2].removeprefix("http://").split("/")[0]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, pki):
+    from conftest import ServerProcess
+
+    common = ["--internal-token", TOKEN, *tls_flags(pki)]
+    prefill = ServerProcess(tiny_llama, "--role", "prefill", "--metrics-port", "0", *common)
+    decode = ServerProcess(tiny_llama, "--role", "decode", "--metrics-port", "0", *common)
+    procs = [prefill, decode]
+    try:
+        router = ServerProcess(tiny_llama, "--role", "router", "--http-port", "0", "--prefill", prefill.address,
+                               "--decode", decode.address, *common)
+        procs.append(router)
+        # Decodes only: the prefill is up, but nobody sends it prompts.
+        decode_only = ServerProcess(tiny_llama, "--role", "router", "--decode", decode.address, *common)
+        procs.append(decode_only)
+        for p in (router, decode_only):
+            wait_serving(p.address, 60, client_tls(pki))
+        yield prefill, decode, router, decode_only
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _generate(address: str, tls: TLSConfig | None, prompt: list[int]) -> list[int]:
+    with Client(address, tls=tls) as client:
+        return [t for chunk in client.generate(prompt, max_tokens=12, temperature=0.0, timeout=30)
+                for t in chunk.token_ids]
+
+
+def test_a_client_with_a_valid_certificate_streams_what_the_engine_computes(stack, pki, tiny_llama):
+    router = stack[2]
+    prompt = list(range(5, 70))  # several blocks: the decode pulls them from the prefill, over TLS
+    want = LLM(tiny_llama, dtype="float32", device="cpu").generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    got = _generate(router.address, client_tls(pki), prompt)
+    assert got[:len(want)] == want and len(got) == 12
+
+
+@pytest.mark.parametrize("why, tls", [
+    ("plaintext", None),
+    ("no client certificate", "no_cert"),
+    ("a certificate from another CA", "stranger"),
+    ("the server's name not checked against its certificate", "no_override"),
+])
+def test_a_client_without_a_valid_certificate_is_refused(stack, pki, why, tls):
+    router = stack[2]
+    if tls == "no_cert":
+        tls = TLSConfig(ca_file=pki["ca"], server_name=SERVER_NAME)
+    elif tls == "stranger":
+        tls = client_tls(pki, "stranger")
+    elif tls == "no_override":  # 127.0.0.1 is not a name in the certificate
+        tls = client_tls(pki, server_name=None)
+    with pytest.raises(grpc.RpcError) as e:
+        _generate(router.address, tls, [1, 2, 3])
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, why
+    assert _generate(router.address, client_tls(pki), [1, 2, 3]), "the stack still serves the valid client"
+
+
+def _check_stack(router, prefill, decode, pki) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "baton.services.cli", "check-stack", "--target", router.address,
+                           "--prefill-metrics", metrics_address(prefill), "--decode-metrics", metrics_address(decode),
+                           "--timeout", "30", "--tls-ca-file", pki["ca"], "--tls-cert-file", pki["client"],
+                           "--tls-key-file", pki["client_key"], "--tls-server-name", SERVER_NAME],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_check_stack_sees_kv_blocks_move_over_tls(stack, pki):
+    prefill, decode, router, _ = stack
+    done = _check_stack(router, prefill, decode, pki)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "decodes pulled KV 1 time(s)" in done.stdout
+
+
+def test_check_stack_fails_a_stack_that_decodes_prompts_itself(stack, pki):
+    prefill, decode, _, decode_only = stack
+    done = _check_stack(decode_only, prefill, decode, pki)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "no KV blocks moved from prefill to decode" in done.stderr
+
+
+def test_the_http_front_speaks_https_with_the_same_files(stack, pki):
+    router = stack[2]
+    url = next(ln for ln in router.lines if ln.startswith("OpenAI API on ")).split()[3]
+    assert url.startswith("https://")
+    context = ssl.create_default_context(cafile=pki["ca"])
+    context.check_hostname = False  # the certificate names baton.internal, the URL 127.0.0.1
+    context.load_cert_chain(pki["client"], pki["client_key"])
+    with urllib.request.urlopen(url + "/models", context=context, timeout=10) as resp:
+        assert resp.status == 200
+    bare = ssl.create_default_context(cafile=pki["ca"])
+    bare.check_hostname = False
+    with pytest.raises((ssl.SSLError, ConnectionError, urllib.error.URLError)):
+        urllib.request.urlopen(url + "/models", context=bare, timeout=10).read()
+
+
+def test_bad_tls_flags_are_named(tmp_path, pki, tiny_llama):
+    with pytest.raises(ValueError, match="tls_cert_file and tls_key_file"):
+        TLSConfig(key_file=pki["server_key"])
+    with pytest.raises(ValueError, match="tls_ca_file: cannot read"):
+        TLSConfig(ca_file=str(tmp_path / "missing.crt"))
+    done = subprocess.run([sys.executable, "-m", "baton.services.cli", "serve", "--model", tiny_llama, "--port", "0",
+                           "--tls-cert-file", pki["server"]], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "tls_cert_file and tls_key_file" in done.stderr
