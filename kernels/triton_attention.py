@@ -1,0 +1,220 @@
+"""Triton attention over the paged KV cache, for the GPU path: the write of a step's new K/V
+into their slots, decode attention and prefill attention, each reading blocks in place
+through the block table, never gathering them. (Not yet picked by the runner: that waits for
+the kernels' first run on a GPU.)
+
+Decode (one query token per request): the query heads of a GQA group share each K/V read
+(they are the rows of one tile), and long contexts are split across programs
+(flash-decoding): each split writes its partial output and log-sum-exp, and a second kernel
+combines them, so batch 1 of a 32k context keeps the GPU as busy as batch 256 of 1k. Prefill: a chunk of new tokens
+attends to its cached prefix and, causally, to itself, so chunked prefill and prefix-cache
+hits run the same kernel; a tile is BLOCK_M query tokens × the group's heads. Accumulation
+is in float32.
+
+Runs on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set
+before triton is imported), which is how CI tests it. The PyTorch reference in
+kernels/attention.py stays the fallback and the oracle.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
+                  stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                  stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr):
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    first = split * BLOCKS_PER_SPLIT
+    end = tl.minimum(first + BLOCKS_PER_SPLIT, tl.cdiv(seq_len, BLOCK_SIZE))
+    g, d, t = tl.arange(0, GROUP_PAD), tl.arange(0, D_PAD), tl.arange(0, BLOCK_SIZE)
+    heads = kv_head * GROUP + g
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=(g[:, None] < GROUP) & d_ok[None, :], other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    s = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for blk in range(first, end):
+        block_id = tl.load(BLOCK_TABLES + b * stride_tb + blk).to(tl.int64)
+        tok = blk * BLOCK_SIZE + t
+        kv_mask = (tok[:, None] < seq_len) & d_ok[None, :]
+        k = tl.load(K + block_id * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + block_id * stride_vb + t[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        scores = tl.where(tok[None, :] < seq_len, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        s = s * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+    has = s > 0  # a split past the end of this sequence holds nothing
+    out = tl.where(has[:, None], acc / tl.where(has, s, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m + tl.log(tl.where(has, s, 1.0)), float("-inf"))
+    row_ok = g < GROUP
+    tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits(PART, LSE, OUT, num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                    stride_ob, stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    sp, d = tl.arange(0, SPLITS_PAD), tl.arange(0, D_PAD)
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + sp, mask=sp < num_splits, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
+    part = tl.load(PART + b * stride_pb + h * stride_ph + sp[:, None] * stride_ps + d[None, :],
+                   mask=(sp[:, None] < num_splits) & (d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _write_kv(K, V, K_CACHE, V_CACHE, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh,
+              stride_cb, stride_ct, stride_ch, stride_db, stride_dt, stride_dh,
+              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    t, h = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    d = tl.arange(0, D_PAD)
+    ok = d < HEAD_DIM
+    k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=ok)
+    v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=ok)
+    tl.store(K_CACHE + block * stride_cb + offset * stride_ct + h * stride_ch + d, k, mask=ok)
+    tl.store(V_CACHE + block * stride_db + offset * stride_dt + h * stride_dh + d, v, mask=ok)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] into the cache at flat slots (block id × block size + offset) [T]."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if not num_tokens:
+        return
+    _write_kv[(num_tokens, num_kv_heads)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=k_cache.shape[1])
+
+
+@triton.jit
+def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
+             stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+             stride_ot, stride_oh, stride_tb, scale,
+             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+             BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
+    seq, m_tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_len = tl.load(Q_LENS + seq)
+    if m_tile * BLOCK_M >= q_len:
+        return
+    q_start, ctx_len = tl.load(Q_STARTS + seq), tl.load(CTX_LENS + seq)
+    # A tile's rows: BLOCK_M query tokens, each with the GROUP heads that share a K/V head.
+    r, d, t = tl.arange(0, ROWS), tl.arange(0, D_PAD), tl.arange(0, BLOCK_SIZE)
+    i = m_tile * BLOCK_M + r // GROUP  # the query token, within the chunk
+    head = kv_head * GROUP + r % GROUP
+    row_ok = (r < BLOCK_M * GROUP) & (i < q_len)
+    pos = ctx_len - q_len + i  # its position in the context: it sees keys 0..pos
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + (q_start + i)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    s = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    last = tl.minimum(ctx_len, ctx_len - q_len + (m_tile + 1) * BLOCK_M)  # keys the tile's last row sees
+    for blk in range(0, tl.cdiv(last, BLOCK_SIZE)):
+        block_id = tl.load(BLOCK_TABLES + seq * stride_tb + blk).to(tl.int64)
+        key = blk * BLOCK_SIZE + t
+        kv_mask = (key[:, None] < ctx_len) & d_ok[None, :]
+        k = tl.load(K + block_id * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + block_id * stride_vb + t[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        scores = tl.where((key[None, :] <= pos[:, None]) & row_ok[:, None], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a padding row sees no key
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        s = s * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+    out = acc / tl.where(s > 0, s, 1.0)[:, None]
+    tl.store(OUT + (q_start + i)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
+                            ctx_lens: torch.Tensor, scale: float, block_m: int = 16) -> torch.Tensor:
+    """Attention of prefill chunks: sequence i's q_lens[i] rows of q [T, Hq, D], from row
+    q_starts[i], are the last tokens of its ctx_lens[i]-token context (the cached prefix and
+    the chunk, whose K/V are in the cache already), each seeing the keys up to its own."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"paged_prefill_attention: q {tuple(q.shape)} over cache {tuple(k_cache.shape)} "
+                         f"(heads must group evenly; the head dimension must be contiguous)")
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    num_seqs = q_lens.shape[0]
+    if not num_seqs:
+        return out
+    max_q = int(q_lens.max())
+    _prefill[(num_seqs, -(-max_q // block_m), num_kv_heads)](
+        q, k_cache, v_cache, out, block_tables, q_starts, q_lens, ctx_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        block_tables.stride(0), scale, GROUP=group, HEAD_DIM=head_dim,
+        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
+        ROWS=max(16, triton.next_power_of_2(block_m * group)))
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           blocks_per_split: int | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its cached context.
+
+    q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (one layer's views, any
+    strides but a contiguous last dim); block_tables [B, max_blocks] int32; seq_lens [B] int32
+    (the context, this step's token included). `blocks_per_split`: cache blocks one program
+    reads (default: enough splits to fill the device); None and a short context mean one split.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"paged_decode_attention: q {tuple(q.shape)} over cache {tuple(k_cache.shape)} "
+                         f"(heads must group evenly; the head dimension must be contiguous)")
+    group = num_heads // num_kv_heads
+    max_blocks = block_tables.shape[1]
+    if blocks_per_split is None:
+        target = 2 * (torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4)
+        splits = max(1, min(max_blocks, -(-target // (batch * num_kv_heads))))
+        blocks_per_split = -(-max_blocks // splits)
+    num_splits = -(-max_blocks // blocks_per_split)
+    part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    _decode_split[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), scale,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=block_size, BLOCKS_PER_SPLIT=blocks_per_split)
+    out = torch.empty_like(q)
+    _combine_splits[(batch, num_heads)](
+        part, lse, out, num_splits, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)))
+    return out

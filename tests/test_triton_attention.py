@@ -1,0 +1,145 @@
+"""The Triton paged decode kernel equals attention computed directly in PyTorch, over a grid
+of shapes: batch sizes, contexts crossing block boundaries, GQA groups 1/4/8, block sizes 16
+and 32, head sizes 64 and 128, split-K on and off. Without CUDA it runs under Triton's
+interpreter on CPU tensors (small shapes); with CUDA, on the GPU."""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+triton = pytest.importorskip("triton")
+triton_attention = pytest.importorskip("baton.kernels.triton_attention")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# float32 accumulates the same way in both (tolerance for the order of the sums); half types
+# round their inputs to the kernel's dot products.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """Each sequence's blocks gathered, its K/V repeated per query head, softmax in float32."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    for b, n in enumerate(seq_lens.tolist()):
+        blocks = block_tables[b, :math.ceil(n / block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = v_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[b].float(), k) * scale, dim=-1)
+        out[b] = torch.einsum("ht,thd->hd", p, v).to(q.dtype)
+    return out
+
+
+def case(batch, lens, group, head_dim, block_size, dtype, num_kv_heads=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(math.ceil(n / block_size) for n in lens)
+    num_blocks = batch * max_blocks + 3
+    # The blocks of the cache in a shuffled order, as a pool hands them out.
+    perm = torch.randperm(num_blocks, generator=gen)[:batch * max_blocks].view(batch, max_blocks).to(torch.int32)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(batch, num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    return (q.to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), perm.to(DEVICE),
+            torch.tensor(lens, dtype=torch.int32, device=DEVICE))
+
+
+GRID = [  # batch and context lengths (crossing block boundaries), GQA group, head size, block size
+    (1, [1], 1, 64, 16), (3, [15, 16, 17], 4, 64, 16), (2, [33, 70], 8, 64, 32), (2, [50, 5], 4, 128, 16),
+]
+
+
+@pytest.mark.parametrize("shape,split,dtype", [
+    (shape, split, dtype) for shape, split, dtype in itertools.product(
+        GRID, [None, 1], [torch.float32, torch.float16])])
+def test_decode_kernel_equals_the_reference(shape, split, dtype):
+    batch, lens, group, head_dim, block_size = shape
+    q, k_cache, v_cache, tables, seq_lens = case(batch, lens, group, head_dim, block_size, dtype)
+    scale = head_dim ** -0.5
+    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, split)
+    want = reference(q, k_cache, v_cache, tables, seq_lens, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_strided_cache_views_of_one_layer_are_read_in_place():
+    """The engine's cache is [blocks, layers, 2, block, kv heads, D]: a layer's K and V are
+    strided views, read without a copy."""
+    q, k_cache, v_cache, tables, seq_lens = case(2, [20, 45], 4, 64, 16, torch.float32, seed=3)
+    full = torch.zeros(k_cache.shape[0], 3, 2, *k_cache.shape[1:], device=DEVICE)
+    full[:, 1, 0], full[:, 1, 1] = k_cache, v_cache
+    got = triton_attention.paged_decode_attention(q, full[:, 1, 0], full[:, 1, 1], tables, seq_lens, 0.125, 2)
+    torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, seq_lens, 0.125), atol=2e-5, rtol=2e-5)
+
+
+def test_uneven_heads_are_refused_naming_the_shapes():
+    q, k_cache, v_cache, tables, seq_lens = case(1, [4], 1, 64, 16, torch.float32, num_kv_heads=2)
+    with pytest.raises(ValueError, match="heads must group evenly"):
+        triton_attention.paged_decode_attention(q[:, :1].repeat(1, 3, 1), k_cache, v_cache, tables, seq_lens, 1.0)
+
+
+def prefill_reference(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens, scale):
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    for s, (start, n, ctx) in enumerate(zip(q_starts.tolist(), q_lens.tolist(), ctx_lens.tolist())):
+        blocks = block_tables[s, :math.ceil(ctx / block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, dim=1)
+        v = v_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,thd->hqt", q[start:start + n].float(), k) * scale
+        visible = torch.arange(ctx)[None, :] <= (ctx - n + torch.arange(n))[:, None]  # [n, ctx]
+        p = torch.softmax(scores.masked_fill(~visible.to(scores.device), float("-inf")), dim=-1)
+        out[start:start + n] = torch.einsum("hqt,thd->qhd", p, v).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("chunks,group,head_dim,block_size,block_m,dtype", [
+    ([(5, 5)], 1, 64, 16, 16, torch.float32),  # a whole short prompt
+    ([(17, 40), (16, 16), (3, 70)], 4, 64, 16, 16, torch.float32),  # chunks after cached prefixes
+    ([(33, 33), (20, 52)], 8, 64, 32, 8, torch.float32),
+    ([(12, 30), (40, 40)], 4, 128, 16, 16, torch.float16),
+])
+def test_prefill_kernel_equals_the_reference(chunks, group, head_dim, block_size, block_m, dtype):
+    """(chunk length, context length after it): the chunk attends to its prefix and causally to itself."""
+    gen = torch.Generator().manual_seed(len(chunks) + head_dim)
+    lens = [ctx for _, ctx in chunks]
+    _, k_cache, v_cache, tables, _ = case(len(chunks), lens, group, head_dim, block_size, dtype, seed=7)
+    q_lens = torch.tensor([n for n, _ in chunks], dtype=torch.int32)
+    q_starts = torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens
+    q = torch.randn(int(q_lens.sum()), 2 * group, head_dim, generator=gen).to(dtype).to(DEVICE)
+    args = (q, k_cache, v_cache, tables, q_starts.to(DEVICE), q_lens.to(DEVICE),
+            torch.tensor(lens, dtype=torch.int32, device=DEVICE), head_dim ** -0.5)
+    got = triton_attention.paged_prefill_attention(*args, block_m=block_m)
+    torch.testing.assert_close(got.float(), prefill_reference(*args).float(), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_puts_each_row_in_its_slot_and_nothing_else(dtype):
+    gen = torch.Generator().manual_seed(11)
+    k_cache = torch.zeros(6, 16, 2, 64, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    kv = torch.randn(2, 5, 2, 64, generator=gen).to(dtype).to(DEVICE)
+    slots = torch.tensor([3, 17, 18, 95, 40], dtype=torch.int32, device=DEVICE)
+    triton_attention.write_kv(kv[0], kv[1], k_cache, v_cache, slots)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    want_k.view(-1, 2, 64)[slots.long()] = kv[0]
+    want_v.view(-1, 2, 64)[slots.long()] = kv[1]
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes need CUDA")
+@pytest.mark.parametrize("batch,context", [(1, 32768), (64, 4096), (256, 1024)])
+def test_decode_kernel_on_real_shapes(batch, context):
+    """Llama-3-8B's heads (32 query, 8 KV, 128), bfloat16, contexts from 1k to 32k."""
+    q, k_cache, v_cache, tables, seq_lens = case(batch, [context - i for i in range(batch)], 4, 128, 16,
+                                                 torch.bfloat16, num_kv_heads=8)
+    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 128 ** -0.5)
+    want = reference(q, k_cache, v_cache, tables, seq_lens, 128 ** -0.5)
+    tol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
