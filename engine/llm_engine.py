@@ -167,8 +167,13 @@ class LLMEngine:
                 self.tokenizer, request.prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens)
             # A prefill's request ends at its first token and goes on at a decode: its text is not final.
             stream.hands_over = bool((request.kv_transfer_params or {}).get("do_remote_decode"))
-            if request.output_token_ids:  # sampled by a prefill peer, whose text it sent: replayed silently
-                stream.push(request.output_token_ids, look_for_stops=request.num_output_tokens >= p.min_tokens)
+            # Outputs sampled elsewhere (a prefill peer, a failed instance) and sent already: replayed
+            # silently, a token at a time as they were streamed there (the detokenizer holds back
+            # partial characters, so chunking changes what it has emitted). No stop string ended
+            # the request there, so none is looked for: an earlier one, before min_tokens, must not
+            # drop the text held back at the end.
+            for token in request.output_token_ids:
+                stream.push([token], look_for_stops=False)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, detokenize: bool = True,

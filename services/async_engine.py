@@ -101,6 +101,8 @@ class AsyncEngine:
         """Run a request made by `engine.make_request`; yields its outputs as steps produce
         them. Leaving the iteration early (cancellation included) aborts it in the engine."""
         req_id = request.request_id
+        if self._error is not None:
+            raise EngineDead(f"the engine stopped: {self._error!r}")
         while req_id in self._leaving and req_id not in self._streams:
             await asyncio.shield(self._leaving[req_id])
         if self._error is not None:
@@ -123,7 +125,7 @@ class AsyncEngine:
                 yield out
         finally:
             del self._streams[req_id]
-            if not finished:
+            if not finished and self._error is None:  # a dead loop applies no abort: nothing to wait for
                 self._leaving[req_id] = self._loop.create_future()
                 self._submit(("abort", ([req_id], False)))
 

@@ -238,6 +238,14 @@ def _generate_offline(args) -> None:
     print(f"{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s)", file=sys.stderr)
 
 
+def _health(args) -> None:
+    from baton.services.common import is_serving
+
+    serving = is_serving(args.target, args.timeout, _tls(args))
+    print("SERVING" if serving else "NOT_SERVING (or unreachable)")
+    sys.exit(0 if serving else 1)
+
+
 def _check_stack(args) -> None:
     from baton.services.stack_check import check_stack
 
@@ -376,6 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--timeout", type=float, default=120.0, help="seconds the whole check may take")
     _add_tls_flags(c, serving=False)
     c.set_defaults(func=_check_stack)
+
+    h = sub.add_parser("health", help="exit 0 if a server reports SERVING (a probe that speaks TLS)",
+                       description="Ask a server's grpc.health.v1 service; exit 0 when it reports SERVING, 1 otherwise. "
+                                   "Kubernetes' native gRPC probes cannot do TLS: the Helm chart execs this instead.")
+    h.add_argument("--target", required=True, help="HOST:PORT of the server")
+    h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    _add_tls_flags(h, serving=False)
+    h.set_defaults(func=_health)
 
     t = sub.add_parser("trace", help="receive traces (OTLP/gRPC) and print a waterfall per request",
                        description="A small OpenTelemetry trace receiver: point services at it "

@@ -16,6 +16,7 @@ from baton.v1 import generate_pb2 as pb
 # The instance failed, not the request: another may serve it. CANCELLED from a backend is its
 # own doing (a client's cancel is a CancelledError here): it stopped with the call in flight.
 INSTANCE_FAILED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+ENGINE_STOPPED = "the engine stopped"  # an engine server's INTERNAL when its step loop died (EngineDead)
 # A decode's answer when the prefill holding the prompt's blocks is gone (unreachable, or
 # restarted as another engine): the request goes on without them.
 PREFILL_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
@@ -23,6 +24,12 @@ PREFILL_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION
 
 def prefill_gone(e: grpc.aio.AioRpcError) -> bool:
     return e.code() in PREFILL_GONE and e.details().startswith("kv_handle: ")
+
+
+def instance_failed(e: grpc.aio.AioRpcError) -> bool:
+    """The instance, not the request, failed: unreachable, stopped, or its engine died."""
+    return (e.code() in INSTANCE_FAILED and not e.details().startswith("kv_handle")) or (
+        e.code() == grpc.StatusCode.INTERNAL and e.details().startswith(ENGINE_STOPPED))
 
 
 class Relay:
@@ -35,6 +42,7 @@ class Relay:
         if self.strip_ids:
             msg.output = pb.OUTPUT_TEXT_AND_TOKEN_IDS
         self.token_ids: list[int] = []
+        self.finished = False  # the client has the last response: nothing to resume
 
     def forward(self, resp: pb.GenerateResponse | bytes) -> bytes:
         if isinstance(resp, bytes):
@@ -42,6 +50,7 @@ class Relay:
         else:
             raw = None
         self.token_ids += resp.token_ids
+        self.finished = self.finished or resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED
         if self.strip_ids and resp.token_ids:
             resp.ClearField("token_ids")
             raw = None
@@ -67,7 +76,7 @@ async def pass_on_or_take_out(backend: Backend, e: grpc.aio.AioRpcError, context
     """An error from a backend call. The request's own (or its prefill's, named `kv_handle`)
     goes to the client as it is; a failed instance is taken out, and the caller decides
     between another instance and UNAVAILABLE."""
-    if e.code() not in INSTANCE_FAILED or e.details().startswith("kv_handle"):
+    if not instance_failed(e):
         await context.abort(e.code(), e.details())
     backend.failed()
 
@@ -111,6 +120,10 @@ async def decode_leg(router, msg: pb.GenerateRequest, hashes: list[int], metadat
                 return
             except grpc.aio.AioRpcError as e:
                 error = e
+                if relay.finished:  # its last message arrived before the failure: the answer is whole
+                    if instance_failed(e):
+                        decode.failed()
+                    return
                 if prefill_gone(e) and msg.HasField("kv_handle"):
                     # This decode is fine: it computes the prompt itself, from the first token on.
                     held, msg = None, resumed(msg, relay.token_ids)
@@ -128,6 +141,9 @@ async def decode_leg(router, msg: pb.GenerateRequest, hashes: list[int], metadat
                 names = ", ".join(b.address for b in tried)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode instances {names} failed "
                                     f"({error.details()}); moved {len(tried) - 1} times, the most max_migrations allows")
+            if msg.request_id in r.aborted:  # the Abort API, while the request was between instances
+                yield aborted_response(msg)
+                return
             if held is None and relay.token_ids:  # else the next instance pulls the held blocks, or starts over
                 msg = resumed(msg, relay.token_ids)
                 trace.migrated(decode, len(relay.token_ids))

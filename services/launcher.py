@@ -154,6 +154,10 @@ class Stack:
         # The router's own view lags by a health watch: until it sees every engine, a request
         # could skip a prefill that is in fact up.
         while router_sees_healthy(self.services[0].address) < len(self.services) - 1:
+            dead = self.dead()
+            if dead is not None:
+                raise RuntimeError(f"{dead.name} exited with status {dead.proc.returncode} while starting:\n"
+                                   + "".join(dead.tail))
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the router did not see every engine healthy within {timeout_s:g}s")
             time.sleep(0.05)

@@ -217,3 +217,73 @@ def test_a_decode_that_drains_past_its_grace_hands_its_streams_over(tiny_llama, 
             return [ids for ids, _, _ in await asyncio.gather(*tasks)]
 
     assert asyncio.run(asyncio.wait_for(go(), 120)) == want
+
+
+def test_a_stream_that_failed_after_its_last_message_is_not_moved():
+    """gRPC hands over every message before the error: an instance that sent the finish and
+    then died leaves a whole answer, which must not be resumed elsewhere (fake backends: the
+    one place a fake is fine, to inject the fault)."""
+    from types import SimpleNamespace
+
+    import grpc
+
+    from baton.services.failover import Relay, decode_leg
+    from baton.v1 import generate_pb2 as pb
+
+    class Call:
+        def __init__(self, responses, fail):
+            self.responses, self.fail = responses, fail
+
+        async def _stream(self):
+            for resp in self.responses:
+                yield resp.SerializeToString()
+            if self.fail:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, details="Socket closed")
+
+        def __aiter__(self):
+            return self._stream()
+
+        def done(self):
+            return True
+
+    calls = []
+
+    class Backend(SimpleNamespace):
+        def generate(self, msg, **_):
+            calls.append((self.address, list(msg.resume.ids)))
+            return self.script()
+
+        def failed(self):
+            self.healthy = False
+
+    dying = Backend(address="a", outstanding=0, script=lambda: Call(
+        [pb.GenerateResponse(token_ids=[5, 6]), pb.GenerateResponse(token_ids=[2], finish_reason=pb.FINISH_REASON_STOP)],
+        True))
+    spare = Backend(address="b", outstanding=0, script=lambda: Call(
+        [pb.GenerateResponse(token_ids=[9], finish_reason=pb.FINISH_REASON_LENGTH)], False))
+
+    def pick(tier, policy, hashes, trace, request_id, tried=()):
+        backend = next(b for b in (dying, spare) if b not in tried)
+        backend.outstanding += 1
+        return backend
+
+    router = SimpleNamespace(pick=pick, decode=None, decode_policy=None, aborted=set(), background=set(),
+                             options=SimpleNamespace(max_migrations=2))
+    trace = SimpleNamespace(retried=lambda *a: None, client_call=lambda *a: (None, ()), first_token=lambda: None,
+                            call_ended=lambda *a: None, migrated=lambda *a: None)
+
+    class Context:
+        def time_remaining(self):
+            return None
+
+        async def abort(self, code, details):
+            raise AssertionError(f"aborted: {code} {details}")
+
+    async def go():
+        msg = pb.GenerateRequest(request_id="x", text="hi")
+        return [pb.GenerateResponse.FromString(raw) async for raw in
+                decode_leg(router, msg, [], (), Context(), trace, Relay(msg))]
+
+    got = asyncio.run(go())
+    assert [list(r.token_ids) for r in got] == [[5, 6], [2]] and got[-1].finish_reason == pb.FINISH_REASON_STOP
+    assert calls == [("a", [])] and dying.outstanding == 0 and not dying.healthy

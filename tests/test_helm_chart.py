@@ -343,10 +343,20 @@ def test_command_lines_parse_and_agree_with_ports_and_services(name):
         mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
         assert mounts["/models"]["readOnly"] is True and mounts["/models"]["name"] == "model"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            handler = container[probe].get("grpc") or container[probe].get("tcpSocket")
-            assert handler["port"] == ports["grpc"], (pod_name, probe)
+            if "exec" in container[probe]:  # `baton health` over TLS, parsed by the real CLI too
+                command = container[probe]["exec"]["command"]
+                health = build_parser().parse_args(command[1:])
+                assert command[0] == "baton" and health.command == "health"
+                assert host_port(health.target) == ("127.0.0.1", ports["grpc"]), (pod_name, probe)
+                assert health.tls_server_name == merged["tls"]["serverName"]
+                assert (health.tls_cert_file is not None) == bool(merged["tls"]["mtls"])
+            else:
+                handler = container[probe].get("grpc") or container[probe].get("tcpSocket")
+                assert handler["port"] == ports["grpc"], (pod_name, probe)
             if merged["tls"]["enabled"]:
                 assert "grpc" not in container[probe], "Kubernetes' gRPC probes cannot do TLS"
+                # Ready only once the model is loaded: the health service over TLS, not a TCP connect.
+                assert probe != "readinessProbe" or "exec" in container[probe], pod_name
         if role == "router":
             backends = {"decode": args.decode, "prefill": args.prefill}
             for tier, addresses in backends.items():

@@ -195,3 +195,37 @@ def test_smollm2_repetition_penalty_and_logprobs_equal_transformers(smollm2, hf)
     ref = hf_logits(hf, smollm2, prompt + out.token_ids).log_softmax(-1)
     for i, lp in enumerate(out.outputs[0].logprobs):
         assert abs(lp.logprob - ref[len(prompt) - 1 + i, lp.token_id].item()) < LOGPROB_TOL
+
+
+def test_a_resumed_request_continues_as_the_uninterrupted_one(tiny_llama):
+    """Outputs streamed by an instance that failed, taken as a new request's first outputs
+    (GenerateRequest.resume): what the client gets from it after what it had equals the
+    uninterrupted run, tokens, text and finish, stop strings and min_tokens included (a stop
+    string seen before min_tokens must not drop the text held back at the cut)."""
+    llm = LLM(tiny_llama, dtype="float32", device="cpu")
+    engine = llm.engine
+
+    def run(prompt, params, resumed=()):
+        """Token ids, the text the client had after each token, and the finish reason."""
+        engine.add(engine.make_request("r", prompt, params, resumed_output=list(resumed)))
+        ids, texts, finish = [], [""], None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                ids += out.new_token_ids
+                texts += [texts[-1]] * (len(out.new_token_ids) - 1) + [texts[-1] + out.text]
+                finish = out.finish_reason
+        return ids, texts, finish
+
+    checked = 0
+    for prompt in random_prompts([12] * 6, seed=330):
+        whole = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+        for stop in {whole.text[1:3], whole.text[4:6]} - {""}:
+            for sampling in (dict(temperature=0), dict(temperature=0.9, seed=4, presence_penalty=0.5)):
+                params = SamplingParams(max_tokens=16, ignore_eos=True, stop=[stop], min_tokens=6, **sampling)
+                ids, texts, finish = run(prompt, params)
+                for k in range(1, len(ids)):
+                    rest, rest_texts, rest_finish = run(prompt, params, ids[:k])
+                    assert (ids[:k] + rest, rest_finish) == (ids, finish), (prompt, stop, k)
+                    assert texts[k] + rest_texts[-1] == texts[-1], (prompt, stop, k)
+                    checked += 1
+    assert checked > 50

@@ -187,3 +187,18 @@ def test_bad_tls_flags_are_named(tmp_path, pki, tiny_llama):
     done = subprocess.run([sys.executable, "-m", "baton.services.cli", "serve", "--model", tiny_llama, "--port", "0",
                            "--tls-cert-file", pki["server"]], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "tls_cert_file and tls_key_file" in done.stderr
+
+
+def test_baton_health_is_a_probe_that_speaks_tls(stack, pki):
+    """What the chart's probes exec under TLS: 0 for a serving server, 1 otherwise."""
+    router = stack[2]
+
+    def health(*flags):
+        return subprocess.run([sys.executable, "-m", "baton.services.cli", "health", "--target", router.address,
+                               *flags], capture_output=True, text=True, timeout=60)
+
+    ok = health("--tls-ca-file", pki["ca"], "--tls-cert-file", pki["client"], "--tls-key-file", pki["client_key"],
+                "--tls-server-name", SERVER_NAME)
+    assert ok.returncode == 0 and ok.stdout.startswith("SERVING"), ok.stdout + ok.stderr
+    refused = health("--tls-ca-file", pki["ca"], "--tls-server-name", SERVER_NAME)  # no client certificate
+    assert refused.returncode == 1

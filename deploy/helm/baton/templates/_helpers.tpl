@@ -119,8 +119,15 @@ tcpSocket probe with TLS on: Kubernetes' gRPC probes cannot speak TLS.
 */}}
 {{- define "baton.probe" -}}
 {{- $type := .p.type | default "grpc" }}
-{{- if and (eq $type "grpc") .tls }}{{ $type = "tcpSocket" }}{{ end }}
-{{- if eq $type "grpc" }}
+{{- if and (eq $type "grpc") .tls }}
+{{- /* Kubernetes' gRPC probes cannot speak TLS: the health check, over TLS, from inside. */}}
+exec:
+  command:
+    - baton
+    - health
+    - --target=127.0.0.1:{{ .port }}
+    {{- include "baton.tlsArgs" (dict "ctx" .ctx "serving" false) | trim | nindent 4 }}
+{{- else if eq $type "grpc" }}
 grpc:
   port: {{ .port }}
 {{- else }}

@@ -106,11 +106,11 @@ spec:
             {{- toYaml . | nindent 12 }}
             {{- end }}
           startupProbe:
-            {{- include "baton.probe" (dict "p" $probes.startup "port" $grpcPort "tls" $v.tls.enabled) | trim | nindent 12 }}
+            {{- include "baton.probe" (dict "p" $probes.startup "port" $grpcPort "tls" $v.tls.enabled "ctx" $ctx) | trim | nindent 12 }}
           readinessProbe:
-            {{- include "baton.probe" (dict "p" $probes.readiness "port" $grpcPort "tls" $v.tls.enabled) | trim | nindent 12 }}
+            {{- include "baton.probe" (dict "p" $probes.readiness "port" $grpcPort "tls" $v.tls.enabled "ctx" $ctx) | trim | nindent 12 }}
           livenessProbe:
-            {{- include "baton.probe" (dict "p" $probes.liveness "port" $grpcPort "tls" $v.tls.enabled) | trim | nindent 12 }}
+            {{- include "baton.probe" (dict "p" $probes.liveness "port" $grpcPort "tls" $v.tls.enabled "ctx" $ctx) | trim | nindent 12 }}
           {{- with $resources }}
           resources:
             {{- toYaml . | nindent 12 }}
