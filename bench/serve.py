@@ -256,38 +256,48 @@ def stop_stack(procs: list[subprocess.Popen]) -> None:
             proc.kill()
 
 
+async def drive(args: argparse.Namespace, workload: list[Request], mode: str, send) -> tuple[list[Trace], float]:
+    """Replay the workload's arrivals (at most --max-concurrency at once) through
+    `send(request, trace, t0)`, which streams one request and records its chunks in trace."""
+    traces = [Trace() for _ in workload]
+    limit = asyncio.Semaphore(args.max_concurrency or len(workload))
+    bar = tqdm(total=len(workload), desc=mode, unit="req")
+    t0 = time.perf_counter()
+
+    async def one(i: int, r: Request) -> None:
+        await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
+        async with limit:
+            trace = traces[i]
+            trace.start_s = time.perf_counter() - t0
+            try:
+                await send(r, trace, t0)
+            except Exception as e:  # noqa: BLE001 - counted as a failed request
+                trace.ok = False
+                tqdm.write(f"request {i} failed: {e}")
+        bar.update(1)
+
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(workload)))
+    wall = time.perf_counter() - t0
+    bar.close()
+    return traces, wall
+
+
 async def run_grpc(args: argparse.Namespace, workload: list[Request], address: str,
                    mode: str) -> tuple[list[Trace], float]:
     from baton.services.client import AsyncClient
 
-    traces = [Trace() for _ in workload]
-    limit = asyncio.Semaphore(args.max_concurrency or len(workload))
-    bar = tqdm(total=len(workload), desc=mode, unit="req")
     async with AsyncClient(address) as client:
         async for _ in client.generate(workload[0].prompt[:8], max_tokens=2):  # warm-up
             pass
-        t0 = time.perf_counter()
 
-        async def one(i: int, r: Request) -> None:
-            await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
-            async with limit:
-                trace = traces[i]
-                trace.start_s = time.perf_counter() - t0
-                try:
-                    async for chunk in client.generate(r.prompt, max_tokens=r.output_len, temperature=0,
-                                                       ignore_eos=True, output="token_ids"):
-                        if chunk.token_ids:
-                            trace.chunk_s.append(time.perf_counter() - t0)
-                            trace.tokens += len(chunk.token_ids)
-                except Exception as e:  # noqa: BLE001 - counted as a failed request
-                    trace.ok = False
-                    tqdm.write(f"request {i} failed: {e}")
-            bar.update(1)
+        async def send(r: Request, trace: Trace, t0: float) -> None:
+            async for chunk in client.generate(r.prompt, max_tokens=r.output_len, temperature=0,
+                                               ignore_eos=True, output="token_ids"):
+                if chunk.token_ids:
+                    trace.chunk_s.append(time.perf_counter() - t0)
+                    trace.tokens += len(chunk.token_ids)
 
-        await asyncio.gather(*(one(i, r) for i, r in enumerate(workload)))
-        wall = time.perf_counter() - t0
-    bar.close()
-    return traces, wall
+        return await drive(args, workload, mode, send)
 
 
 async def run_http(args: argparse.Namespace, workload: list[Request], url: str, mode: str,
@@ -296,9 +306,6 @@ async def run_http(args: argparse.Namespace, workload: list[Request], url: str, 
     streamed); a chunk is an event that carries text, tokens counted from the usage."""
     import aiohttp
 
-    traces = [Trace() for _ in workload]
-    limit = asyncio.Semaphore(args.max_concurrency or len(workload))
-    bar = tqdm(total=len(workload), desc=mode, unit="req")
     async with aiohttp.ClientSession(url, timeout=aiohttp.ClientTimeout(total=None),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         if model is None:
@@ -323,24 +330,7 @@ async def run_http(args: argparse.Namespace, workload: list[Request], url: str, 
                         trace.tokens = event["usage"]["completion_tokens"]
 
         await stream(workload[0].prompt[:8], 2, None, 0.0)  # warm-up
-        t0 = time.perf_counter()
-
-        async def one(i: int, r: Request) -> None:
-            await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
-            async with limit:
-                trace = traces[i]
-                trace.start_s = time.perf_counter() - t0
-                try:
-                    await stream(r.prompt, r.output_len, trace, t0)
-                except Exception as e:  # noqa: BLE001 - counted as a failed request
-                    trace.ok = False
-                    tqdm.write(f"request {i} failed: {e}")
-            bar.update(1)
-
-        await asyncio.gather(*(one(i, r) for i, r in enumerate(workload)))
-        wall = time.perf_counter() - t0
-    bar.close()
-    return traces, wall
+        return await drive(args, workload, mode, lambda r, trace, t0: stream(r.prompt, r.output_len, trace, t0))
 
 
 # ---- report -----------------------------------------------------------------------------------

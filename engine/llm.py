@@ -109,7 +109,9 @@ def _add_step(out: RequestOutput, completion: CompletionOutput, step: StepOutput
     completion.token_ids.extend(step.new_token_ids)
     completion.text += step.text
     if step.logprobs is not None:
-        completion.logprobs = (completion.logprobs or []) + step.logprobs
+        if completion.logprobs is None:
+            completion.logprobs = []
+        completion.logprobs.extend(step.logprobs)
     if step.prompt_logprobs is not None:
         out.prompt_logprobs = step.prompt_logprobs
     if step.finished:

@@ -133,8 +133,7 @@ class LLMEngine:
             token_ids = self.tokenize(prompt)
         else:
             token_ids = list(prompt)
-            bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
-            check(bad is None, "prompt_token_ids", f"must be integers in [0, {self.vocab_size}), got {bad!r}")
+            self._check_token_ids("prompt_token_ids", token_ids)
         check(len(token_ids) > 0, "prompt", "has no tokens")
         check(len(token_ids) <= self.config.max_model_len, "prompt",
               f"has {len(token_ids)} tokens, more than max_model_len {self.config.max_model_len}")
@@ -146,8 +145,7 @@ class LLMEngine:
         if first_token is not None:  # sampled by the prefill peer: an output already, not re-sent
             request.append_output_token(first_token)
         if resumed_output:
-            bad = next((t for t in resumed_output if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
-            check(bad is None, "resumed_output", f"must be integers in [0, {self.vocab_size}), got {bad!r}")
+            self._check_token_ids("resumed_output", resumed_output)
             check(len(resumed_output) < params.max_tokens, "resumed_output",
                   f"has {len(resumed_output)} tokens, max_tokens is {params.max_tokens}: nothing is left to generate")
             check(len(token_ids) + len(resumed_output) < self.config.max_model_len, "resumed_output",
@@ -155,6 +153,10 @@ class LLMEngine:
             for token in resumed_output:
                 request.append_output_token(token)
         return request
+
+    def _check_token_ids(self, field: str, token_ids) -> None:
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        check(bad is None, field, f"must be integers in [0, {self.vocab_size}), got {bad!r}")
 
     def add(self, request: Request, detokenize: bool = True) -> None:
         """Queue a request made by make_request (step-loop thread only)."""
@@ -216,8 +218,6 @@ class LLMEngine:
     def _on_token(self, request: Request, status: RequestStatus | None) -> bool:
         """The scheduler's hook, for requests with stop strings: their text now, because a stop
         string found in it ends the request in this very step."""
-        if not request.sampling_params.stop:
-            return False
         stream = self.text_streams[request.request_id]
         text, stop = stream.push(request.output_token_ids[-1:], self._final(stream, status),
                                  request.num_output_tokens >= request.sampling_params.min_tokens)

@@ -281,7 +281,8 @@ class Scheduler:
             request.last_token_time = now
             self.num_generation_tokens += 1
             status = self._stop_status(request, token_id)
-            if self.on_token is not None and self.on_token(request, status):
+            # Only requests with stop strings call out: the text is the engine's, not the scheduler's.
+            if request.sampling_params.stop and self.on_token is not None and self.on_token(request, status):
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self.running.remove(request)

@@ -46,21 +46,27 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "baton" / "kernels"
 
 
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
 def _cpu_signature() -> str:
     """The CPU model and flags, since -march=native code may not run on another CPU."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
+    lines = _cpuinfo()
+    if not lines:
         return platform.processor() or platform.machine()
     return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return {f for ln in lines if ln.startswith("flags") for f in ln.partition(":")[2].split()}
+    return {f for ln in _cpuinfo() if ln.startswith("flags") for f in ln.partition(":")[2].split()}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
 def _build(compiler: str, target: Path | None = None) -> Path:
@@ -108,18 +114,9 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get("BATON_CPU_KERNELS", "1") == "0":
         return None
     prebuilt = os.environ.get("BATON_KERNEL_LIB")
-    missing = MARCH_NEEDS.get(MARCH, set()) - _cpu_flags()
-    if prebuilt and missing:
-        log.warning("%s was built for %s, which this CPU lacks (%s): CPU attention uses the PyTorch reference",
-                    prebuilt, MARCH, " ".join(sorted(missing)))
-        return None
     if prebuilt:
-        try:
-            return _declare(ctypes.CDLL(prebuilt))
-        except OSError as e:
-            log.warning("cannot load BATON_KERNEL_LIB=%s, CPU attention uses the PyTorch reference: %s", prebuilt, e)
-            return None
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+        return _load_prebuilt(prebuilt)
+    compiler = _compiler()
     if compiler is None:
         log.warning("no C++ compiler found: CPU attention uses the PyTorch reference")
         return None
@@ -132,6 +129,20 @@ def load() -> ctypes.CDLL | None:
         log.warning("building the CPU kernels failed, CPU attention uses the PyTorch reference: %s", detail)
         return None
     return _declare(lib)
+
+
+def _load_prebuilt(path: str) -> ctypes.CDLL | None:
+    """A library built elsewhere for BATON_KERNEL_MARCH (an image's), if this CPU can run it."""
+    missing = MARCH_NEEDS.get(MARCH, set()) - _cpu_flags()
+    if missing:
+        log.warning("%s was built for %s, which this CPU lacks (%s): CPU attention uses the PyTorch reference",
+                    path, MARCH, " ".join(sorted(missing)))
+        return None
+    try:
+        return _declare(ctypes.CDLL(path))
+    except OSError as e:
+        log.warning("cannot load BATON_KERNEL_LIB=%s, CPU attention uses the PyTorch reference: %s", path, e)
+        return None
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -195,7 +206,7 @@ if __name__ == "__main__":  # python -m baton.kernels.cpu_kernels OUT.so: build 
 
     if len(sys.argv) != 2:
         sys.exit("usage: python -m baton.kernels.cpu_kernels OUT.so")
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    compiler = _compiler()
     if compiler is None:
         sys.exit("no C++ compiler (set CXX or install g++)")
     print(_build(compiler, Path(sys.argv[1])))

@@ -94,17 +94,31 @@ def _write_kv(K, V, K_CACHE, V_CACHE, SLOTS, stride_kt, stride_kh, stride_vt, st
     tl.store(V_CACHE + block * stride_db + offset * stride_dt + h * stride_dh + d, v, mask=ok)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _pad(n: int) -> int:
+    """A tile dimension for n: a power of two, at least 16 (tl.dot's smallest)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def _groups(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """Query heads per KV head, after checking the shapes the kernels assume."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"{name}: q {tuple(q.shape)} over cache {tuple(k_cache.shape)} "
+                         f"(heads must group evenly; the head dimension must be contiguous)")
+    return num_heads // num_kv_heads
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k, v [T, Hkv, D] into the cache at flat slots (block id × block size + offset) [T]."""
+    """k, v [T, Hkv, D] into the cache at flat slots (block id × block size + offset) [T]; the
+    arguments in the order of the reference's kernels.attention.write_kv."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if not num_tokens:
         return
     _write_kv[(num_tokens, num_kv_heads)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=k_cache.shape[1])
+        v_cache.stride(2), HEAD_DIM=head_dim, D_PAD=_pad(head_dim), BLOCK_SIZE=k_cache.shape[1])
 
 
 @triton.jit
@@ -159,12 +173,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """Attention of prefill chunks: sequence i's q_lens[i] rows of q [T, Hq, D], from row
     q_starts[i], are the last tokens of its ctx_lens[i]-token context (the cached prefix and
     the chunk, whose K/V are in the cache already), each seeing the keys up to its own."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    if num_heads % num_kv_heads or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError(f"paged_prefill_attention: q {tuple(q.shape)} over cache {tuple(k_cache.shape)} "
-                         f"(heads must group evenly; the head dimension must be contiguous)")
-    group = num_heads // num_kv_heads
+    group = _groups("paged_prefill_attention", q, k_cache, v_cache)
+    head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
     out = torch.empty_like(q)
     num_seqs = q_lens.shape[0]
     if not num_seqs:
@@ -175,8 +185,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0), scale, GROUP=group, HEAD_DIM=head_dim,
-        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
-        ROWS=max(16, triton.next_power_of_2(block_m * group)))
+        D_PAD=_pad(head_dim), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, ROWS=_pad(block_m * group))
     return out
 
 
@@ -191,11 +200,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     reads (default: enough splits to fill the device); None and a short context mean one split.
     """
     batch, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    if num_heads % num_kv_heads or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError(f"paged_decode_attention: q {tuple(q.shape)} over cache {tuple(k_cache.shape)} "
-                         f"(heads must group evenly; the head dimension must be contiguous)")
-    group = num_heads // num_kv_heads
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = _groups("paged_decode_attention", q, k_cache, v_cache)
     max_blocks = block_tables.shape[1]
     if blocks_per_split is None:
         target = 2 * (torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4)
@@ -204,13 +210,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_splits = -(-max_blocks // blocks_per_split)
     part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    d_pad = max(16, triton.next_power_of_2(head_dim))
+    d_pad = _pad(head_dim)
     _decode_split[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), scale,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
+        GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCKS_PER_SPLIT=blocks_per_split)
     out = torch.empty_like(q)
     _combine_splits[(batch, num_heads)](

@@ -46,19 +46,22 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def router_sees_healthy(address: str) -> int:
-    """How many of its backends the router at address reports healthy (0 when unreachable)."""
+def backend_health(address: str, tls=None) -> list[bool] | None:
+    """Whether each backend the router at address lists is healthy in its view (an engine lists
+    none); None when it does not answer. A router serves once one decode is healthy, and its
+    view of the rest lags the backends' own health by a watch."""
     import grpc
 
+    from baton.services.tls import sync_channel
     from baton.v1 import generate_pb2 as pb
     from baton.v1 import generate_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address, tls) as channel:
         try:
             load = generate_pb2_grpc.TextGenerationStub(channel).GetLoad(pb.GetLoadRequest(), timeout=2)
         except grpc.RpcError:
-            return 0
-    return sum(b.healthy for b in load.backends)
+            return None
+    return [b.healthy for b in load.backends]
 
 
 def _die_with_parent() -> None:
@@ -142,25 +145,20 @@ class Stack:
         """Until all serve; raises with the reason when one dies or time runs out."""
         deadline = time.monotonic() + timeout_s
         pending = list(self.services)
-        while pending:
+        while True:
             dead = self.dead()
             if dead is not None:
                 raise RuntimeError(f"{dead.name} exited with status {dead.proc.returncode} while starting:\n"
                                    + "".join(dead.tail))
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"not serving after {timeout_s:g}s: {', '.join(s.name for s in pending)}")
             pending = [s for s in pending if not is_serving(s.address)]
-            time.sleep(0.2)
-        # The router's own view lags by a health watch: until it sees every engine, a request
-        # could skip a prefill that is in fact up.
-        while router_sees_healthy(self.services[0].address) < len(self.services) - 1:
-            dead = self.dead()
-            if dead is not None:
-                raise RuntimeError(f"{dead.name} exited with status {dead.proc.returncode} while starting:\n"
-                                   + "".join(dead.tail))
+            # The router's own view lags by a health watch: until it sees every engine, a request
+            # could skip a prefill that is in fact up.
+            if not pending and sum(backend_health(self.services[0].address) or ()) >= len(self.services) - 1:
+                return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the router did not see every engine healthy within {timeout_s:g}s")
-            time.sleep(0.05)
+                raise RuntimeError(f"not serving after {timeout_s:g}s: "
+                                   f"{', '.join(s.name for s in pending) or 'the router, seeing every engine'}")
+            time.sleep(0.2)
 
     def stop(self, grace_s: float) -> None:
         """Router first (no new requests), then the engines; SIGKILL whatever outlives the grace."""

@@ -157,10 +157,12 @@ class Completion:
         return self.choices.setdefault(index, {"text": "", "logprobs": [], "finish_reason": None,
                                                "stop_reason": None, "started": False, "prompt_logprobs": None})
 
-    def _account(self, index: int, resp: pb.GenerateResponse) -> dict:
+    def _account(self, index: int, resp: pb.GenerateResponse) -> list[dict]:
+        """Add resp to its choice; returns its tokens' logprob entries."""
         choice = self._choice(index)
         choice["text"] += resp.text
-        choice["logprobs"] += self._logprobs(resp)
+        entries = self._logprobs(resp)
+        choice["logprobs"] += entries
         if resp.prompt_logprobs:  # vLLM's shape: None for the first token, then {token id: ...} per token
             text = self.token_text
             choice["prompt_logprobs"] = [None] + [
@@ -176,7 +178,7 @@ class Completion:
                 self._prompts_counted.add(resp.request_id)
                 self.usage["prompt_tokens"] += u.prompt_tokens
                 self.usage["cached_tokens"] += u.cached_tokens
-        return choice
+        return entries
 
     def _logprobs(self, resp: pb.GenerateResponse) -> list[dict]:
         text = self.token_text
@@ -228,8 +230,7 @@ class Completion:
         offset = len(choice["text"])
         first = not choice["started"]
         choice["started"] = True
-        self._account(index, resp)
-        logprobs = self._logprobs_shape(self._logprobs(resp), offset)
+        logprobs = self._logprobs_shape(self._account(index, resp), offset)
         finish = _FINISH.get(resp.finish_reason) if resp.finish_reason else None
         if not (resp.text or logprobs or finish or (first and self.chat)):
             return []

@@ -54,27 +54,28 @@ class CallRegistry:
 class EngineRuntime:
     """Mixed into an engine server's TextGeneration servicer (which has `server` and `calls`)."""
 
-    async def GetModelInfo(self, msg: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
-        server = self.server
-        if server.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
-        return server.model_info()
-
-    async def GetLoad(self, msg: pb.GetLoadRequest, context) -> pb.Load:
+    async def _loaded(self, context):
+        """The server's LLMEngine; UNAVAILABLE while the model loads."""
         if self.server.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
+        return self.server.engine.engine
+
+    async def GetModelInfo(self, msg: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
+        await self._loaded(context)
+        return self.server.model_info()
+
+    async def GetLoad(self, msg: pb.GetLoadRequest, context) -> pb.Load:
+        await self._loaded(context)
         return await self.server.load()
 
     async def WatchLoad(self, msg: pb.GetLoadRequest, context):
-        if self.server.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
+        await self._loaded(context)
         async for load in watch(self.server.load, msg):
             yield load
 
     async def Abort(self, msg: pb.AbortRequest, context) -> pb.AbortResponse:
         server, results = self.server, []
-        if server.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
+        await self._loaded(context)
         for request_id in msg.request_ids:
             ids = self.calls.live.get(request_id)
             if ids is not None:
@@ -88,9 +89,7 @@ class EngineRuntime:
         return pb.AbortResponse(results=results)
 
     async def Tokenize(self, msg: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        engine = self.server.engine.engine if self.server.engine is not None else None
-        if engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
+        engine = await self._loaded(context)
         kind = msg.WhichOneof("prompt")
         if kind is None or (kind == "chat" and not msg.chat.messages):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set text or chat (with messages)")
@@ -102,9 +101,7 @@ class EngineRuntime:
                                    max_model_len=engine.config.max_model_len)
 
     async def Detokenize(self, msg: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
-        engine = self.server.engine.engine if self.server.engine is not None else None
-        if engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
+        engine = await self._loaded(context)
         bad = next((t for t in msg.token_ids if not 0 <= t < engine.vocab_size), None)
         if bad is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

@@ -66,13 +66,16 @@ class TLSConfig:
         return context
 
 
-def aio_channel(address: str, tls: TLSConfig | None, options: list[tuple] = ()) -> grpc.aio.Channel:
+def _channel(api, address: str, tls: TLSConfig | None, options: list[tuple]):
+    """A channel of `api` (grpc or grpc.aio): plaintext, or TLS with tls's files."""
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=[*options, *tls.channel_options()])
+        return api.insecure_channel(address, options=list(options))
+    return api.secure_channel(address, tls.channel_credentials(), options=[*options, *tls.channel_options()])
+
+
+def aio_channel(address: str, tls: TLSConfig | None, options: list[tuple] = ()) -> grpc.aio.Channel:
+    return _channel(grpc.aio, address, tls, options)
 
 
 def sync_channel(address: str, tls: TLSConfig | None, options: list[tuple] = ()) -> grpc.Channel:
-    if tls is None:
-        return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, tls.channel_credentials(), options=[*options, *tls.channel_options()])
+    return _channel(grpc, address, tls, options)

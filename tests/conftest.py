@@ -189,6 +189,27 @@ class ServerProcess:
         return self.proc.returncode
 
 
+@contextlib.contextmanager
+def pd_stack(model_dir: str, num_prefill: int = 1, num_decode: int = 1, prefill: tuple = (), decode: tuple = (),
+             router: tuple = (), common: tuple = ()):
+    """Prefill and decode processes (each with the stack's token) and a router in front of
+    them: yields (prefills, decodes, router); every process is stopped on exit, also when
+    one fails to start. `prefill`, `decode`, `router`: flags of that tier; `common`: of all."""
+    from helpers import TOKEN
+
+    common = ("--internal-token", TOKEN, *common)
+    with contextlib.ExitStack() as stack:
+        def start(*flags: str) -> ServerProcess:
+            proc = ServerProcess(model_dir, *flags)
+            stack.callback(proc.stop)
+            return proc
+        prefills = [start("--role", "prefill", *common, *prefill) for _ in range(num_prefill)]
+        decodes = [start("--role", "decode", *common, *decode) for _ in range(num_decode)]
+        backends = [("--prefill", prefills), ("--decode", decodes)]
+        yield prefills, decodes, start("--role", "router", *common, *router, *(
+            arg for flag, procs in backends if procs for arg in (flag, ",".join(p.address for p in procs))))
+
+
 @pytest.fixture
 def spawn():
     """spawn(model_dir, *flags) -> a ServerProcess; all are stopped at teardown."""

@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.services.common import is_serving
+from baton.services.launcher import backend_health
 
 TOKEN = "stack-secret"  # the internal token the tests' tiers share
 AUTH = (("x-baton-token", TOKEN),)
@@ -46,25 +47,11 @@ def health_status(address: str, service: str = "") -> int:
                                                          timeout=5).status
 
 
-def backends_all_healthy(address: str, tls=None) -> bool:
-    """Whether every backend a router lists is healthy in its view (true for an engine, which
-    lists none). A router serves once one decode is healthy; its view of the rest lags."""
-    from baton.services.tls import sync_channel
-    from baton.v1 import generate_pb2 as pb
-    from baton.v1 import generate_pb2_grpc
-
-    with sync_channel(address, tls) as channel:
-        try:
-            load = generate_pb2_grpc.TextGenerationStub(channel).GetLoad(pb.GetLoadRequest(), timeout=5)
-        except grpc.RpcError:
-            return False
-    return all(b.healthy for b in load.backends)
-
-
 def wait_serving(address: str, timeout: float = 30.0, tls=None) -> None:
     """Until the server serves (a router: and sees each of its backends healthy)."""
     deadline = time.monotonic() + timeout
-    while not (is_serving(address, tls=tls) and backends_all_healthy(address, tls)):
+    while not (is_serving(address, tls=tls) and (health := backend_health(address, tls)) is not None
+               and all(health)):
         assert time.monotonic() < deadline, f"{address} never served"
         time.sleep(0.05)
 

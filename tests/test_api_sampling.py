@@ -12,8 +12,8 @@ import pytest
 from baton import LLM, SamplingParams
 from baton.services.client import AsyncClient
 
-from conftest import ServerProcess
-from helpers import TOKEN, pools_full, random_prompts, wait_serving
+from conftest import ServerProcess, pd_stack
+from helpers import pools_full, random_prompts, wait_serving
 
 LOGPROB_TOL = 1e-4
 
@@ -24,21 +24,14 @@ def run(coro):
 
 @pytest.fixture(scope="module")
 def tiers(tiny_llama):
-    prefill = ServerProcess(tiny_llama, "--role", "prefill", "--internal-token", TOKEN, "--max-num-batched-tokens", "32")
-    decode = ServerProcess(tiny_llama, "--role", "decode", "--internal-token", TOKEN)
-    procs = [prefill, decode]
-    try:
-        router = ServerProcess(tiny_llama, "--role", "router", "--internal-token", TOKEN, "--prefill",
-                               prefill.address, "--decode", decode.address)
-        procs.append(router)
+    with pd_stack(tiny_llama, prefill=("--max-num-batched-tokens", "32")) as ((prefill,), (decode,), router):
         colocated = ServerProcess(tiny_llama)
-        procs.append(colocated)
-        wait_serving(router.address)
-        wait_serving(colocated.address)
-        yield router, colocated, prefill, decode
-    finally:
-        for p in procs:
-            p.stop()
+        try:
+            wait_serving(router.address)
+            wait_serving(colocated.address)
+            yield router, colocated, prefill, decode
+        finally:
+            colocated.stop()
 
 
 async def completions(address: str, prompt, **sampling) -> dict[int, dict]:

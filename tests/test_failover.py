@@ -12,7 +12,7 @@ import pytest
 from baton import LLM, SamplingParams
 from baton.services.client import AsyncClient
 
-from conftest import ServerProcess
+from conftest import pd_stack
 from helpers import TOKEN, collect, pools_full, random_prompts, stats, wait_serving
 
 NUM_STREAMS = 24
@@ -29,20 +29,10 @@ def long_workload(seed: int):
 
 @pytest.fixture
 def stack(tiny_llama):
-    procs = [ServerProcess(tiny_llama, "--role", role, "--internal-token", TOKEN) for role in
-             ("prefill", "prefill", "decode", "decode")]
-    try:
-        router = ServerProcess(tiny_llama, "--role", "router", "--internal-token", TOKEN,
-                               "--prefill", ",".join(p.address for p in procs[:2]),
-                               "--decode", ",".join(p.address for p in procs[2:]))
-        procs.append(router)
-        wait_serving(router.address)
-        for p in procs:
+    with pd_stack(tiny_llama, num_prefill=2, num_decode=2) as (prefill, decode, router):
+        for p in (router, *prefill, *decode):
             wait_serving(p.address)
-        yield procs[:2], procs[2:4], router
-    finally:
-        for p in procs:
-            p.stop()
+        yield prefill, decode, router
 
 
 def offline(tiny_llama, prompts, params):

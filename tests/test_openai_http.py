@@ -16,8 +16,8 @@ import pytest
 
 from baton.services.client import AsyncClient
 
-from conftest import ServerProcess
-from helpers import TOKEN, collect, pools_full, random_prompts, wait_serving
+from conftest import pd_stack
+from helpers import collect, pools_full, random_prompts, wait_serving
 
 CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
 
@@ -167,20 +167,11 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(serve, tiny_llama
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama):
-    prefill = ServerProcess(tiny_llama, "--role", "prefill", "--internal-token", TOKEN)
-    decode = ServerProcess(tiny_llama, "--role", "decode", "--internal-token", TOKEN)
-    procs = [prefill, decode]
-    try:
-        router = ServerProcess(tiny_llama, "--role", "router", "--internal-token", TOKEN, "--prefill",
-                               prefill.address, "--decode", decode.address, "--http-port", "0",
-                               "--served-model-name", "tiny")
-        procs.append(router)
+    with pd_stack(tiny_llama, router=("--http-port", "0", "--served-model-name", "tiny")) as (
+            (prefill,), (decode,), router):
         wait_serving(router.address)
         url = next(line.split()[3].removesuffix("/v1") for line in router.lines if line.startswith("OpenAI API on"))
         yield router, prefill, decode, url
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def test_the_openai_client_through_the_router(stack):

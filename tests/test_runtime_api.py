@@ -17,8 +17,8 @@ from baton.services.client import AsyncClient
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
 
-from conftest import ServerProcess
-from helpers import TOKEN, pools_full, random_prompts, stats, wait_serving
+from conftest import pd_stack
+from helpers import pools_full, random_prompts, stats, wait_serving
 
 
 def run(coro):
@@ -118,18 +118,9 @@ def test_abort_by_id_ends_the_stream_and_is_idempotent(serve, tiny_llama):
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama):
-    prefill = ServerProcess(tiny_llama, "--role", "prefill", "--internal-token", TOKEN, "--max-num-batched-tokens", "16")
-    decode = ServerProcess(tiny_llama, "--role", "decode", "--internal-token", TOKEN)
-    procs = [prefill, decode]
-    try:
-        router = ServerProcess(tiny_llama, "--role", "router", "--internal-token", TOKEN, "--prefill",
-                               prefill.address, "--decode", decode.address)
-        procs.append(router)
+    with pd_stack(tiny_llama, prefill=("--max-num-batched-tokens", "16")) as ((prefill,), (decode,), router):
         wait_serving(router.address)
         yield router, prefill, decode
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def test_the_router_answers_the_runtime_api(stack, tiny_llama):

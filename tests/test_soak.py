@@ -16,8 +16,8 @@ import pytest
 
 from baton.services.client import AsyncClient
 
-from conftest import ServerProcess
-from helpers import TOKEN, pools_full, random_prompts, stats, wait_serving
+from conftest import pd_stack
+from helpers import pools_full, random_prompts, stats, wait_serving
 
 pytestmark = [pytest.mark.soak,
               pytest.mark.skipif(os.environ.get("BATON_TEST_SOAK") != "1",
@@ -66,13 +66,9 @@ async def one(client, rng: random.Random, i: int, outcomes: collections.Counter,
 
 def test_soak(tiny_llama):
     duration = float(os.environ.get("BATON_SOAK_SECONDS", "600"))
-    procs = [ServerProcess(tiny_llama, "--role", role, "--internal-token", TOKEN, "--max-num-seqs", "32")
-             for role in ("prefill", "prefill", "decode", "decode")]
-    try:
-        router = ServerProcess(tiny_llama, "--role", "router", "--internal-token", TOKEN,
-                               "--prefill", ",".join(p.address for p in procs[:2]),
-                               "--decode", ",".join(p.address for p in procs[2:]))
-        procs.append(router)
+    seqs = ("--max-num-seqs", "32")
+    with pd_stack(tiny_llama, num_prefill=2, num_decode=2, prefill=seqs, decode=seqs) as (prefills, decodes, router):
+        procs = [*prefills, *decodes, router]
         for p in procs:
             wait_serving(p.address)
         rss: dict[int, list[tuple[float, int]]] = {p.proc.pid: [] for p in procs}
@@ -116,6 +112,3 @@ def test_soak(tiny_llama):
             print(f"  {p.address}: RSS {base / 1024:.0f} MiB at {base_at:g}s, {final / 1024:.0f} MiB at the end "
                   f"({final / base - 1:+.1%})")
             assert final <= base * 1.10, (p.address, base, final)
-    finally:
-        for p in procs:
-            p.stop()

@@ -86,25 +86,20 @@ def metrics_address(proc) -> str:
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama, pki):
-    from conftest import ServerProcess
+    from conftest import ServerProcess, pd_stack
 
-    common = ["--internal-token", TOKEN, *tls_flags(pki)]
-    prefill = ServerProcess(tiny_llama, "--role", "prefill", "--metrics-port", "0", *common)
-    decode = ServerProcess(tiny_llama, "--role", "decode", "--metrics-port", "0", *common)
-    procs = [prefill, decode]
-    try:
-        router = ServerProcess(tiny_llama, "--role", "router", "--http-port", "0", "--prefill", prefill.address,
-                               "--decode", decode.address, *common)
-        procs.append(router)
+    metrics = ("--metrics-port", "0")
+    with pd_stack(tiny_llama, prefill=metrics, decode=metrics, router=("--http-port", "0"),
+                  common=tuple(tls_flags(pki))) as ((prefill,), (decode,), router):
         # Decodes only: the prefill is up, but nobody sends it prompts.
-        decode_only = ServerProcess(tiny_llama, "--role", "router", "--decode", decode.address, *common)
-        procs.append(decode_only)
-        for p in (router, decode_only):
-            wait_serving(p.address, 60, client_tls(pki))
-        yield prefill, decode, router, decode_only
-    finally:
-        for p in procs:
-            p.stop()
+        decode_only = ServerProcess(tiny_llama, "--role", "router", "--decode", decode.address,
+                                    "--internal-token", TOKEN, *tls_flags(pki))
+        try:
+            for p in (router, decode_only):
+                wait_serving(p.address, 60, client_tls(pki))
+            yield prefill, decode, router, decode_only
+        finally:
+            decode_only.stop()
 
 
 def _generate(address: str, tls: TLSConfig | None, prompt: list[int]) -> list[int]:

@@ -125,7 +125,7 @@ def test_write_kv_puts_each_row_in_its_slot_and_nothing_else(dtype):
     v_cache = torch.zeros_like(k_cache)
     kv = torch.randn(2, 5, 2, 64, generator=gen).to(dtype).to(DEVICE)
     slots = torch.tensor([3, 17, 18, 95, 40], dtype=torch.int32, device=DEVICE)
-    triton_attention.write_kv(kv[0], kv[1], k_cache, v_cache, slots)
+    triton_attention.write_kv(k_cache, v_cache, kv[0], kv[1], slots)
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     want_k.view(-1, 2, 64)[slots.long()] = kv[0]
     want_v.view(-1, 2, 64)[slots.long()] = kv[1]
