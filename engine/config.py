@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from baton.engine.errors import InvalidArgument, check
+from baton.kernels.attention import BACKENDS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,7 +27,9 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when there is one, else cpu
     seed: int = 0
     num_kv_blocks: int | None = None  # default: sized from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU, half the free memory on CUDA
+    kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU; on CUDA, from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # the share of the GPU's memory this engine may use (weights, activations, KV)
+    attention_backend: str = "auto"  # "auto" | "cpu" (C++ kernel) | "triton" | "torch" (the reference)
 
     def __post_init__(self):
         check(isinstance(self.model, (str, os.PathLike)) and os.path.isdir(self.model), "model",
@@ -48,6 +51,10 @@ class EngineConfig:
               "num_kv_blocks", f"must be an integer >= 1, got {self.num_kv_blocks!r}")
         check(self.kv_cache_memory_bytes is None or (isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes > 0),
               "kv_cache_memory_bytes", f"must be a positive integer, got {self.kv_cache_memory_bytes!r}")
+        check(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1,
+              "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        check(self.attention_backend in BACKENDS, "attention_backend",
+              f"must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         try:

@@ -13,3 +13,7 @@ class InvalidArgument(ValueError):
 def check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise InvalidArgument(field, message)
+
+
+class StartupError(RuntimeError):
+    """The engine cannot run here as configured (found at start-up, said in one sentence)."""

@@ -1,6 +1,7 @@
 """The engine step loop: scheduler -> model runner -> scheduler, plus text for the callers."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -13,6 +14,7 @@ from baton.engine.detokenizer import TextStream
 from baton.engine.errors import InvalidArgument, check
 from baton.engine.kv_cache_manager import KVCacheManager
 from baton.engine.loader import load_model, read_config
+from baton.engine.memory import measure_kv_cache_bytes
 from baton.engine.model import ModelArgs
 from baton.engine.model_runner import ModelRunner
 from baton.engine.request import Request, RequestStatus
@@ -73,7 +75,14 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
         torch.manual_seed(config.seed)
+        on_gpu = torch.device(config.device).type == "cuda"
+        if on_gpu:  # what an engine dropped earlier in this process left cached counts as free
+            gc.collect()
+            torch.cuda.empty_cache()
+        free_at_start, total = torch.cuda.mem_get_info(config.device) if on_gpu else (0, 0)
         model = load_model(config.model, config.torch_dtype(args.torch_dtype), config.device)
+        if on_gpu and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
+            config.kv_cache_memory_bytes = measure_kv_cache_bytes(model, config, free_at_start, total)
         self.num_kv_blocks = self._num_kv_blocks(args, model.embed_tokens.weight.element_size())
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         connector_scheduler, connector_worker = kv_connector or (None, None)
@@ -101,9 +110,7 @@ class LLMEngine:
         c = self.config
         if c.num_kv_blocks is None:
             block_bytes = args.num_layers * 2 * c.block_size * args.num_kv_heads * args.head_dim * dtype_bytes
-            budget = c.kv_cache_memory_bytes
-            if budget is None:
-                budget = _CPU_KV_BUDGET if c.device == "cpu" else torch.cuda.mem_get_info(c.device)[0] // 2
+            budget = _CPU_KV_BUDGET if c.kv_cache_memory_bytes is None else c.kv_cache_memory_bytes
             # Never more than every sequence slot at full length needs (plus prefix-cache slack).
             most = 2 * c.max_num_seqs * -(-c.max_model_len // c.block_size)
             c.num_kv_blocks = min(budget // block_bytes, most)

@@ -5,6 +5,8 @@ step's plain output, as vLLM v1's does; it never decides what to run.
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from baton.engine.config import EngineConfig
@@ -12,9 +14,8 @@ from baton.engine.model import CausalLM
 from baton.engine.sampler import apply_processors, sample, skip_draws, token_logprobs
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import ModelRunnerOutput, SchedulerOutput
-from baton.kernels import cpu_kernels
 from baton.kernels.attention import (DECODE_PADDING_ELEMS, AttentionMetadata, DecodeGroup, KernelBatch, PrefillSeq,
-                                     group_decodes)
+                                     TritonBatch, choose_backend, group_decodes)
 from baton.kv_transfer.base import KVConnectorWorker
 
 
@@ -50,9 +51,9 @@ class ModelRunner:
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.connector = connector
         self.decode_padding_elems = DECODE_PADDING_ELEMS  # per decode group; tests shrink it
-        # Attention by the CPU kernel where it builds and fits the model; else the PyTorch reference.
-        self.use_cpu_kernel = cpu_kernels.supports(self.kv_cache.dtype, self.device, args.num_heads,
-                                                   args.num_kv_heads, args.head_dim)
+        # "cpu" (the C++ kernel), "triton" or "torch" (the reference); tests switch it.
+        self.attention_backend = choose_backend(config.attention_backend, self.kv_cache.dtype, self.device,
+                                                args.num_heads, args.num_kv_heads, args.head_dim)
         if connector is not None:
             connector.register_kv_caches(self.kv_cache)
 
@@ -157,7 +158,12 @@ class ModelRunner:
                 sample_req_ids.append(req_id)
         dev = self.device
         positions_t = torch.tensor(positions, device=dev)
-        meta = self._kernel_batch(spans, positions_t) if self.use_cpu_kernel else self._reference_batch(spans)
+        if self.attention_backend == "cpu":
+            meta = self._kernel_batch(spans, positions_t)
+        elif self.attention_backend == "triton":
+            meta = self._triton_batch(spans)
+        else:
+            meta = self._reference_batch(spans)
         return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t, "meta": meta,
                 "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids,
                 "prompt_rows": prompt_rows}
@@ -173,10 +179,34 @@ class ModelRunner:
         return AttentionMetadata(kernel=KernelBatch(torch.tensor(block_ids), torch.tensor(row_block_start),
                                                     positions))
 
+    def _slot_mapping(self, spans: list[tuple[int, int, list[int]]], dtype=torch.int64) -> torch.Tensor:
+        bs = self.block_size
+        return torch.tensor([blocks[p // bs] * bs + p % bs for start, end, blocks in spans for p in range(start, end)],
+                            dtype=dtype, device=self.device)
+
+    def _triton_batch(self, spans: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
+        bs, dev, i32 = self.block_size, self.device, torch.int32
+        num_decodes = sum(1 for start, end, _ in spans if end - start == 1)
+
+        def tables(rows):  # block tables padded with block 0 (never read past a row's length)
+            lists = [blocks[:-(-end // bs)] for _, end, blocks in rows]
+            width = max(map(len, lists), default=0)
+            return torch.tensor([t + [0] * (width - len(t)) for t in lists], dtype=i32, device=dev).view(len(rows), width)
+        decodes, prefills = spans[:num_decodes], spans[num_decodes:]
+        q_lens = [end - start for start, end, _ in prefills]
+        decode_tables = tables(decodes)
+        return AttentionMetadata(triton=TritonBatch(
+            slot_mapping=self._slot_mapping(spans, i32), decode_tables=decode_tables,
+            decode_lens=torch.tensor([end for _, end, _ in decodes], dtype=i32, device=dev),
+            prefill_tables=tables(prefills),
+            q_starts=torch.tensor(list(accumulate(q_lens, initial=num_decodes))[:-1], dtype=i32, device=dev),
+            q_lens=torch.tensor(q_lens, dtype=i32, device=dev),
+            ctx_lens=torch.tensor([end for _, end, _ in prefills], dtype=i32, device=dev),
+            max_q_len=max(q_lens, default=0)))
+
     def _reference_batch(self, spans: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
         bs, dev = self.block_size, self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(
-            [blocks[p // bs] * bs + p % bs for start, end, blocks in spans for p in range(start, end)], device=dev))
+        meta = AttentionMetadata(slot_mapping=self._slot_mapping(spans))
         num_decodes = sum(1 for start, end, _ in spans if end - start == 1)
         meta.decodes = self._decode_groups([blocks[:-(-end // bs)] for _, end, blocks in spans[:num_decodes]],
                                            [end for _, end, _ in spans[:num_decodes]])

@@ -90,11 +90,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)
         sub = _apply_top_k_top_p(sub, top_k, top_p)
     probs = sub.softmax(dim=-1)
-    out = greedy.tolist()
-    for j, i in enumerate(random_rows):
-        # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples from p.
-        out[i] = int((probs[j] / _noise(probs.shape[-1], probs.device, generators[i])).argmax())
-    return out
+    # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples from p;
+    # each row's E from its own generator. On the device until one copy of every token to the host.
+    noise = torch.stack([_noise(probs.shape[-1], probs.device, generators[i]) for i in random_rows])
+    return greedy.index_copy(0, rows, (probs / noise).argmax(dim=-1)).tolist()
 
 
 def _noise(vocab_size: int, device, generator: torch.Generator) -> torch.Tensor:

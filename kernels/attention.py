@@ -4,9 +4,11 @@ One call serves a whole step's flat batch: it writes the step's new K/V into the
 attends, the one-token decodes and the prefill chunks (each attending to its cached prefix
 and, causally, to itself).
 
-On CPU the whole batch goes to a C++ kernel (kernels/cpu_kernels.py, metadata
-`AttentionMetadata.kernel`) that reads blocks in place, 2-4x faster than the reference
-below. The reference runs everywhere else, and where that kernel cannot be built. It puts
+Three backends (`choose_backend`): on CPU the whole batch goes to a C++ kernel
+(kernels/cpu_kernels.py, metadata `AttentionMetadata.kernel`) that reads blocks in place,
+2-4x faster than the reference below; on CUDA, to the Triton kernels
+(kernels/triton_attention.py, metadata `AttentionMetadata.triton`). The PyTorch reference
+runs where neither can, and is the oracle of both. It puts
 the decodes first, in groups of similar context length (see `group_decodes`): each group
 gathers its blocks into one padded, masked batch, so a short request does not pay for the
 longest one's padding. Gathers use `index_select` on whole blocks, a row memcpy on CPU,
@@ -15,12 +17,18 @@ of a group into the query-length axis, so K/V are never repeated per query head.
 """
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from baton.engine.errors import check
 from baton.kernels import cpu_kernels
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -48,13 +56,54 @@ class KernelBatch:
 
 
 @dataclass(slots=True)
+class TritonBatch:
+    """The whole batch, for the Triton kernels: B one-token decodes in the first rows, then P
+    prefill chunks. Integer tensors are int32, on the cache's device."""
+    slot_mapping: torch.Tensor  # [num_tokens]
+    decode_tables: torch.Tensor  # [B, max blocks] block ids, padded with 0
+    decode_lens: torch.Tensor  # [B] context lengths, this step's token included
+    prefill_tables: torch.Tensor  # [P, max blocks]
+    q_starts: torch.Tensor  # [P] first row of each chunk
+    q_lens: torch.Tensor  # [P]
+    ctx_lens: torch.Tensor  # [P] context after the chunk
+    max_q_len: int  # known on the host: no sync to size the grid
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
-    """Either `kernel` (the CPU kernel runs every row) or the reference's decode groups and
-    prefill chunks, with each row's cache slot."""
+    """Either `kernel` (the CPU kernel runs every row), `triton` (the Triton kernels do), or
+    the reference's decode groups and prefill chunks, with each row's cache slot."""
     decodes: list[DecodeGroup] = field(default_factory=list)  # the one-token decode rows come first
     prefills: list[PrefillSeq] = field(default_factory=list)
     slot_mapping: torch.Tensor | None = None  # [num_tokens] flat slot (block_id * block_size + offset) of each row
     kernel: KernelBatch | None = None
+    triton: TritonBatch | None = None
+
+
+BACKENDS = ("auto", "cpu", "triton", "torch")
+
+
+def choose_backend(asked: str, dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> str:
+    """The attention backend for a cache: "cpu" (the C++ kernel), "triton" or "torch" (the
+    reference). "auto": the C++ kernel on CPU where it builds and fits the model, Triton on
+    CUDA where it is installed, else the reference. An explicit choice that cannot run here is
+    an error naming attention_backend."""
+    if asked == "cpu" or (asked == "auto" and device.type == "cpu"):
+        if cpu_kernels.supports(dtype, device, num_heads, num_kv_heads, head_dim):
+            return "cpu"
+        check(asked == "auto", "attention_backend", f"the CPU kernel cannot run {dtype} on {device} with "
+              f"{num_heads} query / {num_kv_heads} KV heads of {head_dim} (or it did not build; see the log)")
+        return "torch"
+    if asked in ("triton", "auto"):
+        if importlib.util.find_spec("triton") is None:
+            check(asked == "auto", "attention_backend", "triton is not installed")
+            log.warning("triton is not installed: attention on %s uses the PyTorch reference", device)
+            return "torch"
+        check(device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1", "attention_backend",
+              f"triton runs on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1); the device is {device}")
+        return "triton"
+    return "torch"
 
 
 _MAX_CPU_SCORES = 1 << 24  # score elements (64 MiB in float32) a prefill may materialize on CPU
@@ -112,6 +161,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         kb = meta.kernel
         return cpu_kernels.paged_attention(q, k, v, k_cache, v_cache, kb.block_ids, kb.row_block_start, kb.positions,
                                            scale)
+    if meta.triton is not None:
+        from baton.kernels import triton_attention  # imported where picked only: triton is optional
+        return triton_attention.paged_attention(q, k, v, k_cache, v_cache, meta.triton, scale)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

@@ -1,7 +1,7 @@
 """Triton attention over the paged KV cache, for the GPU path: the write of a step's new K/V
 into their slots, decode attention and prefill attention, each reading blocks in place
-through the block table, never gathering them. (Not yet picked by the runner: that waits for
-the kernels' first run on a GPU.)
+through the block table, never gathering them. The runner picks them when the cache is on a
+CUDA device (kernels/attention.py, `choose_backend`); `paged_attention` runs a whole step.
 
 Decode (one query token per request): the query heads of a GQA group share each K/V read
 (they are the rows of one tile), and long contexts are split across programs
@@ -27,12 +27,13 @@ def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+                  DIRECT: tl.constexpr):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b)
-    first = split * BLOCKS_PER_SPLIT
-    end = tl.minimum(first + BLOCKS_PER_SPLIT, tl.cdiv(seq_len, BLOCK_SIZE))
-    g, d, t = tl.arange(0, GROUP_PAD), tl.arange(0, D_PAD), tl.arange(0, BLOCK_SIZE)
+    first = split * TILES_PER_SPLIT
+    end = tl.minimum(first + TILES_PER_SPLIT, tl.cdiv(seq_len, TILE))
+    g, d, j = tl.arange(0, GROUP_PAD), tl.arange(0, D_PAD), tl.arange(0, TILE)
     heads = kv_head * GROUP + g
     d_ok = d < HEAD_DIM
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
@@ -40,16 +41,19 @@ def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     s = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for blk in range(first, end):
-        block_id = tl.load(BLOCK_TABLES + b * stride_tb + blk).to(tl.int64)
-        tok = blk * BLOCK_SIZE + t
-        kv_mask = (tok[:, None] < seq_len) & d_ok[None, :]
-        k = tl.load(K + block_id * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + block_id * stride_vb + t[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
+    for tile in range(first, end):
+        # A tile of TILE keys spans TILE / BLOCK_SIZE cache blocks (or part of one): each key's
+        # block is looked up, so the tile is independent of the block size.
+        tok = tile * TILE + j
+        in_ctx = tok < seq_len
+        block_id = tl.load(BLOCK_TABLES + b * stride_tb + tok // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        kv_mask = in_ctx[:, None] & d_ok[None, :]
+        k = tl.load(K + (block_id * stride_kb + (tok % BLOCK_SIZE) * stride_kt)[:, None] + kv_head * stride_kh
+                    + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + (block_id * stride_vb + (tok % BLOCK_SIZE) * stride_vt)[:, None] + kv_head * stride_vh
+                    + d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        scores = tl.where(tok[None, :] < seq_len, scores, float("-inf"))
+        scores = tl.where(in_ctx[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
@@ -58,11 +62,14 @@ def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
         m = m_new
     has = s > 0  # a split past the end of this sequence holds nothing
     out = tl.where(has[:, None], acc / tl.where(has, s, 1.0)[:, None], 0.0)
-    lse = tl.where(has, m + tl.log(tl.where(has, s, 1.0)), float("-inf"))
     row_ok = g < GROUP
-    tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
-             mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+    out_ptrs = OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    if DIRECT:  # one split: the final output, no combine pass
+        tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(out_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+        lse = tl.where(has, m + tl.log(tl.where(has, s, 1.0)), float("-inf"))
+        tl.store(LSE + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
 
 
 @triton.jit
@@ -80,18 +87,21 @@ def _combine_splits(PART, LSE, OUT, num_splits, stride_pb, stride_ph, stride_ps,
 
 
 @triton.jit
-def _write_kv(K, V, K_CACHE, V_CACHE, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh,
-              stride_cb, stride_ct, stride_ch, stride_db, stride_dt, stride_dh,
-              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    t, h = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(SLOTS + t).to(tl.int64)
+def _write_kv(K, V, K_CACHE, V_CACHE, SLOTS, num_tokens, stride_kt, stride_kh, stride_vt, stride_vh,
+              stride_cb, stride_ct, stride_ch, stride_db, stride_dt, stride_dh, NUM_HEADS: tl.constexpr,
+              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, COLS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+              BLOCK_T: tl.constexpr):
+    # BLOCK_T tokens × all their KV heads: column c is head c // D_PAD, element c % D_PAD.
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.arange(0, COLS)
+    h, d = c // D_PAD, c % D_PAD
+    ok = (t[:, None] < num_tokens) & ((h < NUM_HEADS) & (d < HEAD_DIM))[None, :]
+    slot = tl.load(SLOTS + t, mask=t < num_tokens, other=0).to(tl.int64)
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-    d = tl.arange(0, D_PAD)
-    ok = d < HEAD_DIM
-    k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=ok)
-    v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=ok)
-    tl.store(K_CACHE + block * stride_cb + offset * stride_ct + h * stride_ch + d, k, mask=ok)
-    tl.store(V_CACHE + block * stride_db + offset * stride_dt + h * stride_dh + d, v, mask=ok)
+    k = tl.load(K + t[:, None] * stride_kt + (h * stride_kh + d)[None, :], mask=ok)
+    v = tl.load(V + t[:, None] * stride_vt + (h * stride_vh + d)[None, :], mask=ok)
+    tl.store(K_CACHE + (block * stride_cb + offset * stride_ct)[:, None] + (h * stride_ch + d)[None, :], k, mask=ok)
+    tl.store(V_CACHE + (block * stride_db + offset * stride_dt)[:, None] + (h * stride_dh + d)[None, :], v, mask=ok)
 
 
 def _pad(n: int) -> int:
@@ -115,10 +125,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     num_tokens, num_kv_heads, head_dim = k.shape
     if not num_tokens:
         return
-    _write_kv[(num_tokens, num_kv_heads)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+    block_t = 16
+    d_pad = triton.next_power_of_2(head_dim)
+    _write_kv[(-(-num_tokens // block_t),)](
+        k, v, k_cache, v_cache, slot_mapping, num_tokens, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), HEAD_DIM=head_dim, D_PAD=_pad(head_dim), BLOCK_SIZE=k_cache.shape[1])
+        v_cache.stride(2), NUM_HEADS=num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
+        COLS=triton.next_power_of_2(num_kv_heads) * d_pad, BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t)
 
 
 @triton.jit
@@ -126,14 +139,14 @@ def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
              stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
              stride_ot, stride_oh, stride_tb, scale,
              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-             BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
+             BLOCK_M: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr):
     seq, m_tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_len = tl.load(Q_LENS + seq)
     if m_tile * BLOCK_M >= q_len:
         return
     q_start, ctx_len = tl.load(Q_STARTS + seq), tl.load(CTX_LENS + seq)
     # A tile's rows: BLOCK_M query tokens, each with the GROUP heads that share a K/V head.
-    r, d, t = tl.arange(0, ROWS), tl.arange(0, D_PAD), tl.arange(0, BLOCK_SIZE)
+    r, d, j = tl.arange(0, ROWS), tl.arange(0, D_PAD), tl.arange(0, TILE)
     i = m_tile * BLOCK_M + r // GROUP  # the query token, within the chunk
     head = kv_head * GROUP + r % GROUP
     row_ok = (r < BLOCK_M * GROUP) & (i < q_len)
@@ -145,14 +158,15 @@ def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
     s = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     last = tl.minimum(ctx_len, ctx_len - q_len + (m_tile + 1) * BLOCK_M)  # keys the tile's last row sees
-    for blk in range(0, tl.cdiv(last, BLOCK_SIZE)):
-        block_id = tl.load(BLOCK_TABLES + seq * stride_tb + blk).to(tl.int64)
-        key = blk * BLOCK_SIZE + t
-        kv_mask = (key[:, None] < ctx_len) & d_ok[None, :]
-        k = tl.load(K + block_id * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + block_id * stride_vb + t[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
+    for tile in range(0, tl.cdiv(last, TILE)):
+        key = tile * TILE + j
+        in_ctx = key < ctx_len
+        block_id = tl.load(BLOCK_TABLES + seq * stride_tb + key // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+        kv_mask = in_ctx[:, None] & d_ok[None, :]
+        k = tl.load(K + (block_id * stride_kb + (key % BLOCK_SIZE) * stride_kt)[:, None] + kv_head * stride_kh
+                    + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + (block_id * stride_vb + (key % BLOCK_SIZE) * stride_vt)[:, None] + kv_head * stride_vh
+                    + d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         scores = tl.where((key[None, :] <= pos[:, None]) & row_ok[:, None], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -169,58 +183,110 @@ def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
-                            ctx_lens: torch.Tensor, scale: float, block_m: int = 16) -> torch.Tensor:
+                            ctx_lens: torch.Tensor, scale: float, block_m: int = 16, max_q_len: int | None = None,
+                            out: torch.Tensor | None = None, kv_tile: int | None = None) -> torch.Tensor:
     """Attention of prefill chunks: sequence i's q_lens[i] rows of q [T, Hq, D], from row
     q_starts[i], are the last tokens of its ctx_lens[i]-token context (the cached prefix and
-    the chunk, whose K/V are in the cache already), each seeing the keys up to its own."""
+    the chunk, whose K/V are in the cache already), each seeing the keys up to its own.
+    `max_q_len`: the longest chunk, when the caller knows it (else read from the device, a
+    sync); `out`: where the rows go (default: a new tensor like q; other rows untouched);
+    `kv_tile`: keys per loop iteration (default `kv_tile_for`)."""
     group = _groups("paged_prefill_attention", q, k_cache, v_cache)
     head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     num_seqs = q_lens.shape[0]
     if not num_seqs:
         return out
-    max_q = int(q_lens.max())
+    max_q = int(q_lens.max()) if max_q_len is None else max_q_len
     _prefill[(num_seqs, -(-max_q // block_m), num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, q_starts, q_lens, ctx_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0), scale, GROUP=group, HEAD_DIM=head_dim,
-        D_PAD=_pad(head_dim), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, ROWS=_pad(block_m * group))
+        D_PAD=_pad(head_dim), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, ROWS=_pad(block_m * group),
+        TILE=kv_tile or kv_tile_for(k_cache.shape[1]))
     return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           blocks_per_split: int | None = None) -> torch.Tensor:
+                           tiles_per_split: int | None = None, out: torch.Tensor | None = None,
+                           kv_tile: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its cached context.
 
     q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (one layer's views, any
     strides but a contiguous last dim); block_tables [B, max_blocks] int32; seq_lens [B] int32
-    (the context, this step's token included). `blocks_per_split`: cache blocks one program
-    reads (default: enough splits to fill the device); None and a short context mean one split.
+    (the context, this step's token included). `kv_tile`: keys per loop iteration (default
+    `kv_tile_for`); `tiles_per_split`: tiles one program reads (default
+    `default_tiles_per_split`; one split needs no combine pass); `out`: where the B rows go (its
+    first B rows; default: a new tensor like q).
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = _groups("paged_decode_attention", q, k_cache, v_cache)
-    max_blocks = block_tables.shape[1]
-    if blocks_per_split is None:
-        target = 2 * (torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4)
-        splits = max(1, min(max_blocks, -(-target // (batch * num_kv_heads))))
-        blocks_per_split = -(-max_blocks // splits)
-    num_splits = -(-max_blocks // blocks_per_split)
-    part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    kv_tile = kv_tile or kv_tile_for(block_size)
+    max_tiles = max(1, -(-block_tables.shape[1] * block_size // kv_tile))
+    if tiles_per_split is None:
+        tiles_per_split = default_tiles_per_split(q.device, batch, num_kv_heads, max_tiles)
+    num_splits = -(-max_tiles // tiles_per_split)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    if num_splits == 1:
+        part, lse = out, out  # written directly (lse unused)
+        part_strides, lse_strides = (out.stride(0), out.stride(1), 0), (0, 0)
+    else:
+        part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_strides, lse_strides = part.stride()[:3], lse.stride()[:2]
     d_pad = _pad(head_dim)
     _decode_split[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), scale,
+        *part_strides, *lse_strides, scale,
         GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCKS_PER_SPLIT=blocks_per_split)
-    out = torch.empty_like(q)
-    _combine_splits[(batch, num_heads)](
-        part, lse, out, num_splits, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)))
+        BLOCK_SIZE=block_size, TILE=kv_tile, TILES_PER_SPLIT=tiles_per_split, DIRECT=num_splits == 1)
+    if num_splits > 1:
+        _combine_splits[(batch, num_heads)](
+            part, lse, out, num_splits, *part_strides, *lse_strides, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)))
+    return out
+
+
+def kv_tile_for(block_size: int) -> int:
+    """Keys per loop iteration: 64 (a few blocks of 16, read through the table), or one block
+    where blocks are larger."""
+    return max(64, block_size)
+
+
+def default_tiles_per_split(device: torch.device, batch: int, num_kv_heads: int, max_tiles: int) -> int:
+    """Key tiles per decode program: enough splits that batch × KV heads × splits fills the
+    device's SMs twice over; a large batch, or a short context, gets one split."""
+    target = 2 * (_sm_count(device) if device.type == "cuda" else 4)
+    splits = max(1, min(max_tiles, -(-target // (batch * num_kv_heads))))
+    return -(-max_tiles // splits)
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, batch, scale: float) -> torch.Tensor:
+    """One layer of a whole step (a kernels.attention.TritonBatch: decodes first, then prefill
+    chunks): the step's K/V written to their slots, then each kind's kernel into one output."""
+    write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_decodes = batch.decode_lens.shape[0]
+    if num_decodes:
+        paged_decode_attention(q[:num_decodes], k_cache, v_cache, batch.decode_tables, batch.decode_lens, scale,
+                               out=out)
+    if batch.q_lens.shape[0]:
+        paged_prefill_attention(q, k_cache, v_cache, batch.prefill_tables, batch.q_starts, batch.q_lens,
+                                batch.ctx_lens, scale, max_q_len=batch.max_q_len, out=out)
     return out

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from baton.engine.request import RequestStatus
 from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker, KVHoldEnd, KVTransfer
+from baton.kv_transfer.reachability import probe_read
 
 if TYPE_CHECKING:
     import torch
@@ -189,13 +190,23 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     # ---- memory and peers ---------------------------------------------------------------------
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        """Register the cache (as VRAM where it is on a GPU). GPU memory is checked at once:
+        UCX built without its CUDA transports fails the first READ, so a probe READ runs now."""
         with self._lock:
             self._reg = self.agent.register_memory(kv_cache)
         on_gpu = kv_cache.device.type == "cuda"
         self.layout = KVLayout(self.engine_id, self.agent.get_agent_metadata(), kv_cache.data_ptr(),
                                kv_cache[0].numel() * kv_cache.element_size(), kv_cache.shape[0],
                                "VRAM" if on_gpu else "DRAM", (kv_cache.device.index or 0) if on_gpu else 0)
+        if on_gpu:
+            self.check_reachable(kv_cache)
         self._poller.start()
+
+    def check_reachable(self, kv_cache: torch.Tensor, probe_agent=None) -> None:
+        """Raises StartupError where a peer's READ of this cache would fail (see reachability);
+        `probe_agent`: injected by tests."""
+        probe_read(self.agent, self._lock, self.layout, kv_cache,
+                   probe_agent if probe_agent is not None else _new_agent(f"{self.engine_id}-probe"))
 
     def add_peer(self, layout: KVLayout) -> None:
         """Learn a peer's layout (once per peer; again when it restarted with new metadata)."""

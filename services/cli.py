@@ -32,7 +32,12 @@ ENGINE_FLAGS = {
     "max_model_len": (int, "longest prompt + output, in tokens (default: the model's, capped at 8192)"),
     "block_size": (int, "tokens per KV cache block (default 16)"),
     "num_kv_blocks": (int, "KV cache blocks in the pool (default: from --kv-cache-memory-bytes)"),
-    "kv_cache_memory_bytes": (int, "memory for the KV cache (default 1 GiB on CPU, half the free GPU memory)"),
+    "kv_cache_memory_bytes": (int, "memory for the KV cache (default 1 GiB on CPU; on a GPU, what "
+                                   "--gpu-memory-utilization leaves)"),
+    "gpu_memory_utilization": (float, "share of the GPU's memory this engine may use for weights, activations and "
+                                      "KV cache (default 0.9; measured at start, as vLLM does)"),
+    "attention_backend": (str, "auto, cpu (the C++ kernel), triton or torch (the PyTorch reference); auto: cpu on "
+                               "CPU, triton on CUDA"),
     "long_prefill_token_threshold": (int, "most prompt tokens one request gets per step (0: no cap)"),
     "scheduling_policy": (str, "fcfs (first come, first served) or priority (lowest value first)"),
     "seed": (int, "seed for requests that sample without their own seed (default 0)"),
@@ -71,6 +76,8 @@ def _serve(args) -> None:
     import logging
     import signal
 
+    from baton.engine.errors import InvalidArgument, StartupError
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.role == "router":
         from baton.services.router import Router
@@ -95,7 +102,11 @@ def _serve(args) -> None:
             loop.add_signal_handler(sig, stop.set)
         if server.metrics_server is not None:  # listening already: scrapes answer while the model loads
             print(f"metrics on {server.metrics_server.url}", flush=True)
-        await server.start()
+        try:
+            await server.start()
+        except (InvalidArgument, StartupError) as e:  # found once the model is known: one line, not a traceback
+            await server.stop(0)
+            sys.exit(f"baton serve: {e}")
         if server.http is not None:
             print(f"OpenAI API on {server.http.url}/v1", flush=True)
         print(f"serving on {server.address}; try:\n  baton generate --target {server.address} "
@@ -165,6 +176,7 @@ def _router_options(args):
 
 def _up(args) -> None:
     from baton.services.launcher import up
+    from baton.services.placement import place_engines, visible_gpus
 
     if args.decode < 1 or args.prefill < 0:
         sys.exit("baton up: --decode must be >= 1 and --prefill >= 0")
@@ -172,8 +184,15 @@ def _up(args) -> None:
             if getattr(args, name, None) is not None]
     argv += [flag for flag, on in (("--no-prefix-caching", args.no_prefix_caching),
                                    ("--no-chunked-prefill", args.no_chunked_prefill)) if on]
+    try:
+        placements = place_engines(["prefill"] * args.prefill + ["decode"] * args.decode, args.device,
+                                   {"prefill": args.prefill_device, "decode": args.decode_device}, visible_gpus(),
+                                   args.gpu_memory_utilization)
+    except ValueError as e:
+        sys.exit(f"baton up: {e}")
     sys.exit(up(_model_dir(args), args.host, args.port, args.prefill, args.decode, argv, args.policy,
-                args.start_timeout, trace=args.trace, http_port=args.http_port or None, restart=not args.no_restart))
+                args.start_timeout, trace=args.trace, http_port=args.http_port or None, restart=not args.no_restart,
+                placements=placements))
 
 
 def _trace(args) -> None:
@@ -298,6 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--prefill", type=int, default=1, help="prefill instances (default: %(default)s; 0: decode "
                                                            "instances compute prompts themselves)")
     u.add_argument("--decode", type=int, default=1, help="decode instances (default: %(default)s)")
+    u.add_argument("--prefill-device", metavar="DEVICE[,…]",
+                   help="the prefill engines' device (cpu, cuda:N), or devices taken in turn (default: --device; "
+                        "else, with several GPUs, one GPU per engine in turn; engines sharing a GPU split "
+                        "--gpu-memory-utilization)")
+    u.add_argument("--decode-device", metavar="DEVICE[,…]", help="the decode engines' device(s), as --prefill-device")
     u.add_argument("--policy", choices=POLICIES,
                    default="round_robin", help="the router's policy (default: %(default)s)")
     u.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for all to serve")

@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from baton.services.common import is_serving
+from baton.services.placement import Placement
 
 RESTART_BACKOFF_S, MAX_BACKOFF_S = 0.5, 30.0
 CRASH_LOOP, CRASH_WINDOW_S = 5, 60.0  # this many deaths of one service within the window stop the stack
@@ -87,6 +88,7 @@ class Service:
     restart_at: float | None = None  # dead, to be started again then
     backoff_s: float = RESTART_BACKOFF_S
     coming_back: bool = False  # restarted, not serving yet
+    placement: Placement = Placement(None)  # an engine's device
 
     def start(self, env: dict) -> None:
         self.started_at = time.monotonic()
@@ -108,8 +110,16 @@ class Stack:
 
     def start(self, env: dict) -> None:
         self.env = env
-        for service in self.services:
-            service.start(env)
+        self._start_due()
+
+    def _start_due(self) -> None:
+        """Start what has not started, but an engine on a shared GPU only once every engine
+        before it on that GPU serves: each measures its memory use with no other loading."""
+        for i, s in enumerate(self.services):
+            gpu = s.placement.device if s.placement.shares_gpu else None
+            if s.proc is None and (gpu is None or all(o.proc is not None and is_serving(o.address)
+                                                      for o in self.services[:i] if o.placement.device == gpu)):
+                s.start(self.env)
 
     def supervise(self) -> Service | None:
         """One round of supervision: note deaths, restart what is due, report what serves
@@ -139,7 +149,7 @@ class Stack:
         return None
 
     def dead(self) -> Service | None:
-        return next((s for s in self.services if s.proc.poll() is not None), None)
+        return next((s for s in self.services if s.proc is not None and s.proc.poll() is not None), None)
 
     def wait_serving(self, timeout_s: float) -> None:
         """Until all serve; raises with the reason when one dies or time runs out."""
@@ -150,7 +160,8 @@ class Stack:
             if dead is not None:
                 raise RuntimeError(f"{dead.name} exited with status {dead.proc.returncode} while starting:\n"
                                    + "".join(dead.tail))
-            pending = [s for s in pending if not is_serving(s.address)]
+            self._start_due()
+            pending = [s for s in pending if s.proc is None or not is_serving(s.address)]
             # The router's own view lags by a health watch: until it sees every engine, a request
             # could skip a prefill that is in fact up.
             if not pending and sum(backend_health(self.services[0].address) or ()) >= len(self.services) - 1:
@@ -163,6 +174,7 @@ class Stack:
     def stop(self, grace_s: float) -> None:
         """Router first (no new requests), then the engines; SIGKILL whatever outlives the grace."""
         for group in (self.services[:1], self.services[1:]):
+            group = [s for s in group if s.proc is not None]  # (never started: waited for a shared GPU)
             for s in group:
                 if s.proc.poll() is None:
                     s.proc.send_signal(signal.SIGINT)
@@ -175,7 +187,8 @@ class Stack:
 
 
 def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
-                policy: str, http_port: int | None = None) -> Stack:
+                policy: str, http_port: int | None = None, placements: list[Placement] | None = None) -> Stack:
+    """`placements`: each engine's device (prefill engines first; default: the engine's own)."""
     serve = [sys.executable, "-m", "baton.services.cli", "serve", "--host", host, "--model", model]
 
     def service(name: str, role: str, port: int, *argv: str) -> Service:
@@ -183,8 +196,12 @@ def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: 
         return Service(name, role, f"{host}:{port}", [*serve, "--role", role, "--port", str(port),
                                                       "--metrics-port", str(metrics), *argv],
                        f"http://{host}:{metrics}/metrics")
-    engines = [service(f"{role}-{i}", role, free_port(host), *engine_argv)
-               for role, n in (("prefill", num_prefill), ("decode", num_decode)) for i in range(n)]
+    roles = [(role, i) for role, n in (("prefill", num_prefill), ("decode", num_decode)) for i in range(n)]
+    placements = placements or [Placement(None)] * len(roles)
+    engines = [service(f"{role}-{i}", role, free_port(host), *engine_argv, *place.argv())
+               for (role, i), place in zip(roles, placements, strict=True)]
+    for engine, place in zip(engines, placements):
+        engine.placement = place
     backends = [arg for e in engines for arg in ("--" + e.role, e.address)]
     http = ["--http-port", str(http_port)] if http_port is not None else []
     return Stack([service("router", "router", port, "--policy", policy, *backends, *http), *engines])
@@ -192,7 +209,7 @@ def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: 
 
 def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
        policy: str = "round_robin", start_timeout_s: float = 300.0, grace_s: float = 10.0, trace: bool = False,
-       http_port: int | None = None, restart: bool = True) -> int:
+       http_port: int | None = None, restart: bool = True, placements: list[Placement] | None = None) -> int:
     if not os.path.isfile(os.path.join(model, "config.json")):
         print(f"baton up: {model} is not a checkpoint directory (no config.json); "
               f"`baton prepare-models` writes the demo model", file=sys.stderr)
@@ -201,7 +218,7 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
         if taken and not port_is_free(host, taken):
             print(f"baton up: {host}:{taken} is taken; pick another with {flag}", file=sys.stderr)
             return 2
-    stack = build_stack(model, host, port, num_prefill, num_decode, engine_argv, policy, http_port)
+    stack = build_stack(model, host, port, num_prefill, num_decode, engine_argv, policy, http_port, placements)
     env = dict(os.environ, BATON_INTERNAL_TOKEN=os.environ.get("BATON_INTERNAL_TOKEN") or secrets.token_hex(16))
     # Engines share the cores instead of each assuming all of them.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (num_prefill + num_decode))))
@@ -223,7 +240,8 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
                 return 130
             print(f"baton up: {e}", file=sys.stderr)
             return 1
-        engines = ", ".join(s.address for s in stack.services[1:])
+        engines = ", ".join(s.address + (f" on {s.placement.device}" if s.placement.device else "")
+                            for s in stack.services[1:])
         metrics = "".join(f"\n  {s.name:<10} {s.metrics_url}" for s in stack.services)
         traces = (f"\nTraces: every request's waterfall is printed here (receiver on {receiver.endpoint})"
                   if receiver is not None else "")

@@ -14,6 +14,8 @@ import torch
 from baton.engine.checkpoints import SMOLLM2_DIR_NAME, prepare_smollm2, write_tiny_checkpoint
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+if not torch.cuda.is_available():  # the Triton kernels run on CPU tensors, interpreted (read at triton's import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def require_cpu_kernel() -> None:

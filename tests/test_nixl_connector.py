@@ -19,7 +19,7 @@ _ids = itertools.count()
 
 def nixl_engine(model_dir: str, role: str, hold_timeout_s: float = 60.0, agent=None, name=None,
                 load_timeout_s: float = 30.0, **kwargs) -> LLMEngine:
-    config = EngineConfig(model=model_dir, dtype="float32", device="cpu", **kwargs)
+    config = EngineConfig(model=model_dir, **{"dtype": "float32", "device": "cpu", **kwargs})
     name = name or f"{role}-{next(_ids)}"  # NIXL agent names must be unique among peers
     return LLMEngine(config, kv_connector=make_nixl_connector(name, config.block_size, hold_timeout_s, agent,
                                                               load_timeout_s))
@@ -409,3 +409,36 @@ def test_a_hold_released_twice_ends_once_and_a_reused_id_is_held_again(tiny_llam
     worker.release(req_id)
     run_until_done(prefill)
     assert_pools_full(prefill)
+
+
+def test_the_start_up_probe_reads_a_block_of_the_cache(tiny_llama):
+    """The READ every engine on a GPU makes at start-up (of VRAM there), here of CPU memory:
+    a second real agent reads the cache's first block and finds its bytes."""
+    engine = nixl_engine(tiny_llama, "probe", num_kv_blocks=16, max_model_len=256)
+    engine.runner.kv_cache[0].normal_()  # something to find
+    engine.runner.connector.check_reachable(engine.runner.kv_cache)
+
+
+class RefusingAgent:
+    """A real NIXL agent whose transfers end in ERR, as with UCX lacking the memory's transport."""
+
+    def __init__(self, name):
+        from baton.kv_transfer.nixl_connector import _new_agent
+        self._agent = _new_agent(name)
+
+    def __getattr__(self, attr):
+        return getattr(self._agent, attr)
+
+    def transfer(self, handle):
+        return "ERR"
+
+
+def test_a_cache_peers_cannot_read_stops_the_start_saying_why(tiny_llama):
+    import pytest
+
+    from baton.engine.errors import StartupError
+
+    engine = nixl_engine(tiny_llama, "probe", num_kv_blocks=16, max_model_len=256)
+    with pytest.raises(StartupError, match=r"cannot move KV blocks in DRAM on cpu over NIXL/UCX \(the READ ended "
+                                           r"in ERR\); for GPU memory UCX needs its CUDA transports"):
+        engine.runner.connector.check_reachable(engine.runner.kv_cache, RefusingAgent(f"refusing-{next(_ids)}"))

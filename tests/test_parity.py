@@ -27,12 +27,12 @@ def test_one_text_prompt(tiny_model, hf):
 
 
 def use_attention(llm: LLM, path: str) -> None:
-    """Runs the engine's attention on the CPU kernel or on the PyTorch reference (the GPU path)."""
+    """Runs the engine's attention on the CPU kernel or on the PyTorch reference."""
     if path == "cpu kernel":
         require_cpu_kernel()
-        assert llm.engine.runner.use_cpu_kernel
+        assert llm.engine.runner.attention_backend == "cpu"
     else:
-        llm.engine.runner.use_cpu_kernel = False
+        llm.engine.runner.attention_backend = "torch"
 
 
 @pytest.mark.parametrize("attention", ["cpu kernel", "reference, one group", "reference, per length"])
@@ -124,3 +124,18 @@ def test_policy_sets_the_order(tiny_llama, hf, policy, expected):
     assert finished == expected
     for i, prompt in enumerate(prompts):
         assert tokens[str(i)] == hf.greedy(tiny_llama, prompt, GREEDY.max_tokens)
+
+
+def test_triton_kernels_in_the_engine(tiny_model, hf):
+    """The GPU path's kernels run the engine (on CPU under Triton's interpreter, as CI has no
+    GPU): a batch of mixed lengths, chunked, preempted in a tight pool, with prefix-cache hits."""
+    pytest.importorskip("triton")
+    prompts = random_prompts([3, 17, 40, 130], seed=11)
+    prompts.append(prompts[2][:33] + prompts[0])  # shares two blocks with the third
+    llm = LLM(tiny_model, dtype="float32", device="cpu", attention_backend="triton", max_num_batched_tokens=48,
+              num_kv_blocks=14, max_model_len=192)
+    assert llm.engine.runner.attention_backend == "triton"
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv.prefix_hits > 0
+    assert_matches_hf(hf, tiny_model, prompts, outs)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks

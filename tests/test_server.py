@@ -294,3 +294,15 @@ def test_grpcurl_lists_and_calls_the_service(serve, tiny_llama):
                  .replace("}\n{", "}\x00{").split("\x00")]
     assert sum(len(r.get("token_ids", [])) for r in responses) == 4
     assert responses[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+
+
+def test_an_engine_that_cannot_start_as_asked_says_why_in_one_line(tiny_llama):
+    """Found only once the model is loaded (its dtype meets the backend): one line naming the
+    argument, exit 1, no traceback."""
+    out = subprocess.run([sys.executable, "-m", "baton.services.cli", "serve", "--model", tiny_llama, "--port", "0",
+                          "--device", "cpu", "--dtype", "float16", "--attention-backend", "cpu"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1].startswith("baton serve: attention_backend: the CPU kernel cannot run "
+                                                           "torch.float16"), out.stderr
+    assert "Traceback" not in out.stderr

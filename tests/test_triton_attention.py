@@ -57,10 +57,13 @@ GRID = [  # batch and context lengths (crossing block boundaries), GQA group, he
     (shape, split, dtype) for shape, split, dtype in itertools.product(
         GRID, [None, 1], [torch.float32, torch.float16])])
 def test_decode_kernel_equals_the_reference(shape, split, dtype):
+    """split 1: a program per 16 keys (tiles smaller than a block of 32, too), then the combine
+    pass; None: the default 64-key tiles, one split at these sizes (written directly)."""
     batch, lens, group, head_dim, block_size = shape
     q, k_cache, v_cache, tables, seq_lens = case(batch, lens, group, head_dim, block_size, dtype)
     scale = head_dim ** -0.5
-    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, split)
+    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, split,
+                                                  kv_tile=16 if split else None)
     want = reference(q, k_cache, v_cache, tables, seq_lens, scale)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -72,7 +75,8 @@ def test_strided_cache_views_of_one_layer_are_read_in_place():
     q, k_cache, v_cache, tables, seq_lens = case(2, [20, 45], 4, 64, 16, torch.float32, seed=3)
     full = torch.zeros(k_cache.shape[0], 3, 2, *k_cache.shape[1:], device=DEVICE)
     full[:, 1, 0], full[:, 1, 1] = k_cache, v_cache
-    got = triton_attention.paged_decode_attention(q, full[:, 1, 0], full[:, 1, 1], tables, seq_lens, 0.125, 2)
+    got = triton_attention.paged_decode_attention(q, full[:, 1, 0], full[:, 1, 1], tables, seq_lens, 0.125, 2,
+                                                  kv_tile=16)
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, seq_lens, 0.125), atol=2e-5, rtol=2e-5)
 
 
@@ -97,13 +101,14 @@ def prefill_reference(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_l
     return out
 
 
-@pytest.mark.parametrize("chunks,group,head_dim,block_size,block_m,dtype", [
-    ([(5, 5)], 1, 64, 16, 16, torch.float32),  # a whole short prompt
-    ([(17, 40), (16, 16), (3, 70)], 4, 64, 16, 16, torch.float32),  # chunks after cached prefixes
-    ([(33, 33), (20, 52)], 8, 64, 32, 8, torch.float32),
-    ([(12, 30), (40, 40)], 4, 128, 16, 16, torch.float16),
+@pytest.mark.parametrize("chunks,group,head_dim,block_size,block_m,dtype,kv_tile", [
+    ([(5, 5)], 1, 64, 16, 16, torch.float32, None),  # a whole short prompt
+    ([(17, 40), (16, 16), (3, 70)], 4, 64, 16, 16, torch.float32, None),  # chunks after cached prefixes
+    ([(17, 40), (16, 16), (3, 70)], 4, 64, 16, 16, torch.float32, 16),  # a key tile per block
+    ([(33, 33), (20, 52)], 8, 64, 32, 8, torch.float32, 16),  # half a block per key tile
+    ([(12, 30), (40, 40)], 4, 128, 16, 16, torch.float16, None),
 ])
-def test_prefill_kernel_equals_the_reference(chunks, group, head_dim, block_size, block_m, dtype):
+def test_prefill_kernel_equals_the_reference(chunks, group, head_dim, block_size, block_m, dtype, kv_tile):
     """(chunk length, context length after it): the chunk attends to its prefix and causally to itself."""
     gen = torch.Generator().manual_seed(len(chunks) + head_dim)
     lens = [ctx for _, ctx in chunks]
@@ -113,7 +118,7 @@ def test_prefill_kernel_equals_the_reference(chunks, group, head_dim, block_size
     q = torch.randn(int(q_lens.sum()), 2 * group, head_dim, generator=gen).to(dtype).to(DEVICE)
     args = (q, k_cache, v_cache, tables, q_starts.to(DEVICE), q_lens.to(DEVICE),
             torch.tensor(lens, dtype=torch.int32, device=DEVICE), head_dim ** -0.5)
-    got = triton_attention.paged_prefill_attention(*args, block_m=block_m)
+    got = triton_attention.paged_prefill_attention(*args, block_m=block_m, kv_tile=kv_tile)
     torch.testing.assert_close(got.float(), prefill_reference(*args).float(), atol=TOLERANCE[dtype],
                                rtol=TOLERANCE[dtype])
 
@@ -123,8 +128,8 @@ def test_write_kv_puts_each_row_in_its_slot_and_nothing_else(dtype):
     gen = torch.Generator().manual_seed(11)
     k_cache = torch.zeros(6, 16, 2, 64, dtype=dtype, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
-    kv = torch.randn(2, 5, 2, 64, generator=gen).to(dtype).to(DEVICE)
-    slots = torch.tensor([3, 17, 18, 95, 40], dtype=torch.int32, device=DEVICE)
+    kv = torch.randn(2, 21, 2, 64, generator=gen).to(dtype).to(DEVICE)  # two programs' worth of tokens
+    slots = torch.randperm(96, generator=gen)[:21].to(torch.int32).to(DEVICE)
     triton_attention.write_kv(k_cache, v_cache, kv[0], kv[1], slots)
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     want_k.view(-1, 2, 64)[slots.long()] = kv[0]
@@ -143,3 +148,16 @@ def test_decode_kernel_on_real_shapes(batch, context):
     want = reference(q, k_cache, v_cache, tables, seq_lens, 128 ** -0.5)
     tol = TOLERANCE[torch.bfloat16]
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_the_attention_bench_runs_and_checks_its_kernels():
+    """bench/attention.py on tiny shapes under the interpreter: the GPU figures come from this
+    script, so it must run; it checks each kernel against SDPA before timing it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "bench" / "attention.py"
+    out = subprocess.run([sys.executable, str(bench), "--smoke"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "baton (paged)" in out.stdout and "vs gather" in out.stdout

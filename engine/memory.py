@@ -1,0 +1,70 @@
+"""How much GPU memory the KV cache gets: vLLM's `gpu_memory_utilization`, measured.
+
+The engine may use `utilization` × the device's memory in all: weights, the activations of its
+largest step, memory outside torch's allocator (the CUDA context's growth, kernel modules), and
+the KV cache, which gets what is left. The largest step is measured, not estimated: one dummy
+step of the whole token budget, spread over as many prompts as may run, each sampled with
+top-k/top-p (the sampler's largest temporaries). Per instance, as in vLLM: two engines on one
+GPU each take their own fraction, and each must find its fraction free when it starts.
+"""
+from __future__ import annotations
+
+import torch
+
+from baton.engine.config import EngineConfig
+from baton.engine.errors import check
+from baton.engine.model_runner import ModelRunner
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler import NewRequestData, SchedulerOutput
+
+_GIB = 1 << 30
+
+
+def kv_cache_bytes(total: int, free_at_start: int, utilization: float, weights: int, peak_activations: int,
+                   non_torch: int, device: str) -> int:
+    """The KV cache's share of `utilization` × `total` bytes, once the rest is paid for."""
+    budget = int(total * utilization)
+    check(budget <= free_at_start, "gpu_memory_utilization",
+          f"{utilization:g} of {device} is {budget / _GIB:.2f} GiB, but only {free_at_start / _GIB:.2f} GiB were free "
+          f"at start (other processes hold the rest); lower it")
+    kv = budget - weights - peak_activations - max(non_torch, 0)
+    check(kv > 0, "gpu_memory_utilization",
+          f"{utilization:g} of {device} ({budget / _GIB:.2f} GiB) leaves nothing for the KV cache after the weights "
+          f"({weights / _GIB:.2f} GiB), the largest step's activations ({peak_activations / _GIB:.2f} GiB) and "
+          f"memory outside torch ({max(non_torch, 0) / _GIB:.2f} GiB); raise it, or lower max_num_batched_tokens")
+    return kv
+
+
+def profile_batch(config: EngineConfig) -> tuple[SchedulerOutput, int]:
+    """The largest step the scheduler may emit, as dummy prompts: the token budget over up to
+    max_num_seqs prompts, none longer than max_model_len. Returns it and the blocks it needs."""
+    tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
+    num_seqs = min(config.max_num_seqs, tokens)
+    lengths = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
+    params = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9)
+    sched, next_block = SchedulerOutput(), 0
+    for i, n in enumerate(lengths):
+        blocks = list(range(next_block, next_block + -(-n // config.block_size)))
+        next_block += len(blocks)
+        sched.scheduled_new_reqs.append(NewRequestData(f"profile-{i}", [0] * n, blocks, 0, params, n))
+        sched.num_scheduled_tokens[f"profile-{i}"] = n
+    sched.total_num_scheduled_tokens = tokens
+    return sched, next_block
+
+
+def measure_kv_cache_bytes(model, config: EngineConfig, free_at_start: int, total: int) -> int:
+    """Run the largest step on a throwaway runner and size the KV cache from what it used."""
+    device = torch.device(config.device)
+    torch.cuda.synchronize(device)
+    weights = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    sched, num_blocks = profile_batch(config)
+    runner = ModelRunner(model, config, num_blocks, frozenset())
+    runner.execute_model(sched)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - weights - runner.kv_cache.numel() * runner.kv_cache.element_size()
+    del runner
+    torch.cuda.empty_cache()
+    non_torch = free_at_start - torch.cuda.mem_get_info(device)[0] - torch.cuda.memory_reserved(device)
+    return kv_cache_bytes(total, free_at_start, config.gpu_memory_utilization, weights, peak, non_torch,
+                          config.device)

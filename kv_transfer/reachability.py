@@ -1,0 +1,47 @@
+"""Whether peers can READ this engine's KV cache, found at start-up rather than at the first
+request: UCX built without its CUDA transports (cuda_copy, cuda_ipc) registers GPU memory
+but fails every READ of it, and a decode would then recompute every prompt."""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from baton.engine.errors import StartupError
+
+
+def probe_read(agent, lock: threading.Lock, layout, kv_cache: torch.Tensor, probe_agent,
+               timeout_s: float = 10.0) -> None:
+    """A READ of the cache's first block (registered on `agent`, described by `layout`) by
+    `probe_agent`, a second agent in this process, into memory on the same device, through
+    the same backend, as a peer's READ would go. Raises StartupError saying what failed."""
+    size = layout.block_bytes
+    probe = torch.zeros(size, dtype=torch.uint8, device=kv_cache.device)
+    reg = handle = name = None
+    try:
+        reg = probe_agent.register_memory(probe)
+        name = probe_agent.add_remote_agent(layout.agent_metadata)
+        descs = [probe_agent.get_xfer_descs([(addr, size, layout.dev_id)], layout.mem_type)
+                 for addr in (probe.data_ptr(), layout.base_addr)]
+        handle = probe_agent.initialize_xfer("READ", *descs, name, b"")
+        state, deadline = probe_agent.transfer(handle), time.monotonic() + timeout_s
+        while state == "PROC" and time.monotonic() < deadline:
+            with lock:
+                agent.get_new_notifs()  # the target side moves only when polled
+            state = probe_agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise RuntimeError(f"the READ ended in {state}" if state != "PROC" else f"no READ within {timeout_s:g}s")
+        if not torch.equal(probe.cpu(), kv_cache[0].reshape(-1).view(torch.uint8).cpu()):
+            raise RuntimeError("the READ moved other bytes than the block holds")
+    except Exception as e:  # noqa: BLE001 - said once, as why the engine cannot start
+        raise StartupError(f"the KV connector cannot move KV blocks in {layout.mem_type} on {kv_cache.device} over "
+                           f"NIXL/UCX ({e}); for GPU memory UCX needs its CUDA transports (cuda_copy, cuda_ipc: see "
+                           f"`ucx_info -d`, and UCX_TLS if set)") from e
+    finally:
+        if handle is not None:
+            probe_agent.release_xfer_handle(handle)
+        if name is not None:
+            probe_agent.remove_remote_agent(name.decode() if isinstance(name, bytes) else name)
+        if reg is not None:
+            probe_agent.deregister_memory(reg)

@@ -1,0 +1,146 @@
+"""What the GPU path decides on the host, checked without a GPU: the KV cache's share of
+memory under gpu_memory_utilization, the dummy step that measures the largest step, the
+attention backend, and the devices `baton up` gives its engines."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from baton.engine.config import EngineConfig
+from baton.engine.errors import InvalidArgument
+from baton.engine.loader import load_model
+from baton.engine.memory import kv_cache_bytes, profile_batch
+from baton.engine.model_runner import ModelRunner
+from baton.kernels.attention import choose_backend
+from baton.services.launcher import build_stack, free_port
+from baton.services.placement import Placement, place_engines
+
+from helpers import TOKEN
+
+GIB = 1 << 30
+
+
+def test_kv_cache_gets_what_the_share_leaves():
+    # 80 GiB device, 0.9 of it: 72 GiB, less 16 of weights, 3 of activations, 1 outside torch.
+    assert kv_cache_bytes(80 * GIB, 79 * GIB, 0.9, 16 * GIB, 3 * GIB, 1 * GIB, "cuda:0") == 52 * GIB
+    # A negative "outside torch" (another process freed memory meanwhile) counts as none.
+    assert kv_cache_bytes(80 * GIB, 79 * GIB, 0.5, 16 * GIB, 3 * GIB, -GIB, "cuda:0") == 21 * GIB
+
+
+def test_a_share_larger_than_the_free_memory_is_refused_naming_the_field():
+    # Another engine holds 40 GiB of the device: 0.9 of it cannot be had.
+    with pytest.raises(InvalidArgument, match=r"gpu_memory_utilization: 0.9 of cuda:1 is 72.00 GiB, but only 40.00"):
+        kv_cache_bytes(80 * GIB, 40 * GIB, 0.9, GIB, GIB, 0, "cuda:1")
+
+
+def test_a_share_the_weights_fill_is_refused_naming_the_field():
+    with pytest.raises(InvalidArgument, match="gpu_memory_utilization: .*leaves nothing for the KV cache"):
+        kv_cache_bytes(80 * GIB, 80 * GIB, 0.2, 15 * GIB, 2 * GIB, 0, "cuda:0")
+
+
+@pytest.mark.parametrize("value", [0, 1.5, -0.1, "0.5"])
+def test_bad_utilization_is_named(tiny_llama, value):
+    with pytest.raises(InvalidArgument, match="gpu_memory_utilization: must be in"):
+        EngineConfig(tiny_llama, gpu_memory_utilization=value)
+
+
+def test_unknown_backend_is_named(tiny_llama):
+    with pytest.raises(InvalidArgument, match="attention_backend: must be one of auto, cpu, triton, torch"):
+        EngineConfig(tiny_llama, attention_backend="flash")
+
+
+@pytest.mark.parametrize("budget,seqs,max_len", [(2048, 64, 1024), (100, 64, 1024), (5000, 3, 1024), (48, 4, 16)])
+def test_the_profile_step_is_the_largest_the_scheduler_may_emit(tiny_llama, budget, seqs, max_len):
+    config = EngineConfig(tiny_llama, max_num_batched_tokens=budget, max_num_seqs=seqs, max_model_len=max_len)
+    sched, num_blocks = profile_batch(config)
+    lengths = [len(r.token_ids) for r in sched.scheduled_new_reqs]
+    assert sum(lengths) == sched.total_num_scheduled_tokens == min(budget, seqs * max_len)
+    assert len(lengths) == min(seqs, sum(lengths)) and max(lengths) <= max_len and max(lengths) - min(lengths) <= 1
+    blocks = [b for r in sched.scheduled_new_reqs for b in r.block_ids]
+    assert sorted(blocks) == list(range(num_blocks))  # each request its own blocks, none shared
+    assert all(len(r.block_ids) * config.block_size >= len(r.token_ids) for r in sched.scheduled_new_reqs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_the_profile_step_runs_on_each_backend(tiny_llama, backend):
+    """The dummy step goes through the real runner (here on CPU; on a GPU before the pool is
+    sized): every prompt gets its sampled token."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    config = EngineConfig(tiny_llama, dtype="float32", device="cpu", max_num_batched_tokens=100, max_num_seqs=7,
+                          max_model_len=64, attention_backend=backend if backend != "cpu" else "auto")
+    sched, num_blocks = profile_batch(config)
+    runner = ModelRunner(load_model(tiny_llama, torch.float32, "cpu"), config, num_blocks, frozenset())
+    if backend == "cpu" and runner.attention_backend != "cpu":
+        pytest.skip("the CPU kernel did not build here")
+    out = runner.execute_model(sched)
+    assert sorted(out.sampled_token_ids) == sorted(r.req_id for r in sched.scheduled_new_reqs)
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(InvalidArgument, match=r"attention_backend: triton runs on CUDA, or on CPU under Triton's"):
+        choose_backend("triton", torch.float32, torch.device("cpu"), 4, 2, 16)
+    assert choose_backend("auto", torch.float32, torch.device("cpu"), 4, 2, 16) in ("cpu", "torch")
+    assert choose_backend("torch", torch.float32, torch.device("cpu"), 4, 2, 16) == "torch"
+
+
+def test_the_cpu_kernel_asked_for_where_it_cannot_run_is_named():
+    with pytest.raises(InvalidArgument, match="attention_backend: the CPU kernel cannot run torch.float16"):
+        choose_backend("cpu", torch.float16, torch.device("cpu"), 4, 2, 16)
+
+
+PD = ["prefill", "decode"]
+
+
+@pytest.mark.parametrize("gpus,device,tiers,want", [
+    (2, None, {}, [Placement("cuda:0"), Placement("cuda:1")]),  # one GPU per tier
+    (1, None, {}, [Placement("cuda:0", True, 0.45)] * 2),  # one GPU: shared, the share split
+    (0, None, {}, [Placement(None)] * 2),  # CPU: the engines' default
+    (2, "auto", {}, [Placement("cuda:0"), Placement("cuda:1")]),
+    (2, "cuda", {}, [Placement("cuda:0", True, 0.45)] * 2),  # --device for every tier
+    (4, None, {"decode": "cuda:2"}, [Placement("cuda:0"), Placement("cuda:2")]),
+    (1, "cpu", {"decode": "cuda"}, [Placement("cpu"), Placement("cuda:0")]),
+])
+def test_each_engine_gets_a_device(gpus, device, tiers, want):
+    assert place_engines(PD, device, tiers, gpus) == want
+
+
+def test_a_tiers_devices_are_taken_in_turn_and_a_shared_one_splits_the_given_share():
+    got = place_engines(["prefill", "decode", "decode", "decode"], None, {"decode": "cuda:1, cuda:2"}, 4, 0.8)
+    assert got == [Placement("cuda:0"), Placement("cuda:1", True, 0.4), Placement("cuda:2"),
+                   Placement("cuda:1", True, 0.4)]
+    assert got[1].argv() == ["--device", "cuda:1", "--gpu-memory-utilization", "0.4"]
+    assert got[0].argv() == ["--device", "cuda:0"] and Placement(None).argv() == []
+
+
+@pytest.mark.parametrize("device,tiers,message", [
+    ("cuda", {}, "--device cuda: 0 GPUs visible"),
+    (None, {"prefill": "cuda:0,cuda:1"}, "--prefill-device cuda:1: 1 GPU visible"),
+    (None, {"decode": "tpu:0"}, "--decode-device tpu:0: must be cpu, cuda or cuda:N"),
+])
+def test_a_device_that_is_not_there_is_named(device, tiers, message):
+    gpus = 1 if tiers.get("prefill") else 0
+    with pytest.raises(ValueError, match=message):
+        place_engines(PD, device, tiers, gpus)
+
+
+def test_engines_sharing_a_gpu_start_one_at_a_time(tiny_llama):
+    """Each measures its memory use with no other loading beside it. (On CPU here: the
+    placement only orders the start.)"""
+    stack = build_stack(tiny_llama, "127.0.0.1", free_port("127.0.0.1"), 0, 2,
+                        ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64"], "round_robin")
+    router, first, second = stack.services
+    first.placement = second.placement = Placement("cuda:0", True, 0.45)
+    try:
+        stack.start(dict(os.environ, BATON_INTERNAL_TOKEN=TOKEN))
+        assert router.proc is not None and first.proc is not None and second.proc is None
+        stack.wait_serving(120)
+        assert second.proc is not None and second.proc.poll() is None
+        assert second.started_at - first.started_at > 0.5  # the first loaded the model meanwhile
+    finally:
+        stack.stop(0)
+    assert all(s.proc.poll() is not None for s in stack.services)
