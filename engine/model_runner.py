@@ -22,6 +22,20 @@ from baton.kv_transfer.base import KVConnectorWorker
 _PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are materialized at once
 
 
+def _slots(spans: list[tuple[int, int, list[int]]], block_size: int) -> list[int]:
+    """The flat cache slot (block id × block size + offset) of each scheduled token."""
+    return [blocks[p // block_size] * block_size + p % block_size for start, end, blocks in spans
+            for p in range(start, end)]
+
+
+def _padded_tables(spans: list[tuple[int, int, list[int]]], block_size: int) -> list[list[int]]:
+    """Each span's blocks up to its end, padded with block 0 to the longest (never read: the
+    kernels stop at each row's length)."""
+    tables = [blocks[:-(-end // block_size)] for _, end, blocks in spans]
+    width = max(map(len, tables), default=0)
+    return [t + [0] * (width - len(t)) for t in tables]
+
+
 class RequestState:
     __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens", "prompt_logprobs")
 
@@ -179,34 +193,27 @@ class ModelRunner:
         return AttentionMetadata(kernel=KernelBatch(torch.tensor(block_ids), torch.tensor(row_block_start),
                                                     positions))
 
-    def _slot_mapping(self, spans: list[tuple[int, int, list[int]]], dtype=torch.int64) -> torch.Tensor:
-        bs = self.block_size
-        return torch.tensor([blocks[p // bs] * bs + p % bs for start, end, blocks in spans for p in range(start, end)],
-                            dtype=dtype, device=self.device)
-
     def _triton_batch(self, spans: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
-        bs, dev, i32 = self.block_size, self.device, torch.int32
+        bs = self.block_size
         num_decodes = sum(1 for start, end, _ in spans if end - start == 1)
-
-        def tables(rows):  # block tables padded with block 0 (never read past a row's length)
-            lists = [blocks[:-(-end // bs)] for _, end, blocks in rows]
-            width = max(map(len, lists), default=0)
-            return torch.tensor([t + [0] * (width - len(t)) for t in lists], dtype=i32, device=dev).view(len(rows), width)
         decodes, prefills = spans[:num_decodes], spans[num_decodes:]
+        decode_tables, prefill_tables = _padded_tables(decodes, bs), _padded_tables(prefills, bs)
         q_lens = [end - start for start, end, _ in prefills]
-        decode_tables = tables(decodes)
+        parts = [_slots(spans, bs),
+                 [b for row in decode_tables for b in row], [end for _, end, _ in decodes],
+                 [b for row in prefill_tables for b in row], list(accumulate(q_lens, initial=num_decodes))[:-1],
+                 q_lens, [end for _, end, _ in prefills]]
+        # One copy to the device for all of it (a copy costs more than its bytes), then views.
+        flat = torch.tensor([x for part in parts for x in part], dtype=torch.int32, device=self.device)
+        slots, dec_tab, dec_lens, pre_tab, q_starts, q_lens_t, ctx_lens = flat.split([len(p) for p in parts])
         return AttentionMetadata(triton=TritonBatch(
-            slot_mapping=self._slot_mapping(spans, i32), decode_tables=decode_tables,
-            decode_lens=torch.tensor([end for _, end, _ in decodes], dtype=i32, device=dev),
-            prefill_tables=tables(prefills),
-            q_starts=torch.tensor(list(accumulate(q_lens, initial=num_decodes))[:-1], dtype=i32, device=dev),
-            q_lens=torch.tensor(q_lens, dtype=i32, device=dev),
-            ctx_lens=torch.tensor([end for _, end, _ in prefills], dtype=i32, device=dev),
-            max_q_len=max(q_lens, default=0)))
+            slot_mapping=slots, decode_tables=dec_tab.view(len(decodes), -1 if decodes else 0), decode_lens=dec_lens,
+            prefill_tables=pre_tab.view(len(prefills), -1 if prefills else 0), q_starts=q_starts, q_lens=q_lens_t,
+            ctx_lens=ctx_lens, max_q_len=max(q_lens, default=0)))
 
     def _reference_batch(self, spans: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
         bs, dev = self.block_size, self.device
-        meta = AttentionMetadata(slot_mapping=self._slot_mapping(spans))
+        meta = AttentionMetadata(slot_mapping=torch.tensor(_slots(spans, bs), device=dev))
         num_decodes = sum(1 for start, end, _ in spans if end - start == 1)
         meta.decodes = self._decode_groups([blocks[:-(-end // bs)] for _, end, blocks in spans[:num_decodes]],
                                            [end for _, end, _ in spans[:num_decodes]])

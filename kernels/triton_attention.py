@@ -23,6 +23,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _kv_tile(K, V, TABLE, first_key, ctx_len, kv_head, d, d_ok, stride_kb, stride_kt, stride_kh, stride_vb,
+             stride_vt, stride_vh, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
+    """TILE keys from first_key, read in place: a tile spans TILE / BLOCK_SIZE cache blocks (or
+    part of one), each key's block looked up in the sequence's table row, so the tile does not
+    depend on the block size. Keys past ctx_len read as zeros."""
+    key = first_key + tl.arange(0, TILE)
+    in_ctx = key < ctx_len
+    block_id = tl.load(TABLE + key // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
+    kv_mask = in_ctx[:, None] & d_ok[None, :]
+    k = tl.load(K + (block_id * stride_kb + (key % BLOCK_SIZE) * stride_kt)[:, None] + kv_head * stride_kh
+                + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + (block_id * stride_vb + (key % BLOCK_SIZE) * stride_vt)[:, None] + kv_head * stride_vh
+                + d[None, :], mask=kv_mask, other=0.0)
+    return key, in_ctx, k, v
+
+
+@triton.jit
 def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale,
@@ -33,7 +50,7 @@ def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
     seq_len = tl.load(SEQ_LENS + b)
     first = split * TILES_PER_SPLIT
     end = tl.minimum(first + TILES_PER_SPLIT, tl.cdiv(seq_len, TILE))
-    g, d, j = tl.arange(0, GROUP_PAD), tl.arange(0, D_PAD), tl.arange(0, TILE)
+    g, d = tl.arange(0, GROUP_PAD), tl.arange(0, D_PAD)
     heads = kv_head * GROUP + g
     d_ok = d < HEAD_DIM
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
@@ -42,16 +59,8 @@ def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
     s = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     for tile in range(first, end):
-        # A tile of TILE keys spans TILE / BLOCK_SIZE cache blocks (or part of one): each key's
-        # block is looked up, so the tile is independent of the block size.
-        tok = tile * TILE + j
-        in_ctx = tok < seq_len
-        block_id = tl.load(BLOCK_TABLES + b * stride_tb + tok // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
-        kv_mask = in_ctx[:, None] & d_ok[None, :]
-        k = tl.load(K + (block_id * stride_kb + (tok % BLOCK_SIZE) * stride_kt)[:, None] + kv_head * stride_kh
-                    + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + (block_id * stride_vb + (tok % BLOCK_SIZE) * stride_vt)[:, None] + kv_head * stride_vh
-                    + d[None, :], mask=kv_mask, other=0.0)
+        _, in_ctx, k, v = _kv_tile(K, V, BLOCK_TABLES + b * stride_tb, tile * TILE, seq_len, kv_head, d, d_ok,
+                                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, TILE)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         scores = tl.where(in_ctx[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -146,7 +155,7 @@ def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
         return
     q_start, ctx_len = tl.load(Q_STARTS + seq), tl.load(CTX_LENS + seq)
     # A tile's rows: BLOCK_M query tokens, each with the GROUP heads that share a K/V head.
-    r, d, j = tl.arange(0, ROWS), tl.arange(0, D_PAD), tl.arange(0, TILE)
+    r, d = tl.arange(0, ROWS), tl.arange(0, D_PAD)
     i = m_tile * BLOCK_M + r // GROUP  # the query token, within the chunk
     head = kv_head * GROUP + r % GROUP
     row_ok = (r < BLOCK_M * GROUP) & (i < q_len)
@@ -159,14 +168,8 @@ def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     last = tl.minimum(ctx_len, ctx_len - q_len + (m_tile + 1) * BLOCK_M)  # keys the tile's last row sees
     for tile in range(0, tl.cdiv(last, TILE)):
-        key = tile * TILE + j
-        in_ctx = key < ctx_len
-        block_id = tl.load(BLOCK_TABLES + seq * stride_tb + key // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
-        kv_mask = in_ctx[:, None] & d_ok[None, :]
-        k = tl.load(K + (block_id * stride_kb + (key % BLOCK_SIZE) * stride_kt)[:, None] + kv_head * stride_kh
-                    + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + (block_id * stride_vb + (key % BLOCK_SIZE) * stride_vt)[:, None] + kv_head * stride_vh
-                    + d[None, :], mask=kv_mask, other=0.0)
+        key, _, k, v = _kv_tile(K, V, BLOCK_TABLES + seq * stride_tb, tile * TILE, ctx_len, kv_head, d, d_ok,
+                                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, TILE)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         scores = tl.where((key[None, :] <= pos[:, None]) & row_ok[:, None], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
