@@ -96,10 +96,30 @@ def gather_sdpa_decode(q, k_cache, v_cache, tables, context, scale):
     return sdpa_decode(q, k[:, :context].transpose(1, 2), v[:, :context].transpose(1, 2), scale)
 
 
-def bench_decode(args, heads, kv_heads, head_dim, dtype, device, peak_bps, tol) -> None:
+def decode_row(args, batch, context, heads, kv_heads, head_dim, dtype, device, peak_bps, tol) -> list[str]:
+    """One shape's figures (its tensors freed on return, before the next shape's)."""
     from baton.kernels.triton_attention import paged_decode_attention
 
     scale = head_dim ** -0.5
+    q, k, v, k_cache, v_cache, tables, seq_lens = paged_case(batch, context, heads, kv_heads, head_dim,
+                                                             args.block_size, dtype, device)
+    want = sdpa_decode(q, k, v, scale)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    gathered = gather_sdpa_decode(q, k_cache, v_cache, tables, context, scale)
+    torch.testing.assert_close(gathered.float(), want.float(), atol=tol, rtol=tol)
+    t_ours = timed(lambda: paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale), args.iters, device)
+    t_sdpa = timed(lambda: sdpa_decode(q, k, v, scale), args.iters, device)
+    t_gather = timed(lambda: gather_sdpa_decode(q, k_cache, v_cache, tables, context, scale), args.iters, device)
+    moved = 2 * k.numel() * k.element_size()  # K and V, read once
+
+    def pct(t):
+        return f"{100 * moved / t / peak_bps:.1f}%"
+    return [str(batch), str(context), f"{t_ours * 1e3:.3f}", pct(t_ours), f"{t_sdpa * 1e3:.3f}", pct(t_sdpa),
+            f"{t_sdpa / t_ours:.2f}x", f"{t_gather * 1e3:.3f}", pct(t_gather), f"{t_gather / t_ours:.2f}x"]
+
+
+def bench_decode(args, heads, kv_heads, head_dim, dtype, device, peak_bps, tol) -> None:
     print(f"\ndecode: {heads} query / {kv_heads} KV heads × {head_dim}, {dtype}, block {args.block_size}; "
           f"% of peak {peak_bps / 1e12:.2f} TB/s; baton's speed vs each (>1: baton faster)")
     header = ["batch", "context", "baton ms", "baton %peak", "sdpa ms", "sdpa %peak", "vs sdpa", "gather+sdpa ms",
@@ -107,28 +127,8 @@ def bench_decode(args, heads, kv_heads, head_dim, dtype, device, peak_bps, tol) 
     rows = [header]
     for batch in args.batch:
         for context in args.context:
-            if batch * context > args.max_tokens:
-                continue
-            q, k, v, k_cache, v_cache, tables, seq_lens = paged_case(batch, context, heads, kv_heads, head_dim,
-                                                                     args.block_size, dtype, device)
-            want = sdpa_decode(q, k, v, scale)
-            got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale)
-            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-            gathered = gather_sdpa_decode(q, k_cache, v_cache, tables, context, scale)
-            torch.testing.assert_close(gathered.float(), want.float(), atol=tol, rtol=tol)
-            t_ours = timed(lambda: paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale), args.iters,
-                           device)
-            t_sdpa = timed(lambda: sdpa_decode(q, k, v, scale), args.iters, device)
-            t_gather = timed(lambda: gather_sdpa_decode(q, k_cache, v_cache, tables, context, scale), args.iters,
-                             device)
-            moved = 2 * k.numel() * k.element_size()  # K and V, read once
-
-            def pct(t):
-                return f"{100 * moved / t / peak_bps:.1f}%"
-            rows.append([str(batch), str(context), f"{t_ours * 1e3:.3f}", pct(t_ours), f"{t_sdpa * 1e3:.3f}",
-                         pct(t_sdpa), f"{t_sdpa / t_ours:.2f}x", f"{t_gather * 1e3:.3f}", pct(t_gather),
-                         f"{t_gather / t_ours:.2f}x"])
-            del q, k, v, k_cache, v_cache
+            if batch * context <= args.max_tokens:
+                rows.append(decode_row(args, batch, context, heads, kv_heads, head_dim, dtype, device, peak_bps, tol))
     print_rows(rows)
 
 

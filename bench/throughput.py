@@ -5,6 +5,7 @@ greedy and ignoring EOS, so both engines do exactly the same amount of useful wo
 
     .venv/bin/python bench/throughput.py --quick
     .venv/bin/python bench/throughput.py --model models/tiny-llama
+    python bench/throughput.py --device cuda --dtype bfloat16 --random-model llama3-8b --random-model llama3-1b
 """
 from __future__ import annotations
 
@@ -66,13 +67,21 @@ def parse_args() -> argparse.Namespace:
                         "(at most --max-repeats rounds) and report each engine's fastest: short runs on a shared "
                         "machine are noisy")
     p.add_argument("--max-repeats", type=int, default=5)
+    p.add_argument("--random-model", action="append", default=[], choices=["llama3-8b", "llama3-1b"],
+                   help="also a random-weight checkpoint of this shape (bf16; written once under models/)")
     p.add_argument("--skip-hf", action="store_true", help="run Baton only")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed runs, profile one more Baton run (torch.profiler) and print where step time "
+                        "went: the top operators by their own device (or CPU) time")
     p.add_argument("--quick", action="store_true", help="smoke run: 16 requests, prompts 32-128, outputs 16-32")
     args = p.parse_args()
     if args.quick:
         args.num_requests, args.min_prompt, args.max_prompt, args.min_output, args.max_output = 16, 32, 128, 16, 32
-    names = [m for arg in (args.model or DEFAULT_MODELS) for m in arg.split(",") if m]
+    names = [m for arg in (args.model or ([] if args.random_model else DEFAULT_MODELS)) for m in arg.split(",") if m]
     args.model = [Path(m) if Path(m).is_absolute() else REPO / m for m in names]
+    for shape in args.random_model:
+        from random_checkpoint import write_random_checkpoint
+        args.model.append(Path(write_random_checkpoint(str(REPO / "models" / f"random-{shape}"), shape)))
     return args
 
 
@@ -107,7 +116,27 @@ def baton_runner(model_dir: Path, workload: list[Request], args: argparse.Namesp
         return Result("baton", wall, sum(len(o.token_ids) for o in outs), [o.token_ids for o in outs],
                       scheduler_share=times.scheduler_s / times.step_s, steps=times.steps,
                       preemptions=llm.engine.scheduler.num_preemptions - preempted_before)
+    timed_run.llm = llm
     return timed_run
+
+
+def profile_baton(llm, workload: list[Request], device: str) -> None:
+    """One more run under torch.profiler: wall time against the time kernels kept the device
+    busy (the rest is host work: Python, scheduling, launches, syncs), and the top operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.startswith("cuda")
+    llm.reset_prefix_cache()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
+        t0 = time.perf_counter()
+        llm.generate([r.prompt for r in workload], [greedy(r.output_len) for r in workload])
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    if on_gpu:
+        busy = sum(e.self_device_time_total for e in events) / 1e6
+        print(f"\nprofile: wall {wall:.2f} s, device busy {busy:.2f} s ({100 * busy / wall:.0f}%); "
+              f"the rest is host time the device waited on")
+    print(events.table(sort_by="self_cuda_time_total" if on_gpu else "self_cpu_time_total", row_limit=25))
 
 
 def fastest_interleaved(timed_runs, args: argparse.Namespace) -> list[Result]:
@@ -198,6 +227,8 @@ def main() -> None:
         results = fastest_interleaved(runners, args)
         print_table(model_dir.name, workload, results)
         print_notes(results)
+        if args.profile:
+            profile_baton(runners[0].llm, workload, args.device)
 
 
 if __name__ == "__main__":

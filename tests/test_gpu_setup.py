@@ -144,3 +144,23 @@ def test_engines_sharing_a_gpu_start_one_at_a_time(tiny_llama):
     finally:
         stack.stop(0)
     assert all(s.proc.poll() is not None for s in stack.services)
+
+
+def test_the_benchs_random_checkpoints_load_in_baton_and_transformers_alike(tmp_path, hf):
+    """bench/random_checkpoint.py writes the Llama-3-shaped random models the GPU throughput
+    bench runs; at a tiny shape, Baton's greedy output equals transformers' on it."""
+    import sys
+    from pathlib import Path
+
+    from baton import LLM, SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    try:
+        from random_checkpoint import write_random_checkpoint
+    finally:
+        sys.path.pop(0)
+    model = write_random_checkpoint(str(tmp_path / "random-tiny"), "tiny")
+    prompt = [5, 900, 17, 333, 999, 4, 12]  # ids beyond the small tokenizer's vocabulary included
+    out = LLM(model, dtype="float32", device="cpu").generate([prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                                                      ignore_eos=True))[0]
+    assert out.token_ids == hf.greedy(model, prompt, 12)

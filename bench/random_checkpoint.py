@@ -1,0 +1,89 @@
+"""Random-weight Llama checkpoints in real models' shapes, for benchmarks on a GPU (no hub).
+
+The weights are seeded normal draws (std 0.02, norms at 1), written as bf16 safetensors, a
+shard per few layers, with the index transformers and Baton follow. The tokenizer is the
+tests' small trained one: prompts are token ids, and ids it does not know decode to nothing.
+
+    python bench/random_checkpoint.py llama3-8b models/random-llama3-8b
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+SHAPES = {
+    # Llama-3.1-8B: 32 layers, 32 query / 8 KV heads of 128, untied 128k vocabulary, Llama 3 RoPE.
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    # Llama-3.2-1B: 16 layers, heads of 64, tied embeddings.
+    "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False),  # for the tests
+}
+_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LAYERS_PER_SHARD = 4
+
+
+def write_random_checkpoint(out_dir: str, shape: str, seed: int = 0, max_position_embeddings: int = 131072) -> str:
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from baton.engine.checkpoints import train_tokenizer
+
+    if os.path.isfile(os.path.join(out_dir, "config.json")):
+        return out_dir
+    dims = SHAPES[shape]
+    tokenizer = train_tokenizer()
+    config = LlamaConfig(**dims, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5,
+                         rope_parameters=dict(_ROPE), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         dtype="bfloat16")
+    config.architectures = ["LlamaForCausalLM"]
+    os.makedirs(out_dir, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    h, heads, kv = dims["hidden_size"], dims["num_attention_heads"], dims["num_key_value_heads"]
+    head_dim, inter = h // heads, dims["intermediate_size"]
+
+    def normal(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    shards = [{"model.embed_tokens.weight": normal(dims["vocab_size"], h), "model.norm.weight": torch.ones(
+        h, dtype=torch.bfloat16)}]
+    if not dims["tie_word_embeddings"]:
+        shards[0]["lm_head.weight"] = normal(dims["vocab_size"], h)
+    for i in range(dims["num_hidden_layers"]):
+        if i % _LAYERS_PER_SHARD == 0:
+            shards.append({})
+        p = f"model.layers.{i}."
+        shards[-1].update({
+            p + "self_attn.q_proj.weight": normal(heads * head_dim, h), p + "self_attn.k_proj.weight": normal(
+                kv * head_dim, h), p + "self_attn.v_proj.weight": normal(kv * head_dim, h),
+            p + "self_attn.o_proj.weight": normal(h, heads * head_dim), p + "mlp.gate_proj.weight": normal(inter, h),
+            p + "mlp.up_proj.weight": normal(inter, h), p + "mlp.down_proj.weight": normal(h, inter),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})
+    weight_map = {}
+    for n, tensors in enumerate(shards):
+        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    tokenizer.save_pretrained(out_dir)
+    config.save_pretrained(out_dir)  # last: a directory with config.json is complete
+    return out_dir
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    print(write_random_checkpoint(args.out_dir, args.shape, args.seed), file=sys.stderr)
