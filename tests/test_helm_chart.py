@@ -111,6 +111,8 @@ BAD_VALUES = {
                        ["prefill.engine.dtype", "decode.engine.dtype"]),
     "model mismatch": ({"prefill": {"engine": {"model": "a"}}, "decode": {"engine": {"model": "b"}}},
                        ["prefill.engine.model", "decode.engine.model"]),
+    "GPU share above 1": ({"decode": {"engine": {"gpuMemoryUtilization": 1.5}}},
+                          ["/decode/engine/gpuMemoryUtilization"]),
     "non-integer port": ({"ports": {"grpc": "50051"}}, ["/ports/grpc"]),
     "fractional port": ({"metrics": {"port": 9090.5}}, ["/metrics/port"]),
     "port out of range": ({"ports": {"http": 70000}}, ["/ports/http"]),

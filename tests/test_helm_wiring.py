@@ -244,6 +244,7 @@ def test_engine_flags_gpu_and_tier_overrides():
                          "extraArgs": ["--no-prefix-caching"]},
               "decode": {"engine": {"maxNumSeqs": 256, "kvCacheMemoryBytes": 21474836480},
                          "resources": {"limits": {"nvidia.com/gpu": 2}}},
+              "prefill": {"engine": {"gpuMemoryUtilization": 0.45}},
               "model": {"servedModelName": "smol"}}
     docs = manifests(values)
     parsed = {d["metadata"]["name"]: (parse(d["spec"]["template"]["spec"]["containers"][0]), d)
@@ -256,6 +257,7 @@ def test_engine_flags_gpu_and_tier_overrides():
         assert a.no_prefix_caching and a.served_model_name == "smol"
     assert (prefill.max_num_seqs, decode.max_num_seqs) == (64, 256)
     assert (prefill.kv_cache_memory_bytes, decode.kv_cache_memory_bytes) == (None, 21474836480)
+    assert (prefill.gpu_memory_utilization, decode.gpu_memory_utilization) == (0.45, None)
     assert router.block_size == 32 and router.served_model_name == "smol"
     limits = decode_doc["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits == {"nvidia.com/gpu": 2}

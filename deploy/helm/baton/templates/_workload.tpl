@@ -213,6 +213,7 @@ spec:
 {{- range $key, $flag := dict "maxModelLen" "max-model-len" "blockSize" "block-size" "kvCacheMemoryBytes" "kv-cache-memory-bytes" "numKvBlocks" "num-kv-blocks" "maxNumSeqs" "max-num-seqs" "maxNumBatchedTokens" "max-num-batched-tokens" }}
 {{- if ne (toString (index $e $key | default "")) "" }}{{ $args = append $args (printf "--%s=%d" $flag (int64 (index $e $key))) }}{{ end }}
 {{- end }}
+{{- if ne (toString ($e.gpuMemoryUtilization | default "")) "" }}{{ $args = append $args (printf "--gpu-memory-utilization=%v" $e.gpuMemoryUtilization) }}{{ end }}
 {{- if ne (toString ($e.kvHoldTimeout | default "")) "" }}{{ $args = append $args (printf "--kv-hold-timeout=%v" $e.kvHoldTimeout) }}{{ end }}
 {{- $args = append $args (printf "--grace-period=%v" $v.gracePeriodSeconds) }}
 {{- range $e.extraArgs }}{{ $args = append $args (toString .) }}{{ end }}
