@@ -5,6 +5,7 @@ step's plain output, as vLLM v1's does; it never decides what to run.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from itertools import accumulate
 
 import torch
@@ -92,6 +93,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        # Triton launches on the calling thread's current CUDA device, whatever the tensors':
+        # make it this engine's (cuda:1 stepped from a thread whose current device is 0).
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+            return self._execute(sched)
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
         for new in sched.scheduled_new_reqs:
