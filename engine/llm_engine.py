@@ -77,6 +77,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         on_gpu = torch.device(config.device).type == "cuda"
         if on_gpu:  # what an engine dropped earlier in this process left cached counts as free
+            torch.cuda.set_device(config.device)  # this thread's: no stray context on device 0
             gc.collect()
             torch.cuda.empty_cache()
         free_at_start, total = torch.cuda.mem_get_info(config.device) if on_gpu else (0, 0)

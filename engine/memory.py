@@ -4,17 +4,22 @@ The engine may use `utilization` × the device's memory in all: weights, the act
 largest step, memory outside torch's allocator (the CUDA context's growth, kernel modules), and
 the KV cache, which gets what is left. The largest step is measured, not estimated: one dummy
 step of the whole token budget, spread over as many prompts as may run, each sampled with
-top-k/top-p (the sampler's largest temporaries). Per instance, as in vLLM: two engines on one
-GPU each take their own fraction, and each must find its fraction free when it starts.
+min-p, top-k/top-p and the most logprobs, the first with prompt logprobs over a full chunk of
+rows (the sampler's largest temporaries). The PyTorch reference's decode gathers, which grow
+with context, are added by count (the Triton kernels read in place). Per instance, as in vLLM:
+two engines on one GPU each take their own fraction, and each must find its fraction free
+when it starts. Not counted: what NIXL/UCX allocate on the device when the cache registers.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from baton.engine.config import EngineConfig
 from baton.engine.errors import check
-from baton.engine.model_runner import ModelRunner
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.model_runner import PROMPT_LOGPROB_ROWS, ModelRunner
+from baton.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from baton.engine.scheduler import NewRequestData, SchedulerOutput
 
 _GIB = 1 << 30
@@ -40,13 +45,18 @@ def profile_batch(config: EngineConfig) -> tuple[SchedulerOutput, int]:
     max_num_seqs prompts, none longer than max_model_len. Returns it and the blocks it needs."""
     tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
     num_seqs = min(config.max_num_seqs, tokens)
-    lengths = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
-    params = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9)
+    # The first prompt long enough for a full chunk of prompt-logprob rows; the rest even.
+    first = max(tokens // num_seqs + (tokens % num_seqs > 0),
+                min(PROMPT_LOGPROB_ROWS + 1, config.max_model_len, tokens - (num_seqs - 1)))
+    rest, others = tokens - first, num_seqs - 1
+    lengths = [first] + [rest // others + (i < rest % others) for i in range(others)]
+    params = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, logprobs=MAX_LOGPROBS)
     sched, next_block = SchedulerOutput(), 0
     for i, n in enumerate(lengths):
         blocks = list(range(next_block, next_block + -(-n // config.block_size)))
         next_block += len(blocks)
-        sched.scheduled_new_reqs.append(NewRequestData(f"profile-{i}", [0] * n, blocks, 0, params, n))
+        p = params if i else dataclasses.replace(params, prompt_logprobs=MAX_LOGPROBS)
+        sched.scheduled_new_reqs.append(NewRequestData(f"profile-{i}", [0] * n, blocks, 0, p, n))
         sched.num_scheduled_tokens[f"profile-{i}"] = n
     sched.total_num_scheduled_tokens = tokens
     return sched, next_block
@@ -63,6 +73,10 @@ def measure_kv_cache_bytes(model, config: EngineConfig, free_at_start: int, tota
     runner.execute_model(sched)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - weights - runner.kv_cache.numel() * runner.kv_cache.element_size()
+    if runner.attention_backend == "torch":  # a layer's decodes gathered at full context, K and V
+        args = model.args
+        peak += (config.max_num_seqs * config.max_model_len * 2 * args.num_kv_heads * args.head_dim
+                 * runner.kv_cache.element_size())
     del runner
     torch.cuda.empty_cache()
     non_torch = free_at_start - torch.cuda.mem_get_info(device)[0] - torch.cuda.memory_reserved(device)

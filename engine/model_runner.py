@@ -20,7 +20,7 @@ from baton.kernels.attention import (DECODE_PADDING_ELEMS, AttentionMetadata, De
 from baton.kv_transfer.base import KVConnectorWorker
 
 
-_PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are materialized at once
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are materialized at once
 
 
 def _slots(spans: list[tuple[int, int, list[int]]], block_size: int) -> list[int]:
@@ -150,8 +150,8 @@ class ModelRunner:
         for req_id, row0, start, end in prompt_rows:
             state = self.states[req_id]
             end = min(end, state.num_prompt_tokens - 1)  # the last prompt position predicts an output
-            for a in range(start, end, _PROMPT_LOGPROB_ROWS):
-                b = min(a + _PROMPT_LOGPROB_ROWS, end)
+            for a in range(start, end, PROMPT_LOGPROB_ROWS):
+                b = min(a + PROMPT_LOGPROB_ROWS, end)
                 logprobs = self.model.compute_logits(hidden[row0 + a - start:row0 + b - start]).float().log_softmax(-1)
                 state.prompt_logprobs += token_logprobs(logprobs, state.token_ids[a + 1:b + 1],
                                                         state.sampling_params.prompt_logprobs)

@@ -42,14 +42,16 @@ def _kv_tile(K, V, TABLE, first_key, ctx_len, kv_head, d, d_ok, stride_kb, strid
 @triton.jit
 def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                  stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale,
+                  stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale, tiles_per_split,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                   DIRECT: tl.constexpr):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b)
-    first = split * TILES_PER_SPLIT
-    end = tl.minimum(first + TILES_PER_SPLIT, tl.cdiv(seq_len, TILE))
+    # tiles_per_split is a runtime argument: it changes as contexts grow, and a constexpr
+    # would compile the kernel again for each value.
+    first = split * tiles_per_split
+    end = tl.minimum(first + tiles_per_split, tl.cdiv(seq_len, TILE))
     g, d = tl.arange(0, GROUP_PAD), tl.arange(0, D_PAD)
     heads = kv_head * GROUP + g
     d_ok = d < HEAD_DIM
@@ -134,13 +136,14 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     num_tokens, num_kv_heads, head_dim = k.shape
     if not num_tokens:
         return
-    block_t = 16
     d_pad = triton.next_power_of_2(head_dim)
+    cols = triton.next_power_of_2(num_kv_heads) * d_pad
+    block_t = max(1, min(64, 4096 // cols))  # tokens per program: a tile of at most 4096 elements
     _write_kv[(-(-num_tokens // block_t),)](
         k, v, k_cache, v_cache, slot_mapping, num_tokens, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), NUM_HEADS=num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-        COLS=triton.next_power_of_2(num_kv_heads) * d_pad, BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t)
+        COLS=cols, BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t)
 
 
 @triton.jit
@@ -245,9 +248,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, seq_lens, part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        *part_strides, *lse_strides, scale,
+        *part_strides, *lse_strides, scale, tiles_per_split,
         GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, TILE=kv_tile, TILES_PER_SPLIT=tiles_per_split, DIRECT=num_splits == 1)
+        BLOCK_SIZE=block_size, TILE=kv_tile, DIRECT=num_splits == 1)
     if num_splits > 1:
         _combine_splits[(batch, num_heads)](
             part, lse, out, num_splits, *part_strides, *lse_strides, out.stride(0), out.stride(1),

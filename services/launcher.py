@@ -116,10 +116,17 @@ class Stack:
         """Start what has not started, but an engine on a shared GPU only once every engine
         before it on that GPU serves: each measures its memory use with no other loading."""
         for i, s in enumerate(self.services):
-            gpu = s.placement.device if s.placement.shares_gpu else None
-            if s.proc is None and (gpu is None or all(o.proc is not None and is_serving(o.address)
-                                                      for o in self.services[:i] if o.placement.device == gpu)):
+            if s.proc is None and not self._gpu_busy(s, self.services[:i]):
                 s.start(self.env)
+
+    @staticmethod
+    def _gpu_busy(s: Service, others: list[Service]) -> bool:
+        """Whether another engine on s's shared GPU is not started yet, or running but not
+        serving yet (loading)."""
+        gpu = s.placement.device if s.placement.shares_gpu else None
+        return gpu is not None and any(
+            o is not s and o.placement.device == gpu
+            and (o.proc is None or (o.proc.poll() is None and not is_serving(o.address, 0.2))) for o in others)
 
     def supervise(self) -> Service | None:
         """One round of supervision: note deaths, restart what is due, report what serves
@@ -138,7 +145,7 @@ class Stack:
                       f"{s.backoff_s:g}s (death {len(s.deaths)} in the last {CRASH_WINDOW_S:g}s)", file=sys.stderr,
                       flush=True)
                 s.backoff_s = min(s.backoff_s * 2, MAX_BACKOFF_S)
-            elif s.restart_at is not None and now >= s.restart_at:
+            elif s.restart_at is not None and now >= s.restart_at and not self._gpu_busy(s, self.services):
                 s.restart_at = None
                 s.coming_back = True
                 s.start(self.env)

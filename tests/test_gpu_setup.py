@@ -57,7 +57,13 @@ def test_the_profile_step_is_the_largest_the_scheduler_may_emit(tiny_llama, budg
     sched, num_blocks = profile_batch(config)
     lengths = [len(r.token_ids) for r in sched.scheduled_new_reqs]
     assert sum(lengths) == sched.total_num_scheduled_tokens == min(budget, seqs * max_len)
-    assert len(lengths) == min(seqs, sum(lengths)) and max(lengths) <= max_len and max(lengths) - min(lengths) <= 1
+    assert len(lengths) == min(seqs, sum(lengths)) and max(lengths) <= max_len and min(lengths) >= 1
+    # The first carries prompt logprobs over a full chunk of rows where it can; the rest even.
+    assert lengths[0] >= min(257, max_len, sum(lengths) - len(lengths) + 1)
+    assert max(lengths[1:], default=1) - min(lengths[1:], default=1) <= 1
+    first, *rest = sched.scheduled_new_reqs
+    assert first.sampling_params.prompt_logprobs and all(r.sampling_params.prompt_logprobs is None for r in rest)
+    assert all(r.sampling_params.logprobs == 20 and r.sampling_params.min_p > 0 for r in sched.scheduled_new_reqs)
     blocks = [b for r in sched.scheduled_new_reqs for b in r.block_ids]
     assert sorted(blocks) == list(range(num_blocks))  # each request its own blocks, none shared
     assert all(len(r.block_ids) * config.block_size >= len(r.token_ids) for r in sched.scheduled_new_reqs)
@@ -77,6 +83,7 @@ def test_the_profile_step_runs_on_each_backend(tiny_llama, backend):
         pytest.skip("the CPU kernel did not build here")
     out = runner.execute_model(sched)
     assert sorted(out.sampled_token_ids) == sorted(r.req_id for r in sched.scheduled_new_reqs)
+    assert list(out.prompt_logprobs) == ["profile-0"]
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):

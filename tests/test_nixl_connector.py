@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+import torch
+
 from baton import LLM, SamplingParams
 from baton.engine.config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
@@ -415,8 +418,10 @@ def test_the_start_up_probe_reads_a_block_of_the_cache(tiny_llama):
     """The READ every engine on a GPU makes at start-up (of VRAM there), here of CPU memory:
     a second real agent reads the cache's first block and finds its bytes."""
     engine = nixl_engine(tiny_llama, "probe", num_kv_blocks=16, max_model_len=256)
-    engine.runner.kv_cache[0].normal_()  # something to find
+    engine.runner.kv_cache[0].normal_()
+    before = engine.runner.kv_cache.clone()
     engine.runner.connector.check_reachable(engine.runner.kv_cache)
+    assert torch.equal(engine.runner.kv_cache, before)  # the pattern it read was put back
 
 
 class RefusingAgent:
@@ -433,12 +438,21 @@ class RefusingAgent:
         return "ERR"
 
 
-def test_a_cache_peers_cannot_read_stops_the_start_saying_why(tiny_llama):
-    import pytest
+class IdleAgent(RefusingAgent):
+    """A real NIXL agent whose transfers say DONE having moved nothing."""
 
+    def transfer(self, handle):
+        return "DONE"
+
+
+@pytest.mark.parametrize("agent,why", [(RefusingAgent, r"the READ ended in ERR"),
+                                       (IdleAgent, r"the READ reported done, but the block's bytes did not arrive")])
+def test_a_cache_peers_cannot_read_stops_the_start_saying_why(tiny_llama, agent, why):
     from baton.engine.errors import StartupError
 
     engine = nixl_engine(tiny_llama, "probe", num_kv_blocks=16, max_model_len=256)
-    with pytest.raises(StartupError, match=r"cannot move KV blocks in DRAM on cpu over NIXL/UCX \(the READ ended "
-                                           r"in ERR\); for GPU memory UCX needs its CUDA transports"):
-        engine.runner.connector.check_reachable(engine.runner.kv_cache, RefusingAgent(f"refusing-{next(_ids)}"))
+    before = engine.runner.kv_cache.clone()
+    with pytest.raises(StartupError, match=r"cannot move KV blocks in DRAM on cpu over NIXL/UCX \(" + why
+                                           + r"\); for GPU memory UCX needs its CUDA transports"):
+        engine.runner.connector.check_reachable(engine.runner.kv_cache, agent(f"faulty-{next(_ids)}"))
+    assert torch.equal(engine.runner.kv_cache, before)
