@@ -44,8 +44,7 @@ def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale, tiles_per_split,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                  DIRECT: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DIRECT: tl.constexpr):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b)
     # tiles_per_split is a runtime argument: it changes as contexts grow, and a constexpr
