@@ -4,6 +4,7 @@ attention backend, and the devices `baton up` gives its engines."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from baton.engine.loader import load_model
 from baton.engine.memory import kv_cache_bytes, profile_batch
 from baton.engine.model_runner import ModelRunner
 from baton.kernels.attention import choose_backend
+from baton.services.common import is_serving
 from baton.services.launcher import build_stack, free_port
 from baton.services.placement import Placement, place_engines
 
@@ -135,19 +137,36 @@ def test_a_device_that_is_not_there_is_named(device, tiers, message):
         place_engines(PD, device, tiers, gpus)
 
 
-def test_engines_sharing_a_gpu_start_one_at_a_time(tiny_llama):
-    """Each measures its memory use with no other loading beside it. (On CPU here: the
-    placement only orders the start.)"""
+def test_engines_sharing_a_gpu_start_and_restart_one_at_a_time(tiny_llama):
+    """Each measures its memory use with no other loading beside it, at the start and when
+    both died and come back. (On CPU here: the placement only orders the starts.)"""
     stack = build_stack(tiny_llama, "127.0.0.1", free_port("127.0.0.1"), 0, 2,
                         ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64"], "round_robin")
     router, first, second = stack.services
     first.placement = second.placement = Placement("cuda:0", True, 0.45)
+
+    def loading(s) -> bool:
+        return s.proc is not None and s.proc.poll() is None and not is_serving(s.address, 0.2)
     try:
         stack.start(dict(os.environ, BATON_INTERNAL_TOKEN=TOKEN))
         assert router.proc is not None and first.proc is not None and second.proc is None
         stack.wait_serving(120)
         assert second.proc is not None and second.proc.poll() is None
         assert second.started_at - first.started_at > 0.5  # the first loaded the model meanwhile
+        for s in (first, second):
+            s.proc.kill()
+            s.proc.wait()
+        deadline, both_loading = time.monotonic() + 120, False
+        while time.monotonic() < deadline:
+            assert stack.supervise() is None
+            both_loading |= loading(first) and loading(second)
+            if all(s.restart_at is None and s.proc.poll() is None and is_serving(s.address, 0.2)
+                   for s in (first, second)):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the two engines did not both come back")
+        assert not both_loading
     finally:
         stack.stop(0)
     assert all(s.proc.poll() is not None for s in stack.services)
