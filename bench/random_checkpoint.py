@@ -53,26 +53,33 @@ def write_random_checkpoint(out_dir: str, shape: str, seed: int = 0, max_positio
     def normal(*shape):
         return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
 
-    shards = [{"model.embed_tokens.weight": normal(dims["vocab_size"], h), "model.norm.weight": torch.ones(
-        h, dtype=torch.bfloat16)}]
-    if not dims["tie_word_embeddings"]:
-        shards[0]["lm_head.weight"] = normal(dims["vocab_size"], h)
-    for i in range(dims["num_hidden_layers"]):
-        if i % _LAYERS_PER_SHARD == 0:
-            shards.append({})
-        p = f"model.layers.{i}."
-        shards[-1].update({
-            p + "self_attn.q_proj.weight": normal(heads * head_dim, h), p + "self_attn.k_proj.weight": normal(
-                kv * head_dim, h), p + "self_attn.v_proj.weight": normal(kv * head_dim, h),
-            p + "self_attn.o_proj.weight": normal(h, heads * head_dim), p + "mlp.gate_proj.weight": normal(inter, h),
-            p + "mlp.up_proj.weight": normal(inter, h), p + "mlp.down_proj.weight": normal(h, inter),
-            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})
+    layers = dims["num_hidden_layers"]
+    num_shards = 1 + -(-layers // _LAYERS_PER_SHARD)
     weight_map = {}
-    for n, tensors in enumerate(shards):
-        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+
+    def save(n: int, tensors: dict) -> None:  # each shard written as soon as it is drawn
+        name = f"model-{n + 1:05d}-of-{num_shards:05d}.safetensors"
         save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
+
+    first = {"model.embed_tokens.weight": normal(dims["vocab_size"], h),
+             "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    if not dims["tie_word_embeddings"]:
+        first["lm_head.weight"] = normal(dims["vocab_size"], h)
+    save(0, first)
+    for n, start in enumerate(range(0, layers, _LAYERS_PER_SHARD), start=1):
+        shard = {}
+        for i in range(start, min(start + _LAYERS_PER_SHARD, layers)):
+            p = f"model.layers.{i}."
+            shard.update({
+                p + "self_attn.q_proj.weight": normal(heads * head_dim, h),
+                p + "self_attn.k_proj.weight": normal(kv * head_dim, h),
+                p + "self_attn.v_proj.weight": normal(kv * head_dim, h),
+                p + "self_attn.o_proj.weight": normal(h, heads * head_dim), p + "mlp.gate_proj.weight": normal(inter, h),
+                p + "mlp.up_proj.weight": normal(inter, h), p + "mlp.down_proj.weight": normal(h, inter),
+                p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})
+        save(n, shard)
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     tokenizer.save_pretrained(out_dir)

@@ -177,7 +177,6 @@ def start_service(args: argparse.Namespace, *flags: str, cpus: set[int] | None =
                              "--max-waiting-requests", str(args.num_prompts + 1), "--internal-token", TOKEN, *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-    address = None
     for line in proc.stdout:
         if line.startswith("serving on "):
             address = line.split()[2].rstrip(";")

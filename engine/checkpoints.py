@@ -100,8 +100,9 @@ def _readable_by_all(directory: str) -> None:
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
         mode = os.stat(path).st_mode
-        if os.path.isfile(path) and (mode | (0o444 & ~umask)) != mode:
-            os.chmod(path, mode | (0o444 & ~umask))
+        wanted = mode | (0o444 & ~umask)
+        if os.path.isfile(path) and wanted != mode:
+            os.chmod(path, wanted)
 
 
 def prepare_smollm2(out_dir: str) -> str:

@@ -1,7 +1,6 @@
 """The engine step loop: scheduler -> model runner -> scheduler, plus text for the callers."""
 from __future__ import annotations
 
-import gc
 import json
 import os
 import time
@@ -14,7 +13,7 @@ from baton.engine.detokenizer import TextStream
 from baton.engine.errors import InvalidArgument, check
 from baton.engine.kv_cache_manager import KVCacheManager
 from baton.engine.loader import load_model, read_config
-from baton.engine.memory import measure_kv_cache_bytes
+from baton.engine.memory import measure_kv_cache_bytes, memory_before_loading
 from baton.engine.model import ModelArgs
 from baton.engine.model_runner import ModelRunner
 from baton.engine.request import Request, RequestStatus
@@ -76,11 +75,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
         torch.manual_seed(config.seed)
         on_gpu = torch.device(config.device).type == "cuda"
-        if on_gpu:  # what an engine dropped earlier in this process left cached counts as free
-            torch.cuda.set_device(config.device)  # this thread's: no stray context on device 0
-            gc.collect()
-            torch.cuda.empty_cache()
-        free_at_start, total = torch.cuda.mem_get_info(config.device) if on_gpu else (0, 0)
+        free_at_start, total = memory_before_loading(config.device) if on_gpu else (0, 0)
         model = load_model(config.model, config.torch_dtype(args.torch_dtype), config.device)
         if on_gpu and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
             config.kv_cache_memory_bytes = measure_kv_cache_bytes(model, config, free_at_start, total)

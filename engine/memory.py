@@ -13,6 +13,7 @@ when it starts. Not counted: what NIXL/UCX allocate on the device when the cache
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import torch
 
@@ -60,6 +61,16 @@ def profile_batch(config: EngineConfig) -> tuple[SchedulerOutput, int]:
         sched.num_scheduled_tokens[f"profile-{i}"] = n
     sched.total_num_scheduled_tokens = tokens
     return sched, next_block
+
+
+def memory_before_loading(device: str) -> tuple[int, int]:
+    """(free, total) bytes of the device before the model loads, with the calling thread set
+    to it (no stray context on device 0) and what an engine dropped earlier in this process
+    left cached given back."""
+    torch.cuda.set_device(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
 
 
 def measure_kv_cache_bytes(model, config: EngineConfig, free_at_start: int, total: int) -> int:

@@ -179,12 +179,13 @@ class ModelRunner:
                 sample_req_ids.append(req_id)
         dev = self.device
         positions_t = torch.tensor(positions, device=dev)
+        num_decodes = sum(1 for _, n in order if n == 1)  # the first spans
         if self.attention_backend == "cpu":
             meta = self._kernel_batch(spans, positions_t)
         elif self.attention_backend == "triton":
-            meta = self._triton_batch(spans)
+            meta = self._triton_batch(spans, num_decodes)
         else:
-            meta = self._reference_batch(spans)
+            meta = self._reference_batch(spans, num_decodes)
         return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t, "meta": meta,
                 "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids,
                 "prompt_rows": prompt_rows}
@@ -200,9 +201,8 @@ class ModelRunner:
         return AttentionMetadata(kernel=KernelBatch(torch.tensor(block_ids), torch.tensor(row_block_start),
                                                     positions))
 
-    def _triton_batch(self, spans: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
+    def _triton_batch(self, spans: list[tuple[int, int, list[int]]], num_decodes: int) -> AttentionMetadata:
         bs = self.block_size
-        num_decodes = sum(1 for start, end, _ in spans if end - start == 1)
         decodes, prefills = spans[:num_decodes], spans[num_decodes:]
         decode_tables, prefill_tables = _padded_tables(decodes, bs), _padded_tables(prefills, bs)
         q_lens = [end - start for start, end, _ in prefills]
@@ -218,10 +218,9 @@ class ModelRunner:
             prefill_tables=pre_tab.view(len(prefills), -1 if prefills else 0), q_starts=q_starts, q_lens=q_lens_t,
             ctx_lens=ctx_lens, max_q_len=max(q_lens, default=0)))
 
-    def _reference_batch(self, spans: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
+    def _reference_batch(self, spans: list[tuple[int, int, list[int]]], num_decodes: int) -> AttentionMetadata:
         bs, dev = self.block_size, self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(_slots(spans, bs), device=dev))
-        num_decodes = sum(1 for start, end, _ in spans if end - start == 1)
         meta.decodes = self._decode_groups([blocks[:-(-end // bs)] for _, end, blocks in spans[:num_decodes]],
                                            [end for _, end, _ in spans[:num_decodes]])
         row = num_decodes

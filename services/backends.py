@@ -29,6 +29,11 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def addresses(infos, port: int) -> list[str]:
+    """HOST:PORT of each getaddrinfo result (IPv6 in brackets)."""
+    return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for *_, (ip, *_rest) in infos]
+
+
 class Backend:
     """One instance: a channel, its stubs, its health, and the requests it has in flight."""
 
@@ -97,18 +102,16 @@ class Tier:
     async def refresh(self) -> None:
         """Resolve every name again: add the new addresses, drop the ones that went away."""
         loop = asyncio.get_running_loop()
-        addresses: list[str] = []
+        found: list[str] = []
         for host, port in self.specs:
             try:
                 infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except OSError as e:  # keep what the name gave before
                 log.warning("cannot resolve %s backend %s: %s", self.name, host, e)
-                addresses += [a for a in self.backends if a.endswith(f":{port}")]
+                found += [a for a in self.backends if a.endswith(f":{port}")]
                 continue
-            for *_, sockaddr in infos:
-                ip = sockaddr[0]
-                addresses.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
-        wanted = dict.fromkeys(addresses)
+            found += addresses(infos, port)
+        wanted = dict.fromkeys(found)
         for address in wanted.keys() - self.backends.keys():
             backend = self.backends[address] = Backend(address, self._health_retry_s,
                                                        self._on_health_change, self.tls)

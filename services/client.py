@@ -10,12 +10,11 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 
-from baton.services.common import FINISH_REASONS
+from baton.services.common import FINISH_REASON_NAMES
 from baton.services.tls import TLSConfig, aio_channel, sync_channel
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
 
-_FINISH_REASONS = {code: name for name, code in FINISH_REASONS.items()}
 _OUTPUTS = {"text": pb.OUTPUT_TEXT, "token_ids": pb.OUTPUT_TOKEN_IDS, "both": pb.OUTPUT_TEXT_AND_TOKEN_IDS}
 
 
@@ -70,7 +69,7 @@ def chunk_from_response(resp: pb.GenerateResponse) -> Chunk:
     if stop is not None:
         chunk.stop_reason = getattr(resp, stop)
     if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-        chunk.finish_reason = _FINISH_REASONS[resp.finish_reason]
+        chunk.finish_reason = FINISH_REASON_NAMES[resp.finish_reason]
         u = resp.usage
         chunk.usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
     return chunk

@@ -17,6 +17,7 @@ DECODE_STEP_KEY = "x-baton-first-decode-step"  # a decode's initial metadata: se
 POLICIES = ("round_robin", "least_outstanding", "prefix_affinity")  # the router's
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
+FINISH_REASON_NAMES = {code: name for name, code in FINISH_REASONS.items()}
 
 
 def token_metadata(token: str | None) -> tuple:

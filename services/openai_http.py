@@ -11,7 +11,6 @@ handler, which aborts the request and frees its blocks.
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,7 +23,6 @@ from baton.services.openai_protocol import (ApiError, Completion, chat_messages_
                                             prompts_from_body, sampling_from_body, sse)
 from baton.v1 import generate_pb2 as pb
 
-log = logging.getLogger("baton.http")
 
 class _Aborted(Exception):
     """The stand-in context's abort (a gRPC handler's abort raises, so does this)."""

@@ -8,14 +8,13 @@ import json
 
 import grpc
 
+from baton.services.common import FINISH_REASON_NAMES
 from baton.v1 import generate_pb2 as pb
 
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
                 grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.PERMISSION_DENIED: 403,
                 grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
                 grpc.StatusCode.DEADLINE_EXCEEDED: 504}
-_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort",
-           pb.FINISH_REASON_ERROR: "error"}
 # OpenAI parameter -> (SamplingParams field, expected type); vLLM's extra parameters included.
 _SAMPLING = {"max_tokens": ("max_tokens", int), "max_completion_tokens": ("max_tokens", int),
              "temperature": ("temperature", float), "top_p": ("top_p", float), "top_k": ("top_k", int),
@@ -27,7 +26,7 @@ _SAMPLING = {"max_tokens": ("max_tokens", int), "max_completion_tokens": ("max_t
              "prompt_logprobs": ("prompt_logprobs", int)}
 # The API's field names (in gRPC errors) as OpenAI's parameters.
 _PARAM = {"sampling.max_tokens": "max_tokens", "sampling.stop": "stop", "token_ids": "prompt", "chat": "messages",
-          "chat.messages": "messages", "prompt": "prompt"}
+          "chat.messages": "messages"}
 
 
 class ApiError(Exception):
@@ -169,7 +168,7 @@ class Completion:
                 {str(t): {"logprob": v, "decoded_token": text(t)} for t, v in
                  [(lp.token_id, lp.logprob), *zip(lp.top_token_ids, lp.top_logprobs)]} for lp in resp.prompt_logprobs]
         if resp.finish_reason:
-            choice["finish_reason"] = _FINISH.get(resp.finish_reason, "stop")
+            choice["finish_reason"] = FINISH_REASON_NAMES.get(resp.finish_reason, "stop")
             stop = resp.WhichOneof("stop_reason")
             choice["stop_reason"] = getattr(resp, stop) if stop else None
             u = resp.usage
@@ -231,7 +230,7 @@ class Completion:
         first = not choice["started"]
         choice["started"] = True
         logprobs = self._logprobs_shape(self._account(index, resp), offset)
-        finish = _FINISH.get(resp.finish_reason) if resp.finish_reason else None
+        finish = FINISH_REASON_NAMES.get(resp.finish_reason) if resp.finish_reason else None
         if not (resp.text or logprobs or finish or (first and self.chat)):
             return []
         if self.chat:

@@ -11,9 +11,11 @@ without another loading beside it.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-DEFAULT_UTILIZATION = 0.9
+from baton.engine.config import EngineConfig
+
+DEFAULT_UTILIZATION = next(f.default for f in fields(EngineConfig) if f.name == "gpu_memory_utilization")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +32,7 @@ class Placement:
 
 
 def visible_gpus() -> int:
-    import torch  # imported only here: the launcher needs torch for nothing else
+    import torch
 
     return torch.cuda.device_count()
 

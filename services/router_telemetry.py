@@ -17,12 +17,11 @@ import time
 import grpc
 
 from baton.services import tracing
-from baton.services.common import DECODE_STEP_KEY, FINISH_REASONS, SERVICE_NAME
+from baton.services.common import DECODE_STEP_KEY, FINISH_REASON_NAMES, SERVICE_NAME
 from baton.services.metrics import RouterMetrics
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2
 
-_FINISH_REASON_NAMES = {code: name for name, code in FINISH_REASONS.items()}
 PREFILL_SERVICE = internal_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
 
@@ -75,7 +74,7 @@ class RouterTrace:
         return {"gen_ai.usage.input_tokens": last.usage.prompt_tokens,
                 "gen_ai.usage.output_tokens": last.usage.completion_tokens,
                 "gen_ai.usage.cache_read.input_tokens": last.usage.cached_tokens,
-                "gen_ai.response.finish_reasons": [_FINISH_REASON_NAMES.get(last.finish_reason, "error")]}
+                "gen_ai.response.finish_reasons": [FINISH_REASON_NAMES.get(last.finish_reason, "error")]}
 
     def _exemplar(self) -> dict | None:
         if self.span is None:

@@ -13,7 +13,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.services.client import Client
-from baton.services.backends import split_host_port
+from baton.services.backends import addresses, split_host_port
 from baton.services.tls import TLSConfig
 
 # Several blocks of prompt, so there is KV to move whatever the block size.
@@ -30,9 +30,7 @@ def endpoints(specs: list[str]) -> list[str]:
     found: list[str] = []
     for spec in specs:
         host, port = split_host_port(spec)
-        for *_, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-            ip = sockaddr[0]
-            found.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+        found += addresses(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM), port)
     return list(dict.fromkeys(found))
 
 
@@ -50,8 +48,11 @@ def total(samples: dict[tuple, float], metric: tuple[str, dict]) -> float:
                if n == name and all(dict(labels).get(k) == want for k, want in match.items()))
 
 
-def tier_total(addresses: list[str], metric: tuple[str, dict]) -> float:
-    return sum(total(scrape(a), metric) for a in addresses)
+def counts(prefills: list[str], decodes: list[str]) -> list[float]:
+    """The decodes' KV pulls and bytes pulled, and the prefills' holds pulled: one scrape each."""
+    pages = [scrape(a) for a in decodes]
+    return [sum(total(p, PULLS) for p in pages), sum(total(p, PULLED_BYTES) for p in pages),
+            sum(total(scrape(a), HOLDS_PULLED) for a in prefills)]
 
 
 def generate_once(target: str, tls: TLSConfig | None, deadline: float) -> tuple[int, str]:
@@ -77,7 +78,7 @@ def check_stack(args) -> int:
     tls = TLSConfig.from_args(args)
     try:
         prefills, decodes = endpoints(args.prefill_metrics), endpoints(args.decode_metrics)
-        before = [tier_total(decodes, PULLS), tier_total(decodes, PULLED_BYTES), tier_total(prefills, HOLDS_PULLED)]
+        before = counts(prefills, decodes)
         n, finish = generate_once(args.target, tls, deadline)
     except (OSError, ValueError, grpc.RpcError) as e:
         detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
@@ -92,7 +93,7 @@ def check_stack(args) -> int:
     # The decode counts its pull when the blocks land, the prefill its hold when the decode's
     # notification arrives: wait a little for both.
     while True:
-        after = [tier_total(decodes, PULLS), tier_total(decodes, PULLED_BYTES), tier_total(prefills, HOLDS_PULLED)]
+        after = counts(prefills, decodes)
         pulls, moved, holds = (a - b for a, b in zip(after, before))
         if (pulls >= 1 and moved > 0 and holds >= 1) or time.monotonic() > deadline:
             break

@@ -58,17 +58,19 @@ class HFReference:
         self._models = {}
         self._cache = {}
 
-    def model(self, model_dir: str):
-        if model_dir not in self._models:
+    def model(self, model_dir: str, dtype=torch.float32, device: str = "cpu"):
+        if (model_dir, dtype, device) not in self._models:
             from transformers import AutoModelForCausalLM
-            self._models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        return self._models[model_dir]
+            self._models[model_dir, dtype, device] = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=dtype).to(device).eval()
+        return self._models[model_dir, dtype, device]
 
-    def greedy(self, model_dir: str, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
-        key = (model_dir, tuple(prompt_ids), max_new_tokens, stop_at_eos)
+    def greedy(self, model_dir: str, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = False,
+               dtype=torch.float32, device: str = "cpu") -> list[int]:
+        key = (model_dir, tuple(prompt_ids), max_new_tokens, stop_at_eos, dtype, device)
         if key not in self._cache:
-            model = self.model(model_dir)
-            ids = torch.tensor([prompt_ids])
+            model = self.model(model_dir, dtype, device)
+            ids = torch.tensor([prompt_ids], device=device)
             extra = {} if stop_at_eos else {"eos_token_id": None, "min_new_tokens": max_new_tokens}
             with torch.inference_mode():
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

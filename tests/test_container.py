@@ -66,7 +66,8 @@ def test_baton_up_in_the_image_serves_generate_from_outside(image, smollm2):
         uids = {next(line.split()[1] for line in open(f"/proc/{pid}/status") if line.startswith("Uid:"))
                 for pid in pids}
         assert len(pids) == 4 and uids == {"10001"}, (pids, uids)  # baton up, router, prefill, decode
-        logs = podman("logs", cid).stdout + podman("logs", cid).stderr
+        out = podman("logs", cid)
+        logs = out.stdout + out.stderr
         assert "PyTorch reference" not in logs, logs  # the kernel built into the image loaded
 
         t2 = time.monotonic()

@@ -37,28 +37,14 @@ def test_the_engine_picks_the_triton_kernels_on_cuda(tiny_llama):
     assert llm.engine.runner.attention_backend == "triton"
 
 
-@torch.inference_mode()
-def hf_greedy_on_cuda(model_dir: str, prompts: list[list[int]], n: int, dtype) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
-    outs = []
-    for prompt in prompts:  # one at a time: no padding
-        ids = torch.tensor([prompt], device="cuda")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(out[0, len(prompt):].tolist())
-    return outs
-
-
-def test_bfloat16_greedy_equals_transformers_in_bfloat16_for_32_tokens(tiny_model):
+def test_bfloat16_greedy_equals_transformers_in_bfloat16_for_32_tokens(tiny_model, hf):
     """A batch in bf16 on the Triton kernels against transformers in bf16, prompt by prompt.
     Rounding differs between the two (fused QKV, the attention kernel's order of sums), so only
     the first 32 tokens must agree; later ones may diverge where two logits tie in bf16."""
     prompts = random_prompts([3, 17, 40, 130, 260], seed=21)
     llm = LLM(tiny_model, dtype="bfloat16", device="cuda", max_num_batched_tokens=64)
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
-    want = hf_greedy_on_cuda(tiny_model, prompts, 32, torch.bfloat16)
+    want = [hf.greedy(tiny_model, p, 32, dtype=torch.bfloat16, device="cuda") for p in prompts]
     for out, ref, prompt in zip(outs, want, prompts):
         assert out.token_ids == ref, f"prompt of {len(prompt)} tokens"
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
@@ -78,7 +64,7 @@ def test_prefill_and_decode_on_the_gpu_hand_off_over_nixl(tiny_llama):
     """Two engines on the GPU, blocks moved VRAM to VRAM by a real NIXL READ (after each
     engine's start-up probe): the output equals one colocated engine's."""
     pytest.importorskip("nixl")
-    from test_nixl_connector import connect, disaggregated, nixl_engine
+    from nixl_engines import connect, disaggregated, nixl_engine
 
     prompts = random_prompts([5, 40, 130], seed=22)
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * 3

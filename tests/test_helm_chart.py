@@ -60,7 +60,7 @@ def test_image_volume_needs_kubernetes_1_31():
 @pytest.mark.parametrize("name", render_golden.GOLDEN_VALUE_SETS)
 def test_golden_render(name):
     path = render_golden.golden_path(name)
-    fresh = render_golden.render_text(render_golden.GOLDEN_VALUE_SETS[name], chart())
+    fresh = render_golden.render_text(render(render_golden.GOLDEN_VALUE_SETS[name]))
     assert path.exists(), f"{path} is missing: run .venv/bin/python deploy/helm/render_golden.py"
     if fresh != path.read_text():
         import difflib

@@ -23,17 +23,11 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    """Each sequence's blocks gathered, its K/V repeated per query head, softmax in float32."""
-    out = torch.empty_like(q)
-    group = q.shape[1] // k_cache.shape[2]
-    block_size = k_cache.shape[1]
-    for b, n in enumerate(seq_lens.tolist()):
-        blocks = block_tables[b, :math.ceil(n / block_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # [n, Hq, D]
-        v = v_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)
-        p = torch.softmax(torch.einsum("hd,thd->ht", q[b].float(), k) * scale, dim=-1)
-        out[b] = torch.einsum("ht,thd->hd", p, v).to(q.dtype)
-    return out
+    """Each sequence's one query row against its whole context: prefill_reference with chunks
+    of one token."""
+    n = len(seq_lens)
+    return prefill_reference(q, k_cache, v_cache, block_tables, torch.arange(n), torch.ones(n, dtype=torch.int32),
+                             seq_lens, scale)
 
 
 def case(batch, lens, group, head_dim, block_size, dtype, num_kv_heads=2, seed=0):

@@ -54,14 +54,9 @@ def normalise(path: str, text: str) -> str:
     return text
 
 
-def render_text(values: dict, chart=None) -> str:
-    """One value set's render as a single, deterministic text."""
-    import helm_python
-
-    if chart is None:
-        with helm_python.Chart.load(CHART) as loaded:
-            return render_text(values, loaded)
-    rendered = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+def render_text(rendered: dict[str, str]) -> str:
+    """One value set's render ({template path: text}, for RELEASE in NAMESPACE) as a single,
+    deterministic text."""
     parts = []
     for path in sorted(rendered, key=lambda p: (p.endswith("NOTES.txt"), p)):  # NOTES last, as helm prints it
         text = rendered[path].strip("\n")
@@ -81,7 +76,7 @@ def main() -> int:
     with helm_python.Chart.load(CHART) as chart:
         for name, values in GOLDEN_VALUE_SETS.items():
             path = golden_path(name)
-            text = render_text(values, chart)
+            text = render_text(chart.render(values, name=RELEASE, namespace=NAMESPACE))
             changed = not path.exists() or path.read_text() != text
             path.write_text(text)
             print(f"{'wrote' if changed else 'unchanged'} {path.relative_to(ROOT)}")

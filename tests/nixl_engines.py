@@ -1,0 +1,81 @@
+"""Engines with the real NIXL connector, in one process, and the steps of a handoff between
+them, for the disaggregation tests (test_nixl_connector.py, test_nixl_faults.py, test_gpu.py)."""
+from __future__ import annotations
+
+import itertools
+
+from baton.engine.config import EngineConfig
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.sampling_params import SamplingParams
+from baton.kv_transfer.nixl_connector import make_nixl_connector
+
+agent_ids = itertools.count()  # NIXL agent names must be unique among peers, across modules
+
+
+def nixl_engine(model_dir: str, role: str, hold_timeout_s: float = 60.0, agent=None, name=None,
+                load_timeout_s: float = 30.0, **kwargs) -> LLMEngine:
+    config = EngineConfig(model=model_dir, **{"dtype": "float32", "device": "cpu", **kwargs})
+    name = name or f"{role}-{next(agent_ids)}"  # NIXL agent names must be unique among peers
+    return LLMEngine(config, kv_connector=make_nixl_connector(name, config.block_size, hold_timeout_s, agent,
+                                                              load_timeout_s))
+
+
+def connect(prefill: LLMEngine, decode: LLMEngine) -> None:
+    """The metadata exchange the services do over gRPC, done directly."""
+    decode.runner.connector.add_peer(prefill.runner.connector.layout)
+    prefill.runner.connector.add_peer(decode.runner.connector.layout)
+
+
+def run_prefill(prefill: LLMEngine, prompts, params: list[SamplingParams]) -> list[dict]:
+    reqs = [prefill.add_request(f"p{next(agent_ids)}", prompt, SamplingParams(**{**_fields(p), "max_tokens": 1}),
+                                kv_transfer_params={"do_remote_decode": True})
+            for prompt, p in zip(prompts, params)]
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    return [r.kv_transfer_params for r in reqs]
+
+
+def _fields(p: SamplingParams) -> dict:
+    return {name: getattr(p, name) for name in SamplingParams.__slots__}
+
+
+def run_until_done(*engines, on_step=None, max_steps=20_000) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        busy = False
+        for eng in engines:
+            if eng.has_unfinished_requests() or eng.num_held_requests:
+                busy = True
+                for out in eng.step():
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if on_step:
+            on_step()
+        if not busy:
+            return tokens
+    state = [(e.scheduler.waiting, e.scheduler.running, e.scheduler.held, e.runner.connector._loading,
+              e.runner.connector._holds) for e in engines]
+    raise AssertionError(f"engines did not finish: {state}")  # bounded: never hangs
+
+
+def assert_pools_full(*engines):
+    for eng in engines:
+        assert eng.num_held_requests == 0
+        assert eng.kv.num_free_blocks == eng.num_kv_blocks
+
+
+def disaggregated(prefill, decode, prompts, params, on_step=None) -> list[list[int]]:
+    handles = run_prefill(prefill, prompts, params)
+    ids = []
+    for i, (prompt, p, handle) in enumerate(zip(prompts, params, handles)):
+        req = decode.add_request(f"d{next(agent_ids)}", prompt, p, kv_transfer_params=handle)
+        ids.append(req.request_id)
+    tokens = run_until_done(prefill, decode, on_step=on_step)
+    return [[h["first_token"]] + tokens.get(r, []) for h, r in zip(handles, ids)]
+
+
+def events_by_request(*engines) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for eng in engines:
+        for ev in eng.take_events().events:
+            out.setdefault(ev.request_id, []).append(ev)
+    return out
