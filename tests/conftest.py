@@ -228,3 +228,38 @@ def spawn():
     with contextlib.ExitStack() as stack:
         for proc in procs:
             stack.callback(proc.stop)
+
+
+@pytest.fixture(scope="module")
+def trace_receiver():
+    """An OTLP receiver in the test process (trace_view.TraceReceiver), for a module's tests."""
+    from baton.services.trace_view import TraceReceiver
+
+    r = TraceReceiver()
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def traced_stack(tiny_llama, trace_receiver):
+    """Router, prefill and decode processes, every one tracing to the receiver and serving
+    metrics (the telemetry tests')."""
+    from helpers import TOKEN, wait_serving
+
+    receiver = trace_receiver
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # the children inherit it: spans arrive within ms
+    common = ("--internal-token", TOKEN, "--otlp-traces-endpoint", receiver.endpoint, "--metrics-port", "0",
+              "--served-model-name", "tiny-llama")
+    prefill = ServerProcess(tiny_llama, "--role", "prefill", "--max-num-batched-tokens", "32", *common)
+    decode = ServerProcess(tiny_llama, "--role", "decode", *common)
+    procs = [prefill, decode]
+    try:
+        router = ServerProcess(tiny_llama, "--role", "router", "--prefill", prefill.address, "--decode",
+                               decode.address, *common)
+        procs.insert(0, router)
+        wait_serving(router.address)
+        yield router, prefill, decode
+    finally:
+        os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
+        for p in procs:
+            p.stop()
