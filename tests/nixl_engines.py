@@ -3,6 +3,7 @@ them, for the disaggregation tests (test_nixl_connector.py, test_nixl_faults.py,
 from __future__ import annotations
 
 import itertools
+import time
 
 from baton.engine.config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
@@ -39,9 +40,10 @@ def _fields(p: SamplingParams) -> dict:
     return {name: getattr(p, name) for name in SamplingParams.__slots__}
 
 
-def run_until_done(*engines, on_step=None, max_steps=20_000) -> dict[str, list[int]]:
+def run_until_done(*engines, on_step=None, timeout_s=60.0) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {}
-    for _ in range(max_steps):
+    deadline = time.monotonic() + timeout_s  # by time, not steps: an idle step takes microseconds
+    while time.monotonic() < deadline:
         busy = False
         for eng in engines:
             if eng.has_unfinished_requests() or eng.num_held_requests:

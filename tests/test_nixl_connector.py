@@ -69,7 +69,7 @@ def test_a_handle_nobody_pulls_is_freed_after_the_timeout(tiny_llama):
     prefill = nixl_engine(tiny_llama, "prefill", hold_timeout_s=0.2)
     run_prefill(prefill, random_prompts([40], seed=2), [SamplingParams(max_tokens=1, temperature=0)])
     assert prefill.num_held_requests == 1
-    run_until_done(prefill)  # bounded by max_steps; the timeout frees it after ~0.2 s
+    run_until_done(prefill)  # bounded in time; the hold timeout frees it after ~0.2 s
     assert prefill.runner.connector.num_expired_holds == 1
     assert_pools_full(prefill)
 
