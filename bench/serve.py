@@ -190,7 +190,7 @@ def start_service(args: argparse.Namespace, *flags: str, cpus: set[int] | None =
 
 
 def wait_serving(address: str, timeout_s: float = 60.0) -> None:
-    from baton.services.common import is_serving
+    from baton.services.rpc.health import is_serving
 
     deadline = time.monotonic() + timeout_s
     while not is_serving(address):

@@ -99,7 +99,7 @@ class SamplingParams:
     def child(self, index: int) -> SamplingParams:
         """The index-th of n completions: a request of its own whose seed, when there is one, is
         offset by the index (a different but reproducible stream); only the first asks for the
-        prompt's logprobs. (services/fan_out.py splits API requests alike.)"""
+        prompt's logprobs. (services/rpc/fan_out.py splits API requests alike.)"""
         return dataclasses.replace(self, n=1, seed=None if self.seed is None else child_seed(self.seed, index),
                                    prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 

@@ -90,7 +90,7 @@ class ServerThread:
 
     def __init__(self, model_dir: str, options: dict | None = None, **engine_args):
         from baton.engine.config import EngineConfig
-        from baton.services.server import Server, ServerOptions
+        from baton.services.server.server import Server, ServerOptions
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
@@ -233,7 +233,7 @@ def spawn():
 @pytest.fixture(scope="module")
 def trace_receiver():
     """An OTLP receiver in the test process (trace_view.TraceReceiver), for a module's tests."""
-    from baton.services.trace_view import TraceReceiver
+    from baton.services.telemetry.trace_view import TraceReceiver
 
     r = TraceReceiver()
     yield r

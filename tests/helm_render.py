@@ -17,7 +17,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means: no way to ren
     pytest.skip(f"the chart tests need helm-python-sdk, kubernetes-validate and pyyaml: {e}",
                 allow_module_level=True)
 
-from baton.services.cli import build_parser
+from baton.services.cli.main import build_parser
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("render_golden", ROOT / "deploy" / "helm" / "render_golden.py")

@@ -8,8 +8,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.services.common import is_serving
-from baton.services.launcher import backend_health
+from baton.services.rpc.health import is_serving
+from baton.services.rpc.health import backend_health
 
 TOKEN = "stack-secret"  # the internal token the tests' tiers share
 AUTH = (("x-baton-token", TOKEN),)

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from baton.engine.llm_engine import StepOutput
-from baton.services.async_engine import EngineDead, _merge_queued
+from baton.engine.async_engine import EngineDead, _merge_queued
 
 
 def step(tokens, text, finished=False):
@@ -50,7 +50,7 @@ def test_a_call_whose_caller_left_still_runs_and_the_loop_goes_on(tiny_llama):
     import threading
 
     from baton import LLM
-    from baton.services.async_engine import AsyncEngine
+    from baton.engine.async_engine import AsyncEngine
 
     engine = LLM(tiny_llama, dtype="float32", device="cpu").engine
     gate, ran = threading.Event(), []
@@ -77,7 +77,7 @@ def test_an_id_reused_right_after_its_stream_left_gets_a_run_of_its_own(tiny_lla
     """A client that cancels and retries at once with the same request id: the retry waits
     for the old request's abort, and never receives the old request's outputs."""
     from baton import LLM, SamplingParams
-    from baton.services.async_engine import AsyncEngine
+    from baton.engine.async_engine import AsyncEngine
 
     engine = LLM(tiny_llama, dtype="float32", device="cpu").engine
     params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)

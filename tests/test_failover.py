@@ -92,7 +92,7 @@ def test_a_read_against_a_killed_prefill_recomputes_fast_and_a_restarted_one_is_
     the same port as a new engine: the decode meets it again and pulls from it."""
     import time
 
-    from baton.services.launcher import free_port
+    from baton.services.cli.launcher import free_port
 
     from test_disaggregated_services import decode_on, prefill_on
 
@@ -215,7 +215,7 @@ def test_a_stream_that_failed_after_its_last_message_is_not_moved():
 
     import grpc
 
-    from baton.services.failover import Relay, decode_leg
+    from baton.services.router.decode_leg import Relay, decode_leg
     from baton.v1 import generate_pb2 as pb
 
     class Call:

@@ -15,9 +15,9 @@ from baton.engine.loader import load_model
 from baton.engine.memory import kv_cache_bytes, profile_batch
 from baton.engine.model_runner import ModelRunner
 from baton.kernels.attention import choose_backend
-from baton.services.common import is_serving
-from baton.services.launcher import build_stack, free_port
-from baton.services.placement import Placement, place_engines
+from baton.services.rpc.health import is_serving
+from baton.services.cli.launcher import build_stack, free_port
+from baton.services.cli.placement import Placement, place_engines
 
 from helpers import TOKEN
 

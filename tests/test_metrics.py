@@ -17,7 +17,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.services.client import AsyncClient
-from baton.services.launcher import free_port
+from baton.services.cli.launcher import free_port
 
 from helpers import collect, pools_full, random_prompts, stats
 from telemetry_stack import metrics_url, run, samples, scrape

@@ -19,8 +19,8 @@ import pytest
 
 from baton import LLM, SamplingParams
 from baton.services.client import AsyncClient
-from baton.services.launcher import free_port
-from baton.services.policies import PrefixAffinity
+from baton.services.cli.launcher import free_port
+from baton.services.router.policies import PrefixAffinity
 
 from conftest import ServerProcess
 from helpers import TOKEN, collect, pools_full, random_prompts, stats, wait_serving, workload

@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from baton import LLM, SamplingParams
-from baton.services import server as server_module
+from baton.services.server import server as server_module
 from baton.services.client import AsyncClient, Client, build_request
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc

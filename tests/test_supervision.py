@@ -11,7 +11,7 @@ import threading
 import time
 
 from baton.services.client import Client
-from baton.services.launcher import free_port
+from baton.services.cli.launcher import free_port
 
 from helpers import TOKEN, stats
 

@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from baton.services.client import AsyncClient, build_request
-from baton.services.launcher import free_port
-from baton.services.trace_view import KIND_CLIENT, KIND_SERVER, TraceReceiver, roots, waterfall
+from baton.services.cli.launcher import free_port
+from baton.services.telemetry.trace_view import KIND_CLIENT, KIND_SERVER, TraceReceiver, roots, waterfall
 from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
 
 from helpers import AUTH, TOKEN, collect, pools_full, random_prompts, wait_serving
@@ -192,7 +192,7 @@ def test_a_decode_killed_mid_stream_ends_the_trace_with_an_error(traced_stack, t
 
 
 def test_tracing_off_makes_no_tracer_and_otel_variables_apply(monkeypatch, tiny_llama, serve):
-    from baton.services import tracing
+    from baton.services.telemetry import tracing
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         monkeypatch.delenv(name, raising=False)
     assert tracing.make_tracer("both", "x") is None

@@ -19,7 +19,7 @@ from cryptography.x509.oid import NameOID
 
 from baton import LLM, SamplingParams
 from baton.services.client import Client
-from baton.services.tls import TLSConfig
+from baton.services.rpc.tls import TLSConfig
 
 from helpers import TOKEN, wait_serving
 

@@ -13,8 +13,8 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.services.client import Client
-from baton.services.backends import addresses, split_host_port
-from baton.services.tls import TLSConfig
+from baton.services.router.backends import addresses, split_host_port
+from baton.services.rpc.tls import TLSConfig
 
 # Several blocks of prompt, so there is KV to move whatever the block size.
 PROMPT = ("Disaggregated serving runs the prompt on one set of machines and the decoding on another, "

@@ -13,15 +13,16 @@ import grpc
 from baton.engine.errors import InvalidArgument, check
 from baton.engine.llm_engine import StepOutput
 from baton.kv_transfer.nixl_connector import KVLayout
-from baton.services.tls import aio_channel
-from baton.services.common import in_background, token_metadata
-from baton.services.engine_rpc import ENGINE_ERRORS, abort_for_engine_error, response_from_output
-from baton.services.fan_out import num_completions
+from baton.services.rpc.tls import aio_channel
+from baton.services.rpc.api import token_metadata
+from baton.services.rpc.serving import in_background
+from baton.services.server.responses import ENGINE_ERRORS, abort_for_engine_error, response_from_output
+from baton.services.rpc.fan_out import num_completions
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2, internal_pb2_grpc
 
 if TYPE_CHECKING:
-    from baton.services.server import GenerationService, Server
+    from baton.services.server.server import GenerationService, Server
 
 
 class PeerUnusable(Exception):

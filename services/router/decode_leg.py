@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import grpc
 
-from baton.services.backends import Backend
-from baton.services.common import in_background
+from baton.services.router.backends import Backend
+from baton.services.rpc.serving import in_background
 from baton.v1 import generate_pb2 as pb
 
 # The instance failed, not the request: another may serve it. CANCELLED from a backend is its

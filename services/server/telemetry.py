@@ -19,8 +19,8 @@ import logging
 
 from baton.engine.request import Request
 from baton.engine.stats import EventType, RequestEvent, StepEvents
-from baton.services.metrics import EngineMetrics
-from baton.services.tracing import carrier_of, end_span, link_to, start_span, wall_ns
+from baton.services.telemetry.metrics import EngineMetrics
+from baton.services.telemetry.tracing import carrier_of, end_span, link_to, start_span, wall_ns
 
 log = logging.getLogger("baton.telemetry")
 _PHASES_WITH_EVENTS = ("decode", "prefill")  # where chunks, preemptions and resumptions are noted

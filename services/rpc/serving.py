@@ -1,43 +1,13 @@
-"""What every Baton gRPC service shares (the engine servers and the router), without torch:
-the API's names, the internal token, finish reasons, health reporting and checking, the
-listening server and its drain."""
+"""A listening gRPC server, its health reporting and its drain."""
 from __future__ import annotations
 
 import asyncio
 import socket
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from baton.v1 import generate_pb2 as pb
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
-TOKEN_KEY = "x-baton-token"  # the stack's shared secret, in the metadata of internal calls
-DECODE_STEP_KEY = "x-baton-first-decode-step"  # a decode's initial metadata: seconds from KV landed to first token
-POLICIES = ("round_robin", "least_outstanding", "prefix_affinity")  # the router's
-FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
-                  "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
-FINISH_REASON_NAMES = {code: name for name, code in FINISH_REASONS.items()}
-
-
-def token_metadata(token: str | None) -> tuple:
-    return ((TOKEN_KEY, token),) if token is not None else ()
-
-
-def chat_messages(chat: pb.Chat) -> list[dict]:
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
-
-
-def is_serving(address: str, timeout_s: float = 1.0, tls=None) -> bool:
-    """Whether the server at address reports SERVING (unreachable counts as not)."""
-    from baton.services.tls import sync_channel
-
-    with sync_channel(address, tls) as channel:
-        try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-        except grpc.RpcError:
-            return False
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
+from baton.services.rpc.api import SERVICE_NAME
 
 
 def advertised_host(host: str, advertise_host: str | None) -> str:

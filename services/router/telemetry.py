@@ -16,9 +16,9 @@ import time
 
 import grpc
 
-from baton.services import tracing
-from baton.services.common import DECODE_STEP_KEY, FINISH_REASON_NAMES, SERVICE_NAME
-from baton.services.metrics import RouterMetrics
+from baton.services.telemetry import tracing
+from baton.services.rpc.api import DECODE_STEP_KEY, FINISH_REASON_NAMES, SERVICE_NAME
+from baton.services.telemetry.metrics import RouterMetrics
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2
 

@@ -5,11 +5,11 @@ For each request it picks a prefill and a decode instance, calls the prefill's i
 the decode's `Generate`, whose tokens it streams back. A client cannot tell it from a
 colocated server.
 
-Backends (services/backends.py) come from addresses or DNS names, re-resolved periodically,
-each watched with the gRPC health protocol; policies (services/policies.py) pick among them.
+Backends (backends.py) come from addresses or DNS names, re-resolved periodically,
+each watched with the gRPC health protocol; policies (policies.py) pick among them.
 Failures before the client saw a token are retried once elsewhere; with no healthy prefill
 instance the decode computes the prompt itself; after the first token a failure is
-UNAVAILABLE. Each request's spans and metrics: services/router_telemetry.py.
+UNAVAILABLE. Each request's spans and metrics: telemetry.py.
 """
 from __future__ import annotations
 
@@ -25,18 +25,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from baton.engine.kv_cache_manager import extend_block_hashes
-from baton.services import tracing
+from baton.services.telemetry import tracing
 from baton.engine.errors import InvalidArgument
-from baton.services.backends import Backend, Tier, split_host_port
-from baton.services.failover import Relay, aborted_response, decode_leg, pass_on_or_take_out
-from baton.services.fan_out import child_requests, merge, num_completions, retag
-from baton.services.common import (POLICIES, SERVICE_NAME, TOKEN_KEY, chat_messages, drain, in_background,
-                                   make_grpc_server, set_health, token_metadata)
-from baton.services.metrics import MetricsServer, RouterMetrics, make_registry
-from baton.services.policies import make_policy
-from baton.services.router_telemetry import RouterTrace
-from baton.services.runtime_api import CallRegistry, RouterRuntime
-from baton.services.tls import TLSConfig
+from baton.services.router.backends import Backend, Tier, split_host_port
+from baton.services.router.decode_leg import Relay, aborted_response, decode_leg, pass_on_or_take_out
+from baton.services.rpc.fan_out import child_requests, merge, num_completions, retag
+from baton.services.router.policies import POLICIES
+from baton.services.rpc.api import SERVICE_NAME, TOKEN_KEY, chat_messages, token_metadata
+from baton.services.rpc.serving import drain, in_background, make_grpc_server, set_health
+from baton.services.telemetry.metrics import MetricsServer, RouterMetrics, make_registry
+from baton.services.router.policies import make_policy
+from baton.services.router.telemetry import RouterTrace
+from baton.services.router.runtime import RouterRuntime
+from baton.services.rpc.runtime import CallRegistry
+from baton.services.rpc.tls import TLSConfig
 from baton.v1 import generate_pb2 as pb
 
 log = logging.getLogger("baton.router")
@@ -87,7 +89,7 @@ class RouterOptions:
 
 class RouterService(RouterRuntime):
     """baton.v1.TextGeneration: Generate's responses passed through as serialized bytes, and
-    the runtime API (services/runtime_api.py)."""
+    the runtime API (runtime.py)."""
 
     def __init__(self, router: Router):
         self.router = router
@@ -265,7 +267,7 @@ class Router:
             await tier.refresh()
         self._resolver = asyncio.ensure_future(self._resolve_periodically())
         if o.http_port is not None:
-            from baton.services.openai_http import OpenAIFront
+            from baton.services.openai.front import OpenAIFront
             self.http = OpenAIFront(self.service, o.host, o.http_port, lambda: self.serving, self.tokenizer, o.tls)
             await self.http.start()
         self.serving = True

@@ -80,10 +80,10 @@ def _serve(args) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.role == "router":
-        from baton.services.router import Router
+        from baton.services.router.router import Router
         make = lambda: Router(_router_options(args))  # noqa: E731
     else:
-        from baton.services.server import Server, ServerOptions
+        from baton.services.server.server import Server, ServerOptions
         options = _checked(ServerOptions, host=args.host, port=args.port,
                            max_concurrent_streams=args.max_concurrent_streams, max_message_bytes=args.max_message_bytes,
                            max_waiting_requests=args.max_waiting_requests, grace_s=args.grace_period,
@@ -128,7 +128,7 @@ def _checked(make, **kwargs):
 
 def _tls(args):
     """The --tls-* flags as a TLSConfig (None: plaintext), or a one-line exit naming the bad one."""
-    from baton.services.tls import TLSConfig
+    from baton.services.rpc.tls import TLSConfig
 
     try:
         return TLSConfig.from_args(args)
@@ -147,7 +147,7 @@ def _router_options(args):
     RouterOptions fields)."""
     import yaml
 
-    from baton.services.router import RouterOptions
+    from baton.services.router.router import RouterOptions
 
     config = {}
     if args.router_config:
@@ -175,8 +175,8 @@ def _router_options(args):
 
 
 def _up(args) -> None:
-    from baton.services.launcher import up
-    from baton.services.placement import place_engines, visible_gpus
+    from baton.services.cli.launcher import up
+    from baton.services.cli.placement import place_engines, visible_gpus
 
     if args.decode < 1 or args.prefill < 0:
         sys.exit("baton up: --decode must be >= 1 and --prefill >= 0")
@@ -196,7 +196,7 @@ def _up(args) -> None:
 
 
 def _trace(args) -> None:
-    from baton.services.trace_view import run
+    from baton.services.telemetry.trace_view import run
 
     try:
         run(args.host, args.port, args.quiet)
@@ -205,13 +205,13 @@ def _trace(args) -> None:
 
 
 def _generate(args) -> None:
-    from baton.services.generate_cli import generate
+    from baton.services.cli.generate import generate
 
     generate(args, _engine_config, _tls)
 
 
 def _health(args) -> None:
-    from baton.services.common import is_serving
+    from baton.services.rpc.health import is_serving
 
     serving = is_serving(args.target, args.timeout, _tls(args))
     print("SERVING" if serving else "NOT_SERVING (or unreachable)")
@@ -219,7 +219,7 @@ def _health(args) -> None:
 
 
 def _check_stack(args) -> None:
-    from baton.services.stack_check import check_stack
+    from baton.services.cli.stack_check import check_stack
 
     sys.exit(check_stack(args))
 
@@ -244,7 +244,7 @@ def _add_tls_flags(p: argparse.ArgumentParser, serving: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from baton.services.common import POLICIES
+    from baton.services.router.policies import POLICIES
 
     parser = argparse.ArgumentParser(prog="baton", description="Baton: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)

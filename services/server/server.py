@@ -1,7 +1,7 @@
 """A Baton engine server: one engine behind the public `Generate` API, with the standard gRPC
 health and reflection services and a graceful drain. As a prefill or decode tier it also
-serves the internal calls of services/kv_peers.py. Spans and metrics come from the engine's
-events through services/engine_telemetry.py."""
+serves the internal calls of kv_peers.py. Spans and metrics come from the engine's
+events through telemetry.py."""
 from __future__ import annotations
 
 import asyncio
@@ -22,17 +22,18 @@ from baton.engine.llm_engine import LLMEngine
 from baton.engine.request import Request
 from baton.engine.sampling_params import SamplingParams
 from baton.kv_transfer.nixl_connector import DEFAULT_HOLD_TIMEOUT_S, make_nixl_connector
-from baton.services import tracing
-from baton.services.async_engine import AsyncEngine
-from baton.services.common import (SERVICE_NAME, TOKEN_KEY, advertised_host, chat_messages, drain, in_background,
-                                   make_grpc_server, set_health)
-from baton.services.engine_rpc import ENGINE_ERRORS, abort_for_engine_error, decode_timing, response_from_output
-from baton.services.engine_telemetry import EngineTelemetry
-from baton.services.fan_out import child_requests, merge, num_completions
-from baton.services.kv_peers import KVPeers, KVPeerService, PrefillService
-from baton.services.metrics import EngineMetrics, MetricsServer, make_registry, on_loop
-from baton.services.runtime_api import CallRegistry, EngineRuntime, load_from_snapshot, model_info
-from baton.services.tls import TLSConfig
+from baton.services.telemetry import tracing
+from baton.engine.async_engine import AsyncEngine
+from baton.services.rpc.api import SERVICE_NAME, TOKEN_KEY, chat_messages
+from baton.services.rpc.serving import advertised_host, drain, in_background, make_grpc_server, set_health
+from baton.services.server.responses import ENGINE_ERRORS, abort_for_engine_error, decode_timing, response_from_output
+from baton.services.server.telemetry import EngineTelemetry
+from baton.services.rpc.fan_out import child_requests, merge, num_completions
+from baton.services.server.kv_peers import KVPeers, KVPeerService, PrefillService
+from baton.services.telemetry.metrics import EngineMetrics, MetricsServer, make_registry, on_loop
+from baton.services.rpc.runtime import CallRegistry
+from baton.services.server.runtime import EngineRuntime, load_from_snapshot, model_info
+from baton.services.rpc.tls import TLSConfig
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
 
@@ -266,7 +267,7 @@ class Server:
                                   on_step=self.telemetry.on_step if self.telemetry.enabled else None)
         self.engine.start()
         if o.http_port is not None:
-            from baton.services.openai_http import OpenAIFront
+            from baton.services.openai.front import OpenAIFront
             self.http = OpenAIFront(self.generation, o.host, o.http_port, lambda: self.serving, engine.tokenizer,
                                     o.tls)
             await self.http.start()

@@ -8,7 +8,7 @@ import json
 
 import grpc
 
-from baton.services.common import FINISH_REASON_NAMES
+from baton.services.rpc.api import FINISH_REASON_NAMES
 from baton.v1 import generate_pb2 as pb
 
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,

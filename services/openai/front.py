@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 import grpc
 from aiohttp import web
 
-from baton.services.fan_out import merge
-from baton.services.openai_protocol import (ApiError, Completion, chat_messages_from_body, error_for_status, int_list,
+from baton.services.rpc.fan_out import merge
+from baton.services.openai.protocol import (ApiError, Completion, chat_messages_from_body, error_for_status, int_list,
                                             prompts_from_body, sampling_from_body, sse)
 from baton.v1 import generate_pb2 as pb
 

@@ -9,6 +9,8 @@ import itertools
 from collections import OrderedDict
 from typing import NamedTuple
 
+POLICIES = ("round_robin", "least_outstanding", "prefix_affinity")
+
 
 class Choice(NamedTuple):
     backend: object

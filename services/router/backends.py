@@ -10,8 +10,8 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.services.common import SERVICE_NAME
-from baton.services.tls import aio_channel
+from baton.services.rpc.api import SERVICE_NAME
+from baton.services.rpc.tls import aio_channel
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
 

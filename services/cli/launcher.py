@@ -23,8 +23,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from baton.services.common import is_serving
-from baton.services.placement import Placement
+from baton.services.rpc.health import backend_health, is_serving
+from baton.services.cli.placement import Placement
 
 RESTART_BACKOFF_S, MAX_BACKOFF_S = 0.5, 30.0
 CRASH_LOOP, CRASH_WINDOW_S = 5, 60.0  # this many deaths of one service within the window stop the stack
@@ -45,24 +45,6 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def backend_health(address: str, tls=None) -> list[bool] | None:
-    """Whether each backend the router at address lists is healthy in its view (an engine lists
-    none); None when it does not answer. A router serves once one decode is healthy, and its
-    view of the rest lags the backends' own health by a watch."""
-    import grpc
-
-    from baton.services.tls import sync_channel
-    from baton.v1 import generate_pb2 as pb
-    from baton.v1 import generate_pb2_grpc
-
-    with sync_channel(address, tls) as channel:
-        try:
-            load = generate_pb2_grpc.TextGenerationStub(channel).GetLoad(pb.GetLoadRequest(), timeout=2)
-        except grpc.RpcError:
-            return None
-    return [b.healthy for b in load.backends]
 
 
 def _die_with_parent() -> None:
@@ -282,7 +264,7 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
 
 def _start_trace_receiver(host: str, port: int):
     """A receiver for the services' spans, printing waterfalls until the returned event is set."""
-    from baton.services.trace_view import TraceReceiver, print_waterfalls
+    from baton.services.telemetry.trace_view import TraceReceiver, print_waterfalls
 
     receiver, stop = TraceReceiver(host, port), threading.Event()
     threading.Thread(target=print_waterfalls, args=(receiver, stop), daemon=True).start()

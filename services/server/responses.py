@@ -8,8 +8,8 @@ from baton.engine.errors import InvalidArgument
 from baton.engine.llm_engine import StepOutput
 from baton.engine.request import Request
 from baton.engine.sampler import TokenLogprobs
-from baton.services.async_engine import DuplicateRequest, EngineDead, QueueFull
-from baton.services.common import DECODE_STEP_KEY, FINISH_REASONS
+from baton.engine.async_engine import DuplicateRequest, EngineDead, QueueFull
+from baton.services.rpc.api import DECODE_STEP_KEY, FINISH_REASONS
 from baton.v1 import generate_pb2 as pb
 
 ENGINE_ERRORS = (InvalidArgument, DuplicateRequest, QueueFull, EngineDead)  # raised by AsyncEngine.generate

@@ -1,0 +1,3 @@
+from baton.services.cli.main import main
+
+main()

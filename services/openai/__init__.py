@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front of a colocated server or the router."""

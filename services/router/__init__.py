@@ -1,0 +1,1 @@
+"""The router: the public Generate API in front of prefill and decode instances."""

@@ -1,0 +1,79 @@
+"""The router's runtime API beside Generate: its load and its backends', Abort wherever a call
+went, the rest answered by a healthy backend."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from baton.services.rpc.api import token_metadata
+from baton.services.rpc.runtime import watch
+from baton.v1 import generate_pb2 as pb
+
+
+class RouterRuntime:
+    """Mixed into the router's servicer (which has `router`): the load of the router and its
+    backends, Abort wherever a call went, the rest answered by a healthy backend."""
+
+    async def GetModelInfo(self, msg: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
+        info = await self._ask("GetModelInfo", msg, context)
+        info.role, info.model_name = "router", self.router.model_name
+        return info
+
+    async def GetLoad(self, msg: pb.GetLoadRequest, context) -> pb.Load:
+        return await self._load()
+
+    async def WatchLoad(self, msg: pb.GetLoadRequest, context):
+        async for load in watch(self._load, msg):
+            yield load
+
+    async def Tokenize(self, msg: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        return await self._ask("Tokenize", msg, context)
+
+    async def Detokenize(self, msg: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        return await self._ask("Detokenize", msg, context)
+
+    async def Abort(self, msg: pb.AbortRequest, context) -> pb.AbortResponse:
+        """Abort calls through the router at every backend they reached (a prefill lets go of
+        what it holds); a call still at its prefill ends with FINISH_REASON_ABORT here."""
+        r, results = self.router, []
+        for request_id in msg.request_ids:
+            ids = r.calls.live.get(request_id)
+            if ids is None:
+                results.append(pb.AbortResult(request_id=request_id, status=r.calls.status(request_id)))
+                continue
+            r.aborted.update(ids)
+            reached = set().union(*(r.routed.get(i, ()) for i in ids))
+            request = pb.AbortRequest(request_ids=ids)
+            await asyncio.gather(*(b.api.Abort(request, metadata=token_metadata(r.options.internal_token), timeout=5)
+                                   for b in reached), return_exceptions=True)
+            results.append(pb.AbortResult(request_id=request_id, status=pb.ABORT_STATUS_ABORTED))
+        return pb.AbortResponse(results=results)
+
+    async def _load(self) -> pb.Load:
+        """The router's requests in flight, and each backend's own load (when it answers)."""
+        r = self.router
+        backends = [(tier.name, b) for tier in (r.prefill, r.decode) for b in tier.backends.values()]
+
+        async def ask(backend):
+            if not backend.healthy:
+                return None
+            try:
+                return await backend.api.GetLoad(pb.GetLoadRequest(), timeout=1)
+            except grpc.aio.AioRpcError:
+                return None
+        loads = await asyncio.gather(*(ask(b) for _, b in backends))
+        return pb.Load(role="router", address=r.address, num_in_flight=r.num_in_flight, backends=[
+            pb.BackendLoad(address=b.address, tier=tier, healthy=b.healthy, outstanding=b.outstanding, load=load)
+            for (tier, b), load in zip(backends, loads)])
+
+    async def _ask(self, method: str, request, context):
+        """A runtime call answered by a healthy backend (the decode tier first: it is always there)."""
+        for tier in (self.router.decode, self.router.prefill):
+            for backend in tier.healthy():
+                try:
+                    return await getattr(backend.api, method)(request, timeout=context.time_remaining() or 10)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                        await context.abort(e.code(), e.details())
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy backend")

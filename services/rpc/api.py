@@ -1,0 +1,20 @@
+"""The public API's vocabulary as every service uses it: the service's name, finish reasons,
+the metadata keys of the stack, chat messages."""
+from __future__ import annotations
+
+from baton.v1 import generate_pb2 as pb
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+TOKEN_KEY = "x-baton-token"  # the stack's shared secret, in the metadata of internal calls
+DECODE_STEP_KEY = "x-baton-first-decode-step"  # a decode's initial metadata: seconds from KV landed to first token
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+                  "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
+FINISH_REASON_NAMES = {code: name for name, code in FINISH_REASONS.items()}
+
+
+def token_metadata(token: str | None) -> tuple:
+    return ((TOKEN_KEY, token),) if token is not None else ()
+
+
+def chat_messages(chat: pb.Chat) -> list[dict]:
+    return [{"role": m.role, "content": m.content} for m in chat.messages]

@@ -1,0 +1,1 @@
+"""Tracing (OpenTelemetry), metrics (Prometheus) and the terminal trace viewer."""
