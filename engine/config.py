@@ -1,15 +1,27 @@
-"""Engine arguments (vLLM's names where vLLM has one), validated with errors that name the field."""
+"""Engine arguments (vLLM's names where vLLM has one), validated with errors that name the
+field, and the checkpoint's config.json. Torch-free: a server's front process makes the config
+and validates it; its engine core resolves the device (`resolve_device`) where torch lives."""
 from __future__ import annotations
 
+import json
 import os
+import re
 from dataclasses import dataclass, fields
 
-import torch
-
 from baton.engine.errors import InvalidArgument, check
-from baton.kernels.attention import BACKENDS
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def read_config(model_dir: str) -> dict:
+    """The checkpoint's config.json."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise InvalidArgument("model", f"{model_dir!r} has no config.json")
+    with open(path) as f:
+        return json.load(f)
 
 
 @dataclass(slots=True)
@@ -24,7 +36,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # 0: no per-request cap beyond the step budget
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     dtype: str = "auto"  # "auto": float32 on CPU, the checkpoint's dtype (or bfloat16) on CUDA
-    device: str = "auto"  # "auto": cuda when there is one, else cpu
+    device: str = "auto"  # "auto": cuda when there is one, else cpu; resolved to cpu or cuda:N by resolve_device
     seed: int = 0
     num_kv_blocks: int | None = None  # default: sized from kv_cache_memory_bytes
     kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU; on CUDA, from gpu_memory_utilization
@@ -46,23 +58,33 @@ class EngineConfig:
               "long_prefill_token_threshold", f"must be an integer >= 0, got {self.long_prefill_token_threshold!r}")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
               f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        check(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", f"must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         check(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1),
               "num_kv_blocks", f"must be an integer >= 1, got {self.num_kv_blocks!r}")
         check(self.kv_cache_memory_bytes is None or (isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes > 0),
               "kv_cache_memory_bytes", f"must be a positive integer, got {self.kv_cache_memory_bytes!r}")
         check(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1,
               "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        check(self.attention_backend in BACKENDS, "attention_backend",
-              f"must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}")
+        check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+              f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        check(isinstance(self.device, str) and _DEVICE.fullmatch(self.device) is not None, "device",
+              f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+    def resolve_device(self) -> None:
+        """`auto` and plain `cuda` made explicit: cpu, or cuda:N, N the current CUDA device (an
+        index is what torch.cuda.set_device and a KV layout's device id need). Raises
+        InvalidArgument naming device when the GPU asked for is not there."""
+        import torch
+
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            dev = torch.device(self.device)
-        except (RuntimeError, TypeError) as e:
-            raise InvalidArgument("device", f"is not a torch device: {self.device!r}") from e
-        check(dev.type in ("cpu", "cuda"), "device", f"must be cpu or cuda, got {self.device!r}")
-        check(dev.type != "cuda" or torch.cuda.is_available(), "device", "cuda was asked for but no GPU is visible")
+        if self.device == "cpu":
+            return
+        check(torch.cuda.is_available(), "device", f"{self.device} was asked for but no GPU is visible")
+        if self.device == "cuda":
+            self.device = f"cuda:{torch.cuda.current_device()}"
+        index, count = int(self.device.split(":")[1]), torch.cuda.device_count()
+        check(index < count, "device", f"{self.device} was asked for but {count} GPU(s) are visible")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
@@ -72,13 +94,16 @@ class EngineConfig:
                 raise InvalidArgument(name, f"is not an engine argument (known: {', '.join(sorted(known - {'model'}))})")
         return cls(model=model, **kwargs)
 
-    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+    def torch_dtype(self, checkpoint_dtype: str | None):
+        """The torch dtype of weights and KV cache (after resolve_device)."""
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
-        if torch.device(self.device).type == "cpu":
+            return getattr(torch, self.dtype)
+        if self.device == "cpu":
             return torch.float32
         # On a GPU keep a half-precision checkpoint's dtype; float32 checkpoints run in bfloat16.
-        return _DTYPES[checkpoint_dtype] if checkpoint_dtype in ("bfloat16", "float16") else torch.bfloat16
+        return getattr(torch, checkpoint_dtype) if checkpoint_dtype in ("bfloat16", "float16") else torch.bfloat16
 
     def resolve_model_len(self, max_position_embeddings: int) -> None:
         """Called once the checkpoint's config is known."""

@@ -1,26 +1,20 @@
 """Load a Hugging Face checkpoint directory (config.json + safetensors, sharded or not)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
 import torch
 from safetensors import safe_open
 
+from baton.engine.config import read_config
 from baton.engine.errors import InvalidArgument
 from baton.engine.model import CausalLM, ModelArgs
 
 # checkpoint name -> (our parameter, index of the slice in a merged projection)
 _MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-
-def read_config(model_dir: str) -> dict:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise InvalidArgument("model", f"{model_dir!r} has no config.json")
-    with open(path) as f:
-        return json.load(f)
 
 
 def _safetensors_files(model_dir: str) -> list[str]:
@@ -33,6 +27,24 @@ def _safetensors_files(model_dir: str) -> list[str]:
     if os.path.isfile(single):
         return [single]
     raise InvalidArgument("model", f"{model_dir!r} has no model.safetensors or model.safetensors.index.json")
+
+
+def checkpoint_fingerprint(model_dir: str, samples: int = 8, sample_bytes: int = 1 << 16) -> str:
+    """A short digest of a checkpoint's contents: its config.json, and each weight file's size
+    and `samples` ranges spread over it. The same checkpoint gives the same digest wherever it
+    is mounted; fine-tunes of one base (equal configs and shapes) differ in their weights. It
+    reads under a MiB per file: milliseconds, however large the model."""
+    digest = hashlib.sha256()
+    with open(os.path.join(model_dir, "config.json"), "rb") as f:
+        digest.update(f.read())
+    for path in _safetensors_files(model_dir):
+        size = os.path.getsize(path)
+        digest.update(size.to_bytes(8, "little"))
+        with open(path, "rb") as f:
+            for i in range(samples):
+                f.seek(size * i // samples)
+                digest.update(f.read(sample_bytes))
+    return digest.hexdigest()[:32]
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:

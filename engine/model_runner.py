@@ -11,13 +11,14 @@ from itertools import accumulate
 import torch
 
 from baton.engine.config import EngineConfig
+from baton.engine.loader import checkpoint_fingerprint
 from baton.engine.model import CausalLM
 from baton.engine.sampler import apply_processors, sample, skip_draws, token_logprobs
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from baton.kernels.attention import (DECODE_PADDING_ELEMS, AttentionMetadata, DecodeGroup, KernelBatch, PrefillSeq,
                                      TritonBatch, choose_backend, group_decodes)
-from baton.kv_transfer.base import KVConnectorWorker
+from baton.kv_transfer.base import KVConnectorWorker, KVFormat
 
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are materialized at once
@@ -70,7 +71,9 @@ class ModelRunner:
         self.attention_backend = choose_backend(config.attention_backend, self.kv_cache.dtype, self.device,
                                                 args.num_heads, args.num_kv_heads, args.head_dim)
         if connector is not None:
-            connector.register_kv_caches(self.kv_cache)
+            connector.register_kv_caches(self.kv_cache, KVFormat(
+                checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,
+                args.num_kv_heads, args.head_dim, config.block_size, self.attention_backend))
 
     def _add_request(self, new) -> None:
         params = new.sampling_params

@@ -5,7 +5,12 @@ import enum
 import itertools
 import time
 
+from typing import TYPE_CHECKING
+
 from baton.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from baton.kv_transfer.base import KVHandle
 
 
 class RequestStatus(enum.IntEnum):
@@ -39,15 +44,17 @@ _arrival_counter = itertools.count()
 
 
 class Request:
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "sampling_params",
+    __slots__ = ("request_id", "key", "prompt_token_ids", "output_token_ids", "all_token_ids", "sampling_params",
                  "eos_token_ids", "priority", "arrival_time", "arrival_seq", "status", "num_computed_tokens",
-                 "num_cached_tokens", "num_external_tokens", "num_preemptions", "block_hashes", "kv_transfer_params",
-                 "scheduled_time", "kv_ready_time", "first_token_time", "last_token_time", "finished_time",
-                 "stop_reason")
+                 "num_cached_tokens", "num_external_tokens", "num_preemptions", "block_hashes", "hold_for_remote",
+                 "remote_kv", "kv_handle", "scheduled_time", "kv_ready_time", "first_token_time", "last_token_time",
+                 "finished_time", "stop_token_id")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, arrival_time: float | None = None):
+                 eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, arrival_time: float | None = None,
+                 key: int = 0):
         self.request_id = request_id
+        self.key = key  # the front's number for it (unique among its requests, unlike ids): outputs carry it
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
@@ -62,7 +69,11 @@ class Request:
         self.num_external_tokens = 0  # prompt tokens whose KV a peer supplied
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
-        self.kv_transfer_params: dict | None = None  # for a KV connector (remote handle in or out)
+        # For a KV connector. A prefill's request: hold the blocks for a decode peer once it ends,
+        # and give out `kv_handle`; a decode's: its prompt's KV is at `remote_kv` (None once pulled).
+        self.hold_for_remote = False
+        self.remote_kv: KVHandle | None = None
+        self.kv_handle: KVHandle | None = None
         # When things happened (time.monotonic(), like arrival_time), for latency figures;
         # None until they do. first/last token: sampled by this engine (not a prefill peer's).
         self.scheduled_time: float | None = None  # first admitted to run
@@ -70,7 +81,7 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
-        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's)
+        self.stop_token_id: int | None = None  # the stop token id that ended it (stop strings are the front's)
 
     @property
     def num_tokens(self) -> int:

@@ -8,21 +8,10 @@ depend on what else is in the batch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from baton.engine.core_messages import TokenLogprobs
 from baton.engine.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """One position's logprobs: the token's (and its rank, 1 = likeliest) and the top ones'."""
-    token_id: int
-    logprob: float
-    rank: int
-    top_token_ids: list[int]
-    top_logprobs: list[float]
 
 
 def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:

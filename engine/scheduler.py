@@ -10,7 +10,6 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +17,7 @@ from baton.engine.config import EngineConfig
 from baton.engine.kv_cache_manager import KVCacheManager
 from baton.engine.request import Request, RequestStatus
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.stats import EventType, RequestEvent
+from baton.engine.stats import EventType, RequestEvent, RequestStats
 from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
 
 
@@ -90,13 +89,10 @@ class Scheduler:
         self._chunks: list[tuple[Request, int]] = []  # prompt chunks scheduled this step (when recording)
         self._now = 0.0  # this step's schedule() time
         self.last_step_time = 0.0  # when the last step's tokens were sampled
-        # Called with each request that got a token, and the status it would end with (or None);
-        # true when its text reached a stop string (the engine detokenizes; the scheduler never does).
-        self.on_token: Callable[[Request, RequestStatus | None], bool] | None = None
 
     def _record(self, request: Request | None, kind: EventType, when: float, **fields) -> None:
         if self.events is not None and request is not None:
-            self.events.append(RequestEvent(request.request_id, request, kind, when, **fields))
+            self.events.append(RequestEvent(request.request_id, request.key, kind, when, **fields))
 
     def _live_or_held(self, request_id: str) -> Request | None:
         return self.requests.get(request_id) or self.held.get(request_id)
@@ -138,12 +134,13 @@ class Scheduler:
         del self.requests[request.request_id]
         hold = was_loading  # freed when the worker reports the load over, not before
         if not was_loading and self.connector is not None:
-            hold, request.kv_transfer_params = self.connector.request_finished(request, self.kv.block_ids(request.request_id))
+            hold, request.kv_handle = self.connector.request_finished(request, self.kv.block_ids(request.request_id))
         if hold:
             self.held[request.request_id] = request
         else:
             self.kv.free(request)
-        self._record(request, EventType.FINISHED, request.finished_time)
+        if self.events is not None:
+            self._record(request, EventType.FINISHED, request.finished_time, stats=RequestStats.of(request))
 
     @property
     def num_unfinished(self) -> int:
@@ -281,9 +278,6 @@ class Scheduler:
             request.last_token_time = now
             self.num_generation_tokens += 1
             status = self._stop_status(request, token_id)
-            # Only requests with stop strings call out: the text is the engine's, not the scheduler's.
-            if request.sampling_params.stop and self.on_token is not None and self.on_token(request, status):
-                status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
@@ -298,7 +292,7 @@ class Scheduler:
             if token_id in request.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
+                request.stop_token_id = token_id
                 return RequestStatus.FINISHED_STOPPED
         if n >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
@@ -312,7 +306,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
-            request.kv_transfer_params = None  # loaded or failed: never pulled twice
+            request.remote_kv = None  # loaded or failed: never pulled twice
             request.kv_ready_time = self.last_step_time
             blocks = self.kv.block_ids(req_id)
             bad = next((i for i, b in enumerate(blocks) if b in kv_out.invalid_block_ids), None)
@@ -325,7 +319,9 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.kv.cache_blocks(request, request.num_computed_tokens)
         for req_id, transfer in kv_out.transfers_ended.items():
-            self._record(self._live_or_held(req_id), EventType.KV_LOAD_END, transfer.end_time, transfer=transfer)
+            r = self._live_or_held(req_id)
+            recompute = r.num_prompt_tokens - max(r.num_cached_tokens, 0) - r.num_external_tokens if r else 0
+            self._record(r, EventType.KV_LOAD_END, transfer.end_time, transfer=transfer, num_tokens=recompute)
         for end in kv_out.holds_ended:
             self._record(self.held.get(end.request_id), EventType.HOLD_END, end.time, detail=end.outcome)
         for req_id in kv_out.finished_sending | kv_out.finished_recving:

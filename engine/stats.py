@@ -1,6 +1,7 @@
 """What the engine tells its callers about each request as it happens, in plain data (vLLM
 v1's EngineCoreEvents): the services turn these events into live spans and metrics. The
-engine itself never imports a telemetry library.
+engine itself never imports a telemetry library; the events cross from the engine core's
+process to its front with each step's outputs.
 
 Events are recorded only when a caller asks (`LLMEngine.record_events`) and takes them after
 each step (`LLMEngine.take_events`); the offline API records none.
@@ -9,8 +10,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from baton.kv_transfer.base import KVTransfer
 
@@ -24,24 +26,42 @@ class EventType(enum.Enum):
     PREFILL_CHUNK = "prefill_chunk"  # num_tokens prompt tokens were computed in the step
     KV_WAIT = "kv_wait"  # parked in WAITING_FOR_REMOTE_KVS
     KV_LOAD_START = "kv_load_start"  # the worker started pulling its blocks (transfer)
-    KV_LOAD_END = "kv_load_end"  # the pull ended (transfer says how); the request may run
-    FINISHED = "finished"  # the request's status says why; a prefill may now hold its blocks
+    KV_LOAD_END = "kv_load_end"  # the pull ended (transfer says how; num_tokens: prompt tokens to recompute)
+    FINISHED = "finished"  # stats say how it went; a prefill may now hold its blocks
     HOLD_END = "hold_end"  # a prefill let go of the blocks it held for a reader (detail: outcome)
 
 
-@dataclass(slots=True)
-class RequestEvent:
+class RequestStats(msgspec.Struct, array_like=True, gc=False):
+    """A request's figures when it finished (the FINISHED event's), times from time.monotonic()."""
+    finish_reason: str
+    num_output_tokens: int
+    num_cached_tokens: int  # prompt tokens the local prefix cache held
+    num_preemptions: int
+    scheduled_time: float | None  # first admitted to run
+    first_token_time: float | None  # first sampled here (not a prefill peer's)
+    last_token_time: float | None
+    finished_time: float
+    num_held_blocks: int  # blocks held for a decode peer (0: none)
+
+    @classmethod
+    def of(cls, r: Request) -> RequestStats:
+        return cls(r.status.finish_reason, r.num_output_tokens, max(r.num_cached_tokens, 0), r.num_preemptions,
+                   r.scheduled_time, r.first_token_time, r.last_token_time, r.finished_time,
+                   len(r.kv_handle.block_ids) if r.kv_handle is not None else 0)
+
+
+class RequestEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
-    request: Request  # the object itself: an id may be reused once its request ended
+    key: int  # the request's key (Request.key): an id may be reused once its request ended
     type: EventType
     time: float  # time.monotonic()
-    num_tokens: int = 0  # PREFILL_CHUNK: tokens computed; SCHEDULED: tokens already computed
+    num_tokens: int = 0  # PREFILL_CHUNK: tokens computed; SCHEDULED: tokens already computed; KV_LOAD_END: to recompute
     transfer: KVTransfer | None = None  # KV_LOAD_*
     detail: str | None = None  # HOLD_END: pulled, released or expired
+    stats: RequestStats | None = None  # FINISHED
 
 
-@dataclass(slots=True)
-class StepEvents:
+class StepEvents(msgspec.Struct, array_like=True, gc=False):
     """Everything recorded since the last `take_events`."""
     events: list[RequestEvent]
     step_tokens: list[int]  # tokens scheduled in each step that ran (vLLM's iteration tokens)

@@ -1,10 +1,12 @@
 """The checkpoint's tokenizer and chat template, without torch: the router loads them too."""
 from __future__ import annotations
 
+import json
 import os
 
 from transformers import PreTrainedTokenizerFast
 
+from baton.engine.config import read_config
 from baton.engine.errors import check
 
 
@@ -22,3 +24,20 @@ def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
     """A conversation's prompt token ids, the assistant's turn opened for the reply."""
     check(tokenizer.chat_template is not None, "messages", "this checkpoint has no chat template")
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def eos_token_ids(model_dir: str, tokenizer=None) -> frozenset[int]:
+    """The ids that end a generation: generation_config.json's, else config.json's, else the
+    tokenizer's EOS token (loaded only when needed)."""
+    path = os.path.join(model_dir, "generation_config.json")
+    eos = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        eos = read_config(model_dir).get("eos_token_id")
+    if eos is None:
+        eos = (tokenizer or load_tokenizer(model_dir)).eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, list) else [eos])

@@ -80,7 +80,6 @@ class AttentionMetadata:
     triton: TritonBatch | None = None
 
 
-BACKENDS = ("auto", "cpu", "triton", "torch")
 
 
 def choose_backend(asked: str, dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int,

@@ -12,11 +12,53 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 if TYPE_CHECKING:
     import torch
 
     from baton.engine.request import Request
     from baton.engine.scheduler import SchedulerOutput
+
+
+class KVHandle(msgspec.Struct, frozen=True):
+    """Where a prompt's computed KV blocks wait for a decode peer: what a prefill's finished
+    request gives out, and what the decode's request for the same prompt comes with."""
+    engine_id: str  # the prefill engine holding the blocks
+    request_id: str  # the prefill's request, whose blocks they are
+    block_ids: list[int]  # the prompt's blocks there, in order
+    num_tokens: int  # the prompt's tokens they hold
+    first_token: int  # sampled by the prefill: the decode's first output
+
+
+class KVFormatMismatch(ValueError):
+    """A peer's KV blocks are not this engine's format: reading them would load garbage."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.reason = message
+
+
+class KVFormat(msgspec.Struct, frozen=True):
+    """What must be equal between two engines for one to read the other's KV blocks as its own
+    (compared at the KV handshake, before any block moves)."""
+    model: str  # a fingerprint of the checkpoint's contents (engine/loader.checkpoint_fingerprint)
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    attention_backend: str  # the kernel family that reads the cache
+
+    def check_peer(self, theirs: KVFormat) -> None:
+        """Raises KVFormatMismatch naming the first field that differs."""
+        for name in self.__struct_fields__:
+            mine, other = getattr(self, name), getattr(theirs, name)
+            if mine != other:
+                raise KVFormatMismatch(name, f"the peer's KV cache has {other!r}, this engine's {mine!r}; prefill and "
+                                             f"decode must serve the same checkpoint with the same dtype, block size "
+                                             f"and attention backend")
 
 
 class KVConnectorScheduler(ABC):
@@ -34,9 +76,10 @@ class KVConnectorScheduler(ABC):
         """The per-step instructions for the worker half (which loads to start, into which blocks)."""
 
     @abstractmethod
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
-        """Called once a request ends. Returns (hold_blocks, kv_transfer_params): when
-        hold_blocks is true the scheduler keeps the blocks until the worker reports the send done."""
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, KVHandle | None]:
+        """Called once a request ends. Returns (hold_blocks, handle): when hold_blocks is true
+        the scheduler keeps the blocks until the worker reports the send done, and the handle
+        tells a decode peer where they are."""
 
 
 @dataclass(slots=True)
@@ -75,8 +118,9 @@ class KVConnectorOutput:
 
 class KVConnectorWorker(ABC):
     @abstractmethod
-    def register_kv_caches(self, kv_cache: "torch.Tensor") -> None:
-        """Register the engine's KV cache ([num_blocks, num_layers, 2, block_size, kv_heads, head_dim])."""
+    def register_kv_caches(self, kv_cache: "torch.Tensor", kv_format: KVFormat) -> None:
+        """Register the engine's KV cache ([num_blocks, num_layers, 2, block_size, kv_heads, head_dim])
+        and what its blocks hold (peers compare it before reading)."""
 
     @abstractmethod
     def start_load_kv(self, metadata: Any) -> None:

@@ -2,9 +2,9 @@
 that computed them, with one-sided NIXL READs (UCX; CPU or GPU memory).
 
 The path of one request:
-- prefill: the request runs with `kv_transfer_params={"do_remote_decode": True}` and
-  `max_tokens=1`; when it finishes, `request_finished` holds its blocks and returns the
-  handle (engine id, request id, block ids, token count, first token).
+- prefill: the request runs with `hold_for_remote` and `max_tokens=1`; when it finishes,
+  `request_finished` holds its blocks and returns their KVHandle (engine id, request id,
+  block ids, token count, first token).
 - decode: the request arrives with that handle. `get_num_new_matched_tokens` offers the
   prompt tokens beyond the local prefix-cache hit, asynchronously; the scheduler allocates
   blocks and parks the request in WAITING_FOR_REMOTE_KVS; `update_state_after_alloc`
@@ -19,7 +19,8 @@ The path of one request:
 
 A block holds all layers' K and V ([num_blocks, layers, 2, block_size, heads, head_dim]),
 so a run of consecutive block ids on both sides is one contiguous region: one descriptor.
-Peers learn each other's `KVLayout` through the services' own RPC (`add_peer`).
+Peers learn each other's `KVLayout` through the services' own RPC (`add_peer`), which
+refuses a peer whose KVFormat (model, dtype, shapes, block size, attention backend) differs.
 
 UCX only moves a transfer when its agents are polled, the target's included: a READ from a
 prefill that is busy with a long forward pass would not finish before that pass ends. So
@@ -37,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from baton.engine.request import RequestStatus
-from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker, KVHoldEnd, KVTransfer
-from baton.kv_transfer.reachability import probe_read
+from baton.kv_transfer.base import (KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker, KVFormat, KVHandle,
+                                    KVHoldEnd, KVTransfer)
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +58,7 @@ RELEASE_PREFIX = "release:"
 
 @dataclass(slots=True)
 class KVLayout:
-    """What a peer needs to read this engine's blocks."""
+    """What a peer needs to read this engine's blocks, and what they hold."""
     engine_id: str
     agent_metadata: bytes
     base_addr: int
@@ -65,6 +66,7 @@ class KVLayout:
     num_blocks: int
     mem_type: str  # "DRAM" or "VRAM"
     dev_id: int
+    format: KVFormat
 
 
 @dataclass(slots=True)
@@ -82,12 +84,6 @@ class NixlConnectorMeta:
     holds: dict[str, float] = field(default_factory=dict)  # prefill: request id -> monotonic deadline
 
 
-def _remote_handle(request: Request) -> dict | None:
-    """The KV handle a decode request came with, if any."""
-    params = request.kv_transfer_params
-    return params if params and "remote_block_ids" in params else None
-
-
 class NixlConnectorScheduler(KVConnectorScheduler):
     def __init__(self, engine_id: str, block_size: int, hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S):
         self.engine_id = engine_id
@@ -96,40 +92,38 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._meta = NixlConnectorMeta()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        handle = _remote_handle(request)
+        handle = request.remote_kv
         if handle is None:
             return 0, False
-        num_remote = handle["num_tokens"] - num_computed_tokens
+        num_remote = handle.num_tokens - num_computed_tokens
         return (num_remote, True) if num_remote > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        handle = _remote_handle(request)
+        handle = request.remote_kv
         if handle is None:
             return
         # Local hits are whole blocks, so the pulled range starts on a block boundary. When
         # they cover everything the load is empty: it only tells the prefill side to let go.
-        first = (handle["num_tokens"] - num_external_tokens) // self.block_size
-        end = math.ceil(handle["num_tokens"] / self.block_size) if num_external_tokens else first
-        self._meta.loads.append(LoadSpec(request.request_id, block_ids[first:end], handle["remote_engine_id"],
-                                         handle["remote_block_ids"][first:end], handle["remote_request_id"]))
+        first = (handle.num_tokens - num_external_tokens) // self.block_size
+        end = math.ceil(handle.num_tokens / self.block_size) if num_external_tokens else first
+        self._meta.loads.append(LoadSpec(request.request_id, block_ids[first:end], handle.engine_id,
+                                         handle.block_ids[first:end], handle.request_id))
         if not num_external_tokens:
-            request.kv_transfer_params = None  # nothing to wait for: never released twice
+            request.remote_kv = None  # nothing to wait for: never released twice
 
     def build_connector_meta(self, scheduler_output) -> NixlConnectorMeta:
         meta, self._meta = self._meta, NixlConnectorMeta()
         return meta
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        params = request.kv_transfer_params or {}
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVHandle | None]:
         # Held only when the prefill ended as asked (max_tokens=1): a first token that stops the
         # request (EOS, a stop id), or an abort, leaves no decode to do.
-        if not params.get("do_remote_decode") or request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+        if not request.hold_for_remote or request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
             return False, None
         self._meta.holds[request.request_id] = time.monotonic() + self.hold_timeout_s
         num_tokens = request.num_prompt_tokens
-        return True, {"remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
-                      "remote_block_ids": block_ids[:math.ceil(num_tokens / self.block_size)],
-                      "num_tokens": num_tokens, "first_token": request.output_token_ids[0]}
+        return True, KVHandle(self.engine_id, request.request_id, block_ids[:math.ceil(num_tokens / self.block_size)],
+                              num_tokens, request.output_token_ids[0])
 
 
 @dataclass(slots=True)
@@ -189,7 +183,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.num_bytes_pulled = 0
 
     # ---- memory and peers ---------------------------------------------------------------------
-    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+    def register_kv_caches(self, kv_cache: torch.Tensor, kv_format: KVFormat) -> None:
         """Register the cache (as VRAM where it is on a GPU). GPU memory is checked at once:
         UCX built without its CUDA transports fails the first READ, so a probe READ runs now."""
         with self._lock:
@@ -197,7 +191,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         on_gpu = kv_cache.device.type == "cuda"
         self.layout = KVLayout(self.engine_id, self.agent.get_agent_metadata(), kv_cache.data_ptr(),
                                kv_cache[0].numel() * kv_cache.element_size(), kv_cache.shape[0],
-                               "VRAM" if on_gpu else "DRAM", (kv_cache.device.index or 0) if on_gpu else 0)
+                               "VRAM" if on_gpu else "DRAM", (kv_cache.device.index or 0) if on_gpu else 0, kv_format)
         if on_gpu:
             self.check_reachable(kv_cache)
         self._poller.start()
@@ -205,17 +199,18 @@ class NixlConnectorWorker(KVConnectorWorker):
     def check_reachable(self, kv_cache: torch.Tensor, probe_agent=None) -> None:
         """Raises StartupError where a peer's READ of this cache would fail (see reachability);
         `probe_agent`: injected by tests."""
+        from baton.kv_transfer.reachability import probe_read  # torch: only where the cache is
+
         probe_read(self.agent, self._lock, self.layout, kv_cache,
                    probe_agent if probe_agent is not None else _new_agent(f"{self.engine_id}-probe"))
 
     def add_peer(self, layout: KVLayout) -> None:
-        """Learn a peer's layout (once per peer; again when it restarted with new metadata)."""
+        """Learn a peer's layout (once per peer; again when it restarted with new metadata).
+        Raises KVFormatMismatch, naming what differs, for a peer whose blocks hold another format."""
         known = self.peers.get(layout.engine_id)
         if known is not None and known.layout.agent_metadata == layout.agent_metadata:
             return
-        if layout.block_bytes != self.layout.block_bytes:
-            raise ValueError(f"peer {layout.engine_id} has {layout.block_bytes}-byte KV blocks, this engine "
-                             f"{self.layout.block_bytes}: they must serve the same model with the same block size")
+        self.layout.format.check_peer(layout.format)
         with self._lock:
             if known is not None:
                 self.agent.remove_remote_agent(known.agent_name)

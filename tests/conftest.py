@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import threading
 import time
 
@@ -110,18 +111,32 @@ class ServerThread:
         self.call(self.server.start())
         return self
 
-    @property
-    def engine(self):
-        return self.server.engine.engine
+    def snapshot(self):
+        """The engine core's load and totals (EngineSnapshot), asked over its IPC."""
+        return self.call(self.server.core.call("snapshot"))
 
     def wait_pool_full(self, timeout: float = 10) -> bool:
-        """Aborts land at the next step: wait (bounded) until every KV block is free again."""
+        """Aborts land at the next step: wait (bounded) until every KV block is free again, no
+        request left in the core, none held, none streaming."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.engine.kv.num_free_blocks == self.engine.num_kv_blocks and self.server.engine.num_in_flight == 0:
+            s = self.snapshot()
+            if (s.num_free_kv_blocks == s.num_kv_blocks and s.num_running == s.num_waiting == s.num_held_requests == 0
+                    and self.server.core.num_in_flight == 0):
                 return True
             time.sleep(0.02)
         return False
+
+    @contextlib.contextmanager
+    def core_stopped(self):
+        """The engine core process stopped (SIGSTOP) for the block, as a stuck GPU or a long
+        step would hold it: its front must go on answering."""
+        pid = self.server.core.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def close(self, grace_s: float = 0) -> None:
         try:

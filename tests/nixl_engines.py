@@ -29,11 +29,11 @@ def connect(prefill: LLMEngine, decode: LLMEngine) -> None:
 
 def run_prefill(prefill: LLMEngine, prompts, params: list[SamplingParams]) -> list[dict]:
     reqs = [prefill.add_request(f"p{next(agent_ids)}", prompt, SamplingParams(**{**_fields(p), "max_tokens": 1}),
-                                kv_transfer_params={"do_remote_decode": True})
+                                hold_for_remote=True)
             for prompt, p in zip(prompts, params)]
     while prefill.has_unfinished_requests():
         prefill.step()
-    return [r.kv_transfer_params for r in reqs]
+    return [r.kv_handle for r in reqs]
 
 
 def _fields(p: SamplingParams) -> dict:
@@ -69,10 +69,10 @@ def disaggregated(prefill, decode, prompts, params, on_step=None) -> list[list[i
     handles = run_prefill(prefill, prompts, params)
     ids = []
     for i, (prompt, p, handle) in enumerate(zip(prompts, params, handles)):
-        req = decode.add_request(f"d{next(agent_ids)}", prompt, p, kv_transfer_params=handle)
+        req = decode.add_request(f"d{next(agent_ids)}", prompt, p, remote_kv=handle)
         ids.append(req.request_id)
     tokens = run_until_done(prefill, decode, on_step=on_step)
-    return [[h["first_token"]] + tokens.get(r, []) for h, r in zip(handles, ids)]
+    return [[h.first_token] + tokens.get(r, []) for h, r in zip(handles, ids)]
 
 
 def events_by_request(*engines) -> dict[str, list]:

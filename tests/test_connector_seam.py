@@ -11,15 +11,19 @@ from baton.engine.config import EngineConfig
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.request import RequestStatus
 from baton.engine.sampling_params import SamplingParams
-from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker
+from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker, KVHandle
 
 from helpers import random_prompts
 
 
 class CopyConnector(KVConnectorScheduler, KVConnectorWorker):
-    """Both halves in one object: enough for two engines in one process."""
+    """Both halves in one object: enough for two engines in one process (a handle's engine id
+    names the connector whose cache holds the blocks)."""
+    by_id: dict[str, CopyConnector] = {}
 
     def __init__(self, block_size: int):
+        self.engine_id = f"copy-{len(self.by_id)}"
+        self.by_id[self.engine_id] = self
         self.block_size = block_size
         self.kv_cache = None
         self.pending = []  # (request id, local block ids, remote connector, remote block ids, remote id)
@@ -28,31 +32,31 @@ class CopyConnector(KVConnectorScheduler, KVConnectorWorker):
 
     # scheduler half
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        handle = request.kv_transfer_params or {}
-        if "remote_block_ids" not in handle:
+        handle = request.remote_kv
+        if handle is None:
             return 0, False
-        return handle["num_tokens"] - num_computed_tokens, True
+        return handle.num_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         if num_external_tokens:
-            handle = request.kv_transfer_params
-            first = (handle["num_tokens"] - num_external_tokens) // self.block_size
-            last = -(-handle["num_tokens"] // self.block_size)
-            self.pending.append((request.request_id, block_ids[first:last], handle["source"],
-                                 handle["remote_block_ids"][first:last], handle["request_id"]))
+            handle = request.remote_kv
+            first = (handle.num_tokens - num_external_tokens) // self.block_size
+            last = -(-handle.num_tokens // self.block_size)
+            self.pending.append((request.request_id, block_ids[first:last], self.by_id[handle.engine_id],
+                                 handle.block_ids[first:last], handle.request_id))
 
     def build_connector_meta(self, scheduler_output):
         meta, self.pending = self.pending, []
         return meta
 
     def request_finished(self, request, block_ids):
-        if not (request.kv_transfer_params or {}).get("do_remote_decode"):
+        if not request.hold_for_remote:
             return False, None
-        return True, {"source": self, "request_id": request.request_id, "remote_block_ids": block_ids,
-                      "num_tokens": request.num_prompt_tokens, "first_token": request.output_token_ids[0]}
+        return True, KVHandle(self.engine_id, request.request_id, block_ids, request.num_prompt_tokens,
+                              request.output_token_ids[0])
 
     # worker half
-    def register_kv_caches(self, kv_cache):
+    def register_kv_caches(self, kv_cache, kv_format):
         self.kv_cache = kv_cache
 
     def start_load_kv(self, metadata):
@@ -91,7 +95,7 @@ def test_disaggregated_through_the_seam_equals_transformers(tiny_model, hf):
     handles = []
     for i, prompt in enumerate(prompts):
         req = prefill.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, temperature=0),
-                                  kv_transfer_params={"do_remote_decode": True})
+                                  hold_for_remote=True)
         handles.append(req)
     while prefill.has_unfinished_requests():
         prefill.step()
@@ -104,16 +108,16 @@ def test_disaggregated_through_the_seam_equals_transformers(tiny_model, hf):
 
     outputs = {}
     for i, (prompt, req) in enumerate(zip(prompts, handles)):
-        handle = req.kv_transfer_params
+        handle = req.kv_handle
         # The first token came from the prefill engine: an output already, so 19 more follow.
         decoding = decode.add_request(f"d{i}", prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
-                                      kv_transfer_params=handle)
-        assert decoding.output_token_ids == [handle["first_token"]]
+                                      remote_kv=handle)
+        assert decoding.output_token_ids == [handle.first_token]
         watch()
         outputs.update(run(decode, watch))  # one at a time, so the repeat can hit the cache
     assert decoding.num_cached_tokens == 64  # the repeat: 4 blocks local, the 5th pulled from prefill
     for i, (prompt, req) in enumerate(zip(prompts, handles)):
-        first = req.kv_transfer_params["first_token"]
+        first = req.kv_handle.first_token
         assert [first] + outputs[f"d{i}"] == hf.greedy(tiny_model, prompt, 20), f"prompt {i}"
     assert seen_waiting == {f"d{i}" for i in range(len(prompts))}
     run(prefill)  # reports the finished sends: held blocks are freed

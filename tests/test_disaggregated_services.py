@@ -10,6 +10,9 @@ import pytest
 
 from baton import LLM, SamplingParams
 from baton.services.client import build_request, chunk_from_response
+from baton.services.router.decode_leg import instance_failed, prefill_gone
+from baton.services.rpc.errors import Failure, details, failure_of_error
+from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
 
 from helpers import AUTH, TOKEN, pools_full, random_prompts, stats
@@ -62,7 +65,7 @@ def test_disaggregated_services_equal_colocated(tiers, tiny_llama):
     want = [o.token_ids for kw in params for o in llm.generate(prompts, SamplingParams(**kw))]
     assert got == want
     assert prefill.wait_pool_full() and decode.wait_pool_full()
-    assert prefill.engine.num_held_requests == 0
+    assert prefill.snapshot().num_held_requests == 0
 
 
 def test_streams_meeting_a_new_prefill_together_share_one_handshake(tiers, tiny_llama):
@@ -118,7 +121,7 @@ def test_internal_calls_need_the_token_and_a_consistent_handle(tiers):
 
     asyncio.run(run())
     # The refused handle was never pulled: the prefill still holds it until its timeout.
-    assert prefill.engine.num_held_requests == 1
+    assert prefill.snapshot().num_held_requests == 1
 
 
 # ---- each tier its own process ----------------------------------------------------------------
@@ -201,4 +204,37 @@ def test_a_first_token_that_ends_the_request_leaves_nothing_held(tiers, tiny_lla
     assert not one.HasField("handle") and chunk_from_response(one.first).finish_reason == "length"
     goes_on = asyncio.run(run(max_tokens=8, temperature=0.0))
     assert goes_on.HasField("handle") and chunk_from_response(goes_on.first).finish_reason is None
-    assert prefill.engine.num_held_requests == 1  # only the one a decode will pull
+    assert prefill.snapshot().num_held_requests == 1  # only the one a decode will pull
+
+
+def test_a_decode_of_another_kv_format_is_refused_naming_the_field(serve, tiny_llama):
+    """Blocks of 16 tokens cannot land in a pool of 32-token blocks: the handshake refuses the
+    pair before any block moves, with a typed reason the router falls back on."""
+    prefill = serve(tiny_llama, {"role": "prefill", "internal_token": TOKEN})
+    decode = serve(tiny_llama, {"role": "decode", "internal_token": TOKEN}, block_size=32)
+
+    async def run():
+        reply = await prefill_on(prefill.address, [5, 6, 7, 8], max_tokens=4)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await decode_on(decode.address, reply, [5, 6, 7, 8], max_tokens=4)
+        return err.value
+
+    err = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert failure_of_error(err) == Failure(pb.FAILURE_REASON_KV_FORMAT_MISMATCH, "kv_layout.format.block_size")
+    assert "block_size" in err.details() and prefill_gone(err) and not instance_failed(err)
+    assert decode.wait_pool_full()
+
+
+def test_the_router_tells_a_failed_instance_from_a_failed_request_by_reason():
+    def error(code, reason=pb.FAILURE_REASON_UNSPECIFIED, field=None):
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*details(code, "m", reason, field)),
+                                    details="m")
+
+    assert instance_failed(error(grpc.StatusCode.UNAVAILABLE))  # no server answered
+    assert instance_failed(error(grpc.StatusCode.UNAVAILABLE, pb.FAILURE_REASON_ENGINE_UNAVAILABLE))
+    assert not instance_failed(error(grpc.StatusCode.INVALID_ARGUMENT, field="sampling.top_p"))
+    for reason in (pb.FAILURE_REASON_KV_PEER_UNREACHABLE, pb.FAILURE_REASON_KV_PEER_RESTARTED):
+        assert prefill_gone(error(grpc.StatusCode.UNAVAILABLE, reason))
+        assert not instance_failed(error(grpc.StatusCode.UNAVAILABLE, reason))  # the decode is fine
+    assert not prefill_gone(error(grpc.StatusCode.UNAVAILABLE))

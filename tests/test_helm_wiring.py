@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from baton.services.rpc.api import ROUTER_LIVENESS
 from helm_render import (ENGINE_COMPONENTS, FULLNAME, NAMESPACE, RELEASE, VALUE_SETS, build_parser, by_name,
                          chart, component, container_ports, env_of, host_port, manifests, of_kind, parse,
                          pod_specs, selects, yaml)
@@ -59,11 +60,16 @@ def test_command_lines_parse_and_agree_with_ports_and_services(name):
                 health = build_parser().parse_args(command[1:])
                 assert command[0] == "baton" and health.command == "health"
                 assert host_port(health.target) == ("127.0.0.1", ports["grpc"]), (pod_name, probe)
+                service = health.service
                 assert health.tls_server_name == merged["tls"]["serverName"]
                 assert (health.tls_cert_file is not None) == bool(merged["tls"]["mtls"])
             else:
                 handler = container[probe].get("grpc") or container[probe].get("tcpSocket")
                 assert handler["port"] == ports["grpc"], (pod_name, probe)
+                service = handler.get("service", "")
+            # The router's liveness is its own process; its readiness, a reachable decode.
+            live = role == "router" and probe != "readinessProbe"
+            assert service == (ROUTER_LIVENESS if live else ""), (pod_name, probe)
             if merged["tls"]["enabled"]:
                 assert "grpc" not in container[probe], "Kubernetes' gRPC probes cannot do TLS"
                 # Ready only once the model is loaded: the health service over TLS, not a TCP connect.

@@ -81,7 +81,7 @@ def test_decode_abort_while_loading_frees_blocks_after_the_load(tiny_llama):
     connect(prefill, decode)
     handles = run_prefill(prefill, prompts, [greedy] * 2)
     for i, (p, h) in enumerate(zip(prompts, handles)):
-        decode.add_request(f"a{i}", p, greedy, kv_transfer_params=h)
+        decode.add_request(f"a{i}", p, greedy, remote_kv=h)
     decode.step()  # admitted: both WAITING_FOR_REMOTE_KVS, loads started
     assert all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in decode.scheduler.waiting)
     decode.abort_request(["a0"])
@@ -117,12 +117,12 @@ def test_engines_report_each_request_as_events_in_order(tiny_llama):
     for eng in (prefill, decode):
         eng.record_events()
     handles = run_prefill(prefill, prompts, [greedy] * 2)
-    ids = [decode.add_request(f"e{i}", p, greedy, kv_transfer_params=h).request_id
+    ids = [decode.add_request(f"e{i}", p, greedy, remote_kv=h).request_id
            for i, (p, h) in enumerate(zip(prompts, handles))]
     run_until_done(prefill, decode)
     events = events_by_request(prefill, decode)
     for handle, req_id, prompt in zip(handles, ids, prompts):
-        mine = events[handle["remote_request_id"]]
+        mine = events[handle.request_id]
         kinds = [e.type for e in mine]
         assert kinds[0] == EventType.SCHEDULED and kinds[-2:] == [EventType.FINISHED, EventType.HOLD_END]
         assert sum(e.num_tokens for e in mine if e.type == EventType.PREFILL_CHUNK) == len(prompt)
@@ -147,7 +147,7 @@ def test_a_hold_released_twice_ends_once_and_a_reused_id_is_held_again(tiny_llam
     params = [SamplingParams(max_tokens=1, temperature=0)]
     prompt = random_prompts([40], seed=21)
     [handle] = run_prefill(prefill, prompt, params)
-    req_id, worker = handle["remote_request_id"], prefill.runner.connector
+    req_id, worker = handle.request_id, prefill.runner.connector
     prefill.step()  # the hold registers
     worker.release(req_id)
     worker.release(req_id)  # the router's Release and the cancelled call's both come
@@ -156,7 +156,7 @@ def test_a_hold_released_twice_ends_once_and_a_reused_id_is_held_again(tiny_llam
     assert [e.detail for e in ends] == ["released"]
     # The same id again (a client's own ids): its hold is not let go by the stale release.
     prefill.add_request(req_id, prompt[0], SamplingParams(max_tokens=1, temperature=0),
-                        kv_transfer_params={"do_remote_decode": True})
+                        hold_for_remote=True)
     for _ in range(5):
         prefill.step()
     assert prefill.num_held_requests == 1

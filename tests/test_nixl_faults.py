@@ -3,6 +3,8 @@ half-way, arrive late or never, and malformed handles, each costing the request 
 and nothing else; and the start-up READ that finds a cache peers cannot read."""
 from __future__ import annotations
 
+import msgspec
+
 import pytest
 import torch
 
@@ -34,14 +36,14 @@ def test_decode_preempts_while_others_wait_for_remote_kv(tiny_llama, hf):
             overlap.append(True)
 
     for i, (prompt, handle) in enumerate(zip(prompts, handles)):
-        ids.append(decode.add_request(f"pre{i}", prompt, greedy, kv_transfer_params=handle).request_id)
+        ids.append(decode.add_request(f"pre{i}", prompt, greedy, remote_kv=handle).request_id)
         if i == 2:  # the first three start decoding before the rest arrive
             for _ in range(3):
                 decode.step()
     tokens = run_until_done(prefill, decode, on_step=watch)
     assert decode.scheduler.num_preemptions > 0 and overlap  # preempted while loads were pending
     for prompt, handle, req_id in zip(prompts, handles, ids):
-        assert [handle["first_token"]] + tokens[req_id] == hf.greedy(tiny_llama, prompt, 40)
+        assert [handle.first_token] + tokens[req_id] == hf.greedy(tiny_llama, prompt, 40)
     assert_pools_full(prefill, decode)
 
 
@@ -116,12 +118,12 @@ def test_failed_loads_recompute_with_the_same_output(tiny_llama):
     prefill = nixl_engine(tiny_llama, "prefill")
     handles = run_prefill(prefill, prompts, [greedy] * 3)
     decode = nixl_engine(tiny_llama, "decode", agent=FaultyAgent(f"decode-f{next(agent_ids)}",
-                                                                 {handles[1]["remote_request_id"]}))
+                                                                 {handles[1].request_id}))
     connect(prefill, decode)
-    ids = [decode.add_request(f"f{i}", p, greedy, kv_transfer_params=h).request_id
+    ids = [decode.add_request(f"f{i}", p, greedy, remote_kv=h).request_id
            for i, (p, h) in enumerate(zip(prompts, handles))]
     tokens = run_until_done(prefill, decode)
-    assert [[h["first_token"]] + tokens[r] for h, r in zip(handles, ids)] == want
+    assert [[h.first_token] + tokens[r] for h, r in zip(handles, ids)] == want
     assert decode.scheduler.num_failed_loads == 1
     assert_pools_full(prefill, decode)
 
@@ -135,15 +137,15 @@ def test_transfers_that_fail_arrive_late_or_fail_half_way_give_the_clean_output(
     want = [o.token_ids for o in LLM(tiny_llama, dtype="float32", device="cpu").generate(prompts, params)]
     prefill = nixl_engine(tiny_llama, "prefill")
     handles = run_prefill(prefill, prompts, params)
-    remote = [h["remote_request_id"] for h in handles]
+    remote = [h.request_id for h in handles]
     agent = FaultyAgent(f"decode-x{next(agent_ids)}", fail_requests={remote[0]}, half_requests={remote[2], remote[3]},
                         late_requests={remote[4]: 40, remote[5]: 15})
     decode = nixl_engine(tiny_llama, "decode", agent=agent)
     connect(prefill, decode)
-    ids = [decode.add_request(f"x{i}", p, sp, kv_transfer_params=h).request_id
+    ids = [decode.add_request(f"x{i}", p, sp, remote_kv=h).request_id
            for i, (p, sp, h) in enumerate(zip(prompts, params, handles))]
     tokens = run_until_done(prefill, decode)
-    assert [[h["first_token"]] + tokens[r] for h, r in zip(handles, ids)] == want
+    assert [[h.first_token] + tokens[r] for h, r in zip(handles, ids)] == want
     assert decode.scheduler.num_failed_loads == 3  # the failed and the two half-way ones, not the late ones
     assert_pools_full(prefill, decode)
 
@@ -168,15 +170,15 @@ def test_failed_and_unpulled_transfers_say_so_in_their_events(tiny_llama):
     prefill.record_events()
     handles = run_prefill(prefill, prompts, [greedy] * 2)
     decode = nixl_engine(tiny_llama, "decode", agent=FaultyAgent(f"decode-g{next(agent_ids)}",
-                                                                 {handles[0]["remote_request_id"]}))
+                                                                 {handles[0].request_id}))
     decode.record_events()
     connect(prefill, decode)
-    decode.add_request("g0", prompts[0], greedy, kv_transfer_params=handles[0])  # the second is never pulled
+    decode.add_request("g0", prompts[0], greedy, remote_kv=handles[0])  # the second is never pulled
     run_until_done(prefill, decode)
     events = events_by_request(prefill, decode)
     (end,) = [e for e in events["g0"] if e.type == EventType.KV_LOAD_END]
     assert not end.transfer.ok and end.transfer.recompute_from_block == 0 and end.transfer.error
-    assert events[handles[1]["remote_request_id"]][-1].detail == "expired"
+    assert events[handles[1].request_id][-1].detail == "expired"
     assert_pools_full(prefill, decode)
 
 
@@ -187,11 +189,11 @@ def test_a_malformed_handle_fails_its_own_load_not_the_engine(tiny_llama):
     prefill, decode = nixl_engine(tiny_llama, "prefill"), nixl_engine(tiny_llama, "decode")
     connect(prefill, decode)
     handles = run_prefill(prefill, prompts, [greedy] * 2)
-    handles[0] = {**handles[0], "remote_block_ids": handles[0]["remote_block_ids"][:-1]}  # one block short
-    ids = [decode.add_request(f"m{i}", p, greedy, kv_transfer_params=h).request_id
+    handles[0] = msgspec.structs.replace(handles[0], block_ids=handles[0].block_ids[:-1])  # one block short
+    ids = [decode.add_request(f"m{i}", p, greedy, remote_kv=h).request_id
            for i, (p, h) in enumerate(zip(prompts, handles))]
     tokens = run_until_done(prefill, decode)
-    assert [[h["first_token"]] + tokens[r] for h, r in zip(handles, ids)] == want  # the first recomputed
+    assert [[h.first_token] + tokens[r] for h, r in zip(handles, ids)] == want  # the first recomputed
     assert decode.scheduler.num_failed_loads == 1
     assert_pools_full(prefill, decode)  # the short handle's hold expired or was released, not leaked
 

@@ -109,7 +109,7 @@ def test_the_openai_client_on_a_colocated_server(serve, tiny_llama):
     # Tokenization as the server counts it.
     status, tokens = post(url, "/tokenize", {"messages": CHAT})
     assert status == 200 and tokens["count"] == chat.usage.prompt_tokens
-    assert post(url, "/detokenize", {"tokens": [5, 6, 7]})[1]["prompt"] == srv.engine.tokenizer.decode([5, 6, 7])
+    assert post(url, "/detokenize", {"tokens": [5, 6, 7]})[1]["prompt"] == srv.server.core.tokenizer.decode([5, 6, 7])
     assert srv.wait_pool_full()
 
 
@@ -134,22 +134,21 @@ def test_bad_requests_get_openai_errors_naming_the_parameter(serve, tiny_llama, 
 def test_a_full_queue_gets_429_and_a_draining_server_503(serve, tiny_llama):
     srv = serve(tiny_llama, {"http_port": 0, "max_waiting_requests": 2}, max_num_seqs=1)
     url = srv.server.http.url
-    held = asyncio.run_coroutine_threadsafe(srv.server.engine.call(time.sleep, 3.0), srv.loop)  # steps wait
     results = []
     body = {"prompt": [5, 6], "max_tokens": 4}
     threads = [threading.Thread(target=lambda: results.append(post(url, "/v1/completions", body))) for _ in range(2)]
-    for t in threads:
-        t.start()
-        time.sleep(0.3)
-    status, error = post(url, "/v1/completions", body)
-    held.result(10)
+    with srv.core_stopped():  # the two wait; the third finds the queue full
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        status, error = post(url, "/v1/completions", body)
     for t in threads:
         t.join(30)
     assert status == 429 and error["error"]["type"] == "RateLimitError" and "max_waiting_requests" in error["error"]["message"]
     long = threading.Thread(target=lambda: results.append(post(url, "/v1/completions", {
-        "prompt": [5, 6], "max_tokens": 600, "ignore_eos": True})))
+        "prompt": [5, 6], "max_tokens": 1000, "ignore_eos": True})))  # about a second: it outlives the checks
     long.start()
-    time.sleep(0.3)
+    time.sleep(0.1)
     stopping = asyncio.run_coroutine_threadsafe(srv.server.stop(5.0), srv.loop)
     time.sleep(0.2)
     status, error = post(url, "/v1/completions", body)

@@ -21,6 +21,8 @@ from baton import LLM, SamplingParams
 from baton.services.client import AsyncClient
 from baton.services.cli.launcher import free_port
 from baton.services.router.policies import PrefixAffinity
+from baton.services.rpc.api import ROUTER_LIVENESS
+from baton.services.rpc.health import is_serving
 
 from conftest import ServerProcess
 from helpers import TOKEN, collect, pools_full, random_prompts, stats, wait_serving, workload
@@ -241,6 +243,11 @@ def test_without_a_prefill_instance_decode_computes_the_prompt(tiny_llama, tmp_p
 
     err = run(no_decode())
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "decode" in err.details()
+    # Not ready without a decode, yet alive: the chart's liveness probe asks for the process itself.
+    deadline = time.monotonic() + 10
+    while is_serving(r.address) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not is_serving(r.address) and is_serving(r.address, service=ROUTER_LIVENESS)
 
 
 class BrokenBackend:

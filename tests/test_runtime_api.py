@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from baton import LLM
 from baton.services.client import AsyncClient
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
@@ -48,7 +49,7 @@ async def abort_mid_stream(address: str, prompt, request_id: str, after_tokens: 
 
 def test_model_info_tokenize_and_detokenize(serve, tiny_llama):
     srv = serve(tiny_llama)
-    engine = srv.engine
+    engine = LLM(tiny_llama, dtype="float32", device="cpu").engine
     info = run(call(srv.address, "GetModelInfo", pb.GetModelInfoRequest()))
     assert (info.role, info.architecture, info.max_model_len, info.vocab_size, info.block_size, info.dtype) == (
         "both", "LlamaForCausalLM", engine.config.max_model_len, engine.vocab_size, 16, "float32")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -125,19 +127,18 @@ def test_duplicate_in_flight_request_id_and_full_waiting_queue(serve, tiny_llama
             assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
             assert "request_id" in err.value.details()
             # One running (max_num_seqs=1) and two waiting fill the queue; the next is refused. The
-            # step loop is held meanwhile, so "dup" cannot finish and let the two in first.
-            held = asyncio.run_coroutine_threadsafe(srv.server.engine.call(time.sleep, 2.0), srv.loop)
-            waiting = [asyncio.ensure_future(collect(client, [10 + i], **short)) for i in range(2)]
+            # engine core is stopped meanwhile, so "dup" cannot finish and let the two in first.
+            with srv.core_stopped():
+                waiting = [asyncio.ensure_future(collect(client, [10 + i], **short)) for i in range(2)]
 
-            async def queue_filled():
-                while srv.server.engine.num_waiting < 2:
-                    await asyncio.sleep(0.01)
-            await asyncio.wait_for(queue_filled(), 10)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await collect(client, [20], **short)
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "max_waiting_requests" in err.value.details()
-            await asyncio.wrap_future(held)
+                async def queue_filled():
+                    while srv.server.core.num_waiting < 2:
+                        await asyncio.sleep(0.01)
+                await asyncio.wait_for(queue_filled(), 10)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await collect(client, [20], **short)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "max_waiting_requests" in err.value.details()
             rest = [t async for t in first]
             done = await asyncio.gather(*waiting)
             return rest, done
@@ -173,8 +174,7 @@ def test_cancelled_and_timed_out_streams_free_their_blocks(serve, tiny_llama):
                                  *(time_out(client, p) for p in prompts[50:]))
 
     asyncio.run(run())
-    assert srv.wait_pool_full(), (srv.engine.kv.num_free_blocks, srv.engine.num_kv_blocks)
-    assert not srv.engine.has_unfinished_requests()
+    assert srv.wait_pool_full(), srv.snapshot()
     assert health_status(srv.address) == health_pb2.HealthCheckResponse.SERVING
     with Client(srv.address) as client:  # still serving correctly
         ids = [t for c in client.generate([5, 6, 7], max_tokens=8, temperature=0, ignore_eos=True) for t in c.token_ids]
@@ -182,20 +182,19 @@ def test_cancelled_and_timed_out_streams_free_their_blocks(serve, tiny_llama):
         [[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
 
 
-def test_health_is_not_serving_while_loading_and_draining(tiny_llama, monkeypatch):
+def test_health_is_not_serving_while_loading_and_draining(tiny_llama):
     from conftest import ServerThread
 
-    loaded = threading.Event()
-
-    class SlowLoadingEngine(server_module.LLMEngine):  # holds the load until the test has looked
-        def __init__(self, *args, **kwargs):
-            assert loaded.wait(30)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(server_module, "LLMEngine", SlowLoadingEngine)
     srv = ServerThread(tiny_llama, {"grace_s": 30})
+    core = None
     try:
         starting = asyncio.run_coroutine_threadsafe(srv.server.start(), srv.loop)
+        for _ in range(500):  # the load is held (the core process stopped) until the test has looked
+            core = srv.server.core.pid if srv.server.core is not None else None
+            if core is not None:
+                os.kill(core, signal.SIGSTOP)
+                break
+            threading.Event().wait(0.01)
         status = None
         for _ in range(500):  # the port answers as soon as it listens
             try:
@@ -207,7 +206,7 @@ def test_health_is_not_serving_while_loading_and_draining(tiny_llama, monkeypatc
         with Client(srv.address) as client, pytest.raises(grpc.RpcError) as err:
             list(client.generate("hi"))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        loaded.set()
+        os.kill(core, signal.SIGCONT)
         starting.result(30)
         assert health_status(srv.address) == health_pb2.HealthCheckResponse.SERVING
 
@@ -227,7 +226,9 @@ def test_health_is_not_serving_while_loading_and_draining(tiny_llama, monkeypatc
         assert statuses == {health_pb2.HealthCheckResponse.NOT_SERVING}
         assert chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in chunks) == 300
     finally:
-        loaded.set()
+        if core is not None:
+            with contextlib.suppress(ProcessLookupError):  # stopped and gone already
+                os.kill(core, signal.SIGCONT)
         srv.close()
 
 

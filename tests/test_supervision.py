@@ -71,7 +71,7 @@ def test_a_killed_engine_comes_back_and_a_crash_loop_stops_the_stack(tiny_llama)
     port = free_port("127.0.0.1")
     up = Up("--model", tiny_llama, "--port", str(port), "--dtype", "float32", "--prefill", "2", "--decode", "2",
             "--http-port", "0")
-    router = f"127.0.0.1:{port}"
+    router, cores = f"127.0.0.1:{port}", []
     try:
         up.wait_for("Baton is up")  # once the router sees every engine healthy
         pid, address = up.children()["decode"][0]
@@ -84,12 +84,31 @@ def test_a_killed_engine_comes_back_and_a_crash_loop_stops_the_stack(tiny_llama)
         deadline = time.monotonic() + 30
         while stats(address).num_requests == used:  # round robin sends the next requests its way too
             assert generate(router, 2) == ["length"] * 2 and time.monotonic() < deadline
-        # Killed four more times, each time as soon as it is started again: a crash loop.
-        pid = next(p for p, a in up.children()["decode"] if a == address)
-        for kills in range(4):
+        # A decode's engine core killed under a long stream: the router moves the stream, the
+        # front exits 1 (its core died), `baton up` restarts the server.
+        decodes = [a for _, a in up.children()["decode"]]
+        cores = [stats(a).engine_core_pid for role, procs in up.children().items() if role != "router"
+                 for _, a in procs]
+        mark = len(up.lines)
+        with Client(router) as client:
+            stream = client.generate([5, 6, 7], max_tokens=300, temperature=0.0, ignore_eos=True, timeout=60)
+            got, busy = [next(stream)], []
+            while not busy:  # the first token comes from a prefill
+                busy = [a for a in decodes if stats(a).num_running]
+                got += [] if busy else [next(stream)]
+            (busy,) = busy
+            kill(stats(busy).engine_core_pid)
+            got += list(stream)
+        assert got[-1].finish_reason == "length" and sum(len(c.token_ids) for c in got) == 300
+        name = up.wait_for(r"(decode-\d) .* exited with status 1; restarting it", after=mark).group(1)
+        up.wait_for(rf"{name} serves again", after=mark)
+        pid = next(p for p, a in up.children()["decode"] if a == address)  # decode-0 may have been the one
+        # Killed until its fifth death, each time as soon as it is started again: a crash loop.
+        deaths = 3 if name == "decode-0" else 4
+        for kills in range(deaths):
             mark = len(up.lines)
             kill(pid)
-            if kills < 3:
+            if kills < deaths - 1:
                 pid = int(up.wait_for(r"decode-0 restarted \(pid (\d+)\)", after=mark).group(1))
         assert up.proc.wait(60) == 1
         out = "".join(up.lines)
@@ -97,6 +116,7 @@ def test_a_killed_engine_comes_back_and_a_crash_loop_stops_the_stack(tiny_llama)
         assert out.rstrip().splitlines()[-1] != "Its last output:"  # the child's lines follow
     finally:
         up.stop()
+    assert not [pid for pid in cores if os.path.exists(f"/proc/{pid}")]  # no engine core outlives the stack
 
 
 def test_no_restart_stops_the_stack_at_the_first_death(tiny_llama):

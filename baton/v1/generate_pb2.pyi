@@ -22,6 +22,14 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
 
+class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_REASON_UNSPECIFIED: _ClassVar[FailureReason]
+    FAILURE_REASON_ENGINE_UNAVAILABLE: _ClassVar[FailureReason]
+    FAILURE_REASON_KV_PEER_UNREACHABLE: _ClassVar[FailureReason]
+    FAILURE_REASON_KV_PEER_RESTARTED: _ClassVar[FailureReason]
+    FAILURE_REASON_KV_FORMAT_MISMATCH: _ClassVar[FailureReason]
+
 class AbortStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ABORT_STATUS_UNSPECIFIED: _ClassVar[AbortStatus]
@@ -37,6 +45,11 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
+FAILURE_REASON_UNSPECIFIED: FailureReason
+FAILURE_REASON_ENGINE_UNAVAILABLE: FailureReason
+FAILURE_REASON_KV_PEER_UNREACHABLE: FailureReason
+FAILURE_REASON_KV_PEER_RESTARTED: FailureReason
+FAILURE_REASON_KV_FORMAT_MISMATCH: FailureReason
 ABORT_STATUS_UNSPECIFIED: AbortStatus
 ABORT_STATUS_ABORTED: AbortStatus
 ABORT_STATUS_ALREADY_FINISHED: AbortStatus

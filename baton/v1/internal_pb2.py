@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.v1 import generate_pb2 as baton_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62\x61ton/v1/internal.proto\x12\x08\x62\x61ton.v1\x1a\x17\x62\x61ton/v1/generate.proto\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"`\n\x0fPrefillResponse\x12\"\n\x06handle\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVHandle\x12)\n\x05\x66irst\x18\x02 \x01(\x0b\x32\x1a.baton.v1.GenerateResponse\"\x93\x01\n\x08KVLayout\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x10\n\x08mem_type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65v_id\x18\x07 \x01(\r\"\x0e\n\x0cStatsRequest\"\xc1\x02\n\x0b\x45ngineStats\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x10\n\x08num_held\x18\x07 \x01(\r\x12\x1d\n\x15num_in_flight_streams\x18\x08 \x01(\r\x12\x1d\n\x15num_prefix_hit_tokens\x18\t \x01(\x04\x12\x19\n\x11num_expired_holds\x18\n \x01(\x04\x12\x18\n\x10num_failed_loads\x18\x0b \x01(\x04\x12\x19\n\x11num_blocks_pulled\x18\x0c \x01(\x04\x12\x14\n\x0cnum_requests\x18\r \x01(\x04\x32\x84\x01\n\x07Prefill\x12?\n\x07Prefill\x12\x19.baton.v1.GenerateRequest\x1a\x19.baton.v1.PrefillResponse\x12\x38\n\x07Release\x12\x12.baton.v1.KVHandle\x1a\x19.baton.v1.ReleaseResponse2=\n\x06KVPeer\x12\x33\n\tHandshake\x12\x12.baton.v1.KVLayout\x1a\x12.baton.v1.KVLayout2?\n\x05\x41\x64min\x12\x36\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x15.baton.v1.EngineStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62\x61ton/v1/internal.proto\x12\x08\x62\x61ton.v1\x1a\x17\x62\x61ton/v1/generate.proto\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"`\n\x0fPrefillResponse\x12\"\n\x06handle\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVHandle\x12)\n\x05\x66irst\x18\x02 \x01(\x0b\x32\x1a.baton.v1.GenerateResponse\"\xb7\x01\n\x08KVLayout\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x10\n\x08mem_type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65v_id\x18\x07 \x01(\r\x12\"\n\x06\x66ormat\x18\x08 \x01(\x0b\x32\x12.baton.v1.KVFormat\"\x94\x01\n\x08KVFormat\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x11\n\thead_size\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\"\x0e\n\x0cStatsRequest\"\xda\x02\n\x0b\x45ngineStats\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x10\n\x08num_held\x18\x07 \x01(\r\x12\x1d\n\x15num_in_flight_streams\x18\x08 \x01(\r\x12\x1d\n\x15num_prefix_hit_tokens\x18\t \x01(\x04\x12\x19\n\x11num_expired_holds\x18\n \x01(\x04\x12\x18\n\x10num_failed_loads\x18\x0b \x01(\x04\x12\x19\n\x11num_blocks_pulled\x18\x0c \x01(\x04\x12\x14\n\x0cnum_requests\x18\r \x01(\x04\x12\x17\n\x0f\x65ngine_core_pid\x18\x0e \x01(\r2\x84\x01\n\x07Prefill\x12?\n\x07Prefill\x12\x19.baton.v1.GenerateRequest\x1a\x19.baton.v1.PrefillResponse\x12\x38\n\x07Release\x12\x12.baton.v1.KVHandle\x1a\x19.baton.v1.ReleaseResponse2=\n\x06KVPeer\x12\x33\n\tHandshake\x12\x12.baton.v1.KVLayout\x1a\x12.baton.v1.KVLayout2?\n\x05\x41\x64min\x12\x36\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x15.baton.v1.EngineStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,15 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLRESPONSE']._serialized_start=99
   _globals['_PREFILLRESPONSE']._serialized_end=195
   _globals['_KVLAYOUT']._serialized_start=198
-  _globals['_KVLAYOUT']._serialized_end=345
-  _globals['_STATSREQUEST']._serialized_start=347
-  _globals['_STATSREQUEST']._serialized_end=361
-  _globals['_ENGINESTATS']._serialized_start=364
-  _globals['_ENGINESTATS']._serialized_end=685
-  _globals['_PREFILL']._serialized_start=688
-  _globals['_PREFILL']._serialized_end=820
-  _globals['_KVPEER']._serialized_start=822
-  _globals['_KVPEER']._serialized_end=883
-  _globals['_ADMIN']._serialized_start=885
-  _globals['_ADMIN']._serialized_end=948
+  _globals['_KVLAYOUT']._serialized_end=381
+  _globals['_KVFORMAT']._serialized_start=384
+  _globals['_KVFORMAT']._serialized_end=532
+  _globals['_STATSREQUEST']._serialized_start=534
+  _globals['_STATSREQUEST']._serialized_end=548
+  _globals['_ENGINESTATS']._serialized_start=551
+  _globals['_ENGINESTATS']._serialized_end=897
+  _globals['_PREFILL']._serialized_start=900
+  _globals['_PREFILL']._serialized_end=1032
+  _globals['_KVPEER']._serialized_start=1034
+  _globals['_KVPEER']._serialized_end=1095
+  _globals['_ADMIN']._serialized_start=1097
+  _globals['_ADMIN']._serialized_end=1160
 # @@protoc_insertion_point(module_scope)

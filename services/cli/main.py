@@ -111,7 +111,14 @@ def _serve(args) -> None:
             print(f"OpenAI API on {server.http.url}/v1", flush=True)
         print(f"serving on {server.address}; try:\n  baton generate --target {server.address} "
               f"'What is the capital of France?'", flush=True)
-        await stop.wait()
+        dead = getattr(server, "dead", None)  # an engine server's core died (a router has none)
+        waits = [asyncio.ensure_future(stop.wait())] + ([asyncio.ensure_future(dead.wait())] if dead else [])
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if dead is not None and dead.is_set():
+            await server.stop(0)  # its streams failed already: nothing to drain
+            sys.exit("baton serve: the engine core died; exiting for the supervisor to restart the server")
         print(f"draining (up to {args.grace_period:g}s)", flush=True)
         await server.stop()
 
@@ -213,7 +220,7 @@ def _generate(args) -> None:
 def _health(args) -> None:
     from baton.services.rpc.health import is_serving
 
-    serving = is_serving(args.target, args.timeout, _tls(args))
+    serving = is_serving(args.target, args.timeout, _tls(args), args.service)
     print("SERVING" if serving else "NOT_SERVING (or unreachable)")
     sys.exit(0 if serving else 1)
 
@@ -367,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Kubernetes' native gRPC probes cannot do TLS: the Helm chart execs this instead.")
     h.add_argument("--target", required=True, help="HOST:PORT of the server")
     h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    h.add_argument("--service", default="", help="the health service to ask: \"\" (the server: ready to serve), or "
+                                                 "baton.router.liveness (a router's own process, backends or not)")
     _add_tls_flags(h, serving=False)
     h.set_defaults(func=_health)
 

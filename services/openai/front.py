@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 import grpc
 from aiohttp import web
 
+from baton.services.rpc.errors import failure_of
 from baton.services.rpc.fan_out import merge
 from baton.services.openai.protocol import (ApiError, Completion, chat_messages_from_body, error_for_status, int_list,
                                             prompts_from_body, sampling_from_body, sse)
@@ -35,12 +36,14 @@ class CallContext:
         self._metadata = tuple((k.lower(), v) for k, v in headers.items() if k.lower() in ("traceparent", "tracestate"))
         self._code: grpc.StatusCode | None = None
         self._details = ""
+        self._field: str | None = None
 
     def invocation_metadata(self):
         return self._metadata
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()):
         self._code, self._details = code, details
+        self._field = failure_of(trailing_metadata).field
         raise _Aborted(details)
 
     def code(self):
@@ -56,7 +59,7 @@ class CallContext:
         pass
 
     def error(self) -> ApiError:
-        return error_for_status(self._code, self._details)
+        return error_for_status(self._code, self._details, self._field)
 
 
 class OpenAIFront:

@@ -39,9 +39,8 @@ class ApiError(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.status}}
 
 
-def error_for_status(code: grpc.StatusCode | None, details: str) -> ApiError:
-    """A gRPC status as an HTTP one; an INVALID_ARGUMENT's field (its message's start) as the parameter."""
-    field = details.split(":", 1)[0] if ":" in details else None
+def error_for_status(code: grpc.StatusCode | None, details: str, field: str | None = None) -> ApiError:
+    """A gRPC status as an HTTP one; an INVALID_ARGUMENT's field (from its details) as the parameter."""
     status = _HTTP_STATUS.get(code, 500)
     param = _PARAM.get(field, field.removeprefix("sampling.") if field else None) if status == 400 else None
     kinds = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 503: "ServiceUnavailableError"}

@@ -10,26 +10,29 @@ from __future__ import annotations
 import grpc
 
 from baton.services.router.backends import Backend
+from baton.services.rpc.errors import failure_of_error, pass_on
 from baton.services.rpc.serving import in_background
 from baton.v1 import generate_pb2 as pb
 
 # The instance failed, not the request: another may serve it. CANCELLED from a backend is its
 # own doing (a client's cancel is a CancelledError here): it stopped with the call in flight.
+# UNAVAILABLE with no reason is a connection that failed before any server answered.
 INSTANCE_FAILED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-ENGINE_STOPPED = "the engine stopped"  # an engine server's INTERNAL when its step loop died (EngineDead)
-# A decode's answer when the prefill holding the prompt's blocks is gone (unreachable, or
-# restarted as another engine): the request goes on without them.
-PREFILL_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
+# A decode's answer when the prefill holding the prompt's blocks cannot give them (unreachable,
+# restarted as another engine, or its KV of another format): the request goes on without them.
+PREFILL_GONE = frozenset({pb.FAILURE_REASON_KV_PEER_UNREACHABLE, pb.FAILURE_REASON_KV_PEER_RESTARTED,
+                          pb.FAILURE_REASON_KV_FORMAT_MISMATCH})
 
 
 def prefill_gone(e: grpc.aio.AioRpcError) -> bool:
-    return e.code() in PREFILL_GONE and e.details().startswith("kv_handle: ")
+    return failure_of_error(e).reason in PREFILL_GONE
 
 
 def instance_failed(e: grpc.aio.AioRpcError) -> bool:
-    """The instance, not the request, failed: unreachable, stopped, or its engine died."""
-    return (e.code() in INSTANCE_FAILED and not e.details().startswith("kv_handle")) or (
-        e.code() == grpc.StatusCode.INTERNAL and e.details().startswith(ENGINE_STOPPED))
+    """The instance, not the request, failed: unreachable, stopped, or its engine core died."""
+    reason = failure_of_error(e).reason
+    return reason == pb.FAILURE_REASON_ENGINE_UNAVAILABLE or (
+        e.code() in INSTANCE_FAILED and reason not in PREFILL_GONE)
 
 
 class Relay:
@@ -73,11 +76,11 @@ def aborted_response(msg: pb.GenerateRequest) -> bytes:
 
 
 async def pass_on_or_take_out(backend: Backend, e: grpc.aio.AioRpcError, context) -> None:
-    """An error from a backend call. The request's own (or its prefill's, named `kv_handle`)
-    goes to the client as it is; a failed instance is taken out, and the caller decides
+    """An error from a backend call. The request's own (or its prefill's) goes to the client
+    as it came, details included; a failed instance is taken out, and the caller decides
     between another instance and UNAVAILABLE."""
     if not instance_failed(e):
-        await context.abort(e.code(), e.details())
+        await pass_on(context, e)
     backend.failed()
 
 

@@ -24,21 +24,21 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from baton.engine.kv_cache_manager import extend_block_hashes
-from baton.services.telemetry import tracing
 from baton.engine.errors import InvalidArgument
+from baton.engine.kv_cache_manager import extend_block_hashes
 from baton.services.router.backends import Backend, Tier, split_host_port
 from baton.services.router.decode_leg import Relay, aborted_response, decode_leg, pass_on_or_take_out
-from baton.services.rpc.fan_out import child_requests, merge, num_completions, retag
-from baton.services.router.policies import POLICIES
-from baton.services.rpc.api import SERVICE_NAME, TOKEN_KEY, chat_messages, token_metadata
-from baton.services.rpc.serving import drain, in_background, make_grpc_server, set_health
-from baton.services.telemetry.metrics import MetricsServer, RouterMetrics, make_registry
-from baton.services.router.policies import make_policy
-from baton.services.router.telemetry import RouterTrace
+from baton.services.router.policies import POLICIES, make_policy
 from baton.services.router.runtime import RouterRuntime
+from baton.services.router.telemetry import RouterTrace
+from baton.services.rpc.api import ROUTER_LIVENESS, SERVICE_NAME, TOKEN_KEY, chat_messages, token_metadata
+from baton.services.rpc.errors import abort_invalid
+from baton.services.rpc.fan_out import child_requests, merge, num_completions, retag
 from baton.services.rpc.runtime import CallRegistry
+from baton.services.rpc.serving import drain, in_background, make_grpc_server, set_health
 from baton.services.rpc.tls import TLSConfig
+from baton.services.telemetry import tracing
+from baton.services.telemetry.metrics import MetricsServer, RouterMetrics, make_registry
 from baton.v1 import generate_pb2 as pb
 
 log = logging.getLogger("baton.router")
@@ -114,7 +114,7 @@ class RouterService(RouterRuntime):
                 try:
                     n = num_completions(msg)
                 except InvalidArgument as e:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    await abort_invalid(context, e)
                 children = child_requests(msg, n) if n > 1 else [msg]
                 ids = [child.request_id for child in children]
                 r.calls.started(msg.request_id, ids)
@@ -258,6 +258,7 @@ class Router:
 
     async def start(self) -> None:
         await self._report(False)
+        await self.health.set(ROUTER_LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self.grpc.start()
         o = self.options
         if o.tokenizer_dir and (o.policy == "prefix_affinity" or o.http_port is not None):

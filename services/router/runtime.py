@@ -7,6 +7,7 @@ import asyncio
 import grpc
 
 from baton.services.rpc.api import token_metadata
+from baton.services.rpc.errors import pass_on
 from baton.services.rpc.runtime import watch
 from baton.v1 import generate_pb2 as pb
 
@@ -75,5 +76,5 @@ class RouterRuntime:
                     return await getattr(backend.api, method)(request, timeout=context.time_remaining() or 10)
                 except grpc.aio.AioRpcError as e:
                     if e.code() != grpc.StatusCode.UNAVAILABLE:
-                        await context.abort(e.code(), e.details())
+                        await pass_on(context, e)
         await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy backend")

@@ -4,32 +4,35 @@ from __future__ import annotations
 
 import grpc
 
+from baton.engine.core_client import DuplicateRequest, EngineDead, QueueFull
+from baton.engine.core_messages import TokenLogprobs
 from baton.engine.errors import InvalidArgument
-from baton.engine.llm_engine import StepOutput
-from baton.engine.request import Request
-from baton.engine.sampler import TokenLogprobs
-from baton.engine.async_engine import DuplicateRequest, EngineDead, QueueFull
+from baton.engine.output_processor import StepOutput
 from baton.services.rpc.api import DECODE_STEP_KEY, FINISH_REASONS
+from baton.services.rpc.errors import abort, abort_invalid
 from baton.v1 import generate_pb2 as pb
 
-ENGINE_ERRORS = (InvalidArgument, DuplicateRequest, QueueFull, EngineDead)  # raised by AsyncEngine.generate
+ENGINE_ERRORS = (InvalidArgument, DuplicateRequest, QueueFull, EngineDead)  # raised by CoreClient.generate
 
 
 async def abort_for_engine_error(context: grpc.aio.ServicerContext, e: Exception) -> None:
+    if isinstance(e, InvalidArgument):  # raised by the core on admission
+        await abort_invalid(context, e)
     if isinstance(e, DuplicateRequest):
-        await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e.args[0]!r} is already in flight")
-    code = {InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,  # raised by the engine on admission
-            QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED, EngineDead: grpc.StatusCode.INTERNAL}[type(e)]
-    await context.abort(code, str(e))
+        await abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e.args[0]!r} is already in flight",
+                    field="request_id")
+    if isinstance(e, QueueFull):
+        await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+    # The engine core is gone: another instance can serve the request (the router moves it).
+    await abort(context, grpc.StatusCode.UNAVAILABLE, str(e), pb.FAILURE_REASON_ENGINE_UNAVAILABLE)
 
 
-def decode_timing(request: Request) -> tuple[tuple[str, str], ...]:
+def decode_timing(out: StepOutput) -> tuple[tuple[str, str], ...]:
     """Initial metadata of a decode stream: its first step, from the KV landing (or the
     request being scheduled) to its first token, in seconds."""
-    ready = request.kv_ready_time or request.scheduled_time
-    if ready is None or request.first_token_time is None:
+    if out.ready_time is None:
         return ()
-    return ((DECODE_STEP_KEY, f"{max(0.0, request.first_token_time - ready):.6f}"),)
+    return ((DECODE_STEP_KEY, f"{max(0.0, out.time - out.ready_time):.6f}"),)
 
 
 def response_from_output(out: StepOutput, output: int, index: int = 0, request_id: str | None = None,

@@ -7,7 +7,9 @@ import os
 
 import grpc
 
+from baton.engine.config import read_config
 from baton.services.rpc.api import chat_messages
+from baton.services.rpc.errors import abort
 from baton.services.rpc.runtime import watch
 from baton.services.telemetry.tracing import baton_version
 from baton.v1 import generate_pb2 as pb
@@ -17,10 +19,12 @@ class EngineRuntime:
     """Mixed into an engine server's TextGeneration servicer (which has `server` and `calls`)."""
 
     async def _loaded(self, context):
-        """The server's LLMEngine; UNAVAILABLE while the model loads."""
-        if self.server.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading")
-        return self.server.engine.engine
+        """The server's engine core client; UNAVAILABLE while the model loads."""
+        core = self.server.core
+        if core is None or core.facts is None:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, "the server is loading",
+                        pb.FAILURE_REASON_ENGINE_UNAVAILABLE)
+        return core
 
     async def GetModelInfo(self, msg: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         await self._loaded(context)
@@ -41,7 +45,7 @@ class EngineRuntime:
         for request_id in msg.request_ids:
             ids = self.calls.live.get(request_id)
             if ids is not None:
-                server.engine.abort(ids)
+                server.core.abort(ids)
                 status = pb.ABORT_STATUS_ABORTED
             elif server.options.role != "decode" and await server.release_hold(request_id):
                 status = pb.ABORT_STATUS_ABORTED  # a prefill's blocks, held for a decode that will not come
@@ -51,40 +55,39 @@ class EngineRuntime:
         return pb.AbortResponse(results=results)
 
     async def Tokenize(self, msg: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        engine = await self._loaded(context)
+        core = await self._loaded(context)
         kind = msg.WhichOneof("prompt")
         if kind is None or (kind == "chat" and not msg.chat.messages):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set text or chat (with messages)")
-        if kind == "chat" and not engine.tokenizer.chat_template:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "chat: this checkpoint has no chat template")
-        encode = ((lambda: engine.apply_chat_template(chat_messages(msg.chat))) if kind == "chat"
-                  else (lambda: engine.tokenize(msg.text)))
-        return pb.TokenizeResponse(token_ids=await asyncio.to_thread(encode),
-                                   max_model_len=engine.config.max_model_len)
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt: set text or chat (with messages)",
+                        field="prompt")
+        if kind == "chat" and not core.tokenizer.chat_template:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "chat: this checkpoint has no chat template",
+                        field="chat")
+        inputs = core.inputs
+        encode = ((lambda: inputs.apply_chat_template(chat_messages(msg.chat))) if kind == "chat"
+                  else (lambda: inputs.tokenize(msg.text)))
+        return pb.TokenizeResponse(token_ids=await asyncio.to_thread(encode), max_model_len=inputs.max_model_len)
 
     async def Detokenize(self, msg: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
-        engine = await self._loaded(context)
-        bad = next((t for t in msg.token_ids if not 0 <= t < engine.vocab_size), None)
+        core = await self._loaded(context)
+        vocab_size = core.facts.vocab_size
+        bad = next((t for t in msg.token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token_ids: must be in [0, {engine.vocab_size}), got {bad}")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: must be in [0, {vocab_size}), got {bad}",
+                        field="token_ids")
         skip = msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
-        text = await asyncio.to_thread(engine.tokenizer.decode, list(msg.token_ids), skip_special_tokens=skip)
+        text = await asyncio.to_thread(core.tokenizer.decode, list(msg.token_ids), skip_special_tokens=skip)
         return pb.DetokenizeResponse(text=text)
 
 
-def model_info(engine, model_name: str, role: str) -> pb.ModelInfo:
-    """An engine's facts (its config and tokenizer do not change: any thread may read them)."""
-    from baton.engine.loader import read_config
-    config = engine.config
-    architectures = read_config(config.model).get("architectures") or [""]
-    return pb.ModelInfo(model_name=model_name, model_path=os.path.abspath(config.model),
-                        architecture=architectures[0], max_model_len=config.max_model_len,
-                        vocab_size=engine.vocab_size, block_size=config.block_size,
-                        dtype=str(engine.runner.kv_cache.dtype).removeprefix("torch."),
-                        eos_token_ids=sorted(engine.eos_token_ids),
-                        has_chat_template=bool(engine.tokenizer.chat_template), baton_version=baton_version(),
-                        role=role)
+def model_info(model_dir: str, facts, tokenizer, model_name: str, role: str) -> pb.ModelInfo:
+    """An engine's facts (they do not change once it has loaded)."""
+    architectures = read_config(model_dir).get("architectures") or [""]
+    return pb.ModelInfo(model_name=model_name, model_path=os.path.abspath(model_dir),
+                        architecture=architectures[0], max_model_len=facts.max_model_len,
+                        vocab_size=facts.vocab_size, block_size=facts.block_size, dtype=facts.dtype,
+                        eos_token_ids=facts.eos_token_ids, has_chat_template=bool(tokenizer.chat_template),
+                        baton_version=baton_version(), role=role)
 
 
 def load_from_snapshot(snapshot, role: str, address: str, num_in_flight: int) -> pb.Load:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 
-from baton.engine.request import Request
-from baton.engine.stats import EventType, RequestEvent, StepEvents
+from baton.engine.core_messages import CoreRequest
+from baton.engine.stats import EventType, RequestEvent, RequestStats, StepEvents
 from baton.services.telemetry.metrics import EngineMetrics
 from baton.services.telemetry.tracing import carrier_of, end_span, link_to, start_span, wall_ns
 
@@ -27,13 +27,19 @@ _PHASES_WITH_EVENTS = ("decode", "prefill")  # where chunks, preemptions and res
 
 
 class RequestTelemetry:
-    """One request's open spans and the figures its metrics need."""
+    """One request's open spans and the figures its metrics need: what the front knows of it
+    (the CoreRequest), what the core said when it finished (stats), and, when the front ended
+    it (a stop string), how it ended here (`final`: the core then reports an abort)."""
 
-    __slots__ = ("hub", "request", "span", "remote", "hold_links", "phases", "last_token_time", "num_chunks")
+    __slots__ = ("hub", "request", "span", "remote", "hold_links", "phases", "last_token_time", "num_chunks",
+                 "first_token_time", "stats", "final")
 
-    def __init__(self, hub: EngineTelemetry, request: Request, span, kv_handle_context: dict | None):
+    def __init__(self, hub: EngineTelemetry, request: CoreRequest, span, kv_handle_context: dict | None):
         self.hub = hub
         self.request = request
+        self.first_token_time: float | None = None  # the first token sampled here, as outputs show it
+        self.stats: RequestStats | None = None
+        self.final: tuple[str, int, float] | None = None  # finish reason, output tokens, when (the front's)
         # The RPC's SERVER span; None when tracing is off or the trace is not sampled (no phases then).
         self.span = span if span is not None and span.is_recording() else None
         self.remote = kv_handle_context is not None  # a decode request whose prompt KV is a peer's
@@ -44,6 +50,10 @@ class RequestTelemetry:
         if self.span is not None:
             self.span.set_attribute("gen_ai.request.id", request.request_id)  # the server's when none was sent
         self.start_phase("queue", request.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
 
     # ---- spans ----------------------------------------------------------------------------
     def start_phase(self, name: str, when: float, attributes: dict | None = None, links: list | None = None) -> None:
@@ -73,7 +83,7 @@ class RequestTelemetry:
         elif self.remote:
             self.start_phase("decode", ev.time)
         else:
-            self.start_phase("prefill", ev.time, {"gen_ai.usage.input_tokens": self.request.num_prompt_tokens,
+            self.start_phase("prefill", ev.time, {"gen_ai.usage.input_tokens": self.num_prompt_tokens,
                                                   "gen_ai.usage.cache_read.input_tokens": ev.num_tokens})
 
     def _prefill_chunk(self, ev: RequestEvent) -> None:
@@ -95,14 +105,14 @@ class RequestTelemetry:
 
     def _first_token(self, finished: bool) -> None:
         """prefill -> decode, at the first token (seen lazily: its time is the engine's)."""
-        first = self.request.first_token_time
+        first = self.first_token_time
         if "prefill" in self.phases and first is not None:
             self.end_phase("prefill", first, {"baton.prefill.chunks": self.num_chunks})
             if not finished:
                 self.start_phase("decode", first)
 
     def _transfer_ended(self, ev: RequestEvent) -> None:
-        t, r, metrics = ev.transfer, self.request, self.hub.metrics
+        t, metrics = ev.transfer, self.hub.metrics
         outcome = "ok" if t.ok else "recomputed"
         seconds = t.end_time - t.start_time
         self.end_phase("kv_transfer", t.end_time, {
@@ -115,7 +125,7 @@ class RequestTelemetry:
         metrics.transfer_outcomes.labels(**metrics.labels, outcome=outcome).inc()
         if not t.ok:
             metrics.failed_transfers.inc()
-            metrics.recomputed_tokens.inc(r.num_prompt_tokens - r.num_cached_tokens - r.num_external_tokens)
+            metrics.recomputed_tokens.inc(ev.num_tokens)
         elif t.num_blocks:  # what moved (all local hits move nothing), as vLLM counts successful transfers only
             metrics.xfer_time.observe(seconds)
             metrics.xfer_bytes.observe(t.num_bytes)
@@ -132,39 +142,42 @@ class RequestTelemetry:
             m.transfer_outcomes.labels(**m.labels, outcome="failed").inc()
 
     def _finished(self, ev: RequestEvent) -> None:
-        when, r = ev.time, self.request
+        self.stats = stats = ev.stats
+        self.first_token_time = self.first_token_time or stats.first_token_time
+        reason, num_output_tokens, _ = self.final or (stats.finish_reason, stats.num_output_tokens, None)
+        when = ev.time
         self._first_token(finished=True)
-        reason = r.status.finish_reason
         for name in list(self.phases):
-            self.end_phase(name, when, {"gen_ai.usage.output_tokens": r.num_output_tokens,
+            self.end_phase(name, when, {"gen_ai.usage.output_tokens": num_output_tokens,
                                    "gen_ai.response.finish_reasons": [reason]} if name == "decode" else None)
         latencies = self._latencies()
         if self.span is not None and self.span.is_recording():
             self.span.set_attributes({
-                "gen_ai.usage.input_tokens": r.num_prompt_tokens, "gen_ai.usage.output_tokens": r.num_output_tokens,
-                "gen_ai.usage.cache_read.input_tokens": max(r.num_cached_tokens, 0),
-                "gen_ai.response.finish_reasons": [reason], "baton.num_preemptions": r.num_preemptions,
+                "gen_ai.usage.input_tokens": self.num_prompt_tokens, "gen_ai.usage.output_tokens": num_output_tokens,
+                "gen_ai.usage.cache_read.input_tokens": stats.num_cached_tokens,
+                "gen_ai.response.finish_reasons": [reason], "baton.num_preemptions": stats.num_preemptions,
                 **{f"gen_ai.latency.{k}": v for k, v in latencies.items() if v is not None}})
         if self.hub.metrics is not None:
-            self.hub.observe_finished(self, reason, latencies)
+            self.hub.observe_finished(self, reason, num_output_tokens, latencies)
         if self.holds_blocks:  # the blocks wait for a decode to pull them
-            blocks = len(r.kv_transfer_params["remote_block_ids"])
+            blocks = stats.num_held_blocks
             self.start_phase("kv_hold", when, {"baton.kv.blocks": blocks, "baton.kv.bytes": blocks * self.hub.block_bytes})
 
     @property
     def holds_blocks(self) -> bool:
         """A prefill request that ended with its blocks held (its handle is out)."""
-        return not self.remote and bool(self.request.kv_transfer_params)
+        return not self.remote and self.stats is not None and self.stats.num_held_blocks > 0
 
     def _latencies(self) -> dict[str, float | None]:
         """vLLM's request figures, named as its spans name them (gen_ai.latency.*)."""
-        r = self.request
-        first, last, scheduled = r.first_token_time, r.last_token_time, r.scheduled_time
+        s, r = self.stats, self.request
+        first, scheduled = self.first_token_time, s.scheduled_time
+        last = self.final[2] if self.final else s.last_token_time
 
         def between(a, b):
             return b - a if a is not None and b is not None else None
         return {"time_in_queue": between(r.arrival_time, scheduled), "time_to_first_token": between(r.arrival_time, first),
-                "e2e": between(r.arrival_time, r.finished_time), "time_in_model_prefill": between(scheduled, first),
+                "e2e": between(r.arrival_time, s.finished_time), "time_in_model_prefill": between(scheduled, first),
                 "time_in_model_decode": between(first, last), "time_in_model_inference": between(scheduled, last)}
 
     def _hold_ended(self, ev: RequestEvent) -> None:
@@ -172,12 +185,16 @@ class RequestTelemetry:
         m = self.hub.metrics
         if m is not None:
             m.hold_outcomes.labels(**m.labels, outcome=ev.detail).inc()
-            m.hold_time.observe(ev.time - self.request.finished_time)
+            m.hold_time.observe(ev.time - self.stats.finished_time)
             if ev.detail == "expired":
                 m.expired_holds.inc()
 
-    def on_output(self) -> None:
+    def on_output(self, out) -> None:
         """A step gave this request tokens (the lazy prefill -> decode switch)."""
+        if self.first_token_time is None and not self.remote:
+            self.first_token_time = out.time
+        if out.finished:  # as the front ended it: a stop string ends it here before the core does
+            self.final = (out.finish_reason, out.num_output_tokens, out.time)
         if "prefill" in self.phases:
             self._first_token(finished=False)
 
@@ -211,20 +228,18 @@ class EngineTelemetry:
         self.tracer = tracer
         self.metrics = metrics
         self.block_bytes = 0  # set once the KV cache exists
-        # Keyed by the Request itself, as events name it: an id can be reused once its request ended.
-        self.active: dict[Request, RequestTelemetry] = {}  # in the engine
-        self.holding: dict[Request, RequestTelemetry] = {}  # finished; blocks held for a decode
-        self.by_id: dict[str, RequestTelemetry] = {}  # the newest tracked under an id (outputs carry ids)
+        # By the request's key, as events and outputs name it: an id can be reused once its request ended.
+        self.active: dict[int, RequestTelemetry] = {}  # in the engine
+        self.holding: dict[int, RequestTelemetry] = {}  # finished; blocks held for a decode
 
     @property
     def enabled(self) -> bool:
         return self.tracer is not None or self.metrics is not None
 
-    def track(self, request: Request, span, kv_handle_context: dict | None = None) -> RequestTelemetry | None:
+    def track(self, request: CoreRequest, span, kv_handle_context: dict | None = None) -> RequestTelemetry | None:
         if not self.enabled:
             return None
-        rt = self.active[request] = self.by_id[request.request_id] = RequestTelemetry(
-            self, request, span, kv_handle_context)
+        rt = self.active[request.key] = RequestTelemetry(self, request, span, kv_handle_context)
         return rt
 
     def drop(self, rt: RequestTelemetry | None, when: float, error: str) -> None:
@@ -234,16 +249,14 @@ class EngineTelemetry:
             self._forget(rt)
 
     def _forget(self, rt: RequestTelemetry) -> None:
-        self.active.pop(rt.request, None)
-        if self.by_id.get(rt.request.request_id) is rt:
-            del self.by_id[rt.request.request_id]
+        self.active.pop(rt.request.key, None)
 
     def on_step(self, step: StepEvents, outputs) -> None:
         done = []
         try:
             for ev in step.events:
-                rt = (self.holding.pop(ev.request, None) if ev.type is EventType.HOLD_END
-                      else self.active.get(ev.request))
+                rt = (self.holding.pop(ev.key, None) if ev.type is EventType.HOLD_END
+                      else self.active.get(ev.key))
                 if rt is None:
                     continue
                 if ev.type is EventType.FINISHED:
@@ -260,36 +273,36 @@ class EngineTelemetry:
             for rt in done:
                 self._forget(rt)
                 if rt.holds_blocks:
-                    self.holding[rt.request] = rt
+                    self.holding[rt.request.key] = rt
 
     def _tokens(self, now: float, outputs) -> None:
         """Inter-token gaps, counted per step (most of a step's tokens share theirs)."""
         gaps: dict[float, int] = {}  # the previous token's time -> tokens since
         for out in outputs:
-            rt = self.by_id.get(out.request_id)
+            rt = self.active.get(out.key)
             if rt is not None:
                 if rt.last_token_time is not None:
                     gaps[rt.last_token_time] = gaps.get(rt.last_token_time, 0) + 1
                 rt.last_token_time = now
-                rt.on_output()
+                rt.on_output(out)
         if self.metrics is not None:
             for last, n in gaps.items():
                 self.metrics.itl.observe(now - last, n)
 
-    def observe_finished(self, rt: RequestTelemetry, reason: str, latencies: dict) -> None:
-        m, r = self.metrics, rt.request
+    def observe_finished(self, rt: RequestTelemetry, reason: str, num_output_tokens: int, latencies: dict) -> None:
+        m = self.metrics
         exemplar = {"trace_id": rt.trace_id} if rt.trace_id else None
         m.request_success.labels(**m.labels, finished_reason=reason).inc()
-        m.prompt_tokens_hist.observe(r.num_prompt_tokens)
-        m.generation_tokens_hist.observe(r.num_output_tokens)
-        m.max_tokens_param.observe(r.sampling_params.max_tokens)
-        m.preemptions_hist.observe(r.num_preemptions)
+        m.prompt_tokens_hist.observe(rt.num_prompt_tokens)
+        m.generation_tokens_hist.observe(num_output_tokens)
+        m.max_tokens_param.observe(rt.request.sampling_params.max_tokens)
+        m.preemptions_hist.observe(rt.stats.num_preemptions)
         for name, histogram in (("time_to_first_token", m.ttft), ("e2e", m.e2e), ("time_in_queue", m.queue_time),
                                 ("time_in_model_prefill", m.prefill_time), ("time_in_model_decode", m.decode_time),
                                 ("time_in_model_inference", m.inference_time)):
             if latencies[name] is not None:
                 histogram.observe(latencies[name], exemplar)
-        n = r.num_output_tokens - (1 if rt.remote else 0)  # tokens this engine sampled
+        n = num_output_tokens - (1 if rt.remote else 0)  # tokens this engine sampled
         if n > 1 and latencies["time_in_model_decode"] is not None:
             m.tpot.observe(latencies["time_in_model_decode"] / (n - 1), exemplar)
 
@@ -298,4 +311,3 @@ class EngineTelemetry:
             rt.close(when, "the server stopped")
         self.active.clear()
         self.holding.clear()
-        self.by_id.clear()

@@ -126,10 +126,16 @@ exec:
     - baton
     - health
     - --target=127.0.0.1:{{ .port }}
+    {{- with .p.service }}
+    - --service={{ . }}
+    {{- end }}
     {{- include "baton.tlsArgs" (dict "ctx" .ctx "serving" false) | trim | nindent 4 }}
 {{- else if eq $type "grpc" }}
 grpc:
   port: {{ .port }}
+  {{- with .p.service }}
+  service: {{ . }}
+  {{- end }}
 {{- else }}
 tcpSocket:
   port: {{ .port }}

@@ -1,0 +1,184 @@
+"""The engine core: the half of an engine that owns the device. Scheduler -> model runner ->
+scheduler, the KV cache, and the KV connector's worker half (its NIXL agent lives with the
+cache). It takes validated, tokenized requests (CoreRequest) and gives token ids back
+(CoreOutput); text, stop strings and every RPC are its front's. In a server it runs in a
+process of its own (core_process.py); the offline engine (llm_engine.py) holds it in-process.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from baton.engine.config import EngineConfig, read_config
+from baton.engine.core_messages import CoreOutput, CoreRequest, CoreStats, EngineFacts
+from baton.engine.errors import check
+from baton.engine.kv_cache_manager import KVCacheManager
+from baton.engine.loader import load_model
+from baton.engine.memory import measure_kv_cache_bytes, memory_before_loading
+from baton.engine.model import ModelArgs
+from baton.engine.model_runner import ModelRunner
+from baton.engine.request import Request, RequestStatus
+from baton.engine.scheduler import Scheduler
+from baton.engine.stats import EngineSnapshot, StepEvents
+from baton.engine.tokenizer import eos_token_ids
+from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
+
+_CPU_KV_BUDGET = 1 << 30
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Wall time spent, for the benchmark's scheduler share."""
+    steps: int = 0
+    step_s: float = 0.0
+    scheduler_s: float = 0.0  # schedule() + update_from_output()
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig,
+                 kv_connector: tuple[KVConnectorScheduler, KVConnectorWorker] | None = None):
+        """`kv_connector`: the scheduler and worker halves of a KV connector, or None (colocated)."""
+        self.config = config
+        config.resolve_device()
+        args = ModelArgs.from_hf_config(read_config(config.model))
+        config.resolve_model_len(args.max_position_embeddings)
+        self.eos_token_ids = eos_token_ids(config.model)
+        torch.manual_seed(config.seed)
+        on_gpu = config.device.startswith("cuda")
+        free_at_start, total = memory_before_loading(config.device) if on_gpu else (0, 0)
+        model = load_model(config.model, config.torch_dtype(args.torch_dtype), config.device)
+        if on_gpu and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
+            config.kv_cache_memory_bytes = measure_kv_cache_bytes(model, config, free_at_start, total)
+        self.num_kv_blocks = self._num_kv_blocks(args, model.embed_tokens.weight.element_size())
+        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        connector_scheduler, connector_worker = kv_connector or (None, None)
+        self.scheduler = Scheduler(config, self.kv, connector_scheduler)
+        self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker)
+        self.connector = connector_worker
+        self.vocab_size = args.vocab_size
+        self.times = StepTimes()
+        self.num_taken = 0  # requests taken in since start
+        self._step_tokens: list[int] | None = None  # per step, while events are recorded
+
+    def _num_kv_blocks(self, args: ModelArgs, dtype_bytes: int) -> int:
+        c = self.config
+        if c.num_kv_blocks is None:
+            block_bytes = args.num_layers * 2 * c.block_size * args.num_kv_heads * args.head_dim * dtype_bytes
+            budget = _CPU_KV_BUDGET if c.kv_cache_memory_bytes is None else c.kv_cache_memory_bytes
+            # Never more than every sequence slot at full length needs (plus prefix-cache slack).
+            most = 2 * c.max_num_seqs * -(-c.max_model_len // c.block_size)
+            c.num_kv_blocks = min(budget // block_bytes, most)
+        check(c.num_kv_blocks * c.block_size >= c.max_model_len, "num_kv_blocks",
+              f"{c.num_kv_blocks} blocks of {c.block_size} tokens cannot hold one request of max_model_len "
+              f"{c.max_model_len}; raise num_kv_blocks (or kv_cache_memory_bytes) or lower max_model_len")
+        return c.num_kv_blocks
+
+    def facts(self) -> EngineFacts:
+        return EngineFacts(self.config.max_model_len, self.vocab_size, sorted(self.eos_token_ids),
+                           self.config.block_size, self.num_kv_blocks,
+                           str(self.runner.kv_cache.dtype).removeprefix("torch."), self.config.device, os.getpid(),
+                           getattr(self.connector, "layout", None))
+
+    # ---- events -----------------------------------------------------------------------------
+    def record_events(self) -> None:
+        """From now on keep each request's events (for spans and metrics) until `take_events`."""
+        self.scheduler.events = []
+        self._step_tokens = []
+
+    def take_events(self) -> StepEvents:
+        """The events and step sizes recorded since the last call."""
+        taken = StepEvents(self.scheduler.events, self._step_tokens, self.scheduler.last_step_time)
+        self.scheduler.events, self._step_tokens = [], []
+        return taken
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add(self, msg: CoreRequest) -> Request:
+        """Queue a request (validated by its front already)."""
+        check(msg.request_id not in self.scheduler.requests, "request_id", f"{msg.request_id!r} is already running")
+        request = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params, self.eos_token_ids,
+                          msg.priority, msg.arrival_time, msg.key)
+        request.hold_for_remote, request.remote_kv = msg.hold_for_remote, msg.remote_kv
+        for token in msg.output_token_ids:
+            request.append_output_token(token)
+        self.scheduler.add_request(request)
+        self.num_taken += 1
+        return request
+
+    def abort(self, request_ids) -> list[CoreOutput]:
+        """End live requests (their last outputs, finish reason "abort"), and let go of blocks
+        that finished ones hold for a decode peer that will not come now."""
+        ended = self.scheduler.finish_requests(request_ids)
+        for req_id in set(request_ids) - {r.request_id for r in ended}:
+            self.release_hold(req_id)
+        return [CoreOutput(r.key, [], r.status.finish_reason, num_cached_tokens=max(r.num_cached_tokens, 0))
+                for r in ended]
+
+    def release_hold(self, request_id: str) -> bool:
+        """Let go of the blocks a finished prefill request holds for a decode peer; false when it
+        holds none."""
+        held = self.scheduler.held.get(request_id)
+        if held is None or held.kv_handle is None:  # (a decode aborted mid-load holds until it lands)
+            return False
+        self.connector.release(request_id)
+        return True
+
+    def add_peer(self, layout) -> None:
+        """Learn a KV peer's layout (the KV handshake); raises KVFormatMismatch naming what differs."""
+        self.connector.add_peer(layout)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_held_requests(self) -> int:
+        """Finished requests whose blocks wait for a transfer (the loop keeps stepping)."""
+        return len(self.scheduler.held)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Load and running totals."""
+        sched, kv = self.scheduler, self.kv
+        held = sum(len(kv.req_blocks.get(req_id, ())) for req_id in sched.held)
+        return EngineSnapshot(
+            len(sched.running), len(sched.waiting),
+            sum(1 for r in sched.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS), len(sched.held),
+            held, self.num_kv_blocks, kv.num_free_blocks, kv.prefix_queries, kv.prefix_hits, sched.num_preemptions,
+            sched.num_failed_loads, sched.num_prompt_tokens, sched.num_prompt_tokens_cached,
+            sched.num_prompt_tokens_external, sched.num_generation_tokens)
+
+    def stats(self) -> CoreStats:
+        worker = self.connector
+        return CoreStats(self.snapshot(), getattr(worker, "engine_id", ""), getattr(worker, "num_expired_holds", 0),
+                         getattr(worker, "num_blocks_pulled", 0), self.num_taken)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[CoreOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        result = self.runner.execute_model(sched)
+        t2 = time.perf_counter()
+        updates = self.scheduler.update_from_output(sched, result)
+        t3 = time.perf_counter()
+        if self._step_tokens is not None and sched.total_num_scheduled_tokens:
+            self._step_tokens.append(sched.total_num_scheduled_tokens)
+        self.times.steps += 1
+        self.times.step_s += t3 - t0
+        self.times.scheduler_s += (t1 - t0) + (t3 - t2)
+        logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
+        outputs = []
+        for u in updates:
+            req = u.request
+            lp = logprobs.get(req.request_id) if logprobs else None
+            first = req.first_token_time == self.scheduler.last_step_time  # its first token sampled here
+            out = CoreOutput(req.key, u.new_token_ids, num_cached_tokens=max(req.num_cached_tokens, 0),
+                             logprobs=None if lp is None else [lp],
+                             prompt_logprobs=prompt_logprobs.get(req.request_id) if prompt_logprobs else None,
+                             ready_time=(req.kv_ready_time or req.scheduled_time) if first else None)
+            if u.finished:
+                out.finish_reason, out.stop_token_id, out.kv_handle = (req.status.finish_reason, req.stop_token_id,
+                                                                       req.kv_handle)
+            outputs.append(out)
+        return outputs

@@ -1,0 +1,144 @@
+"""The typed messages between an engine's front (which tokenizes, detokenizes and serves) and
+its engine core (which schedules, runs the model and owns the KV cache), as vLLM v1's
+EngineCoreRequest and EngineCoreOutputs. In a server they cross a process boundary, encoded
+with msgspec (array-like structs: no field names on the wire); the offline engine passes the
+same objects within one process.
+
+A front gives each request a `key`, unique among its requests (request ids may be reused once
+a request ended): outputs and events carry the key, never the id, so that a late output of an
+ended request cannot reach a new one under the same id.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.stats import EngineSnapshot, StepEvents
+from baton.kv_transfer.base import KVHandle
+from baton.kv_transfer.nixl_connector import KVLayout
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """One position's logprobs: the token's (and its rank, 1 = likeliest) and the top ones'."""
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class CoreRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """A request as a front hands it to its core: validated and tokenized."""
+    key: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float  # time.monotonic(), the same clock in every process of a host
+    priority: int = 0
+    # Outputs generated elsewhere already (a prefill's first token, a failed instance's stream):
+    # recomputed with the prompt, so the rest goes on as one uninterrupted run would.
+    output_token_ids: list[int] = []
+    hold_for_remote: bool = False  # a prefill's: hold its blocks for a decode peer (and give out a KVHandle)
+    remote_kv: KVHandle | None = None  # a decode's: the prompt's KV is at this peer
+
+
+class CoreAbort(msgspec.Struct, tag=True, array_like=True):
+    """End these requests wherever they are, and let go of blocks held for a decode peer."""
+    request_ids: list[str]
+
+
+class CoreCall(msgspec.Struct, tag=True, array_like=True):
+    """One of CoreCalls' methods, run between two steps; answered by a CallResult."""
+    call_id: int
+    method: str
+    arg: msgspec.Raw = msgspec.Raw(b"\xc0")  # msgpack nil: no argument
+
+
+class CoreShutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+CoreInput = CoreRequest | CoreAbort | CoreCall | CoreShutdown
+
+
+class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's progress in one step."""
+    key: int
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" once it ended
+    stop_token_id: int | None = None  # the stop token id that ended it (stop strings are the front's)
+    num_cached_tokens: int = 0  # prompt tokens the local prefix cache held
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked for
+    kv_handle: KVHandle | None = None  # a prefill's finished request: where its blocks wait
+    ready_time: float | None = None  # with its first sampled token: when it could run (KV landed, or scheduled)
+
+
+class CoreFailure(msgspec.Struct, array_like=True):
+    """A request the core could not take (the front validates first: a race, or a bug)."""
+    key: int
+    field: str
+    message: str
+
+
+class CoreStep(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """What one pass of the core's loop tells its front: one message however many requests."""
+    outputs: list[CoreOutput]
+    time: float  # when this step's tokens were sampled
+    num_waiting: int  # the scheduler's waiting queue after the step
+    num_received: int  # requests received since the core started (the front's sent - received: not yet queued)
+    failures: list[CoreFailure] = []
+    events: StepEvents | None = None  # when the front asked for them (telemetry)
+
+
+class CallError(msgspec.Struct, array_like=True):
+    kind: str  # "invalid_argument", "kv_format_mismatch", or "error"
+    message: str
+    field: str | None = None
+
+
+class CallResult(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")
+    error: CallError | None = None
+
+
+class EngineFacts(msgspec.Struct):
+    """What a front needs to know of its core, once it has loaded."""
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    block_size: int
+    num_kv_blocks: int
+    dtype: str  # of the KV cache ("float32", "bfloat16", ...)
+    device: str  # resolved: cpu or cuda:N
+    pid: int  # the core's process (the front's own when in-process)
+    kv_layout: KVLayout | None = None  # where peers read its blocks (services trade it in the KV handshake)
+
+
+class CoreReady(msgspec.Struct, tag=True, array_like=True):
+    facts: EngineFacts
+
+
+class CoreFailed(msgspec.Struct, tag=True, array_like=True):
+    """The core cannot start, or its loop died: why, in one sentence (kind as CallError's)."""
+    kind: str
+    message: str
+    field: str | None = None
+
+
+CoreMessage = CoreStep | CallResult | CoreReady | CoreFailed
+
+
+class CoreStats(msgspec.Struct):
+    """The engine's load and totals with its KV connector's counters (the internal Admin.Stats)."""
+    snapshot: EngineSnapshot
+    engine_id: str
+    num_expired_holds: int
+    num_blocks_pulled: int
+    num_requests: int  # taken in since start
+
+
+# What a front may call between steps: method -> (argument type, result type).
+CORE_CALLS = {"snapshot": (None, EngineSnapshot), "stats": (None, CoreStats), "release_hold": (str, bool),
+              "add_peer": (KVLayout, None)}

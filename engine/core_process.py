@@ -1,0 +1,209 @@
+"""The engine core in a process of its own: a busy step loop fed and drained over ZMQ.
+
+Two sockets join it to its front (core_client.py), both over IPC in Linux's abstract
+namespace (no file to leak, gone with the process): the front PUSHes CoreInputs, the core
+PUSHes CoreMessages back, msgspec-encoded. A thread receives and decodes the inputs, another
+encodes and sends the outputs, so the step loop only applies what arrived, steps, and hands
+one CoreStep per step over: the GIL is free while torch computes, and the threads' work
+overlaps the model's.
+
+The core dies with its front: PR_SET_PDEATHSIG, and a check of the parent every second (the
+signal is lost when the parent died before it was set).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from baton.engine.config import EngineConfig
+from baton.engine.core import EngineCore
+from baton.engine.core_messages import (CORE_CALLS, CallError, CallResult, CoreAbort, CoreCall, CoreFailed,
+                                        CoreFailure, CoreInput, CoreReady, CoreRequest, CoreShutdown, CoreStep)
+from baton.engine.errors import InvalidArgument, StartupError
+from baton.kv_transfer.base import KVFormatMismatch
+from baton.kv_transfer.nixl_connector import make_nixl_connector
+
+log = logging.getLogger("baton.core")
+
+_HELD_POLL_S = 0.001  # only finished requests' blocks are held: poll the connector this often
+
+
+@dataclass(slots=True)
+class CoreOptions:
+    engine_id: str  # the NIXL agent's name
+    hold_timeout_s: float
+    record_events: bool  # the front turns them into spans and metrics
+    input_address: str  # the front's PUSH binds here; the core connects
+    output_address: str
+
+
+def error_of(e: Exception) -> CallError:
+    """A core-side exception as a typed error the front can raise again."""
+    if isinstance(e, InvalidArgument):
+        return CallError("invalid_argument", e.reason, e.field)
+    if isinstance(e, KVFormatMismatch):
+        return CallError("kv_format_mismatch", e.reason, e.field)
+    if isinstance(e, StartupError):
+        return CallError("startup", str(e))
+    return CallError("error", f"{type(e).__name__}: {e}")
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the parent check below still ends it
+        pass
+    if os.getppid() != parent:  # the parent died before the signal was set
+        os._exit(1)
+
+
+def main() -> None:
+    """`python -m baton.engine.core_process`, its (config, options, parent pid) pickled on stdin:
+    a fresh interpreter, which imports nothing of the front's (a script's main module
+    included, as multiprocessing's spawn would)."""
+    config, options, parent = pickle.load(sys.stdin.buffer)
+    run_engine_core(config, options, parent)
+
+
+def run_engine_core(config: EngineConfig, options: CoreOptions, parent: int) -> None:
+    """The core process: load, say ready, loop until told to stop or the front is gone. Exits
+    non-zero when it cannot start or its loop fails."""
+    _die_with_parent(parent)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # The output socket has a context of its own: terminating it waits until what was sent has
+    # left, which the input socket (blocked in its thread) would never let a shared one do.
+    out = zmq.Context().socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 5000)
+    out.setsockopt(zmq.SNDHWM, 0)  # never block the step loop's sender on a slow front
+    out.connect(options.output_address)
+    try:
+        connector = make_nixl_connector(options.engine_id, config.block_size, options.hold_timeout_s)
+        core = EngineCore(config, connector)
+    except Exception as e:  # noqa: BLE001 - told to the front in one sentence, then the process ends
+        if not isinstance(e, (InvalidArgument, StartupError)):
+            log.exception("the engine core could not start")
+        err = error_of(e)
+        out.send(msgspec.msgpack.encode(CoreFailed(err.kind, err.message, err.field)))
+        _close(out)
+        os._exit(1)
+    if options.record_events:
+        core.record_events()
+    code = CoreLoop(core, options, out, parent).run()
+    connector[1].close()
+    os._exit(code)  # NIXL's and torch's threads must not hold the exit up
+
+
+def _close(sock: zmq.Socket) -> None:
+    """Close an output socket once what it holds has left (up to its linger)."""
+    ctx = sock.context
+    sock.close()
+    ctx.term()
+
+
+class CoreLoop:
+    def __init__(self, core: EngineCore, options: CoreOptions, out: zmq.Socket, parent: int):
+        self.core = core
+        self.record = options.record_events
+        self.inputs: queue.SimpleQueue = queue.SimpleQueue()
+        self.outputs: queue.SimpleQueue = queue.SimpleQueue()
+        self._parent = parent
+        self.num_received = 0  # requests received since start (taken in or failed)
+        inp = zmq.Context().socket(zmq.PULL)
+        inp.connect(options.input_address)
+        self.outputs.put(CoreReady(core.facts()))
+        threading.Thread(target=self._receive, args=(inp,), name="core-input", daemon=True).start()
+        self._sender = threading.Thread(target=self._send, args=(out,), name="core-output", daemon=True)
+        self._sender.start()
+
+    # ---- the I/O threads -------------------------------------------------------------------
+    def _receive(self, sock: zmq.Socket) -> None:
+        decoder = msgspec.msgpack.Decoder(CoreInput)
+        while True:
+            if not sock.poll(1000):
+                if os.getppid() != self._parent:
+                    log.error("the front is gone; the engine core stops")
+                    os._exit(1)
+                continue
+            self.inputs.put(decoder.decode(sock.recv(copy=False).buffer))
+
+    def _send(self, sock: zmq.Socket) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        while (msg := self.outputs.get()) is not None:
+            sock.send(encoder.encode(msg), copy=False)
+        _close(sock)
+
+    # ---- the step loop -----------------------------------------------------------------------
+    def run(self) -> int:
+        core = self.core
+        try:
+            while True:
+                busy = core.has_unfinished_requests()
+                wait = None if busy else (_HELD_POLL_S if core.num_held_requests else 3600.0)
+                taken, outputs, failures, stop = self._apply_inputs(wait)
+                if stop:
+                    return 0
+                if busy or taken or core.num_held_requests:
+                    outputs += core.step()
+                events = core.take_events() if self.record else None
+                if outputs or taken or failures or (events is not None and (events.events or events.step_tokens)):
+                    self.outputs.put(CoreStep(outputs, core.scheduler.last_step_time, len(core.scheduler.waiting),
+                                              self.num_received, failures, events))
+        except Exception as e:  # noqa: BLE001 - the front fails its streams with this, then the process ends
+            log.exception("the engine core's step loop failed")
+            err = error_of(e)
+            self.outputs.put(CoreFailed(err.kind, f"the engine core's step loop failed: {err.message}"))
+            return 1
+        finally:
+            self.outputs.put(None)
+            self._sender.join(5)
+
+    def _apply_inputs(self, wait: float | None) -> tuple[int, list, list[CoreFailure], bool]:
+        """Apply what arrived (waiting up to `wait` seconds for a first input when given): the
+        number of requests taken, outputs of aborted ones, failed adds, and whether to stop."""
+        taken, outputs, failures = 0, [], []
+        try:
+            msg = self.inputs.get(timeout=wait) if wait is not None else self.inputs.get_nowait()
+        except queue.Empty:
+            return taken, outputs, failures, False
+        while True:
+            if isinstance(msg, CoreRequest):
+                self.num_received += 1
+                try:
+                    self.core.add(msg)
+                    taken += 1
+                except InvalidArgument as e:  # that request fails, the loop goes on
+                    failures.append(CoreFailure(msg.key, e.field, e.reason))
+            elif isinstance(msg, CoreAbort):
+                outputs += self.core.abort(msg.request_ids)
+            elif isinstance(msg, CoreCall):
+                self.outputs.put(self._call(msg))
+            elif isinstance(msg, CoreShutdown):
+                return taken, outputs, failures, True
+            try:
+                msg = self.inputs.get_nowait()
+            except queue.Empty:
+                return taken, outputs, failures, False
+
+    def _call(self, call: CoreCall) -> CallResult:
+        arg_type, _ = CORE_CALLS[call.method]
+        try:
+            args = () if arg_type is None else (msgspec.msgpack.decode(call.arg, type=arg_type),)
+            result = getattr(self.core, call.method)(*args)
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            return CallResult(call.call_id, error=error_of(e))
+        return CallResult(call.call_id, msgspec.Raw(msgspec.msgpack.encode(result)))
+
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The prefill tier's internal calls: `Prefill`, which computes a prompt, samples its first
+token and holds its blocks for a decode peer, returning their handle; and `Release`, which
+lets go of a handle's blocks that no decode will pull."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from baton.engine.errors import InvalidArgument, check
+from baton.engine.output_processor import StepOutput
+from baton.services.rpc.errors import abort, abort_invalid
+from baton.services.rpc.fan_out import num_completions
+from baton.services.rpc.serving import in_background
+from baton.services.server.responses import ENGINE_ERRORS, abort_for_engine_error, response_from_output
+from baton.v1 import generate_pb2 as pb
+from baton.v1 import internal_pb2, internal_pb2_grpc
+
+if TYPE_CHECKING:
+    from baton.services.server.generation import GenerationService
+    from baton.services.server.server import Server
+
+
+class PrefillService(internal_pb2_grpc.PrefillServicer):
+    def __init__(self, server: Server, generation: GenerationService):
+        self.server = server
+        self.generation = generation
+
+    async def Prefill(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        server = self.server
+        with server.server_span(context, msg, "Prefill") as span:
+            await server.check_token(context)
+            if not server.serving:
+                await abort(context, grpc.StatusCode.UNAVAILABLE, "the server is loading or draining",
+                            pb.FAILURE_REASON_ENGINE_UNAVAILABLE)
+            try:
+                check(num_completions(msg) == 1, "sampling.n", "must be 1 at a prefill (the router fans n out)")
+                made = self.generation.make_request(msg, for_prefill=True)
+            except InvalidArgument as e:
+                await abort_invalid(context, e)
+            request = made.request
+            # A caller gone before the handle reached it leaves nobody to pull the blocks: also
+            # when the request had finished (and its blocks were held) just as the call was
+            # cancelled, where the stream's own abort comes too late. Releasing a request that
+            # is not held does nothing.
+            context.add_done_callback(lambda ctx: ctx.cancelled() and in_background(
+                server.background, server.release_hold(request.request_id)))
+            rt = server.telemetry.track(request, span)
+            last, calls = None, self.generation.calls
+            calls.started(request.request_id, [request.request_id])
+            try:
+                async for last in server.core.generate(request, min_tokens=made.min_tokens):
+                    pass
+            except ENGINE_ERRORS as e:
+                server.telemetry.drop(rt, time.monotonic(), str(e))
+                await abort_for_engine_error(context, e)
+            finally:
+                calls.ended(request.request_id)
+            if last is None or last.finish_reason not in ("stop", "length"):
+                await abort(context, grpc.StatusCode.ABORTED, f"request {request.request_id} ended without its "
+                                                              f"first token")
+            return self._reply(last, made.output, rt)
+
+    def _reply(self, last: StepOutput, output: int, rt) -> internal_pb2.PrefillResponse:
+        first = response_from_output(last, output)
+        handle = last.kv_handle
+        if handle is None:  # the first token ended the request (a stop token or string, or max_tokens 1)
+            return internal_pb2.PrefillResponse(first=first)
+        first.ClearField("finish_reason")  # the request goes on at the decode side
+        first.ClearField("usage")
+        return internal_pb2.PrefillResponse(first=first, handle=pb.KVHandle(
+            engine_id=handle.engine_id, address=self.server.address, request_id=handle.request_id,
+            block_ids=handle.block_ids, num_tokens=handle.num_tokens, first_token=handle.first_token,
+            trace_context=rt.hold_context() if rt is not None else {}))
+
+    async def Release(self, handle: pb.KVHandle, context: grpc.aio.ServicerContext):
+        await self.server.check_internal(context)
+        return internal_pb2.ReleaseResponse(released=await self.server.release_hold(handle.request_id))

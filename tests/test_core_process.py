@@ -1,0 +1,200 @@
+"""The engine core in a process of its own, seen from its front (CoreClient): outputs a slow
+reader left queued are merged, never lost or reordered; ids reused at once get runs of their
+own; a core that dies fails its streams at once; a front that dies takes its core with it;
+the front never imports torch."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from baton.engine.config import EngineConfig
+from baton.engine.core_client import CoreClient, EngineDead, merge_queued
+from baton.engine.output_processor import StepOutput
+from baton.engine.sampling_params import SamplingParams
+
+from helpers import stats
+
+
+def step(tokens, text, finished=False):
+    return StepOutput("r", tokens, text, finished, "length" if finished else None, 3, 0, 0)
+
+
+def test_queued_outputs_merge_up_to_the_last():
+    async def run():
+        queue = asyncio.Queue()
+        for out in (step([2], "b"), step([3, 4], "cd", finished=True)):
+            queue.put_nowait(out)
+        return merge_queued(step([1], "a"), queue), queue.empty()
+
+    merged, drained = asyncio.run(run())
+    assert (merged.new_token_ids, merged.text, merged.finished, merged.finish_reason) == ([1, 2, 3, 4], "abcd", True, "length")
+    assert drained
+
+
+def test_logprobs_queued_before_a_last_output_without_them_are_kept():
+    async def run():
+        queue = asyncio.Queue()
+        queue.put_nowait(step([], "", finished=True))  # an abort's last output carries no logprobs
+        first = step([1], "a")
+        first.logprobs = ["lp1"]
+        return merge_queued(first, queue)
+
+    assert asyncio.run(run()).logprobs == ["lp1"]
+
+
+def test_an_error_queued_behind_outputs_is_raised():
+    async def run():
+        queue = asyncio.Queue()
+        queue.put_nowait(EngineDead("boom"))
+        return merge_queued(step([1], "a"), queue)
+
+    with pytest.raises(EngineDead):
+        asyncio.run(run())
+
+
+def _client(model_dir: str, **kwargs) -> CoreClient:
+    config = EngineConfig.from_kwargs(model_dir, dtype="float32", device="cpu")
+    return CoreClient(config, f"test-{os.getpid()}-{time.monotonic_ns()}", 30.0, **kwargs)
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie has exited: it only waits to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_an_id_reused_right_after_its_stream_left_gets_a_run_of_its_own(tiny_llama):
+    """A client that cancels and retries at once with the same request id: the retry never
+    receives the old request's outputs, and the core runs it whole."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)
+
+    async def run():
+        core = _client(tiny_llama)
+        await core.start()
+        try:
+            results = []
+            for _ in range(5):
+                first = core.generate(core.inputs.make_request("x", [5, 6, 7, 8], params))
+                await anext(first)
+                await anext(first)
+                await first.aclose()  # the client leaves: the abort is on its way
+                outs = [o async for o in core.generate(core.inputs.make_request("x", [5, 6, 7, 8], params))]
+                results.append((outs[-1].finish_reason, sum(len(o.new_token_ids) for o in outs)))
+            snapshot = await core.call("snapshot")
+            return results, snapshot
+        finally:
+            await core.stop()
+
+    results, snapshot = asyncio.run(asyncio.wait_for(run(), 120))
+    assert results == [("length", 40)] * 5
+    assert snapshot.num_free_kv_blocks == snapshot.num_kv_blocks
+
+
+def test_a_call_whose_caller_left_still_runs_and_the_core_goes_on(tiny_llama):
+    async def run():
+        core = _client(tiny_llama)
+        await core.start()
+        try:
+            os.kill(core.pid, signal.SIGSTOP)  # the core holds (a long step)
+            left = asyncio.ensure_future(core.call("release_hold", "nobody"))
+            await asyncio.sleep(0.05)
+            left.cancel()  # its caller goes away before the core reaches it
+            os.kill(core.pid, signal.SIGCONT)
+            return await asyncio.wait_for(core.call("snapshot"), 10)
+        finally:
+            await core.stop()
+
+    assert asyncio.run(run()).num_running == 0
+
+
+def test_a_killed_core_fails_its_streams_and_calls_at_once(tiny_llama):
+    deaths = []
+
+    async def run():
+        core = _client(tiny_llama, on_dead=deaths.append)
+        await core.start()
+        params = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0.0)
+        streams = [core.generate(core.inputs.make_request(f"r{i}", [5, 6, 7 + i], params)) for i in range(8)]
+        for s in streams:
+            await anext(s)
+        os.kill(core.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        errors = []
+        for s in streams:
+            with pytest.raises(EngineDead) as err:
+                async for _ in s:
+                    pass
+            errors.append(str(err.value))
+        waited = time.monotonic() - t0
+        with pytest.raises(EngineDead):
+            await core.call("snapshot")
+        pid = core.pid
+        await core.stop()
+        return errors, waited, pid
+
+    errors, waited, pid = asyncio.run(asyncio.wait_for(run(), 60))
+    assert waited < 2.0 and all("exited with status -9" in e for e in errors), (waited, errors)
+    assert len(deaths) == 1 and not alive(pid)
+
+
+def test_a_core_that_cannot_start_says_why_in_one_sentence(tiny_llama):
+    async def run():
+        config = EngineConfig.from_kwargs(tiny_llama, dtype="float32", device="cpu", num_kv_blocks=2)
+        core = CoreClient(config, "cannot-start", 30.0)
+        try:
+            await core.start()
+        finally:
+            await core.stop()
+
+    from baton.engine.errors import InvalidArgument
+    with pytest.raises(InvalidArgument) as err:
+        asyncio.run(run())
+    assert err.value.field == "num_kv_blocks" and "max_model_len" in str(err.value)
+
+
+def test_a_killed_front_takes_its_core_with_it(spawn, tiny_llama):
+    server = spawn(tiny_llama)
+    address = server.address
+    core = stats(address).engine_core_pid
+    assert core and core != server.proc.pid and alive(core)
+    server.proc.kill()
+    server.proc.wait(10)
+    deadline = time.monotonic() + 5
+    while alive(core) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(core)
+
+
+def test_a_killed_core_ends_the_server_non_zero_with_its_streams_unavailable(spawn, tiny_llama):
+    import grpc
+
+    from baton.services.client import Client
+
+    server = spawn(tiny_llama)
+    address = server.address
+    with Client(address) as client:
+        stream = client.generate([5, 6, 7], max_tokens=1000, temperature=0, ignore_eos=True)
+        next(stream)
+        os.kill(stats(address).engine_core_pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stream:
+                pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "engine core exited" in err.value.details()
+    assert server.proc.wait(10) == 1
+    assert "the engine core died" in "".join(server.lines)
+
+
+def test_the_front_never_imports_torch():
+    code = ("import sys; import baton.services.server.server, baton.services.router.router, "
+            "baton.services.openai.front; import baton.engine.core_client; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
