@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from baton.engine.kv_cache_manager import KVCacheManager
-from baton.engine.loader import read_config
+from baton.engine.config import read_config
 from baton.engine.model import ModelArgs
 from baton.engine.request import Request, RequestStatus
 from baton.engine.sampling_params import SamplingParams

@@ -22,6 +22,10 @@ SHAPES = {
     # Llama-3.2-1B: 16 layers, heads of 64, tied embeddings.
     "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    # Small enough that a CPU step takes milliseconds, the regime a GPU puts every engine in:
+    # the serving benchmark's middle model (heads of 64, which vLLM's CPU attention accepts).
+    "llama-h512": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                       num_key_value_heads=4, vocab_size=1000, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False),  # for the tests
 }

@@ -168,14 +168,13 @@ def run_offline(args: argparse.Namespace, workload: list[Request]) -> tuple[list
 
 # ---- the services -----------------------------------------------------------------------------
 def start_service(args: argparse.Namespace, *flags: str, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
-    """`baton serve` in a process (on `cpus`, with as many torch threads); its address (the
+    """`baton serve` in a process (on `cpus`); its address (the
     URL of its OpenAI front, when started with one)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(len(cpus))) if cpus else None
     proc = subprocess.Popen([sys.executable, "-m", "baton.services.cli", "serve", "--model", str(args.model),
                              "--port", "0", "--max-num-seqs", str(args.max_num_seqs),
                              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                              "--max-waiting-requests", str(args.num_prompts + 1), "--internal-token", TOKEN, *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     for line in proc.stdout:
         if line.startswith("serving on "):

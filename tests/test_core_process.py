@@ -161,17 +161,28 @@ def test_a_core_that_cannot_start_says_why_in_one_sentence(tiny_llama):
     assert err.value.field == "num_kv_blocks" and "max_model_len" in str(err.value)
 
 
+def leftovers(front_pid: int) -> list[str]:
+    """What a front and its core could leave behind: their IPC sockets (abstract names, in
+    /proc/net/unix while a process holds them) and files in /dev/shm."""
+    with open("/proc/net/unix") as f:
+        sockets = [line.split()[-1] for line in f if f"baton-core-{front_pid}-" in line]
+    return sockets + os.listdir("/dev/shm")
+
+
 def test_a_killed_front_takes_its_core_with_it(spawn, tiny_llama):
+    shm = set(os.listdir("/dev/shm"))
     server = spawn(tiny_llama)
     address = server.address
     core = stats(address).engine_core_pid
     assert core and core != server.proc.pid and alive(core)
+    assert leftovers(server.proc.pid)  # the sockets are there while it runs
     server.proc.kill()
     server.proc.wait(10)
     deadline = time.monotonic() + 5
     while alive(core) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(core)
+    assert set(leftovers(server.proc.pid)) <= shm
 
 
 def test_a_killed_core_ends_the_server_non_zero_with_its_streams_unavailable(spawn, tiny_llama):
@@ -191,6 +202,7 @@ def test_a_killed_core_ends_the_server_non_zero_with_its_streams_unavailable(spa
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "engine core exited" in err.value.details()
     assert server.proc.wait(10) == 1
     assert "the engine core died" in "".join(server.lines)
+    assert not [name for name in leftovers(server.proc.pid) if "baton" in name]
 
 
 def test_the_front_never_imports_torch():

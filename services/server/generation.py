@@ -154,7 +154,8 @@ class GenerationService(EngineRuntime, generate_pb2_grpc.TextGenerationServicer)
                 server.telemetry.drop(rt, time.monotonic(), f"no KV peer: {e!r}")
                 raise
         try:
-            async for out in server.core.generate(made.request):
+            # Token ids only and no stop strings: nothing to detokenize.
+            async for out in server.core.generate(made.request, detokenize=made.output != pb.OUTPUT_TOKEN_IDS):
                 if handle is not None:  # the router's P/D breakdown needs the decode's side of it
                     await context.send_initial_metadata(decode_timing(out))
                     handle = None
