@@ -1,6 +1,7 @@
 """Load a Hugging Face checkpoint directory (config.json + safetensors, sharded or not)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -49,10 +50,11 @@ def checkpoint_fingerprint(model_dir: str, samples: int = 8, sample_bytes: int =
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
     args = ModelArgs.from_hf_config(read_config(model_dir))
-    # Allocated in place and left uninitialized (see model.Linear): the checkpoint fills it.
-    # (The meta device + to_empty would make torch import sympy: seconds of start-up.)
-    with torch.device(device):
-        model = CausalLM(args).to(dtype)
+    # Allocated in place, in the target dtype, and left uninitialized (see model.Linear): the
+    # checkpoint fills it. Built in float32 and cast, a bf16 model would peak at three times
+    # its size. (The meta device + to_empty would make torch import sympy: seconds of start-up.)
+    with torch.device(device), _default_dtype(dtype):
+        model = CausalLM(args)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -72,6 +74,16 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
     _check_complete(model, args, loaded)
     model.eval()
     return model
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _target(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice | None]:

@@ -213,9 +213,12 @@ class ModelRunner:
                  [b for row in decode_tables for b in row], [end for _, end, _ in decodes],
                  [b for row in prefill_tables for b in row], list(accumulate(q_lens, initial=num_decodes))[:-1],
                  q_lens, [end for _, end, _ in prefills]]
-        # One copy to the device for all of it (a copy costs more than its bytes), then views.
-        flat = torch.tensor([x for part in parts for x in part], dtype=torch.int32, device=self.device)
-        slots, dec_tab, dec_lens, pre_tab, q_starts, q_lens_t, ctx_lens = flat.split([len(p) for p in parts])
+        # One copy to the device for all of it (a copy costs more than its bytes), then views,
+        # each starting 16 bytes in: Triton compiles a kernel again when a pointer's alignment changes.
+        flat = torch.tensor([x for part in parts for x in part + [0] * (-len(part) % 4)], dtype=torch.int32,
+                            device=self.device)
+        slots, dec_tab, dec_lens, pre_tab, q_starts, q_lens_t, ctx_lens = (
+            view[:len(part)] for view, part in zip(flat.split([len(p) + -len(p) % 4 for p in parts]), parts))
         return AttentionMetadata(triton=TritonBatch(
             slot_mapping=slots, decode_tables=dec_tab.view(len(decodes), -1 if decodes else 0), decode_lens=dec_lens,
             prefill_tables=pre_tab.view(len(prefills), -1 if prefills else 0), q_starts=q_starts, q_lens=q_lens_t,

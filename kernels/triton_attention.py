@@ -39,7 +39,10 @@ def _kv_tile(K, V, TABLE, first_key, ctx_len, kv_head, d, d_ok, stride_kb, strid
     return key, in_ctx, k, v
 
 
-@triton.jit
+# Integers that change from step to step are not specialized on: Triton would compile a new
+# variant whenever one's value class changes (equal to 1, divisible by 16), stalling the step.
+@triton.jit(do_not_specialize=["stride_tb", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh",
+                               "tiles_per_split"])
 def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale, tiles_per_split,
@@ -82,21 +85,31 @@ def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
         tl.store(LSE + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh"])
 def _combine_splits(PART, LSE, OUT, num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                    stride_ob, stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                    stride_ob, stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """One (sequence, head): the splits' partial outputs weighted by their log-sum-exps, a
+    split at a time with a running maximum (a [splits, head_dim] tile would not fit in
+    registers at batch 1 of a long context), so the split count is a runtime value."""
     b, h = tl.program_id(0), tl.program_id(1)
-    sp, d = tl.arange(0, SPLITS_PAD), tl.arange(0, D_PAD)
-    lse = tl.load(LSE + b * stride_lb + h * stride_lh + sp, mask=sp < num_splits, other=float("-inf"))
-    top = tl.max(lse, 0)
-    w = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
-    part = tl.load(PART + b * stride_pb + h * stride_ph + sp[:, None] * stride_ps + d[None, :],
-                   mask=(sp[:, None] < num_splits) & (d[None, :] < HEAD_DIM), other=0.0)
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d < HEAD_DIM)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    m = tl.full([], float("-inf"), tl.float32)
+    w_sum = tl.zeros([], tl.float32)
+    acc = tl.zeros([D_PAD], tl.float32)
+    for sp in range(0, num_splits):
+        lse = tl.load(LSE + b * stride_lb + h * stride_lh + sp)
+        part = tl.load(PART + b * stride_pb + h * stride_ph + sp * stride_ps + d, mask=d_ok, other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # every split so far empty
+        alpha, w = tl.exp(m - m_safe), tl.exp(lse - m_safe)
+        acc = acc * alpha + part * w
+        w_sum = w_sum * alpha + w
+        m = m_new
+    tl.store(OUT + b * stride_ob + h * stride_oh + d, (acc / w_sum).to(OUT.dtype.element_ty), mask=d_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv(K, V, K_CACHE, V_CACHE, SLOTS, num_tokens, stride_kt, stride_kh, stride_vt, stride_vh,
               stride_cb, stride_ct, stride_ch, stride_db, stride_dt, stride_dh, NUM_HEADS: tl.constexpr,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, COLS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -112,6 +125,20 @@ def _write_kv(K, V, K_CACHE, V_CACHE, SLOTS, num_tokens, stride_kt, stride_kh, s
     v = tl.load(V + t[:, None] * stride_vt + (h * stride_vh + d)[None, :], mask=ok)
     tl.store(K_CACHE + (block * stride_cb + offset * stride_ct)[:, None] + (h * stride_ch + d)[None, :], k, mask=ok)
     tl.store(V_CACHE + (block * stride_db + offset * stride_dt)[:, None] + (h * stride_dh + d)[None, :], v, mask=ok)
+
+
+# Keys per loop iteration, whatever the block size (a tile reads several blocks, or part of one,
+# through the table): a larger tile puts [TILE, head_dim] K and V in every pipeline stage.
+KV_TILE = 64
+# Rows of a prefill program (query tokens × the GQA group's heads): Qwen2.5's groups of 7 at 16
+# tokens would give 128, which spills registers.
+_MAX_ROWS = 64
+
+
+def _launch(head_dim: int) -> dict:
+    """Warps and pipeline stages for a head size: wider heads get more warps for their tile;
+    two stages keep each stage's K and V tiles (64 × head_dim) in shared memory at 256."""
+    return {"num_warps": 4 if head_dim <= 64 else 8, "num_stages": 2}
 
 
 def _pad(n: int) -> int:
@@ -145,7 +172,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         COLS=cols, BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])
 def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
              stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
              stride_ot, stride_oh, stride_tb, scale,
@@ -188,14 +215,16 @@ def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
-                            ctx_lens: torch.Tensor, scale: float, block_m: int = 16, max_q_len: int | None = None,
+                            ctx_lens: torch.Tensor, scale: float, block_m: int | None = None,
+                            max_q_len: int | None = None,
                             out: torch.Tensor | None = None, kv_tile: int | None = None) -> torch.Tensor:
     """Attention of prefill chunks: sequence i's q_lens[i] rows of q [T, Hq, D], from row
     q_starts[i], are the last tokens of its ctx_lens[i]-token context (the cached prefix and
     the chunk, whose K/V are in the cache already), each seeing the keys up to its own.
     `max_q_len`: the longest chunk, when the caller knows it (else read from the device, a
     sync); `out`: where the rows go (default: a new tensor like q; other rows untouched);
-    `kv_tile`: keys per loop iteration (default `kv_tile_for`)."""
+    `block_m`: query tokens per program (default: as many as fill _MAX_ROWS rows with their
+    heads); `kv_tile`: keys per loop iteration (default KV_TILE)."""
     group = _groups("paged_prefill_attention", q, k_cache, v_cache)
     head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
@@ -203,13 +232,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if not num_seqs:
         return out
     max_q = int(q_lens.max()) if max_q_len is None else max_q_len
+    block_m = block_m or max(1, _MAX_ROWS // group)
     _prefill[(num_seqs, -(-max_q // block_m), num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, q_starts, q_lens, ctx_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0), scale, GROUP=group, HEAD_DIM=head_dim,
         D_PAD=_pad(head_dim), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, ROWS=_pad(block_m * group),
-        TILE=kv_tile or kv_tile_for(k_cache.shape[1]))
+        TILE=kv_tile or KV_TILE, **_launch(head_dim))
     return out
 
 
@@ -222,14 +252,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (one layer's views, any
     strides but a contiguous last dim); block_tables [B, max_blocks] int32; seq_lens [B] int32
     (the context, this step's token included). `kv_tile`: keys per loop iteration (default
-    `kv_tile_for`); `tiles_per_split`: tiles one program reads (default
+    KV_TILE); `tiles_per_split`: tiles one program reads (default
     `default_tiles_per_split`; one split needs no combine pass); `out`: where the B rows go (its
     first B rows; default: a new tensor like q).
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = _groups("paged_decode_attention", q, k_cache, v_cache)
-    kv_tile = kv_tile or kv_tile_for(block_size)
+    kv_tile = kv_tile or KV_TILE
     max_tiles = max(1, -(-block_tables.shape[1] * block_size // kv_tile))
     if tiles_per_split is None:
         tiles_per_split = default_tiles_per_split(q.device, batch, num_kv_heads, max_tiles)
@@ -249,18 +279,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         *part_strides, *lse_strides, scale, tiles_per_split,
         GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, TILE=kv_tile, DIRECT=num_splits == 1)
+        BLOCK_SIZE=block_size, TILE=kv_tile, DIRECT=num_splits == 1, **_launch(head_dim))
     if num_splits > 1:
         _combine_splits[(batch, num_heads)](
             part, lse, out, num_splits, *part_strides, *lse_strides, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)))
+            HEAD_DIM=head_dim, D_PAD=d_pad, num_warps=1 if head_dim <= 64 else 2)
     return out
-
-
-def kv_tile_for(block_size: int) -> int:
-    """Keys per loop iteration: 64 (a few blocks of 16, read through the table), or one block
-    where blocks are larger."""
-    return max(64, block_size)
 
 
 def default_tiles_per_split(device: torch.device, batch: int, num_kv_heads: int, max_tiles: int) -> int:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from baton.engine.config import EngineConfig
 from baton.engine.errors import InvalidArgument
@@ -22,6 +24,47 @@ from baton.services.cli.placement import Placement, place_engines
 from helpers import TOKEN
 
 GIB = 1 << 30
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes of tensors torch's operators allocated and held at once (what a device's
+    allocator would have had to find), counted as they are made and freed. A tensor set onto
+    storage that exists already (safetensors maps the file) allocates nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()  # storages counted, by address
+        self._mapped: set[int] = set()  # storages made elsewhere (the checkpoint's file)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if func.overloadpacket is torch.ops.aten.set_:
+                self._mapped.add(ptr)
+            elif ptr not in self._seen and ptr not in self._mapped:
+                self._seen.add(ptr)
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, ptr, storage.nbytes())
+        return out
+
+    def _freed(self, ptr: int, nbytes: int) -> None:
+        self._seen.discard(ptr)
+        self.live -= nbytes
+
+
+def test_a_bf16_model_is_built_in_bf16_never_in_float32_first(tiny_llama):
+    with LiveBytes() as held:
+        model = load_model(tiny_llama, torch.bfloat16, "cpu")
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # Built in float32 and cast, it would peak at 3x (both copies alive during the cast).
+    assert held.peak <= 1.05 * size, (held.peak, size)
 
 
 def test_kv_cache_gets_what_the_share_leaves():
@@ -190,3 +233,21 @@ def test_the_benchs_random_checkpoints_load_in_baton_and_transformers_alike(tmp_
     out = LLM(model, dtype="float32", device="cpu").generate([prompt], SamplingParams(max_tokens=12, temperature=0,
                                                                                       ignore_eos=True))[0]
     assert out.token_ids == hf.greedy(model, prompt, 12)
+
+
+def test_plain_cuda_and_auto_resolve_to_the_current_device_index(tiny_llama, monkeypatch):
+    """torch.cuda.set_device refuses a device without an index: the config gives it one."""
+    def resolved(device: str) -> str:
+        config = EngineConfig(model=tiny_llama, device=device)
+        config.resolve_device()
+        return config.device
+
+    assert resolved("auto") == resolved("cpu") == "cpu"  # no GPU here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolved("cuda") == resolved("auto") == "cuda:1"
+    assert resolved("cuda:0") == "cuda:0"
+    with pytest.raises(InvalidArgument, match=r"^device: cuda:2 was asked for but 2 GPU\(s\) are visible") as err:
+        resolved("cuda:2")
+    assert err.value.field == "device"

@@ -1,7 +1,9 @@
-"""The Triton paged decode kernel equals attention computed directly in PyTorch, over a grid
-of shapes: batch sizes, contexts crossing block boundaries, GQA groups 1/4/8, block sizes 16
-and 32, head sizes 64 and 128, split-K on and off. Without CUDA it runs under Triton's
-interpreter on CPU tensors (small shapes); with CUDA, on the GPU."""
+"""The Triton paged kernels equal attention computed directly in PyTorch, over a grid of
+shapes: batch sizes, contexts crossing block boundaries, GQA groups 1 and 4-12, block sizes
+16-128, head sizes 64-256 (80 and 96 included), split-K on and off, offsets past 2^31
+elements. Without CUDA they run under Triton's interpreter on CPU tensors (small shapes);
+with CUDA, on the GPU. bfloat16 is checked on a GPU only: the interpreter's tl.dot multiplies
+bf16 bit patterns as if they were other numbers."""
 from __future__ import annotations
 
 import itertools
@@ -44,6 +46,9 @@ def case(batch, lens, group, head_dim, block_size, dtype, num_kv_heads=2, seed=0
 
 GRID = [  # batch and context lengths (crossing block boundaries), GQA group, head size, block size
     (1, [1], 1, 64, 16), (3, [15, 16, 17], 4, 64, 16), (2, [33, 70], 8, 64, 32), (2, [50, 5], 4, 128, 16),
+    # Head sizes that are no power of two (padded, masked) and 256; groups of 5-7 and 12
+    # (Qwen2.5); blocks larger than the 64-key tile.
+    (2, [70, 130], 5, 80, 64), (1, [200], 6, 96, 128), (2, [40, 9], 12, 256, 16), (1, [130], 7, 64, 128),
 ]
 
 
@@ -74,6 +79,25 @@ def test_strided_cache_views_of_one_layer_are_read_in_place():
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, seq_lens, 0.125), atol=2e-5, rtol=2e-5)
 
 
+def test_offsets_past_2_to_the_31_elements_are_read_right():
+    """A cache of more than 2^31 elements (a GPU's whole memory in bf16): block offsets need
+    64 bits. The pages are only touched where the test writes, so it costs no real memory."""
+    block_size, kv_heads, head_dim = 16, 2, 64
+    num_blocks = (1 << 31) // (block_size * kv_heads * head_dim) + 8
+    k_cache = torch.empty(num_blocks, block_size, kv_heads, head_dim, dtype=torch.float16, device=DEVICE)
+    v_cache = torch.empty_like(k_cache)
+    tables = torch.tensor([[num_blocks - 1, num_blocks - 5, num_blocks - 3]], dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    for b in tables[0].tolist():
+        k_cache[b] = torch.randn(block_size, kv_heads, head_dim, generator=gen).half()
+        v_cache[b] = torch.randn(block_size, kv_heads, head_dim, generator=gen).half()
+    q = torch.randn(1, kv_heads * 4, head_dim, generator=gen).half().to(DEVICE)
+    seq_lens = torch.tensor([40], dtype=torch.int32, device=DEVICE)
+    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    want = reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
+
+
 def test_uneven_heads_are_refused_naming_the_shapes():
     q, k_cache, v_cache, tables, seq_lens = case(1, [4], 1, 64, 16, torch.float32, num_kv_heads=2)
     with pytest.raises(ValueError, match="heads must group evenly"):
@@ -101,6 +125,10 @@ def prefill_reference(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_l
     ([(17, 40), (16, 16), (3, 70)], 4, 64, 16, 16, torch.float32, 16),  # a key tile per block
     ([(33, 33), (20, 52)], 8, 64, 32, 8, torch.float32, 16),  # half a block per key tile
     ([(12, 30), (40, 40)], 4, 128, 16, 16, torch.float16, None),
+    # The default rows per program (tokens × heads capped at 64) for groups of 7, 12 and 5.
+    ([(20, 90)], 7, 96, 64, None, torch.float32, None),
+    ([(9, 140), (30, 30)], 12, 80, 128, None, torch.float32, None),
+    ([(6, 20)], 5, 256, 16, None, torch.float32, None),
 ])
 def test_prefill_kernel_equals_the_reference(chunks, group, head_dim, block_size, block_m, dtype, kv_tile):
     """(chunk length, context length after it): the chunk attends to its prefix and causally to itself."""
