@@ -8,7 +8,10 @@ from __future__ import annotations
 from contextlib import nullcontext
 from itertools import accumulate
 
+import numpy as np
 import torch
+
+from baton.engine import block_tables
 
 from baton.engine.config import EngineConfig
 from baton.engine.loader import checkpoint_fingerprint
@@ -22,20 +25,6 @@ from baton.kv_transfer.base import KVConnectorWorker, KVFormat
 
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are materialized at once
-
-
-def _slots(spans: list[tuple[int, int, list[int]]], block_size: int) -> list[int]:
-    """The flat cache slot (block id × block size + offset) of each scheduled token."""
-    return [blocks[p // block_size] * block_size + p % block_size for start, end, blocks in spans
-            for p in range(start, end)]
-
-
-def _padded_tables(spans: list[tuple[int, int, list[int]]], block_size: int) -> list[list[int]]:
-    """Each span's blocks up to its end, padded with block 0 to the longest (never read: the
-    kernels stop at each row's length)."""
-    tables = [blocks[:-(-end // block_size)] for _, end, blocks in spans]
-    width = max(map(len, tables), default=0)
-    return [t + [0] * (width - len(t)) for t in tables]
 
 
 class RequestState:
@@ -65,6 +54,7 @@ class ModelRunner:
         model.init_rope(config.max_model_len + 1)
         self.states: dict[str, RequestState] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.staging = block_tables.Staging(self.device)  # the step's metadata on its way to the device
         self.connector = connector
         self.decode_padding_elems = DECODE_PADDING_ELEMS  # per decode group; tests shrink it
         # "cpu" (the C++ kernel), "triton" or "torch" (the reference); tests switch it.
@@ -91,7 +81,8 @@ class ModelRunner:
                 if not params.greedy:  # outputs sampled elsewhere (a prefill peer) used their draws
                     skip_draws(generator, len(new.token_ids) - new.num_prompt_tokens, self.model.args.vocab_size,
                                self.device)
-        self.states[new.req_id] = RequestState(list(new.token_ids), list(new.block_ids), params, generator,
+        self.states[new.req_id] = RequestState(list(new.token_ids), np.asarray(new.block_ids, dtype=np.int32), params,
+                                               generator,
                                                new.num_prompt_tokens, prompt_logprobs)
 
     @torch.inference_mode()
@@ -107,7 +98,8 @@ class ModelRunner:
         for new in sched.scheduled_new_reqs:
             self._add_request(new)
         for cached in sched.scheduled_cached_reqs:
-            self.states[cached.req_id].block_ids.extend(cached.new_block_ids)
+            state = self.states[cached.req_id]
+            state.block_ids = block_tables.grow(state.block_ids, cached.new_block_ids)
         if self.connector is not None:
             self.connector.start_load_kv(sched.kv_connector_metadata)
         out = self._run(sched) if sched.total_num_scheduled_tokens else ModelRunnerOutput({})
@@ -193,55 +185,53 @@ class ModelRunner:
                 "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids,
                 "prompt_rows": prompt_rows}
 
-    def _kernel_batch(self, spans: list[tuple[int, int, list[int]]], positions: torch.Tensor) -> AttentionMetadata:
-        block_ids, row_block_start, bs = [], [], self.block_size
+    def _kernel_batch(self, spans: list[block_tables.Span], positions: torch.Tensor) -> AttentionMetadata:
+        bs, tables, counts = self.block_size, [], []
         for start, end, blocks in spans:
             needed = -(-end // bs)
             if len(blocks) < needed:  # the kernel would read (and write) the next request's blocks
                 raise RuntimeError(f"a request has {len(blocks)} KV blocks for {end} tokens")
-            row_block_start.extend([len(block_ids)] * (end - start))
-            block_ids.extend(blocks[:needed])
-        return AttentionMetadata(kernel=KernelBatch(torch.tensor(block_ids), torch.tensor(row_block_start),
-                                                    positions))
+            tables.append(blocks[:needed])
+            counts.append(end - start)
+        starts = np.cumsum([0] + [len(t) for t in tables[:-1]])
+        return AttentionMetadata(kernel=KernelBatch(torch.from_numpy(np.concatenate(tables).astype(np.int64)),
+                                                    torch.from_numpy(np.repeat(starts, counts)), positions))
 
-    def _triton_batch(self, spans: list[tuple[int, int, list[int]]], num_decodes: int) -> AttentionMetadata:
+    def _triton_batch(self, spans: list[block_tables.Span], num_decodes: int) -> AttentionMetadata:
         bs = self.block_size
         decodes, prefills = spans[:num_decodes], spans[num_decodes:]
-        decode_tables, prefill_tables = _padded_tables(decodes, bs), _padded_tables(prefills, bs)
         q_lens = [end - start for start, end, _ in prefills]
-        parts = [_slots(spans, bs),
-                 [b for row in decode_tables for b in row], [end for _, end, _ in decodes],
-                 [b for row in prefill_tables for b in row], list(accumulate(q_lens, initial=num_decodes))[:-1],
-                 q_lens, [end for _, end, _ in prefills]]
-        # One copy to the device for all of it (a copy costs more than its bytes), then views,
-        # each starting 16 bytes in: Triton compiles a kernel again when a pointer's alignment changes.
-        flat = torch.tensor([x for part in parts for x in part + [0] * (-len(part) % 4)], dtype=torch.int32,
-                            device=self.device)
-        slots, dec_tab, dec_lens, pre_tab, q_starts, q_lens_t, ctx_lens = (
-            view[:len(part)] for view, part in zip(flat.split([len(p) + -len(p) % 4 for p in parts]), parts))
+        # One copy to the device for all of it (a copy costs more than its bytes), then views.
+        dec_tab, pre_tab = block_tables.padded_table(decodes, bs), block_tables.padded_table(prefills, bs)
+        slots, dec_tab_t, dec_lens, pre_tab_t, q_starts, q_lens_t, ctx_lens = self.staging.to_device([
+            block_tables.slots(spans, bs), dec_tab, np.array([end for _, end, _ in decodes], np.int32), pre_tab,
+            np.array(list(accumulate(q_lens, initial=num_decodes))[:-1], np.int32), np.array(q_lens, np.int32),
+            np.array([end for _, end, _ in prefills], np.int32)])
         return AttentionMetadata(triton=TritonBatch(
-            slot_mapping=slots, decode_tables=dec_tab.view(len(decodes), -1 if decodes else 0), decode_lens=dec_lens,
-            prefill_tables=pre_tab.view(len(prefills), -1 if prefills else 0), q_starts=q_starts, q_lens=q_lens_t,
-            ctx_lens=ctx_lens, max_q_len=max(q_lens, default=0)))
+            slot_mapping=slots, decode_tables=dec_tab_t.view(dec_tab.shape), decode_lens=dec_lens,
+            prefill_tables=pre_tab_t.view(pre_tab.shape), q_starts=q_starts, q_lens=q_lens_t, ctx_lens=ctx_lens,
+            max_q_len=max(q_lens, default=0)))
 
     def _reference_batch(self, spans: list[tuple[int, int, list[int]]], num_decodes: int) -> AttentionMetadata:
         bs, dev = self.block_size, self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(_slots(spans, bs), device=dev))
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(block_tables.slots(spans, bs)).to(dev))
         meta.decodes = self._decode_groups([blocks[:-(-end // bs)] for _, end, blocks in spans[:num_decodes]],
                                            [end for _, end, _ in spans[:num_decodes]])
         row = num_decodes
         for start, end, blocks in spans[num_decodes:]:
-            meta.prefills.append(PrefillSeq(row, end - start, end, torch.tensor(blocks[:-(-end // bs)], device=dev)))
+            meta.prefills.append(PrefillSeq(row, end - start, end,
+                                            torch.from_numpy(blocks[:-(-end // bs)].astype(np.int64)).to(dev)))
             row += end - start
         return meta
 
-    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+    def _decode_groups(self, tables: list[np.ndarray], lens: list[int]) -> list[DecodeGroup]:
         groups, start, bs, dev = [], 0, self.block_size, self.device
         args = self.model.args
         for size in group_decodes(lens, 2 * args.num_kv_heads * args.head_dim, self.decode_padding_elems):
             rows = slice(start, start + size)
             width = len(tables[start])  # the group's longest context comes first
-            table = torch.tensor([t + [0] * (width - len(t)) for t in tables[rows]], device=dev)
+            table = torch.from_numpy(block_tables.padded_table(
+                [(0, len(t) * bs, t) for t in tables[rows]], bs).astype(np.int64)).to(dev)
             past_end = torch.arange(width * bs, device=dev)[None, :] >= torch.tensor(lens[rows], device=dev)[:, None]
             # An additive mask: SDPA's CPU kernel runs ~1.5x faster with it than with a boolean one.
             mask = torch.zeros(past_end.shape, dtype=self.kv_cache.dtype, device=dev).masked_fill_(past_end, float("-inf"))

@@ -39,12 +39,17 @@ def apply_processors(logits: torch.Tensor, rows: list[int], params: list[Samplin
             logits[row, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
                                                               device=logits.device)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(ids, device=logits.device).unique()
-            scores = logits[row, seen]
-            logits[row, seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+            # A mask of the tokens seen, not unique(): that would wait for the device every row.
+            seen = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
+            seen[torch.tensor(ids, device=logits.device)] = True
+            scores = logits[row]
+            penalized = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+            logits[row] = torch.where(seen, penalized, scores)
         if (p.presence_penalty or p.frequency_penalty) and len(ids) > num_prompt_tokens[row]:
-            out, counts = torch.tensor(ids[num_prompt_tokens[row]:], device=logits.device).unique(return_counts=True)
-            logits[row, out] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+            out = torch.tensor(ids[num_prompt_tokens[row]:], device=logits.device)
+            counts = torch.zeros(logits.shape[1], dtype=logits.dtype, device=logits.device)
+            counts.index_add_(0, out, torch.ones(out.shape, dtype=logits.dtype, device=logits.device))
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -81,13 +86,30 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     probs = sub.softmax(dim=-1)
     # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples from p;
     # each row's E from its own generator. On the device until one copy of every token to the host.
-    noise = torch.stack([_noise(probs.shape[-1], probs.device, generators[i]) for i in random_rows])
+    noise = _noises(probs.shape[-1], probs.device, [generators[i] for i in random_rows])
     return greedy.index_copy(0, rows, (probs / noise).argmax(dim=-1)).tolist()
 
 
-def _noise(vocab_size: int, device, generator: torch.Generator) -> torch.Tensor:
-    """One sampling step's draw from a request's generator (float32, as the probabilities)."""
-    return torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=generator)
+def _noises(vocab_size: int, device, generators: list[torch.Generator]) -> torch.Tensor:
+    """[rows, V] draws, each row from its generator: rows that share one (every unseeded
+    request shares the engine's) in one launch, in row order, as row-by-row draws would be."""
+    noise = torch.empty(len(generators), vocab_size, dtype=torch.float32, device=device)
+    rows_of: dict[int, list[int]] = {}
+    for row, generator in enumerate(generators):
+        rows_of.setdefault(id(generator), []).append(row)
+    for rows in rows_of.values():
+        draws = _noise(vocab_size, device, generators[rows[0]], len(rows))
+        if len(rows) == len(generators):
+            return draws
+        noise[torch.tensor(rows, device=device)] = draws
+    return noise
+
+
+def _noise(vocab_size: int, device, generator: torch.Generator, rows: int | None = None) -> torch.Tensor:
+    """One sampling step's draw from a request's generator (float32, as the probabilities), or
+    `rows` steps' draws at once."""
+    shape = (vocab_size,) if rows is None else (rows, vocab_size)
+    return torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=generator)
 
 
 def skip_draws(generator: torch.Generator, num_steps: int, vocab_size: int, device) -> None:

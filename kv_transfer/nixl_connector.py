@@ -176,7 +176,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._active_until = 0.0  # the progress thread polls until then (or while work is pending)
         self._closed = threading.Event()
         self._wake = threading.Event()
-        self._poller = threading.Thread(target=self._poll, name="nixl-progress", daemon=True)
+        self._poller: threading.Thread | None = None  # started once the cache is registered
         self.num_expired_holds = 0
         self.num_descriptors = 0  # READ descriptors issued, for tests and benchmarks
         self.num_blocks_pulled = 0
@@ -194,6 +194,7 @@ class NixlConnectorWorker(KVConnectorWorker):
                                "VRAM" if on_gpu else "DRAM", (kv_cache.device.index or 0) if on_gpu else 0, kv_format)
         if on_gpu:
             self.check_reachable(kv_cache)
+        self._poller = threading.Thread(target=self._poll, args=(kv_cache.device,), name="nixl-progress", daemon=True)
         self._poller.start()
 
     def check_reachable(self, kv_cache: torch.Tensor, probe_agent=None) -> None:
@@ -223,8 +224,12 @@ class NixlConnectorWorker(KVConnectorWorker):
                                           for run in runs], layout.mem_type)
 
     # ---- polling during steps ----------------------------------------------------------------
-    def _poll(self) -> None:
-        """Keep UCX moving while a forward pass runs: the GIL is free then, the agent is not."""
+    def _poll(self, device: torch.device) -> None:
+        """Keep UCX moving while a forward pass runs: the GIL is free then, the agent is not.
+        On the engine's GPU: a thread starts on device 0, where UCX's CUDA transports would
+        otherwise make their context for an engine placed on another."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         while not self._closed.is_set():
             if not (self._loading or self._holds or time.monotonic() < self._active_until):
                 self._wake.wait(0.1)

@@ -52,3 +52,17 @@ def test_sampled_frequencies_follow_the_distribution():
     for _ in range(3000):
         counts[sample(logits, [SamplingParams(temperature=1.0)], [g])[0]] += 1
     assert torch.allclose(counts / 3000, torch.tensor([0.5, 0.3, 0.2]), atol=0.03)
+
+
+def test_draws_from_a_shared_generator_come_in_one_launch_and_equal_row_by_row_draws():
+    """Every unseeded request draws from the engine's generator: one [rows, V] draw for all of
+    them gives each row what drawing row by row would, and a seeded row keeps its own stream."""
+    from baton.engine.sampler import _noise, _noises
+
+    def generators():
+        shared, seeded = torch.Generator().manual_seed(3), torch.Generator().manual_seed(9)
+        return [shared, seeded, shared, shared]
+
+    gens = generators()
+    want = torch.stack([_noise(50, "cpu", g) for g in gens])
+    assert torch.equal(_noises(50, "cpu", generators()), want)

@@ -11,12 +11,14 @@ import os
 import random
 import types
 
+import numpy as np
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton")
+from baton.engine.block_tables import Staging  # noqa: E402
 from baton.engine.model_runner import ModelRunner  # noqa: E402
 from baton.kernels import triton_attention  # noqa: E402
 
@@ -68,11 +70,12 @@ def serving_trace(steps: int, block_size: int, seed: int = 0):
         while len(running) < rng.randint(1, 64):
             running.append([rng.randint(1, 3000), next_block])
             next_block += 1000
-        decodes = [(n - 1, n, list(range(first, first + -(-n // block_size)))) for n, first in running]
+        decodes = [(n - 1, n, np.arange(first, first + -(-n // block_size), dtype=np.int32)) for n, first in running]
         prefills = []
         for _ in range(rng.choice((0, 0, 0, 1, 2))):
             start, length = rng.randint(0, 2000), rng.randint(1, 512)
-            prefills.append((start, start + length, list(range(next_block, next_block + -(-(start + length) // block_size)))))
+            prefills.append((start, start + length,
+                             np.arange(next_block, next_block + -(-(start + length) // block_size), dtype=np.int32)))
             next_block += 1000
         yield decodes, prefills
         for r in running:
@@ -86,7 +89,8 @@ def test_a_3000_step_trace_compiles_few_variants_and_all_early(monkeypatch, bloc
     recorders = {name: Specializations(getattr(triton_attention, name)) for name in KERNELS}
     for name, recorder in recorders.items():
         monkeypatch.setattr(triton_attention, name, recorder)
-    runner = types.SimpleNamespace(block_size=block_size, device=torch.device("cpu"))
+    cpu = torch.device("cpu")
+    runner = types.SimpleNamespace(block_size=block_size, device=cpu, staging=Staging(cpu))
     num_kv_heads = 2
     k_cache = torch.empty(4, block_size, num_kv_heads, head_dim)
     for step, (decodes, prefills) in enumerate(serving_trace(3000, block_size)):
