@@ -17,12 +17,15 @@ server gets both).
 --telemetry runs each service mode again with observability on: `metrics` (/metrics
 served), `traced` (metrics, and every request traced over OTLP/gRPC to a sink in this process
 that takes the spans and drops them unread, as a collector on another machine would cost
-these cores nothing). --rounds N repeats all runs N times, in ABBA order, and keeps each one's fastest,
+these cores nothing). --structured FILE runs the offline and gRPC modes again with every
+request under that JSON schema (`MODE+json`: a request ends where its JSON does, or at its
+output length). --rounds N repeats all runs N times, in ABBA order, and keeps each one's fastest,
 so that the machine's drift does not land on one side.
 
     .venv/bin/python bench/serve.py --max-concurrency 32
     .venv/bin/python bench/serve.py --modes colocated,disaggregated,router --long-every 4
     .venv/bin/python bench/serve.py --modes disaggregated --telemetry off,traced --rounds 2
+    .venv/bin/python bench/serve.py --modes offline,colocated --structured bench/schemas/records.json
     .venv/bin/python bench/serve.py --modes colocated,colocated-http --max-concurrency 32
     .venv/bin/python bench/serve.py --modes colocated,openai --openai-url http://127.0.0.1:8000   # e.g. vLLM
 """
@@ -96,6 +99,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--telemetry", default="off", help="comma list of: off, metrics, traced (each service mode "
                                                       "runs once per entry)")
     p.add_argument("--rounds", type=int, default=1, help="alternate every run this many times; keep the fastest")
+    p.add_argument("--structured", type=Path, help="a JSON schema file: the offline and gRPC modes run again with "
+                                                   "every request under it (`MODE+json`), side by side")
     args = p.parse_args()
     args.modes, args.telemetry = args.modes.split(","), args.telemetry.split(",")
     for name, given, known in (("modes", args.modes, MODES), ("telemetry", args.telemetry, TELEMETRY)):
@@ -124,10 +129,12 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> list[Request]:
 
 
 # ---- the offline engine, driven with the same arrivals ----------------------------------------
-def run_offline(args: argparse.Namespace, workload: list[Request]) -> tuple[list[Trace], float]:
+def run_offline(args: argparse.Namespace, workload: list[Request], schema: str | None = None,
+                ) -> tuple[list[Trace], float]:
     from baton import SamplingParams
     from baton.engine.config import EngineConfig
     from baton.engine.llm_engine import LLMEngine
+    from baton.engine.structured_output import StructuredOutput
 
     engine = LLMEngine(EngineConfig.from_kwargs(str(args.model), max_num_seqs=args.max_num_seqs,
                                                 max_num_batched_tokens=args.max_num_batched_tokens))
@@ -146,7 +153,9 @@ def run_offline(args: argparse.Namespace, workload: list[Request]) -> tuple[list
             i = pending.popleft()
             r = workload[i]
             traces[i].start_s = max(now, r.arrival_s)
-            engine.add_request(str(i), r.prompt, SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True))
+            engine.add_request(str(i), r.prompt, SamplingParams(
+                max_tokens=r.output_len, temperature=0, ignore_eos=True,
+                structured_output=StructuredOutput("json_schema", schema) if schema else None))
             in_flight += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, workload[pending[0]].arrival_s - now))
@@ -281,7 +290,7 @@ async def drive(args: argparse.Namespace, workload: list[Request], mode: str, se
 
 
 async def run_grpc(args: argparse.Namespace, workload: list[Request], address: str,
-                   mode: str) -> tuple[list[Trace], float]:
+                   mode: str, schema: str | None = None) -> tuple[list[Trace], float]:
     from baton.services.client import AsyncClient
 
     async with AsyncClient(address) as client:
@@ -290,7 +299,8 @@ async def run_grpc(args: argparse.Namespace, workload: list[Request], address: s
 
         async def send(r: Request, trace: Trace, t0: float) -> None:
             async for chunk in client.generate(r.prompt, max_tokens=r.output_len, temperature=0,
-                                               ignore_eos=True, output="token_ids"):
+                                               ignore_eos=True, output="token_ids",
+                                               **({"json_schema": schema} if schema else {})):
                 if chunk.token_ids:
                     trace.chunk_s.append(time.perf_counter() - t0)
                     trace.tokens += len(chunk.token_ids)
@@ -372,20 +382,27 @@ def main() -> None:
     sink = SpanSink() if "traced" in args.telemetry else None
     runs = [(mode, "off") if mode == "offline" else (mode, variant)
             for mode in args.modes for variant in (args.telemetry if mode != "offline" else ["off"])]
+    schema = args.structured.read_text() if args.structured else None
+    if schema:
+        runs += [(mode, "json") for mode in args.modes if mode == "offline" or mode in ("colocated", "router",
+                                                                                     "disaggregated")]
     rows = {}
     for round_ in range(args.rounds):
         for mode, variant in runs if round_ % 2 == 0 else reversed(runs):  # ABBA: a drift favours no one
             name = mode if variant == "off" else f"{mode}+{variant}"
+            constraint = schema if variant == "json" else None
             if mode == "offline":
-                row = metrics(*run_offline(args, workload), workload)
+                row = metrics(*run_offline(args, workload, constraint), workload)
             elif mode == "openai":
                 row = metrics(*asyncio.run(run_http(args, workload, args.openai_url, name, args.openai_model)),
                               workload)
             else:
-                procs, address = start_stack(args, mode, telemetry_flags(variant, sink))
-                client = run_http if mode.endswith("-http") else run_grpc
+                procs, address = start_stack(args, mode, telemetry_flags("off" if constraint else variant, sink))
                 try:
-                    row = metrics(*asyncio.run(client(args, workload, address, name)), workload)
+                    if mode.endswith("-http"):
+                        row = metrics(*asyncio.run(run_http(args, workload, address, name)), workload)
+                    else:
+                        row = metrics(*asyncio.run(run_grpc(args, workload, address, name, constraint)), workload)
                 finally:
                     stop_stack(procs)
             tqdm.write(f"round {round_ + 1} {name}: {row['output tok/s']:.1f} output tok/s")

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from baton.engine.config import EngineConfig, read_config
-from baton.engine.core_messages import CoreOutput, CoreRequest, CoreStats, EngineFacts
-from baton.engine.errors import check
+from baton.engine.core_messages import CoreFailure, CoreOutput, CoreRequest, CoreStats, EngineFacts
+from baton.engine.errors import InvalidArgument, check
 from baton.engine.kv_cache_manager import KVCacheManager
 from baton.engine.loader import load_model
 from baton.engine.memory import measure_kv_cache_bytes, memory_before_loading
@@ -22,6 +22,7 @@ from baton.engine.model import ModelArgs
 from baton.engine.model_runner import ModelRunner
 from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler import Scheduler
+from baton.engine.structured_output import Grammars
 from baton.engine.stats import EngineSnapshot, StepEvents
 from baton.engine.tokenizer import eos_token_ids
 from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
@@ -59,6 +60,9 @@ class EngineCore:
         self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker)
         self.connector = connector_worker
         self.vocab_size = args.vocab_size
+        self.grammars = self.runner.grammars = Grammars(config.model, args.vocab_size, self.eos_token_ids)
+        self.awaiting_grammar: list[Request] = []  # WAITING_FOR_FSM: held back until their grammar compiled
+        self.failures: list[CoreFailure] = []  # requests refused after add (a grammar that does not compile)
         self.times = StepTimes()
         self.num_taken = 0  # requests taken in since start
         self._step_tokens: list[int] | None = None  # per step, while events are recorded
@@ -103,14 +107,45 @@ class EngineCore:
         request.hold_for_remote, request.remote_kv = msg.hold_for_remote, msg.remote_kv
         for token in msg.output_token_ids:
             request.append_output_token(token)
-        self.scheduler.add_request(request)
+        so = msg.sampling_params.structured_output
+        if so is not None:
+            request.grammar = self.grammars.compile(so)
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.awaiting_grammar.append(request)
+        else:
+            self.scheduler.add_request(request)
         self.num_taken += 1
         return request
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled go to the scheduler; those whose grammar failed are
+        refused (a CoreFailure naming the field)."""
+        waiting = []
+        for request in self.awaiting_grammar:
+            if not request.grammar.done():
+                waiting.append(request)
+            elif request.grammar.exception() is not None:
+                e = request.grammar.exception()
+                field, reason = (e.field, e.reason) if isinstance(e, InvalidArgument) else ("structured_output", str(e))
+                self.failures.append(CoreFailure(request.key, field, reason))
+            else:
+                request.status = RequestStatus.WAITING
+                self.scheduler.add_request(request)
+        self.awaiting_grammar = waiting
+
+    def take_failures(self) -> list[CoreFailure]:
+        failures, self.failures = self.failures, []
+        return failures
 
     def abort(self, request_ids) -> list[CoreOutput]:
         """End live requests (their last outputs, finish reason "abort"), and let go of blocks
         that finished ones hold for a decode peer that will not come now."""
-        ended = self.scheduler.finish_requests(request_ids)
+        ids = set(request_ids)
+        dropped = [r for r in self.awaiting_grammar if r.request_id in ids]
+        self.awaiting_grammar = [r for r in self.awaiting_grammar if r.request_id not in ids]
+        for request in dropped:
+            request.status = RequestStatus.FINISHED_ABORTED
+        ended = self.scheduler.finish_requests(request_ids) + dropped
         for req_id in set(request_ids) - {r.request_id for r in ended}:
             self.release_hold(req_id)
         return [CoreOutput(r.key, [], r.status.finish_reason, num_cached_tokens=max(r.num_cached_tokens, 0))
@@ -130,7 +165,7 @@ class EngineCore:
         self.connector.add_peer(layout)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self.awaiting_grammar)
 
     @property
     def num_held_requests(self) -> int:
@@ -155,6 +190,8 @@ class EngineCore:
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
+        if self.awaiting_grammar:
+            self._admit_compiled()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()

@@ -164,13 +164,16 @@ class CoreLoop:
         core = self.core
         try:
             while True:
-                busy = core.has_unfinished_requests()
-                wait = None if busy else (_HELD_POLL_S if core.num_held_requests else 3600.0)
+                busy = core.scheduler.num_unfinished > 0
+                # Held blocks and compiling grammars are polled, not stepped for.
+                polled = core.num_held_requests or core.awaiting_grammar
+                wait = None if busy else (_HELD_POLL_S if polled else 3600.0)
                 taken, outputs, failures, stop = self._apply_inputs(wait)
                 if stop:
                     return 0
-                if busy or taken or core.num_held_requests:
+                if busy or taken or polled:
                     outputs += core.step()
+                    failures += core.take_failures()
                 events = core.take_events() if self.record else None
                 if outputs or taken or failures or (events is not None and (events.events or events.step_tokens)):
                     self.outputs.put(CoreStep(outputs, core.scheduler.last_step_time, len(core.scheduler.waiting),

@@ -56,7 +56,11 @@ class LLMEngine:
                                         remote_kv, resumed_output)
 
     def add(self, request: CoreRequest, detokenize: bool = True) -> Request:
-        """Queue a request made by make_request; returns the core's view of it."""
+        """Queue a request made by make_request; returns the core's view of it. A grammar is
+        compiled first (offline, waiting is fine), so one that does not compile raises here."""
+        so = request.sampling_params.structured_output
+        if so is not None:
+            self.core.grammars.compile(so).result()
         core_request = self.core.add(request)
         self.outputs.add(request, detokenize)
         return core_request

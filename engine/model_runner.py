@@ -19,6 +19,7 @@ from baton.engine.model import CausalLM
 from baton.engine.sampler import apply_processors, sample, skip_draws, token_logprobs
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from baton.engine.structured_output import mask_logits
 from baton.kernels.attention import (DECODE_PADDING_ELEMS, AttentionMetadata, DecodeGroup, KernelBatch, PrefillSeq,
                                      TritonBatch, choose_backend, group_decodes)
 from baton.kv_transfer.base import KVConnectorWorker, KVFormat
@@ -28,7 +29,8 @@ PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are m
 
 
 class RequestState:
-    __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens", "prompt_logprobs")
+    __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens", "prompt_logprobs",
+                 "matcher")
 
     def __init__(self, token_ids, block_ids, sampling_params: SamplingParams, generator, num_prompt_tokens,
                  prompt_logprobs: list | None):
@@ -38,6 +40,7 @@ class RequestState:
         self.generator = generator
         self.num_prompt_tokens = num_prompt_tokens
         self.prompt_logprobs = prompt_logprobs  # accumulating over chunks; None: not asked, or sent
+        self.matcher = None  # structured output: where the request is in its grammar
 
 
 class ModelRunner:
@@ -55,6 +58,7 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.staging = block_tables.Staging(self.device)  # the step's metadata on its way to the device
+        self.grammars = None  # structured_output.Grammars, set by the engine core
         self.connector = connector
         self.decode_padding_elems = DECODE_PADDING_ELEMS  # per decode group; tests shrink it
         # "cpu" (the C++ kernel), "triton" or "torch" (the reference); tests switch it.
@@ -81,9 +85,11 @@ class ModelRunner:
                 if not params.greedy:  # outputs sampled elsewhere (a prefill peer) used their draws
                     skip_draws(generator, len(new.token_ids) - new.num_prompt_tokens, self.model.args.vocab_size,
                                self.device)
-        self.states[new.req_id] = RequestState(list(new.token_ids), np.asarray(new.block_ids, dtype=np.int32), params,
-                                               generator,
-                                               new.num_prompt_tokens, prompt_logprobs)
+        state = self.states[new.req_id] = RequestState(list(new.token_ids), np.asarray(new.block_ids, dtype=np.int32),
+                                                       params, generator, new.num_prompt_tokens, prompt_logprobs)
+        if params.structured_output is not None:  # resumed: where it was; else past outputs made elsewhere
+            state.matcher = old.matcher if old is not None else self.grammars.matcher(
+                params.structured_output, new.token_ids[new.num_prompt_tokens:])
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -126,9 +132,17 @@ class ModelRunner:
         if processed:
             apply_processors(logits, processed, params, [s.token_ids for s in states],
                              [s.num_prompt_tokens for s in states])
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        if constrained:
+            mask_logits(logits, constrained, [states[i].matcher for i in constrained])
         tokens = sample(logits, params, [s.generator for s in states])
         for state, token in zip(states, tokens):
             state.token_ids.append(token)
+        for i in constrained:
+            matcher = states[i].matcher.grammar
+            matcher.accept_token(tokens[i])
+            if matcher.is_terminated():
+                out.grammar_ended.add(sampled_ids[i])
         out.sampled_token_ids = dict(zip(sampled_ids, tokens))
         if want:
             k = max(params[i].logprobs for i in want)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KVS = enum.auto()  # decode side: KV blocks are being pulled from a prefill peer
+    WAITING_FOR_FSM = enum.auto()  # its grammar is compiling (the engine core holds it back until then)
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this line is finished.
@@ -48,7 +49,7 @@ class Request:
                  "eos_token_ids", "priority", "arrival_time", "arrival_seq", "status", "num_computed_tokens",
                  "num_cached_tokens", "num_external_tokens", "num_preemptions", "block_hashes", "hold_for_remote",
                  "remote_kv", "kv_handle", "scheduled_time", "kv_ready_time", "first_token_time", "last_token_time",
-                 "finished_time", "stop_token_id")
+                 "finished_time", "stop_token_id", "grammar")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, arrival_time: float | None = None,
@@ -74,6 +75,7 @@ class Request:
         self.hold_for_remote = False
         self.remote_kv: KVHandle | None = None
         self.kv_handle: KVHandle | None = None
+        self.grammar = None  # a Future of its compiled grammar, for structured output
         # When things happened (time.monotonic(), like arrival_time), for latency figures;
         # None until they do. first/last token: sampled by this engine (not a prefill peer's).
         self.scheduled_time: float | None = None  # first admitted to run

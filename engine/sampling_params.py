@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from baton.engine.errors import check
+from baton.engine.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20  # top tokens a request may ask for per position (vLLM's default max_logprobs)
 MAX_N = 16  # completions of one prompt
@@ -49,6 +50,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token (the first has none)
     skip_special_tokens: bool = True
     n: int = 1  # completions of the prompt (each its own request; they share the prompt's blocks)
+    structured_output: StructuredOutput | None = None  # the output follows a JSON schema, a regex, ...
 
     def __post_init__(self):
         check(_integer(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
@@ -82,6 +84,8 @@ class SamplingParams:
             check(value is None or (_integer(value) and 0 <= value <= MAX_LOGPROBS), name,
                   f"must be in [0, {MAX_LOGPROBS}], got {value!r}")
         check(_integer(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n!r}")
+        check(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+              "structured_output", f"must be a StructuredOutput, got {type(self.structured_output).__name__}")
         if self.top_k == -1:
             self.top_k = 0
         self.stop_token_ids = list(self.stop_token_ids)

@@ -56,6 +56,7 @@ class ModelRunnerOutput:
     kv_connector_output: KVConnectorOutput | None = None
     logprobs: dict[str, Any] = field(default_factory=dict)  # request id -> the sampled token's TokenLogprobs
     prompt_logprobs: dict[str, list] = field(default_factory=dict)  # request id -> one per prompt token, when complete
+    grammar_ended: set[str] = field(default_factory=set)  # requests whose grammar took its end token
 
 
 @dataclass(slots=True)
@@ -278,6 +279,8 @@ class Scheduler:
             request.last_token_time = now
             self.num_generation_tokens += 1
             status = self._stop_status(request, token_id)
+            if status is None and req_id in result.grammar_ended:  # ignore_eos cannot go past the grammar's end
+                status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)

@@ -95,7 +95,58 @@ def sampling_from_body(body: dict, chat: bool) -> pb.SamplingParams:
     elif logprobs is not None:
         top = _typed(body, "logprobs", int)
         _in_range("logprobs", lambda: setattr(s, "logprobs", top))
+    _structured_output(body, s)
     return s
+
+
+# Parameters Baton does not implement yet: refused, never ignored.
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call")
+# vLLM's older spellings of its structured_outputs keys.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured_output(body: dict, s: pb.SamplingParams) -> None:
+    """OpenAI's response_format, vLLM's structured_outputs extra and its guided_* fields, onto
+    the request's one structured_output; two of them at once are refused."""
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, [], "none"):
+            raise ApiError(400, f"{name}: not supported by this server", name)
+    asked: list[tuple[str, str, object]] = []  # (parameter, kind, value)
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            asked.append(("response_format", "json_object", True))
+        elif kind == "json_schema" and isinstance(fmt.get("json_schema"), dict) \
+                and isinstance(fmt["json_schema"].get("schema"), dict):
+            asked.append(("response_format", "json", fmt["json_schema"]["schema"]))
+        elif kind != "text":
+            raise ApiError(400, "response_format: must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                                "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": {...}}}", "response_format")
+    extra = body.get("structured_outputs")
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise ApiError(400, "structured_outputs: must be an object", "structured_outputs")
+        asked += [("structured_outputs", k, v) for k, v in extra.items() if v is not None]
+    asked += [(name, kind, body[name]) for name, kind in _GUIDED.items() if body.get(name) is not None]
+    if len(asked) > 1:
+        raise ApiError(400, f"{asked[1][0]}: only one structured output constraint at a time "
+                            f"(also given: {asked[0][0]})", asked[1][0])
+    if not asked:
+        return
+    param, kind, value = asked[0]
+    if kind == "json":
+        s.json_schema = value if isinstance(value, str) else json.dumps(value)
+    elif kind == "json_object" and value is True:
+        s.json_object = True
+    elif kind in ("regex", "grammar") and isinstance(value, str):
+        setattr(s, kind, value)
+    elif kind == "choice" and isinstance(value, list) and all(isinstance(c, str) for c in value):
+        s.choice.options.extend(value)
+    else:
+        raise ApiError(400, f"{param}: {kind} must be " + {"json": "a JSON schema", "json_object": "true",
+                                                           "choice": "a list of strings"}.get(kind, "a string")
+                       + " (one of json, json_object, regex, choice, grammar)", param)
 
 
 def int_list(body: dict, name: str) -> list[int]:

@@ -17,6 +17,7 @@ from baton.engine.sampling_params import SamplingParams
 from baton.kv_transfer.base import KVHandle
 from baton.services.rpc.api import chat_messages
 from baton.services.rpc.errors import abort, abort_invalid
+from baton.engine.structured_output import StructuredOutput
 from baton.services.rpc.fan_out import child_requests, merge, num_completions
 from baton.services.rpc.runtime import CallRegistry
 from baton.services.server.responses import ENGINE_ERRORS, abort_for_engine_error, decode_timing, response_from_output
@@ -44,6 +45,10 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
     if p.logit_bias:
         kwargs["logit_bias"] = dict(p.logit_bias)
     try:
+        kind = p.WhichOneof("structured_output")
+        if kind is not None:
+            spec = {"json_object": "", "choice": tuple(p.choice.options)}.get(kind, getattr(p, kind))
+            kwargs["structured_output"] = StructuredOutput(kind, spec)
         return SamplingParams(**kwargs)
     except InvalidArgument as e:
         raise InvalidArgument(f"sampling.{e.field}", e.reason) from None

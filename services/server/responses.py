@@ -8,6 +8,7 @@ from baton.engine.core_client import DuplicateRequest, EngineDead, QueueFull
 from baton.engine.core_messages import TokenLogprobs
 from baton.engine.errors import InvalidArgument
 from baton.engine.output_processor import StepOutput
+from baton.engine.sampling_params import SamplingParams
 from baton.services.rpc.api import DECODE_STEP_KEY, FINISH_REASONS
 from baton.services.rpc.errors import abort, abort_invalid
 from baton.v1 import generate_pb2 as pb
@@ -16,7 +17,9 @@ ENGINE_ERRORS = (InvalidArgument, DuplicateRequest, QueueFull, EngineDead)  # ra
 
 
 async def abort_for_engine_error(context: grpc.aio.ServicerContext, e: Exception) -> None:
-    if isinstance(e, InvalidArgument):  # raised by the core on admission
+    if isinstance(e, InvalidArgument):  # raised by the core on admission (a grammar that does not compile)
+        if e.field.split(".")[0] in SamplingParams.__dataclass_fields__:  # the API's name for it
+            e = InvalidArgument(f"sampling.{e.field}", e.reason)
         await abort_invalid(context, e)
     if isinstance(e, DuplicateRequest):
         await abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e.args[0]!r} is already in flight",
