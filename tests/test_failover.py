@@ -1,15 +1,18 @@
 """Failures the client never sees: under a load of long streams through a router in front of
 2 prefill and 2 decode processes, a `kill -9` of a decode mid-stream or of a prefill mid-load
 leaves every stream complete and token-for-token equal to an uninterrupted run (greedy and
-seeded); the survivors' pools are full afterwards."""
+seeded, a third of them under a JSON schema); the survivors' pools are full afterwards."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
+import jsonschema
 import pytest
 
 from baton import LLM, SamplingParams
+from baton.engine.structured_output import StructuredOutput
 from baton.services.client import AsyncClient
 
 from conftest import pd_stack
@@ -18,11 +21,19 @@ from helpers import TOKEN, collect, pools_full, random_prompts, stats, wait_serv
 NUM_STREAMS = 24
 
 
+# Every third stream is under a JSON schema: killed mid-JSON, it goes on under its grammar.
+SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                     "tag": {"type": "string", "maxLength": 6}},
+    "required": ["n", "tag"], "additionalProperties": False}}}, "required": ["items"], "additionalProperties": False}
+
+
 def long_workload(seed: int):
     rng = random.Random(seed)
     prompts = random_prompts([rng.randint(20, 90) for _ in range(NUM_STREAMS)], seed)
     params = [dict(max_tokens=rng.randint(250, 350), ignore_eos=True,
-                   **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": 500 + i}))
+                   **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": 500 + i}),
+                   **({"json_schema": json.dumps(SCHEMA)} if i % 3 == 0 else {}))
               for i in range(NUM_STREAMS)]
     return prompts, params
 
@@ -36,8 +47,17 @@ def stack(tiny_llama):
 
 
 def offline(tiny_llama, prompts, params):
+    def sampling(p: dict) -> SamplingParams:
+        p = dict(p)
+        schema = p.pop("json_schema", None)
+        return SamplingParams(**p, structured_output=StructuredOutput("json_schema", schema) if schema else None)
+
     llm = LLM(tiny_llama, dtype="float32", device="cpu")
-    return [o.token_ids for o in llm.generate(prompts, [SamplingParams(**p) for p in params])]
+    outs = llm.generate(prompts, [sampling(p) for p in params])
+    for out, p in zip(outs, params):
+        if "json_schema" in p:
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+    return [o.token_ids for o in outs]
 
 
 async def streams_with_a_kill(address: str, prompts, params, kill, when_tokens: int):
