@@ -50,7 +50,7 @@ class Grammars:
     def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: list[int]):
         self._model_dir, self._vocab_size, self._eos = model_dir, vocab_size, sorted(eos_token_ids)
         self._compiler = None
-        self._control_tokens: list[int] = []
+        self._control_tokens = None  # token ids JSON output keeps out, once the compiler is made
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
         self._compiled: dict[StructuredOutput, Future] = {}
 
@@ -83,8 +83,10 @@ class Grammars:
             self._compiler = xgr.GrammarCompiler(info)
             # xgrammar's JSON lets raw control characters into strings, which JSON parsers
             # refuse: tokens holding one are kept out of JSON output (compact: no newlines).
-            self._control_tokens = [i for i, b in enumerate(info.decoded_vocab)
-                                    if i not in self._eos and any(c < 0x20 for c in b)]
+            import torch
+
+            self._control_tokens = torch.tensor([i for i, b in enumerate(info.decoded_vocab)
+                                                 if i not in self._eos and any(c < 0x20 for c in b)], dtype=torch.long)
         c = self._compiler
         try:
             if so.kind == "json_schema":
@@ -107,19 +109,32 @@ class Grammars:
 class Matcher:
     """A request's place in its grammar, and the tokens its kind keeps out besides."""
     grammar: object  # xgrammar.GrammarMatcher
-    banned: list[int] | None = None
+    banned: object = None  # a LongTensor of token ids, or None
+
+
+# Added to the logits a mask leaves out. Not -inf: a masked_fill of -inf over [rows, vocab] took
+# 4 ms for 32 rows of 49k on 2 cores (xgrammar's CPU apply 8.5 ms); this add takes 0.9 ms, and
+# every sampler step treats it as -inf (it swamps any logit; exp underflows to 0).
+_MASKED = 1e30
 
 
 def mask_logits(logits, rows: list[int], matchers: list[Matcher]) -> None:
     """In place: rows of logits [B, V] keep only the tokens their matcher allows next."""
+    import numpy as np
+    import torch
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
-    for i, matcher in enumerate(matchers):
+    vocab = logits.shape[1]
+    bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
+    for i, matcher in enumerate(matchers):  # ~3 µs a row: cheaper on the loop than on a thread
         matcher.grammar.fill_next_token_bitmask(bitmask, i)
-    sub = logits[rows]
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    penalty = torch.from_numpy(allowed).to(device=logits.device, dtype=logits.dtype).sub_(1.0).mul_(_MASKED)
     for i, matcher in enumerate(matchers):
-        if matcher.banned:
-            sub[i, matcher.banned] = float("-inf")
-    xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device), vocab_size=logits.shape[1])
-    logits[rows] = sub
+        if matcher.banned is not None:
+            penalty[i].index_fill_(0, matcher.banned.to(logits.device), -_MASKED)
+    if len(rows) == logits.shape[0]:
+        logits.add_(penalty)
+    else:
+        index = torch.tensor(rows, device=logits.device)
+        logits.index_add_(0, index, penalty)
