@@ -23,7 +23,7 @@ from baton.engine.model_runner import ModelRunner
 from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler import Scheduler
 from baton.engine.structured_output import Grammars
-from baton.engine.stats import EngineSnapshot, StepEvents
+from baton.engine.stats import EngineSnapshot, EventType, StepEvents
 from baton.engine.tokenizer import eos_token_ids
 from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 
@@ -130,6 +130,8 @@ class EngineCore:
                 self.failures.append(CoreFailure(request.key, field, reason))
             else:
                 request.status = RequestStatus.WAITING
+                self.scheduler.record(request, EventType.GRAMMAR_READY, time.monotonic(),
+                                      detail=request.sampling_params.structured_output.kind)
                 self.scheduler.add_request(request)
         self.awaiting_grammar = waiting
 

@@ -91,7 +91,7 @@ class Scheduler:
         self._now = 0.0  # this step's schedule() time
         self.last_step_time = 0.0  # when the last step's tokens were sampled
 
-    def _record(self, request: Request | None, kind: EventType, when: float, **fields) -> None:
+    def record(self, request: Request | None, kind: EventType, when: float, **fields) -> None:
         if self.events is not None and request is not None:
             self.events.append(RequestEvent(request.request_id, request.key, kind, when, **fields))
 
@@ -141,7 +141,7 @@ class Scheduler:
         else:
             self.kv.free(request)
         if self.events is not None:
-            self._record(request, EventType.FINISHED, request.finished_time, stats=RequestStats.of(request))
+            self.record(request, EventType.FINISHED, request.finished_time, stats=RequestStats.of(request))
 
     @property
     def num_unfinished(self) -> int:
@@ -202,7 +202,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self._record(victim, EventType.PREEMPTED, self._now)
+        self.record(victim, EventType.PREEMPTED, self._now)
         out.preempted_req_ids.add(victim.request_id)
         self._enqueue(victim, front=True)
         return victim
@@ -231,13 +231,13 @@ class Scheduler:
                 request.num_external_tokens = num_external
             if load_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                self._record(request, EventType.KV_WAIT, self._now)
+                self.record(request, EventType.KV_WAIT, self._now)
                 skipped.append(request)
                 continue
             request.status = RequestStatus.RUNNING
             if request.scheduled_time is None:
                 request.scheduled_time = self._now
-            self._record(request, EventType.SCHEDULED, self._now, num_tokens=num_computed)
+            self.record(request, EventType.SCHEDULED, self._now, num_tokens=num_computed)
             self.running.append(request)
             out.scheduled_new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), self.kv.block_ids(request.request_id),
@@ -264,7 +264,7 @@ class Scheduler:
         updates = []
         now = self.last_step_time = time.monotonic()
         for request, n in self._chunks:
-            self._record(request, EventType.PREFILL_CHUNK, now, num_tokens=n)
+            self.record(request, EventType.PREFILL_CHUNK, now, num_tokens=n)
         self._chunks.clear()
         for req_id, token_id in result.sampled_token_ids.items():
             request = self.requests.get(req_id)
@@ -303,7 +303,7 @@ class Scheduler:
 
     def _update_from_connector(self, kv_out: KVConnectorOutput) -> None:
         for transfer in kv_out.transfers_started:
-            self._record(self._live_or_held(transfer.request_id), EventType.KV_LOAD_START, transfer.start_time,
+            self.record(self._live_or_held(transfer.request_id), EventType.KV_LOAD_START, transfer.start_time,
                          transfer=transfer)
         for req_id in kv_out.finished_recving:
             request = self.requests.get(req_id)
@@ -324,9 +324,9 @@ class Scheduler:
         for req_id, transfer in kv_out.transfers_ended.items():
             r = self._live_or_held(req_id)
             recompute = r.num_prompt_tokens - max(r.num_cached_tokens, 0) - r.num_external_tokens if r else 0
-            self._record(r, EventType.KV_LOAD_END, transfer.end_time, transfer=transfer, num_tokens=recompute)
+            self.record(r, EventType.KV_LOAD_END, transfer.end_time, transfer=transfer, num_tokens=recompute)
         for end in kv_out.holds_ended:
-            self._record(self.held.get(end.request_id), EventType.HOLD_END, end.time, detail=end.outcome)
+            self.record(self.held.get(end.request_id), EventType.HOLD_END, end.time, detail=end.outcome)
         for req_id in kv_out.finished_sending | kv_out.finished_recving:
             request = self.held.pop(req_id, None)
             if request is not None:

@@ -29,6 +29,7 @@ class EventType(enum.Enum):
     KV_LOAD_END = "kv_load_end"  # the pull ended (transfer says how; num_tokens: prompt tokens to recompute)
     FINISHED = "finished"  # stats say how it went; a prefill may now hold its blocks
     HOLD_END = "hold_end"  # a prefill let go of the blocks it held for a reader (detail: outcome)
+    GRAMMAR_READY = "grammar_ready"  # its grammar compiled (or came from the cache): it may run (detail: kind)
 
 
 class RequestStats(msgspec.Struct, array_like=True, gc=False):
@@ -57,7 +58,7 @@ class RequestEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     time: float  # time.monotonic()
     num_tokens: int = 0  # PREFILL_CHUNK: tokens computed; SCHEDULED: tokens already computed; KV_LOAD_END: to recompute
     transfer: KVTransfer | None = None  # KV_LOAD_*
-    detail: str | None = None  # HOLD_END: pulled, released or expired
+    detail: str | None = None  # HOLD_END: pulled, released or expired; GRAMMAR_READY: the constraint's kind
     stats: RequestStats | None = None  # FINISHED
 
 

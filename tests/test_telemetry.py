@@ -5,6 +5,7 @@ the prefill's hold (also when the router is bypassed and the metadata is lost), 
 the spans. Their metrics: test_metrics.py."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import secrets
@@ -162,6 +163,27 @@ def test_a_bad_request_ends_its_spans_with_the_grpc_code(traced_stack, trace_rec
         assert s.attributes["error.type"] == "INVALID_ARGUMENT" and "temperature" in s.status_message
 
 
+def test_a_constrained_request_traces_and_counts_its_wait_for_its_grammar(traced_stack, trace_receiver):
+    router, prefill, decode = traced_stack
+    schema = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
+
+    async def go():
+        async with AsyncClient(router.address) as client:
+            return await collect(client, [5, 6, 7], max_tokens=32, temperature=0.0, json_schema=schema,
+                                 request_id="json-0")
+
+    _, text, _ = run(go())
+    assert isinstance(json.loads(text)["ok"], bool)
+    spans = request_spans(trace_receiver, "json-0", names=("decode", "grammar"))
+    grammar = [s for s in spans if s.name == "grammar"]
+    assert {s.service for s in grammar} == {"baton-prefill", "baton-decode"}  # each engine compiles it
+    assert all(s.attributes["baton.structured_output.kind"] == "json_schema" and s.end_ns >= s.start_ns for s in grammar)
+    for proc in (prefill, decode):
+        counts = samples(metrics_url(proc))
+        assert counts[("baton:structured_output_requests_total", (("kind", "json_schema"),))] >= 1
+        assert counts[("baton:grammar_wait_seconds_count", ())] >= 1
+
+
 def test_a_decode_killed_mid_stream_ends_the_trace_with_an_error(traced_stack, trace_receiver):
     """Last in this module: it kills the shared decode."""
     router, _, decode = traced_stack
@@ -281,3 +303,4 @@ def test_a_router_without_prefill_traces_and_counts_its_colocated_fallback(tiny_
     assert counted[("baton:router_colocated_fallbacks_total", (("reason", "no_prefill"),))] == 1
     assert counted[("baton:router_policy_decisions_total", (("decision", "round_robin"), ("policy", "round_robin"),
                                                              ("tier", "decode")))] == 1
+

@@ -97,6 +97,15 @@ class RequestTelemetry:
         self.end_phase("queue", ev.time)
         self.start_phase("kv_wait", ev.time)
 
+    def _grammar_ready(self, ev: RequestEvent) -> None:
+        """The wait for its grammar (compiling, or found in the cache), from arrival."""
+        self.start_phase("grammar", self.request.arrival_time, {"baton.structured_output.kind": ev.detail})
+        self.end_phase("grammar", ev.time)
+        m = self.hub.metrics
+        if m is not None:
+            m.structured_requests.labels(**m.labels, kind=ev.detail).inc()
+            m.grammar_wait.observe(ev.time - self.request.arrival_time)
+
     def _transfer_started(self, ev: RequestEvent) -> None:
         t = ev.transfer
         self.start_phase("kv_transfer", t.start_time, {
@@ -216,7 +225,8 @@ EVENT_HANDLERS = {
     EventType.SCHEDULED: RequestTelemetry._scheduled, EventType.PREFILL_CHUNK: RequestTelemetry._prefill_chunk,
     EventType.PREEMPTED: RequestTelemetry._preempted, EventType.KV_WAIT: RequestTelemetry._kv_wait,
     EventType.KV_LOAD_START: RequestTelemetry._transfer_started, EventType.KV_LOAD_END: RequestTelemetry._transfer_ended,
-    EventType.FINISHED: RequestTelemetry._finished, EventType.HOLD_END: RequestTelemetry._hold_ended}
+    EventType.FINISHED: RequestTelemetry._finished, EventType.HOLD_END: RequestTelemetry._hold_ended,
+    EventType.GRAMMAR_READY: RequestTelemetry._grammar_ready}
 
 
 class EngineTelemetry:

@@ -127,6 +127,10 @@ class EngineMetrics(_Family):
                                   "Number of failed NIXL KV Cache transfers, including handshake failures.")
         self.expired_holds = c("nixl_num_kv_expired_reqs",
                                "Number of requests that had their KV expire (prefill side: never pulled).")
+        self.structured_requests = c("structured_output_requests", "Requests under a structured output constraint, "
+                                     "by its kind (json_schema, json_object, regex, choice, grammar).", ("kind",))
+        self.grammar_wait = h("grammar_wait_seconds", "Histogram of seconds from a constrained request's arrival until "
+                              "its grammar was ready (compiled, or found compiled).", TTFT_BUCKETS)
         self.transfer_outcomes = c("kv_transfer_outcomes", "KV pulls by outcome: ok (every block arrived), "
                                    "recomputed (a failed read; the decode recomputes from the first bad block), "
                                    "failed (the peer could not be reached; the request failed).", ("outcome",))
