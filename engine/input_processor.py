@@ -23,8 +23,8 @@ class InputProcessor:
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return apply_chat_template(self.tokenizer, messages)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages, tools)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                      priority: int = 0, arrival_time: float | None = None, hold_for_remote: bool = False,

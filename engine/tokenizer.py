@@ -20,10 +20,11 @@ def load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+def apply_chat_template(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """A conversation's prompt token ids, the assistant's turn opened for the reply."""
     check(tokenizer.chat_template is not None, "messages", "this checkpoint has no chat template")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
 
 
 def eos_token_ids(model_dir: str, tokenizer=None) -> frozenset[int]:

@@ -3,7 +3,7 @@ random weights, which would never produce it by chance: every output parses and 
 offline, through a gRPC server, and split across prefill and decode servers (equal to
 colocated); a constraint that does not compile is refused naming its field while the other
 requests carry on; unconstrained requests in the same batch are unchanged; the OpenAI front
-maps response_format, vLLM's structured_outputs and guided_* fields, and refuses tools."""
+maps response_format, vLLM's structured_outputs and guided_* fields (tools: test_tool_calls.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -125,7 +125,7 @@ def test_through_a_server_and_split_across_prefill_and_decode_equal_offline(serv
     assert server.wait_pool_full()
 
 
-def test_the_openai_front_maps_response_format_and_refuses_tools(serve, tiny_llama):
+def test_the_openai_front_maps_response_format_and_refuses_what_it_does_not_serve(serve, tiny_llama):
     srv = serve(tiny_llama, {"http_port": 0})
     client = openai.OpenAI(base_url=srv.server.http.url + "/v1", api_key="none", max_retries=0)
     model, schema = srv.server.model_name, SCHEMAS[0]
@@ -140,7 +140,7 @@ def test_the_openai_front_maps_response_format_and_refuses_tools(serve, tiny_lla
                                      extra_body={"guided_regex": "[0-9]{3}"}).choices[0].text
     assert re.fullmatch("[0-9]{3}", text)
     for kwargs, param in [
-        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+        (dict(extra_body={"functions": [{"name": "f"}]}), "functions"),  # the deprecated spelling: refused
         (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}), "guided_regex"),
         (dict(response_format={"type": "xml"}), "response_format"),
         (dict(extra_body={"guided_regex": "[a-"}), "structured_output.regex"),

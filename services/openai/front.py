@@ -20,6 +20,7 @@ from aiohttp import web
 
 from baton.services.rpc.errors import failure_of
 from baton.services.rpc.fan_out import merge
+from baton.services.openai.tools import constrain_to_tools, plan_from_body
 from baton.services.openai.protocol import (ApiError, Completion, chat_messages_from_body, error_for_status, int_list,
                                             prompts_from_body, sampling_from_body, sse)
 from baton.v1 import generate_pb2 as pb
@@ -166,9 +167,14 @@ class OpenAIFront:
             body = await _json(request)
             model = await self._check_model(body, request)
             sampling = sampling_from_body(body, chat)
+            tools = plan_from_body(body) if chat else None
+            if tools is not None:
+                constrain_to_tools(tools, sampling)
             if chat:
                 msg = pb.GenerateRequest(sampling=sampling)
                 msg.chat.messages.extend(chat_messages_from_body(body))
+                if tools is not None:
+                    msg.chat.tools_json = json.dumps([{"type": "function", "function": f} for f in tools.tools])
                 if not sampling.HasField("max_tokens"):  # as vLLM: up to the context length
                     tokens = await self._call("Tokenize", pb.TokenizeRequest(chat=msg.chat), request)
                     msg.sampling.max_tokens = max(1, tokens.max_model_len - len(tokens.token_ids))
@@ -186,7 +192,7 @@ class OpenAIFront:
             first = await anext(responses, None)  # errors before any token still get their HTTP status
         except ApiError as e:
             return _error_response(e)
-        shape = Completion(self.token_text, request_id, model, chat, time.time())
+        shape = Completion(self.token_text, request_id, model, chat, time.time(), tools)
         try:
             return await (self._stream(request, shape, first, responses, include_usage) if stream
                           else self._whole(shape, first, responses))

@@ -95,12 +95,14 @@ def sampling_from_body(body: dict, chat: bool) -> pb.SamplingParams:
     elif logprobs is not None:
         top = _typed(body, "logprobs", int)
         _in_range("logprobs", lambda: setattr(s, "logprobs", top))
+    if not chat and body.get("tools") not in (None, []):
+        raise ApiError(400, "tools: served on /v1/chat/completions only", "tools")
     _structured_output(body, s)
     return s
 
 
-# Parameters Baton does not implement yet: refused, never ignored.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call")
+# Parameters Baton does not serve: refused, never ignored (tools: on chat completions only).
+UNSUPPORTED = ("functions", "function_call")
 # vLLM's older spellings of its structured_outputs keys.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -194,9 +196,11 @@ def prompts_from_body(body: dict) -> list[pb.GenerateRequest]:
 class Completion:
     """The OpenAI shapes of one completion request's responses: as a whole, or event by event."""
 
-    def __init__(self, token_text, request_id: str, model: str, chat: bool, created: float):
-        """token_text(token id) -> the token's text, for logprobs."""
+    def __init__(self, token_text, request_id: str, model: str, chat: bool, created: float, tools=None):
+        """token_text(token id) -> the token's text, for logprobs; `tools`: a tools.ToolPlan,
+        whose calls the answer carries as tool_calls."""
         self.token_text, self.id, self.model, self.chat = token_text, request_id, model, chat
+        self.tools = tools
         self.created = int(created)
         self.choices: dict[int, dict] = {}
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
@@ -265,7 +269,12 @@ class Completion:
                       "logprobs": self._logprobs_shape(c["logprobs"])}
             if c["prompt_logprobs"] is not None:
                 choice["prompt_logprobs"] = c["prompt_logprobs"]
-            if self.chat:
+            if self.chat and self.tools is not None:
+                content, calls = self.tools.calls(c["text"])
+                choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                if calls and c["finish_reason"] == "stop":
+                    choice["finish_reason"] = "tool_calls"
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": c["text"]}
             else:
                 choice["text"] = c["text"]
@@ -283,7 +292,10 @@ class Completion:
         finish = FINISH_REASON_NAMES.get(resp.finish_reason) if resp.finish_reason else None
         if not (resp.text or logprobs or finish or (first and self.chat)):
             return []
-        if self.chat:
+        if self.chat and self.tools is not None:
+            delta, finish = self._tool_delta(choice, resp.text, first, finish)
+            body = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        elif self.chat:
             delta = {"role": "assistant", "content": resp.text} if first else {"content": resp.text}
             body = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
@@ -292,6 +304,25 @@ class Completion:
             body["stop_reason"] = choice["stop_reason"]
         return [{"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                  "created": self.created, "model": self.model, "choices": [body]}]
+
+    def _tool_delta(self, choice: dict, text: str, first: bool, finish: str | None) -> tuple[dict, str | None]:
+        """A stream's delta under tools: a named function's arguments stream as they come;
+        "required" and "auto" answers are parsed whole, so they come with the last event."""
+        delta = {"role": "assistant"} if first else {}
+        if self.tools.choice not in ("auto", "required"):
+            call = {"index": 0, "function": {"arguments": text}}
+            if first:
+                call.update(id=f"call_{self.id[-24:]}", type="function")
+                call["function"]["name"] = self.tools.choice
+            delta["tool_calls"] = [call]
+        elif finish:
+            content, calls = self.tools.calls(choice["text"])
+            delta["content"] = content
+            if calls:
+                delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(calls)]
+        if finish == "stop" and (self.tools.choice not in ("auto",) or delta.get("tool_calls")):
+            finish = "tool_calls"
+        return delta, finish
 
     def usage_event(self) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",

@@ -2,6 +2,9 @@
 the metadata keys of the stack, chat messages."""
 from __future__ import annotations
 
+import json
+
+from baton.engine.errors import InvalidArgument
 from baton.v1 import generate_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
@@ -21,3 +24,17 @@ def token_metadata(token: str | None) -> tuple:
 
 def chat_messages(chat: pb.Chat) -> list[dict]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def chat_tools(chat: pb.Chat) -> list[dict] | None:
+    """The tools a chat offers (OpenAI's list), for the chat template; None when it offers none.
+    Raises InvalidArgument naming chat.tools_json when it is not a JSON list."""
+    if not chat.tools_json:
+        return None
+    try:
+        tools = json.loads(chat.tools_json)
+    except json.JSONDecodeError as e:
+        raise InvalidArgument("chat.tools_json", f"is not JSON: {e}") from None
+    if not isinstance(tools, list):
+        raise InvalidArgument("chat.tools_json", "must be a JSON list")
+    return tools

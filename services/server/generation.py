@@ -15,7 +15,7 @@ from baton.engine.core_messages import CoreRequest
 from baton.engine.errors import InvalidArgument, check
 from baton.engine.sampling_params import SamplingParams
 from baton.kv_transfer.base import KVHandle
-from baton.services.rpc.api import chat_messages
+from baton.services.rpc.api import chat_messages, chat_tools
 from baton.services.rpc.errors import abort, abort_invalid
 from baton.engine.structured_output import StructuredOutput
 from baton.services.rpc.fan_out import child_requests, merge, num_completions
@@ -117,7 +117,7 @@ class GenerationService(EngineRuntime, generate_pb2_grpc.TextGenerationServicer)
         check(kind is not None, "prompt", "set one of text, token_ids or chat")
         if kind == "chat":
             check(len(msg.chat.messages) > 0, "chat.messages", "must not be empty")
-            return self.server.core.inputs.apply_chat_template(chat_messages(msg.chat))
+            return self.server.core.inputs.apply_chat_template(chat_messages(msg.chat), chat_tools(msg.chat))
         return msg.text if kind == "text" else list(msg.token_ids.ids)
 
     async def Generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):

@@ -8,7 +8,7 @@ import os
 import grpc
 
 from baton.engine.config import read_config
-from baton.services.rpc.api import chat_messages
+from baton.services.rpc.api import chat_messages, chat_tools
 from baton.services.rpc.errors import abort
 from baton.services.rpc.runtime import watch
 from baton.services.telemetry.tracing import baton_version
@@ -64,7 +64,7 @@ class EngineRuntime:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "chat: this checkpoint has no chat template",
                         field="chat")
         inputs = core.inputs
-        encode = ((lambda: inputs.apply_chat_template(chat_messages(msg.chat))) if kind == "chat"
+        encode = ((lambda: inputs.apply_chat_template(chat_messages(msg.chat), chat_tools(msg.chat))) if kind == "chat"
                   else (lambda: inputs.tokenize(msg.text)))
         return pb.TokenizeResponse(token_ids=await asyncio.to_thread(encode), max_model_len=inputs.max_model_len)
 

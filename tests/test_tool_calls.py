@@ -1,0 +1,108 @@
+"""Tool calling on the OpenAI front, read by the official `openai` client: a named function's
+arguments and "required" calls always parse under the tools' parameter schemas (a model of
+random weights would never write them by chance), whole and streamed; "auto" turns calls a
+model writes in the Hermes format into tool_calls and leaves plain answers as content; bad
+tools and choices get 400 naming the parameter."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from baton.services.openai.tools import ToolPlan
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                     "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+    "additionalProperties": False}}
+TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+                                           "required": ["zone"], "additionalProperties": False}}
+TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]
+SCHEMAS = {"get_weather": WEATHER["parameters"], "get_time": TIME["parameters"]}
+ASKS = ["What is the weather in Paris?", "hi", "Tell me the time."]
+
+
+@pytest.fixture(scope="module")
+def front(tiny_llama):
+    from conftest import ServerThread
+
+    srv = ServerThread(tiny_llama, {"http_port": 0}).start()
+    try:
+        yield openai.OpenAI(base_url=srv.server.http.url + "/v1", api_key="none", max_retries=0), srv.server.model_name
+    finally:
+        srv.close()
+
+
+def chat(client, model, ask, **kwargs):
+    kwargs = {"max_tokens": 200, "temperature": 0, **kwargs}
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": ask}], tools=TOOLS,
+                                          **kwargs)
+
+
+def test_a_named_function_s_arguments_parse_whole_and_streamed(front):
+    client, model = front
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for ask in ASKS:
+        choice = chat(client, model, ask, tool_choice=named).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+        streamed, finish, names = "", None, set()
+        for chunk in chat(client, model, ask, tool_choice=named, stream=True):
+            delta = chunk.choices[0].delta
+            for c in delta.tool_calls or []:
+                streamed += c.function.arguments or ""
+                names |= {c.function.name} - {None}
+            finish = chunk.choices[0].finish_reason or finish
+        assert streamed == call.function.arguments and names == {"get_weather"} and finish == "tool_calls"
+
+
+def test_required_calls_parse_under_their_tools_schemas(front):
+    client, model = front
+    for ask in ASKS:
+        choice = chat(client, model, ask, tool_choice="required", temperature=1.0, seed=7).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        streamed = [c for chunk in chat(client, model, ask, tool_choice="required", temperature=1.0, seed=7,
+                                        stream=True) for c in chunk.choices[0].delta.tool_calls or []]
+        assert [(c.function.name, c.function.arguments) for c in streamed] == [
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+
+def test_auto_turns_hermes_calls_into_tool_calls_and_leaves_answers_as_content(front):
+    plan = ToolPlan(tuple(t["function"] for t in TOOLS), "auto")
+    content, calls = plan.calls('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n'
+                                '</tool_call>')
+    assert content == "Let me check." and [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                           for c in calls] == [("get_time", {"zone": "utc"})]
+    assert plan.calls("<tool_call>{\"name\": \"unknown\", \"arguments\": {}}</tool_call>")[1] == []
+    client, model = front  # a random model writes no call: its answer is content
+    choice = chat(client, model, "hi", max_tokens=8).choices[0]
+    assert choice.message.tool_calls is None and choice.message.content and choice.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(tool_choice="sometimes"), "tool_choice"),
+    (dict(tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+])
+def test_bad_tool_choices_are_refused_naming_the_parameter(front, kwargs, param):
+    client, model = front
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, model, "hi", **kwargs)
+    assert err.value.body["param"] == param
+
+
+def test_bad_tools_are_refused_naming_the_parameter(front):
+    client, model = front
+    for tools in ([{"type": "function"}], [{"type": "function", "function": {"name": "f", "parameters": 3}}]):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], tools=tools)
+        assert err.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt="hi", extra_body={"tools": TOOLS})
+    assert err.value.body["param"] == "tools"
