@@ -170,6 +170,11 @@ class EngineCore:
         return self.scheduler.num_unfinished > 0 or bool(self.awaiting_grammar)
 
     @property
+    def num_waiting(self) -> int:
+        """Requests not running yet: queued, or waiting for their grammar."""
+        return len(self.scheduler.waiting) + len(self.awaiting_grammar)
+
+    @property
     def num_held_requests(self) -> int:
         """Finished requests whose blocks wait for a transfer (the loop keeps stepping)."""
         return len(self.scheduler.held)
@@ -179,7 +184,7 @@ class EngineCore:
         sched, kv = self.scheduler, self.kv
         held = sum(len(kv.req_blocks.get(req_id, ())) for req_id in sched.held)
         return EngineSnapshot(
-            len(sched.running), len(sched.waiting),
+            len(sched.running), self.num_waiting,
             sum(1 for r in sched.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS), len(sched.held),
             held, self.num_kv_blocks, kv.num_free_blocks, kv.prefix_queries, kv.prefix_hits, sched.num_preemptions,
             sched.num_failed_loads, sched.num_prompt_tokens, sched.num_prompt_tokens_cached,

@@ -176,7 +176,7 @@ class CoreLoop:
                     failures += core.take_failures()
                 events = core.take_events() if self.record else None
                 if outputs or taken or failures or (events is not None and (events.events or events.step_tokens)):
-                    self.outputs.put(CoreStep(outputs, core.scheduler.last_step_time, len(core.scheduler.waiting),
+                    self.outputs.put(CoreStep(outputs, core.scheduler.last_step_time, core.num_waiting,
                                               self.num_received, failures, events))
         except Exception as e:  # noqa: BLE001 - the front fails its streams with this, then the process ends
             log.exception("the engine core's step loop failed")
