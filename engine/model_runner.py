@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from baton.engine import block_tables
-
 from baton.engine.config import EngineConfig
 from baton.engine.loader import checkpoint_fingerprint
 from baton.engine.model import CausalLM
