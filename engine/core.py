@@ -122,10 +122,10 @@ class EngineCore:
         refused (a CoreFailure naming the field)."""
         waiting = []
         for request in self.awaiting_grammar:
+            e = request.grammar.exception() if request.grammar.done() else None
             if not request.grammar.done():
                 waiting.append(request)
-            elif request.grammar.exception() is not None:
-                e = request.grammar.exception()
+            elif e is not None:  # Grammars names the field; anything else (the tokenizer) is the constraint's
                 field, reason = (e.field, e.reason) if isinstance(e, InvalidArgument) else ("structured_output", str(e))
                 self.failures.append(CoreFailure(request.key, field, reason))
             else:

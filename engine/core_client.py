@@ -55,14 +55,15 @@ class CoreCallFailed(RuntimeError):
     pass
 
 
-def raise_call_error(err: CallError):
+def error_from(err: CallError) -> Exception:
+    """The exception a core-side error stands for (core_process.error_of, the other way)."""
     if err.kind == "invalid_argument":
-        raise InvalidArgument(err.field, err.message)
+        return InvalidArgument(err.field, err.message)
     if err.kind == "kv_format_mismatch":
-        raise KVFormatMismatch(err.field, err.message)
+        return KVFormatMismatch(err.field, err.message)
     if err.kind == "startup":
-        raise StartupError(err.message)
-    raise CoreCallFailed(err.message)
+        return StartupError(err.message)
+    return CoreCallFailed(err.message)
 
 
 def merge_queued(out: StepOutput | BaseException, outputs: asyncio.Queue) -> StepOutput:
@@ -155,7 +156,7 @@ class CoreClient:
             raise StartupError(f"the engine core exited with status {self._proc.returncode} while loading (see its log)")
         msg = self._decoder.decode(first.result().buffer)
         if isinstance(msg, CoreFailed):
-            raise_call_error(CallError(msg.kind, msg.message, msg.field))
+            raise error_from(msg.error)
         assert isinstance(msg, CoreReady), msg
         self.facts = msg.facts
         self.inputs = InputProcessor(self.tokenizer, self.facts)
@@ -298,7 +299,7 @@ class CoreClient:
         elif isinstance(msg, CallResult):
             self._on_result(msg)
         elif isinstance(msg, CoreFailed):
-            self._failure = msg.message
+            self._failure = msg.error.message
 
     def _on_step(self, msg: CoreStep) -> None:
         self._core_waiting, self._num_received = msg.num_waiting, msg.num_received
@@ -326,9 +327,6 @@ class CoreClient:
             return
         future, method = entry
         if msg.error is not None:
-            try:
-                raise_call_error(msg.error)
-            except Exception as e:  # noqa: BLE001 - handed to the caller
-                future.set_exception(e)
+            future.set_exception(error_from(msg.error))
             return
         future.set_result(msgspec.msgpack.decode(msg.result, type=CORE_CALLS[method][1]))

@@ -92,7 +92,7 @@ class CoreStep(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc
 
 
 class CallError(msgspec.Struct, array_like=True):
-    kind: str  # "invalid_argument", "kv_format_mismatch", or "error"
+    kind: str  # "invalid_argument", "kv_format_mismatch", "startup", or "error"
     message: str
     field: str | None = None
 
@@ -121,10 +121,8 @@ class CoreReady(msgspec.Struct, tag=True, array_like=True):
 
 
 class CoreFailed(msgspec.Struct, tag=True, array_like=True):
-    """The core cannot start, or its loop died: why, in one sentence (kind as CallError's)."""
-    kind: str
-    message: str
-    field: str | None = None
+    """The core cannot start, or its loop died: why, in one sentence."""
+    error: CallError
 
 
 CoreMessage = CoreStep | CallResult | CoreReady | CoreFailed

@@ -107,8 +107,7 @@ def run_engine_core(config: EngineConfig, options: CoreOptions, parent: int) -> 
     except Exception as e:  # noqa: BLE001 - told to the front in one sentence, then the process ends
         if not isinstance(e, (InvalidArgument, StartupError)):
             log.exception("the engine core could not start")
-        err = error_of(e)
-        out.send(msgspec.msgpack.encode(CoreFailed(err.kind, err.message, err.field)))
+        out.send(msgspec.msgpack.encode(CoreFailed(error_of(e))))
         _close(out)
         os._exit(1)
     _reserve_a_cpu_for_the_front(core.config.device)
@@ -181,7 +180,8 @@ class CoreLoop:
         except Exception as e:  # noqa: BLE001 - the front fails its streams with this, then the process ends
             log.exception("the engine core's step loop failed")
             err = error_of(e)
-            self.outputs.put(CoreFailed(err.kind, f"the engine core's step loop failed: {err.message}"))
+            err.message = f"the engine core's step loop failed: {err.message}"
+            self.outputs.put(CoreFailed(err))
             return 1
         finally:
             self.outputs.put(None)

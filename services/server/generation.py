@@ -20,7 +20,8 @@ from baton.services.rpc.errors import abort, abort_invalid
 from baton.engine.structured_output import StructuredOutput
 from baton.services.rpc.fan_out import child_requests, merge, num_completions
 from baton.services.rpc.runtime import CallRegistry
-from baton.services.server.responses import ENGINE_ERRORS, abort_for_engine_error, decode_timing, response_from_output
+from baton.services.server.responses import (ENGINE_ERRORS, abort_for_engine_error, api_field, decode_timing,
+                                              response_from_output)
 from baton.services.server.runtime import EngineRuntime
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
@@ -32,9 +33,6 @@ MAX_REQUEST_ID_CHARS = 256
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens",
                              "include_stop_str_in_output", "repetition_penalty", "presence_penalty",
                              "frequency_penalty", "min_p", "logprobs", "prompt_logprobs", "skip_special_tokens", "n")
-# Engine field names as the public API spells them.
-_API_FIELD = {"prompt_token_ids": "token_ids", "resumed_output": "resume", "messages": "chat",
-              "logit_bias": "sampling.logit_bias", "stop_token_ids": "sampling.stop_token_ids"}
 
 
 def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
@@ -51,7 +49,7 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
             kwargs["structured_output"] = StructuredOutput(kind, spec)
         return SamplingParams(**kwargs)
     except InvalidArgument as e:
-        raise InvalidArgument(f"sampling.{e.field}", e.reason) from None
+        raise InvalidArgument(api_field(e.field), e.reason) from None
 
 
 def kv_handle_from_proto(h: pb.KVHandle) -> KVHandle:
@@ -99,7 +97,7 @@ class GenerationService(EngineRuntime, generate_pb2_grpc.TextGenerationServicer)
                                           hold_for_remote=hold, remote_kv=remote_kv,
                                           resumed_output=list(msg.resume.ids))
         except InvalidArgument as e:
-            raise InvalidArgument(_API_FIELD.get(e.field, e.field), e.reason) from None
+            raise InvalidArgument(api_field(e.field), e.reason) from None
         num_prompt = len(request.prompt_token_ids)
         if remote_kv is not None:
             block_size = self.server.core.facts.block_size

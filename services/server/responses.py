@@ -14,13 +14,20 @@ from baton.services.rpc.errors import abort, abort_invalid
 from baton.v1 import generate_pb2 as pb
 
 ENGINE_ERRORS = (InvalidArgument, DuplicateRequest, QueueFull, EngineDead)  # raised by CoreClient.generate
+# Engine field names the public API spells otherwise (sampling parameters: under "sampling.").
+_API_FIELD = {"prompt_token_ids": "token_ids", "resumed_output": "resume", "messages": "chat"}
+
+
+def api_field(field: str) -> str:
+    """An engine error's field as the API names it."""
+    if field in _API_FIELD:
+        return _API_FIELD[field]
+    return f"sampling.{field}" if field.split(".")[0] in SamplingParams.__dataclass_fields__ else field
 
 
 async def abort_for_engine_error(context: grpc.aio.ServicerContext, e: Exception) -> None:
     if isinstance(e, InvalidArgument):  # raised by the core on admission (a grammar that does not compile)
-        if e.field.split(".")[0] in SamplingParams.__dataclass_fields__:  # the API's name for it
-            e = InvalidArgument(f"sampling.{e.field}", e.reason)
-        await abort_invalid(context, e)
+        await abort_invalid(context, InvalidArgument(api_field(e.field), e.reason))
     if isinstance(e, DuplicateRequest):
         await abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e.args[0]!r} is already in flight",
                     field="request_id")
