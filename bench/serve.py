@@ -44,8 +44,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
+
+from report import metrics, print_table  # bench/report.py (this script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parent.parent
 FIRST_TOKEN_ID = 3  # skip the usual special ids at the bottom of the vocabulary
@@ -138,7 +139,9 @@ def run_offline(args: argparse.Namespace, workload: list[Request], schema: str |
 
     engine = LLMEngine(EngineConfig.from_kwargs(str(args.model), max_num_seqs=args.max_num_seqs,
                                                 max_num_batched_tokens=args.max_num_batched_tokens))
-    engine.add_request("warmup", workload[0].prompt[:8], SamplingParams(max_tokens=2))
+    constraint = StructuredOutput("json_schema", schema) if schema else None
+    # The warm-up compiles the grammar too: its one-off compile is not the steady state measured.
+    engine.add_request("warmup", workload[0].prompt[:8], SamplingParams(max_tokens=2, structured_output=constraint))
     while engine.has_unfinished_requests():
         engine.step()
     engine.kv.reset_prefix_cache()
@@ -154,8 +157,7 @@ def run_offline(args: argparse.Namespace, workload: list[Request], schema: str |
             r = workload[i]
             traces[i].start_s = max(now, r.arrival_s)
             engine.add_request(str(i), r.prompt, SamplingParams(
-                max_tokens=r.output_len, temperature=0, ignore_eos=True,
-                structured_output=StructuredOutput("json_schema", schema) if schema else None))
+                max_tokens=r.output_len, temperature=0, ignore_eos=True, structured_output=constraint))
             in_flight += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, workload[pending[0]].arrival_s - now))
@@ -294,13 +296,13 @@ async def run_grpc(args: argparse.Namespace, workload: list[Request], address: s
     from baton.services.client import AsyncClient
 
     async with AsyncClient(address) as client:
-        async for _ in client.generate(workload[0].prompt[:8], max_tokens=2):  # warm-up
+        constraint = {"json_schema": schema} if schema else {}
+        async for _ in client.generate(workload[0].prompt[:8], max_tokens=2, **constraint):  # warm-up (and compile)
             pass
 
         async def send(r: Request, trace: Trace, t0: float) -> None:
             async for chunk in client.generate(r.prompt, max_tokens=r.output_len, temperature=0,
-                                               ignore_eos=True, output="token_ids",
-                                               **({"json_schema": schema} if schema else {})):
+                                               ignore_eos=True, output="token_ids", **constraint):
                 if chunk.token_ids:
                     trace.chunk_s.append(time.perf_counter() - t0)
                     trace.tokens += len(chunk.token_ids)
@@ -339,37 +341,6 @@ async def run_http(args: argparse.Namespace, workload: list[Request], url: str, 
 
         await stream(workload[0].prompt[:8], 2, None, 0.0)  # warm-up
         return await drive(args, workload, mode, lambda r, trace, t0: stream(r.prompt, r.output_len, trace, t0))
-
-
-# ---- report -----------------------------------------------------------------------------------
-def metrics(traces: list[Trace], wall: float, workload: list[Request]) -> dict[str, float]:
-    ok = [(t, r) for t, r in zip(traces, workload) if t.ok and t.chunk_s]
-    ttft = [t.chunk_s[0] - t.start_s for t, _ in ok]
-    e2e = [t.chunk_s[-1] - t.start_s for t, _ in ok]
-    tpot = [(t.chunk_s[-1] - t.chunk_s[0]) / (t.tokens - 1) for t, _ in ok if t.tokens > 1]
-    itl = [b - a for t, _ in ok for a, b in zip(t.chunk_s, t.chunk_s[1:])]
-    out = {"completed": len(ok), "request/s": len(ok) / wall, "output tok/s": sum(t.tokens for t, _ in ok) / wall,
-           "total tok/s": sum(t.tokens + len(r.prompt) for t, r in ok) / wall}
-    for name, xs in (("TTFT", ttft), ("TPOT", tpot), ("ITL", itl), ("E2E", e2e)):
-        for q in (50, 90, 99):
-            out[f"{name} p{q} ms"] = float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
-    return out
-
-
-def print_table(rows: dict[str, dict[str, float]], base: str | None) -> None:
-    names = list(rows)
-    keys = list(next(iter(rows.values())))
-    ratios = [n for n in names if base and n != base]
-    header = ["metric", *names, *(f"{n} / {base}" for n in ratios)]
-    lines = [header]
-    for k in keys:
-        line = [k, *(f"{rows[n][k]:.2f}" for n in names)]
-        line += [f"{rows[n][k] / rows[base][k]:.3f}" if rows[base][k] else "-" for n in ratios]
-        lines.append(line)
-    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-    text = [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines]
-    text.insert(1, "-+-".join("-" * w for w in widths))
-    print("\n" + "\n".join(text))
 
 
 def print_compile_times(model: Path, schema: str) -> None:
