@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from baton.engine.errors import InvalidArgument, check
 
@@ -42,6 +42,13 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU; on CUDA, from gpu_memory_utilization
     gpu_memory_utilization: float = 0.9  # the share of the GPU's memory this engine may use (weights, activations, KV)
     attention_backend: str = "auto"  # "auto" | "cpu" (C++ kernel) | "triton" | "torch" (the reference)
+    # LoRA adapters (vLLM's names): `lora_modules` (name -> PEFT directory) are loaded at start
+    # and imply enable_lora; more can be loaded at run time.
+    enable_lora: bool = False
+    max_loras: int = 1  # distinct adapters in one step (and on the device)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters whose weights stay in host memory (default: max_loras)
+    lora_modules: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         check(isinstance(self.model, (str, os.PathLike)) and os.path.isdir(self.model), "model",
@@ -69,6 +76,17 @@ class EngineConfig:
               f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         check(isinstance(self.device, str) and _DEVICE.fullmatch(self.device) is not None, "device",
               f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
+                  f"must be an integer >= 1, got {value!r}")
+        check(self.max_cpu_loras is None or (isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras),
+              "max_cpu_loras", f"must be an integer >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
+        check(isinstance(self.lora_modules, dict) and all(isinstance(k, str) and k and isinstance(v, (str, os.PathLike))
+                                                          for k, v in self.lora_modules.items()),
+              "lora_modules", "must map adapter names to PEFT adapter directories")
+        self.lora_modules = {k: os.fspath(v) for k, v in self.lora_modules.items()}
+        self.enable_lora = bool(self.enable_lora or self.lora_modules)
 
     def resolve_device(self) -> None:
         """`auto` and plain `cuda` made explicit: cpu, or cuda:N, N the current CUDA device (an

@@ -13,10 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from baton.engine.config import EngineConfig, read_config
-from baton.engine.core_messages import CoreFailure, CoreOutput, CoreRequest, CoreStats, EngineFacts
+from baton.engine.core_messages import (AdapterInfo, CallError, CoreFailure, CoreOutput, CoreRequest, CoreStats,
+                                        EngineFacts, LoadAdapter)
 from baton.engine.errors import InvalidArgument, check
 from baton.engine.kv_cache_manager import KVCacheManager
 from baton.engine.loader import load_model
+from baton.engine.lora.layers import LoRASlots
+from baton.engine.lora.registry import LoRARegistry
 from baton.engine.memory import measure_kv_cache_bytes, memory_before_loading
 from baton.engine.model import ModelArgs
 from baton.engine.model_runner import ModelRunner
@@ -50,14 +53,16 @@ class EngineCore:
         torch.manual_seed(config.seed)
         on_gpu = config.device.startswith("cuda")
         free_at_start, total = memory_before_loading(config.device) if on_gpu else (0, 0)
-        model = load_model(config.model, config.torch_dtype(args.torch_dtype), config.device)
+        dtype = config.torch_dtype(args.torch_dtype)
+        model = load_model(config.model, dtype, config.device)
+        self.loras, lora_slots = self._start_lora(args, model, dtype)
         if on_gpu and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
             config.kv_cache_memory_bytes = measure_kv_cache_bytes(model, config, free_at_start, total)
         self.num_kv_blocks = self._num_kv_blocks(args, model.embed_tokens.weight.element_size())
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         connector_scheduler, connector_worker = kv_connector or (None, None)
         self.scheduler = Scheduler(config, self.kv, connector_scheduler)
-        self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker)
+        self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker, lora_slots)
         self.connector = connector_worker
         self.vocab_size = args.vocab_size
         self.grammars = self.runner.grammars = Grammars(config.model, args.vocab_size, self.eos_token_ids)
@@ -66,6 +71,22 @@ class EngineCore:
         self.times = StepTimes()
         self.num_taken = 0  # requests taken in since start
         self._step_tokens: list[int] | None = None  # per step, while events are recorded
+
+    def _start_lora(self, args: ModelArgs, model, dtype) -> tuple[LoRARegistry | None, LoRASlots | None]:
+        """With LoRA on: the adapter registry (lora_modules loaded) and the device slots, the
+        model's projections wrapped to add the step's adapters' deltas."""
+        c = self.config
+        if not c.enable_lora:
+            return None, None
+        registry = LoRARegistry(args, c.max_loras, c.max_lora_rank, c.max_cpu_loras or c.max_loras)
+        for name, path in c.lora_modules.items():
+            try:
+                registry.load(name, path)
+            except InvalidArgument as e:
+                raise InvalidArgument(f"lora_modules.{name}.{e.field}", e.reason) from None
+        slots = LoRASlots(c.max_loras, registry.host_weights, torch.device(c.device), dtype)
+        slots.attach(model)
+        return registry, slots
 
     def _num_kv_blocks(self, args: ModelArgs, dtype_bytes: int) -> int:
         c = self.config
@@ -84,7 +105,8 @@ class EngineCore:
         return EngineFacts(self.config.max_model_len, self.vocab_size, sorted(self.eos_token_ids),
                            self.config.block_size, self.num_kv_blocks,
                            str(self.runner.kv_cache.dtype).removeprefix("torch."), self.config.device, os.getpid(),
-                           getattr(self.connector, "layout", None))
+                           getattr(self.connector, "layout", None), self.config.enable_lora,
+                           self.list_adapters())
 
     # ---- events -----------------------------------------------------------------------------
     def record_events(self) -> None:
@@ -107,6 +129,10 @@ class EngineCore:
         request.hold_for_remote, request.remote_kv = msg.hold_for_remote, msg.remote_kv
         for token in msg.output_token_ids:
             request.append_output_token(token)
+        if msg.lora_name:
+            check(self.loras is not None, "adapter", "LoRA is not enabled on this engine (enable_lora)")
+            info = self.loras.get(msg.lora_name, "adapter")
+            request.lora_id, request.hash_root = info.adapter_id, info.hash_root
         so = msg.sampling_params.structured_output
         if so is not None:
             request.grammar = self.grammars.compile(so)
@@ -127,7 +153,7 @@ class EngineCore:
                 waiting.append(request)
             elif e is not None:  # Grammars names the field; anything else (the tokenizer) is the constraint's
                 field, reason = (e.field, e.reason) if isinstance(e, InvalidArgument) else ("structured_output", str(e))
-                self.failures.append(CoreFailure(request.key, field, reason))
+                self.failures.append(CoreFailure(request.key, CallError("invalid_argument", reason, field)))
             else:
                 request.status = RequestStatus.WAITING
                 self.scheduler.record(request, EventType.GRAMMAR_READY, time.monotonic(),
@@ -161,6 +187,23 @@ class EngineCore:
             return False
         self.connector.release(request_id)
         return True
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    def load_adapter(self, msg: LoadAdapter) -> AdapterInfo:
+        check(self.loras is not None, "lora_name", "LoRA is not enabled on this engine (start it with enable_lora)")
+        return self.loras.load(msg.name, msg.path)
+
+    def unload_adapter(self, name: str) -> AdapterInfo:
+        """Forget an adapter; refused (InUse) while requests use it."""
+        check(self.loras is not None, "lora_name", "LoRA is not enabled on this engine (start it with enable_lora)")
+        adapter_id = self.loras.get(name, "lora_name").adapter_id
+        live = list(self.scheduler.requests.values()) + self.awaiting_grammar
+        info = self.loras.unload(name, sum(1 for r in live if r.lora_id == adapter_id))
+        self.runner.lora.forget(info.adapter_id)
+        return info
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return list(self.loras.adapters.values()) if self.loras is not None else []
 
     def add_peer(self, layout) -> None:
         """Learn a KV peer's layout (the KV handshake); raises KVFormatMismatch naming what differs."""

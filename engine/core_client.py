@@ -26,9 +26,9 @@ import zmq
 import zmq.asyncio
 
 from baton.engine.config import EngineConfig
-from baton.engine.core_messages import (CORE_CALLS, CallError, CallResult, CoreAbort, CoreCall, CoreFailed,
-                                        CoreMessage, CoreReady, CoreRequest, CoreShutdown, CoreStep, EngineFacts)
-from baton.engine.errors import InvalidArgument, StartupError
+from baton.engine.core_messages import (CORE_CALLS, CallResult, CoreAbort, CoreCall, CoreFailed, CoreMessage,
+                                        CoreReady, CoreRequest, CoreShutdown, CoreStep, EngineFacts, error_from)
+from baton.engine.errors import StartupError
 from baton.engine.input_processor import InputProcessor
 from baton.engine.output_processor import OutputProcessor, StepOutput
 from baton.engine.stats import StepEvents
@@ -49,21 +49,6 @@ class DuplicateRequest(KeyError):
 
 class QueueFull(RuntimeError):
     pass
-
-
-class CoreCallFailed(RuntimeError):
-    pass
-
-
-def error_from(err: CallError) -> Exception:
-    """The exception a core-side error stands for (core_process.error_of, the other way)."""
-    if err.kind == "invalid_argument":
-        return InvalidArgument(err.field, err.message)
-    if err.kind == "kv_format_mismatch":
-        return KVFormatMismatch(err.field, err.message)
-    if err.kind == "startup":
-        return StartupError(err.message)
-    return CoreCallFailed(err.message)
 
 
 def merge_queued(out: StepOutput | BaseException, outputs: asyncio.Queue) -> StepOutput:
@@ -315,7 +300,7 @@ class CoreClient:
             stream = self._streams.get(failure.key)
             if stream is not None:
                 self.outputs.drop(failure.key)
-                stream.put_nowait(InvalidArgument(failure.field, failure.message))
+                stream.put_nowait(error_from(failure.error))
         for out in outputs:
             stream = self._streams.get(out.key)
             if stream is not None:  # else the caller left already; its abort is on its way

@@ -14,7 +14,8 @@ import msgspec
 
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.stats import EngineSnapshot, StepEvents
-from baton.kv_transfer.base import KVHandle
+from baton.engine.errors import InUse, InvalidArgument, NotFound, StartupError
+from baton.kv_transfer.base import KVFormatMismatch, KVHandle
 from baton.kv_transfer.nixl_connector import KVLayout
 
 
@@ -25,6 +26,20 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     rank: int
     top_token_ids: list[int]
     top_logprobs: list[float]
+
+
+class AdapterInfo(msgspec.Struct, array_like=True):
+    """A LoRA adapter an engine serves, as fronts and routers see it."""
+    name: str
+    path: str
+    rank: int
+    adapter_id: int  # the core's number for it, never reused
+    hash_root: int  # its block-hash chains start here (engine/lora/adapter.py: adapter_fingerprint)
+
+
+class LoadAdapter(msgspec.Struct, array_like=True):
+    name: str
+    path: str
 
 
 class CoreRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
@@ -40,6 +55,7 @@ class CoreRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True)
     output_token_ids: list[int] = []
     hold_for_remote: bool = False  # a prefill's: hold its blocks for a decode peer (and give out a KVHandle)
     remote_kv: KVHandle | None = None  # a decode's: the prompt's KV is at this peer
+    lora_name: str = ""  # its LoRA adapter ("": the base model)
 
 
 class CoreAbort(msgspec.Struct, tag=True, array_like=True):
@@ -74,11 +90,17 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ready_time: float | None = None  # with its first sampled token: when it could run (KV landed, or scheduled)
 
 
-class CoreFailure(msgspec.Struct, array_like=True):
-    """A request the core could not take (the front validates first: a race, or a bug)."""
-    key: int
-    field: str
+class CallError(msgspec.Struct, array_like=True):
+    kind: str  # one of _ERROR_KINDS' names, or "error"
     message: str
+    field: str | None = None
+
+
+class CoreFailure(msgspec.Struct, array_like=True):
+    """A request the core could not take (a grammar that does not compile, an adapter unloaded
+    since the front checked it)."""
+    key: int
+    error: CallError
 
 
 class CoreStep(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -89,12 +111,6 @@ class CoreStep(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc
     num_received: int  # requests received since the core started (the front's sent - received: not yet queued)
     failures: list[CoreFailure] = []
     events: StepEvents | None = None  # when the front asked for them (telemetry)
-
-
-class CallError(msgspec.Struct, array_like=True):
-    kind: str  # "invalid_argument", "kv_format_mismatch", "startup", or "error"
-    message: str
-    field: str | None = None
 
 
 class CallResult(msgspec.Struct, tag=True, array_like=True):
@@ -114,6 +130,8 @@ class EngineFacts(msgspec.Struct):
     device: str  # resolved: cpu or cuda:N
     pid: int  # the core's process (the front's own when in-process)
     kv_layout: KVLayout | None = None  # where peers read its blocks (services trade it in the KV handshake)
+    enable_lora: bool = False
+    adapters: list[AdapterInfo] = []  # loaded at start (lora_modules)
 
 
 class CoreReady(msgspec.Struct, tag=True, array_like=True):
@@ -139,4 +157,33 @@ class CoreStats(msgspec.Struct):
 
 # What a front may call between steps: method -> (argument type, result type).
 CORE_CALLS = {"snapshot": (None, EngineSnapshot), "stats": (None, CoreStats), "release_hold": (str, bool),
-              "add_peer": (KVLayout, None)}
+              "add_peer": (KVLayout, None), "load_adapter": (LoadAdapter, AdapterInfo),
+              "unload_adapter": (str, AdapterInfo), "list_adapters": (None, list[AdapterInfo])}
+
+
+# Core-side exceptions that cross to the front typed (subclasses before their bases).
+_ERROR_KINDS = {"not_found": NotFound, "in_use": InUse, "invalid_argument": InvalidArgument,
+                "kv_format_mismatch": KVFormatMismatch}
+
+
+class CoreCallFailed(RuntimeError):
+    pass
+
+
+def error_of(e: Exception) -> CallError:
+    """A core-side exception as a typed error the front can raise again (error_from)."""
+    for kind, cls in _ERROR_KINDS.items():
+        if isinstance(e, cls):
+            return CallError(kind, e.reason, e.field)
+    if isinstance(e, StartupError):
+        return CallError("startup", str(e))
+    return CallError("error", f"{type(e).__name__}: {e}")
+
+
+def error_from(err: CallError) -> Exception:
+    """The exception a core-side error stands for."""
+    if err.kind in _ERROR_KINDS:
+        return _ERROR_KINDS[err.kind](err.field, err.message)
+    if err.kind == "startup":
+        return StartupError(err.message)
+    return CoreCallFailed(err.message)

@@ -27,10 +27,9 @@ import zmq
 
 from baton.engine.config import EngineConfig
 from baton.engine.core import EngineCore
-from baton.engine.core_messages import (CORE_CALLS, CallError, CallResult, CoreAbort, CoreCall, CoreFailed,
-                                        CoreFailure, CoreInput, CoreReady, CoreRequest, CoreShutdown, CoreStep)
+from baton.engine.core_messages import (CORE_CALLS, CallResult, CoreAbort, CoreCall, CoreFailed, CoreFailure,
+                                        CoreInput, CoreReady, CoreRequest, CoreShutdown, CoreStep, error_of)
 from baton.engine.errors import InvalidArgument, StartupError
-from baton.kv_transfer.base import KVFormatMismatch
 from baton.kv_transfer.nixl_connector import make_nixl_connector
 
 log = logging.getLogger("baton.core")
@@ -47,17 +46,6 @@ class CoreOptions:
     record_events: bool  # the front turns them into spans and metrics
     input_address: str  # the front's PUSH binds here; the core connects
     output_address: str
-
-
-def error_of(e: Exception) -> CallError:
-    """A core-side exception as a typed error the front can raise again."""
-    if isinstance(e, InvalidArgument):
-        return CallError("invalid_argument", e.reason, e.field)
-    if isinstance(e, KVFormatMismatch):
-        return CallError("kv_format_mismatch", e.reason, e.field)
-    if isinstance(e, StartupError):
-        return CallError("startup", str(e))
-    return CallError("error", f"{type(e).__name__}: {e}")
 
 
 def _die_with_parent(parent: int) -> None:
@@ -202,7 +190,7 @@ class CoreLoop:
                     self.core.add(msg)
                     taken += 1
                 except InvalidArgument as e:  # that request fails, the loop goes on
-                    failures.append(CoreFailure(msg.key, e.field, e.reason))
+                    failures.append(CoreFailure(msg.key, error_of(e)))
             elif isinstance(msg, CoreAbort):
                 outputs += self.core.abort(msg.request_ids)
             elif isinstance(msg, CoreCall):

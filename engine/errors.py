@@ -17,3 +17,11 @@ def check(ok: bool, field: str, message: str) -> None:
 
 class StartupError(RuntimeError):
     """The engine cannot run here as configured (found at start-up, said in one sentence)."""
+
+
+class NotFound(InvalidArgument):
+    """A named thing (a LoRA adapter) that is not here; services map it to NOT_FOUND."""
+
+
+class InUse(InvalidArgument):
+    """A change refused because requests still use what it would remove (FAILED_PRECONDITION)."""

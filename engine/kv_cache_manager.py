@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from baton.engine.request import Request
-
-_ROOT_HASH = 0x5BA70
+from baton.engine.request import ROOT_HASH, Request
 
 
 class Block:
@@ -30,12 +28,12 @@ def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
 
 
 def extend_block_hashes(hashes: list[int], token_ids: list[int], block_size: int,
-                        max_blocks: int | None = None) -> list[int]:
+                        max_blocks: int | None = None, root: int = ROOT_HASH) -> list[int]:
     """Append the chain hashes of token_ids' full blocks after the len(hashes) already there
-    (up to max_blocks in all); returns hashes. The cache and the router's affinity both use
-    it, so they name equal prefixes alike."""
+    (up to max_blocks in all), the chain starting at `root` (a LoRA adapter's own); returns
+    hashes. The cache and the router's affinity both use it, so they name equal prefixes alike."""
     end = len(token_ids) // block_size if max_blocks is None else min(max_blocks, len(token_ids) // block_size)
-    parent = hashes[-1] if hashes else _ROOT_HASH
+    parent = hashes[-1] if hashes else root
     for i in range(len(hashes), end):
         parent = hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
         hashes.append(parent)
@@ -73,7 +71,7 @@ class KVCacheManager:
 
     # ---- prefix caching ------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> None:
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, root=request.hash_root)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """The longest run of cached full blocks that prefixes the request, and its token count."""

@@ -58,14 +58,25 @@ class LLM:
         """Forget every cached block hash (the next request computes its whole prompt)."""
         self.engine.kv.reset_prefix_cache()
 
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve a LoRA adapter (a PEFT directory) under `name`, for generate's lora_request."""
+        self.engine.load_adapter(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        self.engine.unload_adapter(name)
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 priority: list[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """prompts: a text, a list of token ids, or a list of either. One output per prompt, in order."""
+                 priority: list[int] | None = None, use_tqdm: bool = False,
+                 lora_request: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """prompts: a text, a list of token ids, or a list of either. One output per prompt, in order.
+        lora_request: a loaded adapter's name for every prompt, or one per prompt (None: the base)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        adapters = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         check(len(params) == len(prompts), "sampling_params", f"has {len(params)} entries for {len(prompts)} prompts")
         check(priority is None or len(priority) == len(prompts), "priority", "needs one entry per prompt")
+        check(len(adapters) == len(prompts), "lora_request", f"has {len(adapters)} entries for {len(prompts)} prompts")
         outputs: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -73,7 +84,8 @@ class LLM:
             out = None
             for index in range(p.n):  # the later ones find the prompt's blocks in the prefix cache
                 req = self.engine.add_request(f"{req_id}-{index}" if p.n > 1 else req_id, prompt,
-                                              p.child(index), priority[i] if priority else 0)
+                                              p.child(index), priority[i] if priority else 0,
+                                              adapter=adapters[i] or "")
                 out = out or RequestOutput(req_id, list(req.prompt_token_ids))
                 out.outputs.append(CompletionOutput(index))
                 children[req.request_id] = (out, out.outputs[-1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from baton.engine.config import EngineConfig
 from baton.engine.core import EngineCore
-from baton.engine.core_messages import CoreRequest
+from baton.engine.core_messages import AdapterInfo, CoreRequest, LoadAdapter
 from baton.engine.errors import InvalidArgument
 from baton.engine.input_processor import InputProcessor
 from baton.engine.output_processor import OutputProcessor, StepOutput
@@ -50,10 +50,10 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                      priority: int = 0, arrival_time: float | None = None, hold_for_remote: bool = False,
-                     remote_kv: KVHandle | None = None, resumed_output: list[int] = ()) -> CoreRequest:
+                     remote_kv: KVHandle | None = None, resumed_output: list[int] = (), adapter: str = "") -> CoreRequest:
         """Validate and tokenize a request (InputProcessor.make_request)."""
         return self.inputs.make_request(request_id, prompt, params, priority, arrival_time, hold_for_remote,
-                                        remote_kv, resumed_output)
+                                        remote_kv, resumed_output, adapter)
 
     def add(self, request: CoreRequest, detokenize: bool = True) -> Request:
         """Queue a request made by make_request; returns the core's view of it. A grammar is
@@ -67,9 +67,20 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, detokenize: bool = True,
-                    hold_for_remote: bool = False, remote_kv: KVHandle | None = None) -> Request:
+                    hold_for_remote: bool = False, remote_kv: KVHandle | None = None, adapter: str = "") -> Request:
         return self.add(self.make_request(request_id, prompt, params, priority, arrival_time, hold_for_remote,
-                                          remote_kv), detokenize)
+                                          remote_kv, adapter=adapter), detokenize)
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        info = self.core.load_adapter(LoadAdapter(name, path))
+        self.inputs.adapters[name] = info
+        return info
+
+    def unload_adapter(self, name: str) -> AdapterInfo:
+        info = self.core.unload_adapter(name)
+        del self.inputs.adapters[name]
+        return info
 
     def abort_request(self, request_ids) -> list[StepOutput]:
         """Abort live requests; returns the last output of each (finish reason "abort")."""

@@ -14,6 +14,7 @@ import torch
 from baton.engine import block_tables
 from baton.engine.config import EngineConfig
 from baton.engine.loader import checkpoint_fingerprint
+from baton.engine.lora.layers import LoRASlots
 from baton.engine.model import CausalLM
 from baton.engine.sampler import apply_processors, sample, skip_draws, token_logprobs
 from baton.engine.sampling_params import SamplingParams
@@ -29,10 +30,10 @@ PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are m
 
 class RequestState:
     __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens", "prompt_logprobs",
-                 "matcher")
+                 "matcher", "lora_id")
 
     def __init__(self, token_ids, block_ids, sampling_params: SamplingParams, generator, num_prompt_tokens,
-                 prompt_logprobs: list | None):
+                 prompt_logprobs: list | None, lora_id: int = 0):
         self.token_ids = token_ids
         self.block_ids = block_ids
         self.sampling_params = sampling_params
@@ -40,12 +41,15 @@ class RequestState:
         self.num_prompt_tokens = num_prompt_tokens
         self.prompt_logprobs = prompt_logprobs  # accumulating over chunks; None: not asked, or sent
         self.matcher = None  # structured output: where the request is in its grammar
+        self.lora_id = lora_id
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, eos_token_ids: frozenset[int],
-                 connector: KVConnectorWorker | None = None):
+                 connector: KVConnectorWorker | None = None, lora: LoRASlots | None = None):
+        """`lora`: the adapters on the device (attached to the model already), when LoRA is on."""
         self.model = model
+        self.lora = lora
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
@@ -85,7 +89,8 @@ class ModelRunner:
                     skip_draws(generator, len(new.token_ids) - new.num_prompt_tokens, self.model.args.vocab_size,
                                self.device)
         state = self.states[new.req_id] = RequestState(list(new.token_ids), np.asarray(new.block_ids, dtype=np.int32),
-                                                       params, generator, new.num_prompt_tokens, prompt_logprobs)
+                                                       params, generator, new.num_prompt_tokens, prompt_logprobs,
+                                                       new.lora_id)
         if params.structured_output is not None:  # resumed: where it was; else past outputs made elsewhere
             state.matcher = old.matcher if old is not None else self.grammars.matcher(
                 params.structured_output, new.token_ids[new.num_prompt_tokens:])
@@ -114,6 +119,8 @@ class ModelRunner:
 
     def _run(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         batch = self._build_batch(sched)
+        if self.lora is not None:
+            self.lora.prepare(batch["row_adapters"], lambda rows: torch.tensor(rows, device=self.device))
         hidden = self.model(batch["input_ids"], batch["positions"], self.kv_cache, batch["meta"])
         out = ModelRunnerOutput({})
         if batch["prompt_rows"]:
@@ -174,11 +181,14 @@ class ModelRunner:
         # then row ranges), then prefill chunks.
         order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: (kv[1] != 1, -starts[kv[0]]))
         input_ids, positions, sample_rows, sample_req_ids, spans, prompt_rows = [], [], [], [], [], []
+        row_adapters = [] if self.lora is not None else None
         for req_id, n in order:
             state, start = self.states[req_id], starts[req_id]
             end = start + n
             if state.prompt_logprobs is not None:
                 prompt_rows.append((req_id, len(input_ids), start, end))
+            if row_adapters is not None:
+                row_adapters += [state.lora_id] * n
             input_ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             spans.append((start, end, state.block_ids))
@@ -196,7 +206,7 @@ class ModelRunner:
             meta = self._reference_batch(spans, num_decodes)
         return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t, "meta": meta,
                 "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids,
-                "prompt_rows": prompt_rows}
+                "prompt_rows": prompt_rows, "row_adapters": row_adapters}
 
     def _kernel_batch(self, spans: list[block_tables.Span], positions: torch.Tensor) -> AttentionMetadata:
         bs, tables, counts = self.block_size, [], []

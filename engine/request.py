@@ -42,6 +42,7 @@ _FINISH_REASONS = {
 }
 
 _arrival_counter = itertools.count()
+ROOT_HASH = 0x5BA70  # the base model's block-hash chains start here
 
 
 class Request:
@@ -49,7 +50,7 @@ class Request:
                  "eos_token_ids", "priority", "arrival_time", "arrival_seq", "status", "num_computed_tokens",
                  "num_cached_tokens", "num_external_tokens", "num_preemptions", "block_hashes", "hold_for_remote",
                  "remote_kv", "kv_handle", "scheduled_time", "kv_ready_time", "first_token_time", "last_token_time",
-                 "finished_time", "stop_token_id", "grammar")
+                 "finished_time", "stop_token_id", "grammar", "lora_id", "hash_root")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, arrival_time: float | None = None,
@@ -70,6 +71,8 @@ class Request:
         self.num_external_tokens = 0  # prompt tokens whose KV a peer supplied
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
+        self.lora_id = 0  # its LoRA adapter (0: the base model)
+        self.hash_root = ROOT_HASH  # where its block-hash chain starts: the adapter's own root, so none share KV
         # For a KV connector. A prefill's request: hold the blocks for a decode peer once it ends,
         # and give out `kv_handle`; a decode's: its prompt's KV is at `remote_kv` (None once pulled).
         self.hold_for_remote = False

@@ -30,6 +30,7 @@ class NewRequestData:
     num_computed_tokens: int
     sampling_params: SamplingParams
     num_prompt_tokens: int  # the rest of token_ids are outputs (after preemption, or from a prefill peer)
+    lora_id: int = 0  # its LoRA adapter (0: the base model)
 
 
 @dataclass(slots=True)
@@ -209,11 +210,18 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         skipped: list[Request] = []
+        # LoRA: at most max_loras distinct adapters run at once; a request whose adapter would
+        # exceed it waits, the others pass it (vLLM's rule).
+        loras = {r.lora_id for r in self.running if r.lora_id} if self.config.enable_lora else None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:  # its load is still under way
                 skipped.append(self.waiting.popleft())
                 continue
+            if loras is not None and request.lora_id and request.lora_id not in loras:
+                if len(loras) >= self.config.max_loras:
+                    skipped.append(self.waiting.popleft())
+                    continue
             computed, num_external, load_async = self._lookup(request)
             num_computed = request.num_computed_tokens + len(computed) * self.kv.block_size + num_external
             n = 0 if load_async else min(request.num_tokens - num_computed, budget,
@@ -235,13 +243,15 @@ class Scheduler:
                 skipped.append(request)
                 continue
             request.status = RequestStatus.RUNNING
+            if loras is not None and request.lora_id:
+                loras.add(request.lora_id)
             if request.scheduled_time is None:
                 request.scheduled_time = self._now
             self.record(request, EventType.SCHEDULED, self._now, num_tokens=num_computed)
             self.running.append(request)
             out.scheduled_new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), self.kv.block_ids(request.request_id),
-                num_computed, request.sampling_params, request.num_prompt_tokens))
+                num_computed, request.sampling_params, request.num_prompt_tokens, request.lora_id))
             out.num_scheduled_tokens[request.request_id] = n
             budget -= n
         self.waiting.extendleft(reversed(skipped))

@@ -43,15 +43,15 @@ class Chunk:
 
 
 def build_request(prompt: str | list[int] | list[dict], *, request_id: str = "", priority: int = 0,
-                  output: str = "both", **sampling) -> pb.GenerateRequest:
+                  output: str = "both", adapter: str = "", **sampling) -> pb.GenerateRequest:
     """prompt: text, token ids, or chat messages ({"role", "content"} dicts); `sampling`:
     the SamplingParams fields (max_tokens, temperature, top_p, top_k, min_p, seed, stop,
     stop_token_ids, include_stop_str_in_output, ignore_eos, min_tokens, repetition_penalty,
     presence_penalty, frequency_penalty, logit_bias, logprobs, prompt_logprobs,
-    skip_special_tokens, n)."""
+    skip_special_tokens, n). `adapter`: a LoRA adapter the server has loaded ("": the base model)."""
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
-    msg = pb.GenerateRequest(request_id=request_id, priority=priority, output=_OUTPUTS[output],
+    msg = pb.GenerateRequest(request_id=request_id, priority=priority, output=_OUTPUTS[output], adapter=adapter,
                              sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}))
     if isinstance(prompt, str):
         msg.text = prompt

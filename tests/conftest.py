@@ -47,6 +47,20 @@ def tiny_model(request, tiny_llama, tiny_qwen2) -> str:
 
 
 @pytest.fixture(scope="session")
+def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
+    """Three PEFT adapters of tiny_llama (lora_adapters.ADAPTERS: ranks 4, 8 and 16)."""
+    from lora_adapters import write_adapters
+    return write_adapters(tiny_llama, str(tmp_path_factory.mktemp("adapters")))
+
+
+@pytest.fixture(scope="session")
+def peft_ref(tiny_llama):
+    """transformers + PEFT greedy continuations of tiny_llama with an adapter (or without)."""
+    from lora_adapters import PeftReference
+    return PeftReference(tiny_llama)
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> str:
     models_dir = os.environ.get("BATON_MODELS_DIR", os.path.join(os.path.dirname(__file__), "..", "models"))
     return prepare_smollm2(os.path.join(models_dir, SMOLLM2_DIR_NAME))

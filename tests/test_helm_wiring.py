@@ -269,6 +269,15 @@ def test_engine_flags_gpu_and_tier_overrides():
     assert limits == {"nvidia.com/gpu": 2}
 
 
+def test_lora_values_become_flags_on_both_engine_tiers():
+    values = {"engine": {"maxLoras": 4, "maxLoraRank": 32, "loraModules": {"sql": "adapters/sql/", "chat": "chat"}}}
+    docs = manifests(values)
+    for name in (f"{FULLNAME}-prefill", f"{FULLNAME}-decode"):
+        a = parse(by_name(docs, "Deployment", name)["spec"]["template"]["spec"]["containers"][0])
+        assert (a.max_loras, a.max_lora_rank) == (4, 32)
+        assert a.lora_modules == ["chat=/models/chat", "sql=/models/adapters/sql"]
+
+
 def test_startup_probe_allows_slow_model_loads():
     for _, labels, spec in pod_specs(manifests({})):
         if component(labels) in ENGINE_COMPONENTS:

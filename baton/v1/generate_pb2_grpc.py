@@ -69,6 +69,21 @@ class TextGenerationStub:
                 request_serializer=baton_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/baton.v1.TextGeneration/LoadAdapter',
+                request_serializer=baton_dot_v1_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generate__pb2.Adapter.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/baton.v1.TextGeneration/UnloadAdapter',
+                request_serializer=baton_dot_v1_dot_generate__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generate__pb2.Adapter.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/baton.v1.TextGeneration/ListAdapters',
+                request_serializer=baton_dot_v1_dot_generate__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generate__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -131,6 +146,29 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters (a server started with LoRA enabled): load one from a PEFT directory the
+        server can read, unload one (FAILED_PRECONDITION while requests use it), list them. On the
+        router, load and unload go to every instance and the list says where each is loaded.
+        Errors name the field: INVALID_ARGUMENT (lora_name, lora_path, r, target_modules,
+        base_model_class, base_model_name_or_path) or NOT_FOUND (lora_name).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -168,6 +206,21 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=baton_dot_v1_dot_generate__pb2.DetokenizeRequest.FromString,
                     response_serializer=baton_dot_v1_dot_generate__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=baton_dot_v1_dot_generate__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generate__pb2.Adapter.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=baton_dot_v1_dot_generate__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generate__pb2.Adapter.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=baton_dot_v1_dot_generate__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generate__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,6 +412,87 @@ class TextGeneration:
             '/baton.v1.TextGeneration/Detokenize',
             baton_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
             baton_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.TextGeneration/LoadAdapter',
+            baton_dot_v1_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
+            baton_dot_v1_dot_generate__pb2.Adapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.TextGeneration/UnloadAdapter',
+            baton_dot_v1_dot_generate__pb2.UnloadAdapterRequest.SerializeToString,
+            baton_dot_v1_dot_generate__pb2.Adapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.TextGeneration/ListAdapters',
+            baton_dot_v1_dot_generate__pb2.ListAdaptersRequest.SerializeToString,
+            baton_dot_v1_dot_generate__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,9 @@ ENGINE_FLAGS = {
     "long_prefill_token_threshold": (int, "most prompt tokens one request gets per step (0: no cap)"),
     "scheduling_policy": (str, "fcfs (first come, first served) or priority (lowest value first)"),
     "seed": (int, "seed for requests that sample without their own seed (default 0)"),
+    "max_loras": (int, "LoRA: most distinct adapters in one step, and on the device (default 1)"),
+    "max_lora_rank": (int, "LoRA: highest adapter rank accepted (default 16)"),
+    "max_cpu_loras": (int, "LoRA: adapters whose weights stay in host memory (default: --max-loras)"),
 }
 
 
@@ -53,6 +56,9 @@ def _add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) ->
             g.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true", help="run each prompt in one step")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
+    g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
+                   help="LoRA adapters (PEFT directories) to load at start; requests pick one by name")
 
 
 def _model_dir(args) -> str:
@@ -67,8 +73,14 @@ def _engine_config(args):
 
     model = _model_dir(args)
     kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}
+    modules = getattr(args, "lora_modules", [])
+    bad = next((m for m in modules if "=" not in m or not m.split("=", 1)[0]), None)
+    if bad is not None:
+        sys.exit(f"baton serve: --lora-modules: expected NAME=PATH, got {bad!r}")
     return EngineConfig.from_kwargs(model, enable_prefix_caching=not args.no_prefix_caching,
-                                    enable_chunked_prefill=not args.no_chunked_prefill, **kwargs)
+                                    enable_chunked_prefill=not args.no_chunked_prefill,
+                                    enable_lora=getattr(args, "enable_lora", False),
+                                    lora_modules=dict(m.split("=", 1) for m in modules), **kwargs)
 
 
 def _serve(args) -> None:
@@ -190,7 +202,10 @@ def _up(args) -> None:
     argv = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ENGINE_FLAGS
             if getattr(args, name, None) is not None]
     argv += [flag for flag, on in (("--no-prefix-caching", args.no_prefix_caching),
-                                   ("--no-chunked-prefill", args.no_chunked_prefill)) if on]
+                                   ("--no-chunked-prefill", args.no_chunked_prefill),
+                                   ("--enable-lora", args.enable_lora)) if on]
+    if args.lora_modules:  # every engine of the stack serves the adapters
+        argv += ["--lora-modules", *args.lora_modules]
     try:
         placements = place_engines(["prefill"] * args.prefill + ["decode"] * args.decode, args.device,
                                    {"prefill": args.prefill_device, "decode": args.decode_device}, visible_gpus(),

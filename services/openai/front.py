@@ -76,7 +76,9 @@ class OpenAIFront:
         self.app.add_routes([web.post("/v1/completions", self.completions),
                              web.post("/v1/chat/completions", self.chat_completions),
                              web.get("/v1/models", self.models), web.get("/health", self.health),
-                             web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize)])
+                             web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
+                             web.post("/v1/load_lora_adapter", self.load_lora_adapter),
+                             web.post("/v1/unload_lora_adapter", self.unload_lora_adapter)])
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         self._model_info: pb.ModelInfo | None = None
 
@@ -109,12 +111,17 @@ class OpenAIFront:
             self._model_info = await self._call("GetModelInfo", pb.GetModelInfoRequest(), request)
         return self._model_info
 
-    async def _check_model(self, body: dict, request: web.Request) -> str:
-        name = (await self.model_info(request)).model_name
-        if body.get("model") not in (None, name):
-            raise ApiError(404, f"The model `{body['model']}` does not exist (this server serves `{name}`)", "model",
-                           "NotFoundError")
-        return name
+    async def _check_model(self, body: dict, request: web.Request) -> tuple[str, str]:
+        """The model asked for and the LoRA adapter it names ("": the base model)."""
+        name, asked = (await self.model_info(request)).model_name, body.get("model")
+        if asked in (None, name):
+            return name, ""
+        adapters = await self._call("ListAdapters", pb.ListAdaptersRequest(), request)
+        if any(a.name == asked for a in adapters.adapters):
+            return asked, asked
+        served = ", ".join([name] + [a.name for a in adapters.adapters])
+        raise ApiError(404, f"The model `{asked}` does not exist (this server serves {served})", "model",
+                       "NotFoundError")
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
@@ -128,9 +135,32 @@ class OpenAIFront:
 
     async def _models(self, request):
         info = await self.model_info(request)
-        return {"object": "list", "data": [{"id": info.model_name, "object": "model", "created": 0,
-                                            "owned_by": "baton", "root": info.model_path,
-                                            "max_model_len": info.max_model_len}]}
+        adapters = await self._call("ListAdapters", pb.ListAdaptersRequest(), request)
+        base = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "baton", "root": info.model_path,
+                "parent": None, "max_model_len": info.max_model_len}
+        return {"object": "list", "data": [base] + [
+            dict(base, id=a.name, root=a.path, parent=info.model_name) for a in adapters.adapters]}
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self._adapter_call(request, "LoadAdapter", "added")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self._adapter_call(request, "UnloadAdapter", "removed")
+
+    async def _adapter_call(self, request: web.Request, method: str, done: str) -> web.Response:
+        """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: a JSON body with lora_name
+        (and lora_path), a line of text on success."""
+        try:
+            body = await _json(request)
+            for name in ("lora_name", "lora_path") if method == "LoadAdapter" else ("lora_name",):
+                if not isinstance(body.get(name), str) or not body[name]:
+                    raise ApiError(400, f"{name}: must be a non-empty string", name)
+            msg = (pb.LoadAdapterRequest(lora_name=body["lora_name"], lora_path=body["lora_path"])
+                   if method == "LoadAdapter" else pb.UnloadAdapterRequest(lora_name=body["lora_name"]))
+            await self._call(method, msg, request)
+        except ApiError as e:
+            return _error_response(e)
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' {done} successfully.")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return await _answer(self._tokenize(request))
@@ -165,7 +195,7 @@ class OpenAIFront:
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             body = await _json(request)
-            model = await self._check_model(body, request)
+            model, adapter = await self._check_model(body, request)
             sampling = sampling_from_body(body, chat)
             tools = plan_from_body(body) if chat else None
             if tools is not None:
@@ -186,6 +216,7 @@ class OpenAIFront:
             request_id = request.headers.get("x-request-id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             for i, msg in enumerate(requests):
                 msg.request_id = request_id if len(requests) == 1 else f"{request_id}-{i}"
+                msg.adapter = adapter
             stream = body.get("stream") is True
             include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
             responses = self._responses(requests, request, max(sampling.n, 1))

@@ -14,7 +14,7 @@ from baton.v1 import generate_pb2 as pb
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
                 grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.PERMISSION_DENIED: 403,
                 grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
-                grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+                grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.FAILED_PRECONDITION: 400}
 # OpenAI parameter -> (SamplingParams field, expected type); vLLM's extra parameters included.
 _SAMPLING = {"max_tokens": ("max_tokens", int), "max_completion_tokens": ("max_tokens", int),
              "temperature": ("temperature", float), "top_p": ("top_p", float), "top_k": ("top_k", int),

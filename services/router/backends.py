@@ -46,6 +46,7 @@ class Backend:
         self.prefill = internal_pb2_grpc.PrefillStub(self.channel)
         self.api = generate_pb2_grpc.TextGenerationStub(self.channel)  # the runtime API
         self.healthy = False
+        self.adapters: dict[str, pb.Adapter] = {}  # LoRA adapters loaded there, by name (ListAdapters)
         self.outstanding = 0
         self.num_routed = 0
         self._retry_s = retry_s
@@ -59,7 +60,16 @@ class Backend:
         if healthy != self.healthy:
             self.healthy = healthy
             log.info("%s is %s", self.address, "healthy" if healthy else "unhealthy")
+            if healthy:  # a new or restarted instance: what it has loaded now (then every resolve interval)
+                self._adapters_task = asyncio.ensure_future(self.refresh_adapters())
             self._on_health_change()
+
+    async def refresh_adapters(self) -> None:
+        try:
+            listed = await self.api.ListAdapters(pb.ListAdaptersRequest(), timeout=2)
+        except grpc.aio.AioRpcError:  # unreachable: its health watch takes it out; keep what it had
+            return
+        self.adapters = {a.name: a for a in listed.adapters}
 
     async def _watch_health(self) -> None:
         stub = health_pb2_grpc.HealthStub(self.channel)

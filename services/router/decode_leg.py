@@ -98,7 +98,7 @@ async def decode_leg(router, msg: pb.GenerateRequest, hashes: list[int], metadat
     r, tried = router, []
     try:
         while True:
-            decode = r.pick(r.decode, r.decode_policy, hashes, trace, msg.request_id, tried)
+            decode = r.pick(r.decode, r.decode_policy, hashes, trace, msg.request_id, tried, msg.adapter)
             if decode is None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode instance" + (
                     f" (tried {', '.join(b.address for b in tried)})" if tried else ""))

@@ -146,7 +146,7 @@ class RouterService(RouterRuntime):
         prefill_tried: list[Backend] = []
         reply = None
         while reply is None and len(prefill_tried) < 2:
-            prefill = r.pick(r.prefill, r.prefill_policy, hashes, trace, msg.request_id, prefill_tried)
+            prefill = r.pick(r.prefill, r.prefill_policy, hashes, trace, msg.request_id, prefill_tried, msg.adapter)
             if prefill is None:
                 break  # no prefill instance: the decode computes the prompt itself
             if prefill_tried:
@@ -279,6 +279,7 @@ class Router:
             await asyncio.sleep(self.options.resolve_interval_s)
             for tier in (self.prefill, self.decode):
                 await tier.refresh()
+                await asyncio.gather(*(b.refresh_adapters() for b in tier.healthy()))
 
     async def _report(self, serving: bool) -> None:
         if serving != self._reported:
@@ -291,8 +292,14 @@ class Router:
         in_background(self.background, self._report(self.serving and bool(self.decode.healthy())))
 
     def pick(self, tier: Tier, policy, hashes: list[int], trace: RouterTrace, request_id: str,
-             exclude=()) -> Backend | None:
+             exclude=(), adapter: str = "") -> Backend | None:
+        """A healthy instance of the tier, by the policy; for a LoRA adapter's request, among
+        those that have it loaded (a prefill must: its KV is the adapter's; with no decode
+        that has it, any decode, which answers NOT_FOUND naming the adapter)."""
         backends = tier.healthy(tuple(exclude))
+        if adapter:
+            having = [b for b in backends if adapter in b.adapters]
+            backends = having if having or tier is self.prefill else backends
         if not backends:
             return None
         choice = policy.choose(backends, hashes)
@@ -321,7 +328,9 @@ class Router:
                 units = list("\n".join(f"{m['role']}: {m['content']}" for m in messages).encode())
         else:
             return []
-        return extend_block_hashes([], units, o.block_size, o.affinity_blocks)
+        root = next((b.adapters[msg.adapter].hash_root for tier in (self.decode, self.prefill)
+                     for b in tier.backends.values() if msg.adapter in b.adapters), None) if msg.adapter else None
+        return extend_block_hashes([], units, o.block_size, o.affinity_blocks, **({"root": root} if root else {}))
 
     def forwarded_metadata(self, context: grpc.aio.ServicerContext) -> tuple:
         md = [(k, v) for k, v in (context.invocation_metadata() or ())

@@ -51,6 +51,56 @@ class RouterRuntime:
             results.append(pb.AbortResult(request_id=request_id, status=pb.ABORT_STATUS_ABORTED))
         return pb.AbortResponse(results=results)
 
+    # ---- LoRA adapters: every instance loads and unloads alike --------------------------------
+    async def LoadAdapter(self, msg: pb.LoadAdapterRequest, context) -> pb.Adapter:
+        return await self._everywhere("LoadAdapter", msg, context)
+
+    async def UnloadAdapter(self, msg: pb.UnloadAdapterRequest, context) -> pb.Adapter:
+        return await self._everywhere("UnloadAdapter", msg, context)
+
+    async def ListAdapters(self, msg: pb.ListAdaptersRequest, context) -> pb.ListAdaptersResponse:
+        """Each adapter the instances have loaded (as of their last refresh), with where."""
+        merged: dict[str, pb.Adapter] = {}
+        for b in self._backends():
+            for name, adapter in b.adapters.items():
+                entry = merged.setdefault(name, pb.Adapter(name=name, path=adapter.path, rank=adapter.rank,
+                                                           hash_root=adapter.hash_root))
+                entry.instances.append(b.address)
+        return pb.ListAdaptersResponse(adapters=list(merged.values()))
+
+    async def _everywhere(self, method: str, msg, context) -> pb.Adapter:
+        """Load or unload on every healthy instance of both tiers; the instances that did it are
+        the answer's. An instance's refusal (a bad adapter, one in use) is the answer when no
+        instance did it; instances that lack an adapter being unloaded are skipped."""
+        backends = [b for b in self._backends() if b.healthy]
+        md = token_metadata(self.router.options.internal_token)
+        results = await asyncio.gather(*(getattr(b.api, method)(msg, metadata=md, timeout=30) for b in backends),
+                                       return_exceptions=True)
+        done, refusal = None, None
+        for backend, result in zip(backends, results):
+            if isinstance(result, pb.Adapter):
+                done = done or pb.Adapter(name=result.name, path=result.path, rank=result.rank,
+                                          hash_root=result.hash_root)
+                done.instances.append(backend.address)
+                if method == "LoadAdapter":
+                    backend.adapters[result.name] = result
+                else:
+                    backend.adapters.pop(result.name, None)
+            elif isinstance(result, grpc.aio.AioRpcError):
+                not_lacking = method == "LoadAdapter" or result.code() != grpc.StatusCode.NOT_FOUND
+                if refusal is None or (not_lacking and refusal.code() == grpc.StatusCode.NOT_FOUND):
+                    refusal = result
+            else:
+                raise result
+        if refusal is not None and (done is None or refusal.code() != grpc.StatusCode.NOT_FOUND):
+            await pass_on(context, refusal)
+        if done is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy instance")
+        return done
+
+    def _backends(self):
+        return [b for tier in (self.router.prefill, self.router.decode) for b in tier.backends.values()]
+
     async def _load(self) -> pb.Load:
         """The router's requests in flight, and each backend's own load (when it answers)."""
         r = self.router

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
+from baton.engine.errors import InUse, InvalidArgument, NotFound
 from baton.v1 import generate_pb2 as pb
 
 DETAILS_KEY = "grpc-status-details-bin"
@@ -42,9 +43,12 @@ async def abort(context, code: grpc.StatusCode, message: str, reason: int = pb.F
     await context.abort(code, message, trailing_metadata=details(code, message, reason, field))
 
 
-async def abort_invalid(context, e) -> None:
-    """An InvalidArgument (engine/errors.py) as INVALID_ARGUMENT naming its field."""
-    await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), field=e.field)
+async def abort_invalid(context, e: InvalidArgument) -> None:
+    """An InvalidArgument (engine/errors.py) naming its field: INVALID_ARGUMENT, or NOT_FOUND for
+    a NotFound, FAILED_PRECONDITION for an InUse."""
+    code = (grpc.StatusCode.NOT_FOUND if isinstance(e, NotFound) else
+            grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, InUse) else grpc.StatusCode.INVALID_ARGUMENT)
+    await abort(context, code, str(e), field=e.field)
 
 
 def failure_of(trailing_metadata) -> Failure:

@@ -95,9 +95,9 @@ class GenerationService(EngineRuntime, generate_pb2_grpc.TextGenerationServicer)
         try:
             request = inputs.make_request(msg.request_id or uuid.uuid4().hex, self._prompt(msg), params, msg.priority,
                                           hold_for_remote=hold, remote_kv=remote_kv,
-                                          resumed_output=list(msg.resume.ids))
+                                          resumed_output=list(msg.resume.ids), adapter=msg.adapter)
         except InvalidArgument as e:
-            raise InvalidArgument(api_field(e.field), e.reason) from None
+            raise type(e)(api_field(e.field), e.reason) from None
         num_prompt = len(request.prompt_token_ids)
         if remote_kv is not None:
             block_size = self.server.core.facts.block_size

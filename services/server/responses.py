@@ -27,7 +27,7 @@ def api_field(field: str) -> str:
 
 async def abort_for_engine_error(context: grpc.aio.ServicerContext, e: Exception) -> None:
     if isinstance(e, InvalidArgument):  # raised by the core on admission (a grammar that does not compile)
-        await abort_invalid(context, InvalidArgument(api_field(e.field), e.reason))
+        await abort_invalid(context, type(e)(api_field(e.field), e.reason))
     if isinstance(e, DuplicateRequest):
         await abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e.args[0]!r} is already in flight",
                     field="request_id")

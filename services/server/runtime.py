@@ -8,8 +8,10 @@ import os
 import grpc
 
 from baton.engine.config import read_config
+from baton.engine.core_messages import AdapterInfo, LoadAdapter
+from baton.engine.errors import InvalidArgument
 from baton.services.rpc.api import chat_messages, chat_tools
-from baton.services.rpc.errors import abort
+from baton.services.rpc.errors import abort, abort_invalid
 from baton.services.rpc.runtime import watch
 from baton.services.telemetry.tracing import baton_version
 from baton.v1 import generate_pb2 as pb
@@ -78,6 +80,36 @@ class EngineRuntime:
         skip = msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
         text = await asyncio.to_thread(core.tokenizer.decode, list(msg.token_ids), skip_special_tokens=skip)
         return pb.DetokenizeResponse(text=text)
+
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    async def LoadAdapter(self, msg: pb.LoadAdapterRequest, context) -> pb.Adapter:
+        core = await self._loaded(context)
+        await self.server.check_token(context)
+        info = await self._adapter_call(context, "load_adapter", LoadAdapter(msg.lora_name, msg.lora_path))
+        core.inputs.adapters[info.name] = info
+        return adapter_to_proto(info)
+
+    async def UnloadAdapter(self, msg: pb.UnloadAdapterRequest, context) -> pb.Adapter:
+        core = await self._loaded(context)
+        await self.server.check_token(context)
+        info = await self._adapter_call(context, "unload_adapter", msg.lora_name)
+        core.inputs.adapters.pop(info.name, None)
+        return adapter_to_proto(info)
+
+    async def ListAdapters(self, msg: pb.ListAdaptersRequest, context) -> pb.ListAdaptersResponse:
+        core = await self._loaded(context)
+        return pb.ListAdaptersResponse(adapters=[adapter_to_proto(a) for a in core.inputs.adapters.values()])
+
+    async def _adapter_call(self, context, method: str, arg):
+        try:
+            return await self.server.core.call(method, arg)
+        except InvalidArgument as e:  # NotFound and InUse too, each with its own status
+            await abort_invalid(context, e)
+
+
+def adapter_to_proto(info: AdapterInfo) -> pb.Adapter:
+    return pb.Adapter(name=info.name, path=info.path, rank=info.rank, hash_root=info.hash_root)
 
 
 def model_info(model_dir: str, facts, tokenizer, model_name: str, role: str) -> pb.ModelInfo:

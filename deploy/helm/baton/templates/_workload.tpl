@@ -210,11 +210,15 @@ spec:
 {{- with $v.model.servedModelName }}{{ $args = append $args (printf "--served-model-name=%s" .) }}{{ end }}
 {{- with $e.dtype }}{{ $args = append $args (printf "--dtype=%s" .) }}{{ end }}
 {{- with $e.device }}{{ $args = append $args (printf "--device=%s" .) }}{{ end }}
-{{- range $key, $flag := dict "maxModelLen" "max-model-len" "blockSize" "block-size" "kvCacheMemoryBytes" "kv-cache-memory-bytes" "numKvBlocks" "num-kv-blocks" "maxNumSeqs" "max-num-seqs" "maxNumBatchedTokens" "max-num-batched-tokens" }}
+{{- range $key, $flag := dict "maxModelLen" "max-model-len" "blockSize" "block-size" "kvCacheMemoryBytes" "kv-cache-memory-bytes" "numKvBlocks" "num-kv-blocks" "maxNumSeqs" "max-num-seqs" "maxNumBatchedTokens" "max-num-batched-tokens" "maxLoras" "max-loras" "maxLoraRank" "max-lora-rank" }}
 {{- if ne (toString (index $e $key | default "")) "" }}{{ $args = append $args (printf "--%s=%d" $flag (int64 (index $e $key))) }}{{ end }}
 {{- end }}
 {{- if ne (toString ($e.gpuMemoryUtilization | default "")) "" }}{{ $args = append $args (printf "--gpu-memory-utilization=%v" $e.gpuMemoryUtilization) }}{{ end }}
 {{- if ne (toString ($e.kvHoldTimeout | default "")) "" }}{{ $args = append $args (printf "--kv-hold-timeout=%v" $e.kvHoldTimeout) }}{{ end }}
+{{- with $e.loraModules }}
+{{- $args = append $args "--lora-modules" }}
+{{- range $name := keys . | sortAlpha }}{{ $args = append $args (printf "%s=/models/%s" $name (trimAll "/" (index $e.loraModules $name))) }}{{ end }}
+{{- end }}
 {{- $args = append $args (printf "--grace-period=%v" $v.gracePeriodSeconds) }}
 {{- range $e.extraArgs }}{{ $args = append $args (toString .) }}{{ end }}
 {{- toJson $args }}
