@@ -81,6 +81,7 @@ def main() -> None:
                 wall = time.perf_counter() - t0
                 assert sum(len(o.token_ids) for o in outs) == args.num_requests * args.output_len
                 best[n] = min(best.get(n, float("inf")), wall)
+                print(f"  round {r + 1}: {n or 'base'} adapters: {wall:.1f}s", flush=True)
         tokens = args.num_requests * args.output_len
         print(f"model {args.model}, {args.num_requests} requests of {args.prompt_len} prompt + {args.output_len} output "
               f"tokens, rank {args.rank} on every projection, {torch.get_num_threads()} threads")

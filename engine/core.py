@@ -18,6 +18,7 @@ from baton.engine.core_messages import (AdapterInfo, CallError, CoreFailure, Cor
 from baton.engine.errors import InvalidArgument, check
 from baton.engine.kv_cache_manager import KVCacheManager
 from baton.engine.loader import load_model
+from baton.engine.lora.adapter import adapter_bytes
 from baton.engine.lora.layers import LoRASlots
 from baton.engine.lora.registry import LoRARegistry
 from baton.engine.memory import measure_kv_cache_bytes, memory_before_loading
@@ -58,6 +59,12 @@ class EngineCore:
         self.loras, lora_slots = self._start_lora(args, model, dtype)
         if on_gpu and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
             config.kv_cache_memory_bytes = measure_kv_cache_bytes(model, config, free_at_start, total)
+            if config.enable_lora:  # the device slots fill later: their room is kept now
+                reserve = config.max_loras * adapter_bytes(args, config.max_lora_rank, dtype.itemsize)
+                check(config.kv_cache_memory_bytes > reserve, "max_loras",
+                      f"{config.max_loras} adapters of rank {config.max_lora_rank} need {reserve / 2**30:.2f} GiB, "
+                      f"more than the KV cache's {config.kv_cache_memory_bytes / 2**30:.2f} GiB")
+                config.kv_cache_memory_bytes -= reserve
         self.num_kv_blocks = self._num_kv_blocks(args, model.embed_tokens.weight.element_size())
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         connector_scheduler, connector_worker = kv_connector or (None, None)

@@ -21,10 +21,32 @@ def load_tokenizer(model_dir: str):
 
 
 def apply_chat_template(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """A conversation's prompt token ids, the assistant's turn opened for the reply."""
+    """A conversation's prompt token ids, the assistant's turn opened for the reply. Tools go to
+    a template that renders them; a template that knows none (SmolLM2's, ChatML's) gets them in
+    a system prompt of Baton's own, asking for Hermes-style calls, which the tool parser reads."""
     check(tokenizer.chat_template is not None, "messages", "this checkpoint has no chat template")
+    if tools and "tools" not in tokenizer.chat_template:
+        messages, tools = with_tool_prompt(messages, tools), None
     return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                          return_dict=False)
+
+
+def tool_prompt(tools: list[dict]) -> str:
+    """The built-in system prompt that offers tools, for templates without tool support."""
+    lines = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+    return ("You can call functions to answer. Their signatures, one JSON object per line:\n"
+            f"<tools>\n{lines}\n</tools>\n"
+            "To call one, write a JSON object with its name and its arguments between tool_call tags, "
+            "one call per pair of tags:\n"
+            '<tool_call>\n{"name": "the function\'s name", "arguments": {"an argument": "its value"}}\n</tool_call>')
+
+
+def with_tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """The conversation with the tool prompt in its system message (added first when it has none)."""
+    prompt = tool_prompt(tools)
+    if messages and messages[0].get("role") == "system":
+        return [dict(messages[0], content=f"{messages[0]['content']}\n\n{prompt}"), *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
 
 
 def eos_token_ids(model_dir: str, tokenizer=None) -> frozenset[int]:

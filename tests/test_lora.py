@@ -88,8 +88,15 @@ def test_load_and_unload_at_run_time(tiny_llama, adapters, peft_ref):
     with pytest.raises(NotFound, match="'sql'") as e:
         llm.generate(prompt, GREEDY, lora_request="sql")
     assert e.value.field == "adapter"
+    # Loaded while requests run: they go on, and the adapter's requests join them.
+    base = llm.engine.add_request("base", prompt, GREEDY)
+    llm.engine.step()
     llm.load_adapter("sql", adapters["sql"])
-    assert llm.generate(prompt, GREEDY, lora_request="sql")[0].token_ids == peft_ref.greedy(adapters["sql"], prompt, 12)
+    tuned = llm.engine.add_request("tuned", prompt, GREEDY, adapter="sql")
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert base.output_token_ids == peft_ref.greedy(None, prompt, 12)
+    assert tuned.output_token_ids == peft_ref.greedy(adapters["sql"], prompt, 12)
     # In use: refused, and the request carries on.
     llm.engine.add_request("busy", prompt, GREEDY, adapter="sql")
     with pytest.raises(InUse, match="1 request"):
@@ -146,3 +153,17 @@ def test_bad_engine_arguments(tiny_llama, args, field):
     with pytest.raises(InvalidArgument) as e:
         LLM(tiny_llama, dtype="float32", device="cpu", **args)
     assert e.value.field == field
+
+
+def test_the_device_room_kept_for_an_adapter_is_what_one_takes(tiny_llama, adapters):
+    """On a GPU the KV cache leaves max_loras adapters' room (adapter_bytes): an adapter of
+    every projection at the highest rank takes exactly that."""
+    from baton.engine.config import read_config
+    from baton.engine.lora.adapter import adapter_bytes, load_adapter
+    from baton.engine.model import ModelArgs
+
+    args = ModelArgs.from_hf_config(read_config(tiny_llama))
+    _, weights = load_adapter(adapters["code"], args, 16)  # rank 16 on all seven projections
+    assert weights.nbytes == adapter_bytes(args, 16, 4)
+    _, small = load_adapter(adapters["sql"], args, 16)
+    assert small.nbytes < adapter_bytes(args, small.rank, 4)

@@ -131,6 +131,26 @@ def test_bad_requests_get_openai_errors_naming_the_parameter(serve, tiny_llama, 
     assert error["error"]["message"]
 
 
+def test_parameters_baton_does_not_implement_are_refused_never_ignored(serve, tiny_llama):
+    srv = serve(tiny_llama, {"http_port": 0}, scheduling_policy="priority")
+    url = srv.server.http.url
+    for path, extra, param in [("/v1/completions", {"echo": True}, "echo"), ("/v1/completions", {"best_of": 3}, "best_of"),
+                               ("/v1/completions", {"suffix": "end"}, "suffix"),
+                               ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
+                               ("/v1/completions", {"tool_choice": "auto"}, "tool_choice"),
+                               ("/v1/chat/completions", {"prompt": "hi"}, "prompt"),
+                               ("/v1/chat/completions", {"store": True}, "store"),
+                               ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
+                               ("/v1/completions", {"priority": "high"}, "priority")]:
+        body = {"messages": CHAT} if "chat" in path else {"prompt": "hi"}
+        status, error = post(url, path, {**body, "max_tokens": 2, **extra})
+        assert (status, error["error"]["param"]) == (400, param), (extra, error)
+    # What is accepted at its harmless value, and vLLM's priority, are served.
+    status, _ = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1,
+                                              "user": "u", "priority": -1})
+    assert status == 200
+
+
 def test_a_full_queue_gets_429_and_a_draining_server_503(serve, tiny_llama):
     srv = serve(tiny_llama, {"http_port": 0, "max_waiting_requests": 2}, max_num_seqs=1)
     url = srv.server.http.url

@@ -106,3 +106,39 @@ def test_bad_tools_are_refused_naming_the_parameter(front):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model, prompt="hi", extra_body={"tools": TOOLS})
     assert err.value.body["param"] == "tools"
+
+
+def test_auto_end_to_end_with_a_model_that_writes_a_call(front):
+    """A model that writes a Hermes call (here made to, by a regex constraint): "auto" returns it
+    as tool_calls with finish_reason tool_calls, whole and streamed."""
+    client, model = front
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "cet"}}\n</tool_call>'
+    regex = call.replace("{", "\\{").replace("}", "\\}")
+    whole = chat(client, model, "Tell me the time.", extra_body={"structured_outputs": {"regex": regex}})
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_time", {"zone": "cet"})]
+    chunks = list(chat(client, model, "Tell me the time.", stream=True,
+                       extra_body={"structured_outputs": {"regex": regex}}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert "".join(d.tool_calls[0].function.arguments or "" for d in deltas) == '{"zone": "cet"}'
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_templates_without_tools_get_the_built_in_tool_prompt(tiny_llama):
+    from baton.engine.tokenizer import apply_chat_template, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_llama)  # ChatML, which renders no tools
+    asked = [{"role": "user", "content": "Tell me the time."}]
+    with_tools = tokenizer.decode(apply_chat_template(tokenizer, asked, TOOLS))
+    assert "<tools>" in with_tools and '"name": "get_time"' in with_tools and "<tool_call>" in with_tools
+    assert with_tools.index("<tools>") < with_tools.index("Tell me the time.")
+    system = [{"role": "system", "content": "Be brief."}, *asked]  # joined to the conversation's own system prompt
+    text = tokenizer.decode(apply_chat_template(tokenizer, system, TOOLS))
+    assert text.count("<|im_start|>system") == 1 and "Be brief." in text and "<tools>" in text
+    # A template that renders tools itself gets them as they are.
+    tokenizer.chat_template = ("{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}"
+                               "{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    text = tokenizer.decode(apply_chat_template(tokenizer, asked, TOOLS))
+    assert "TOOL get_weather" in text and "<tools>" not in text

@@ -41,6 +41,14 @@ def part_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
+def adapter_bytes(args: ModelArgs, rank: int, element_size: int) -> int:
+    """The most one adapter of `rank` takes on the device (every projection adapted)."""
+    shapes = part_shapes(args)
+    per_layer = sum(shapes[names[0]][0] * len(names) * rank + len(names) * rank * sum(shapes[n][1] for n in names)
+                    for names in PROJECTIONS.values())
+    return per_layer * args.num_layers * element_size
+
+
 @dataclass
 class LoRAWeights:
     """One adapter's tensors, per layer and merged projection: (A [in, parts*r], B [parts*r, out]),

@@ -21,8 +21,9 @@ from aiohttp import web
 from baton.services.rpc.errors import failure_of
 from baton.services.rpc.fan_out import merge
 from baton.services.openai.tools import constrain_to_tools, plan_from_body
-from baton.services.openai.protocol import (ApiError, Completion, chat_messages_from_body, error_for_status, int_list,
-                                            prompts_from_body, sampling_from_body, sse)
+from baton.services.openai.protocol import (ApiError, Completion, in_range, typed, chat_messages_from_body,
+                                            check_parameters, error_for_status, int_list, prompts_from_body,
+                                            sampling_from_body, sse)
 from baton.v1 import generate_pb2 as pb
 
 
@@ -195,6 +196,7 @@ class OpenAIFront:
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             body = await _json(request)
+            check_parameters(body, chat)
             model, adapter = await self._check_model(body, request)
             sampling = sampling_from_body(body, chat)
             tools = plan_from_body(body) if chat else None
@@ -217,6 +219,8 @@ class OpenAIFront:
             for i, msg in enumerate(requests):
                 msg.request_id = request_id if len(requests) == 1 else f"{request_id}-{i}"
                 msg.adapter = adapter
+                if body.get("priority") is not None:  # vLLM's extra: lower runs first under the priority policy
+                    in_range("priority", lambda: setattr(msg, "priority", typed(body, "priority", int)))  # noqa: B023
             stream = body.get("stream") is True
             include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
             responses = self._responses(requests, request, max(sampling.n, 1))

@@ -47,7 +47,7 @@ def error_for_status(code: grpc.StatusCode | None, details: str, field: str | No
     return ApiError(status, details, param, kinds.get(status, "InternalServerError"))
 
 
-def _typed(body: dict, name: str, kind: type):
+def typed(body: dict, name: str, kind: type):
     value = body[name]
     ok = isinstance(value, bool) if kind is bool else (
         isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
@@ -58,7 +58,7 @@ def _typed(body: dict, name: str, kind: type):
     return value
 
 
-def _in_range(name: str, assign) -> None:
+def in_range(name: str, assign) -> None:
     """Run assign() (a protobuf field set), naming the parameter when a value does not fit it."""
     try:
         assign()
@@ -70,8 +70,8 @@ def sampling_from_body(body: dict, chat: bool) -> pb.SamplingParams:
     s = pb.SamplingParams()
     for name, (field, kind) in _SAMPLING.items():
         if body.get(name) is not None:
-            value = _typed(body, name, kind)
-            _in_range(name, lambda: setattr(s, field, value))  # noqa: B023 - called at once
+            value = typed(body, name, kind)
+            in_range(name, lambda: setattr(s, field, value))  # noqa: B023 - called at once
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -80,7 +80,7 @@ def sampling_from_body(body: dict, chat: bool) -> pb.SamplingParams:
         s.stop.extend(stops)
     if body.get("stop_token_ids") is not None:
         ids = int_list(body, "stop_token_ids")
-        _in_range("stop_token_ids", lambda: s.stop_token_ids.extend(ids))
+        in_range("stop_token_ids", lambda: s.stop_token_ids.extend(ids))
     bias = body.get("logit_bias")
     if bias is not None:
         try:
@@ -89,12 +89,12 @@ def sampling_from_body(body: dict, chat: bool) -> pb.SamplingParams:
             raise ApiError(400, "logit_bias: must map token ids (in range) to numbers", "logit_bias") from None
     logprobs = body.get("logprobs")
     if chat:  # logprobs: true, with top_logprobs alternatives
-        if logprobs is not None and _typed(body, "logprobs", bool):
-            top = _typed(body, "top_logprobs", int) if body.get("top_logprobs") is not None else 0
-            _in_range("top_logprobs", lambda: setattr(s, "logprobs", top))
+        if logprobs is not None and typed(body, "logprobs", bool):
+            top = typed(body, "top_logprobs", int) if body.get("top_logprobs") is not None else 0
+            in_range("top_logprobs", lambda: setattr(s, "logprobs", top))
     elif logprobs is not None:
-        top = _typed(body, "logprobs", int)
-        _in_range("logprobs", lambda: setattr(s, "logprobs", top))
+        top = typed(body, "logprobs", int)
+        in_range("logprobs", lambda: setattr(s, "logprobs", top))
     if not chat and body.get("tools") not in (None, []):
         raise ApiError(400, "tools: served on /v1/chat/completions only", "tools")
     _structured_output(body, s)
@@ -103,6 +103,28 @@ def sampling_from_body(body: dict, chat: bool) -> pb.SamplingParams:
 
 # Parameters Baton does not serve: refused, never ignored (tools: on chat completions only).
 UNSUPPORTED = ("functions", "function_call")
+# Every parameter a request may carry; any other is refused naming it, never ignored.
+_COMMON = {*_SAMPLING, "model", "stream", "stream_options", "stop", "stop_token_ids", "logit_bias", "logprobs",
+           "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+           "user", "metadata", "priority", *UNSUPPORTED}
+_KNOWN = {False: {*_COMMON, "prompt", "best_of", "echo", "suffix", "tools"},
+          True: {*_COMMON, "messages", "tools", "tool_choice", "top_logprobs", "parallel_tool_calls", "store",
+                 "service_tier"}}
+# Accepted only at the value that asks for nothing Baton lacks.
+_ONLY = {"best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "store": (None, False),
+         "service_tier": (None, "auto", "default")}
+
+
+def check_parameters(body: dict, chat: bool) -> None:
+    """Refuse (400 naming it) a parameter Baton does not implement, or one set to a value it cannot honour."""
+    unknown = sorted(set(body) - _KNOWN[chat])
+    if unknown:
+        raise ApiError(400, f"{unknown[0]}: not supported by this server "
+                            f"({'/v1/chat/completions' if chat else '/v1/completions'})", unknown[0])
+    for name, allowed in _ONLY.items():
+        if name in body and body[name] not in allowed:
+            raise ApiError(400, f"{name}: only {', '.join(repr(a) for a in allowed if a is not None)} is supported, "
+                                f"got {body[name]!r}", name)
 # vLLM's older spellings of its structured_outputs keys.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -186,7 +208,7 @@ def prompts_from_body(body: dict) -> list[pb.GenerateRequest]:
         if isinstance(p, str):
             msg.text = p
         elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            _in_range("prompt", lambda: msg.token_ids.ids.extend(p))  # noqa: B023 - called at once
+            in_range("prompt", lambda: msg.token_ids.ids.extend(p))  # noqa: B023 - called at once
         else:
             raise ApiError(400, "prompt: must be a text, token ids, or a non-empty list of either", "prompt")
         requests.append(msg)
