@@ -178,8 +178,11 @@ class ModelRunner:
         starts = {c.req_id: c.num_computed_tokens for c in sched.scheduled_cached_reqs}
         starts.update((n.req_id, n.num_computed_tokens) for n in sched.scheduled_new_reqs)
         # One-token decodes first, longest context first (the reference's length groups are
-        # then row ranges), then prefill chunks.
-        order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: (kv[1] != 1, -starts[kv[0]]))
+        # then row ranges), then prefill chunks; with LoRA, by adapter within each (its rows then
+        # run together), except on the reference, whose groups need the length order.
+        by_adapter = self.lora is not None and self.attention_backend != "torch"
+        order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: (
+            kv[1] != 1, self.states[kv[0]].lora_id if by_adapter else 0, -starts[kv[0]]))
         input_ids, positions, sample_rows, sample_req_ids, spans, prompt_rows = [], [], [], [], [], []
         row_adapters = [] if self.lora is not None else None
         for req_id, n in order:

@@ -29,10 +29,12 @@ def assert_matches_peft(peft_ref, adapters, prompts, names, outputs):
         assert out.token_ids == want, f"adapter {name}, prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("budget", [2048, 24])  # one step per prompt, and chunked prefill
-def test_mixed_batch_matches_peft(tiny_llama, adapters, peft_ref, budget):
+# One step per prompt, and chunked prefill; an adapter's rows as ranges (the runner orders rows by
+# adapter), and scattered (the reference attention keeps its length order): gathered by index.
+@pytest.mark.parametrize("budget,attention", [(2048, "auto"), (24, "auto"), (24, "torch")])
+def test_mixed_batch_matches_peft(tiny_llama, adapters, peft_ref, budget, attention):
     llm = LLM(tiny_llama, dtype="float32", device="cpu", lora_modules=adapters, max_loras=3,
-              max_num_batched_tokens=budget)
+              max_num_batched_tokens=budget, attention_backend=attention)
     prompts, names = mixed(2, seed=3)
     outputs = llm.generate(prompts, GREEDY, lora_request=names)
     assert_matches_peft(peft_ref, adapters, prompts, names, outputs)

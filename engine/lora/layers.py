@@ -3,6 +3,10 @@ share one step. Each merged projection of the model is wrapped: it runs the base
 all rows, then, per adapter present in the step, one shrink (x @ A) and one expand (@ B)
 matmul over that adapter's rows, added in place (SGMV's segmentation, done with torch ops).
 
+The runner orders rows by adapter (within decodes, and within prompt chunks), so each adapter's
+rows are at most two ranges of the batch, taken as views; the PyTorch reference attention keeps
+its own order (longest context first), and there scattered rows are gathered by index.
+
 Why per adapter and not per row (BGMV's gather of each row's A and B): on a CPU the gather
 copies in*rank + rank*out values per row per projection, more memory traffic than the base
 matmul's compute at small models; per-adapter matmuls read each adapter's weights once per
@@ -23,8 +27,12 @@ from baton.engine.lora.adapter import PROJECTIONS, LoRAWeights
 
 @dataclass(slots=True)
 class LoRABatch:
-    """The step's adapters: each one's rows (None: every row of the batch) and its weights."""
-    groups: list[tuple[torch.Tensor | None, LoRAWeights]] = field(default_factory=list)
+    """The step's adapters: each one's rows, as ranges of the batch (the runner puts an adapter's
+    rows together) or as an index tensor where they are scattered, and its weights."""
+    groups: list[tuple[list[tuple[int, int]] | torch.Tensor, LoRAWeights]] = field(default_factory=list)
+
+
+_MAX_RANGES = 2  # an adapter's decode rows and its prompt rows; more scattered ranges: one gather instead
 
 
 class LoRALinear(nn.Module):
@@ -44,8 +52,9 @@ class LoRALinear(nn.Module):
             if ab is None:  # this adapter leaves this projection alone
                 continue
             a, b = ab
-            if rows is None:
-                y.add_(x @ a @ b, alpha=weights.scaling)
+            if isinstance(rows, list):  # views: no copy in or out
+                for start, end in rows:
+                    y[start:end].addmm_(x[start:end] @ a, b, alpha=weights.scaling)
             else:
                 y.index_add_(0, rows, x.index_select(0, rows) @ a @ b, alpha=weights.scaling)
         return y
@@ -80,10 +89,17 @@ class LoRASlots:
             return
         if len(ids) > self.max_loras:
             raise RuntimeError(f"{len(ids)} adapters in one step, max_loras is {self.max_loras}")
+        runs: dict[int, list[tuple[int, int]]] = {}  # adapter id -> its rows' ranges
+        start = 0
+        for i in range(1, len(row_adapters) + 1):
+            if i == len(row_adapters) or row_adapters[i] != row_adapters[start]:
+                runs.setdefault(row_adapters[start], []).append((start, i))
+                start = i
         batch = LoRABatch()
-        whole = len(ids) == 1 and 0 not in row_adapters
         for adapter_id in ids:
-            rows = None if whole else device_rows([i for i, a in enumerate(row_adapters) if a == adapter_id])
+            ranges = runs[adapter_id]
+            rows = ranges if len(ranges) <= _MAX_RANGES else device_rows(
+                [r for s, e in ranges for r in range(s, e)])
             batch.groups.append((rows, self._resident(adapter_id, ids)))
         self.batch = batch
 
