@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
+from baton.engine.kv_events import KVEvent
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.stats import EngineSnapshot, StepEvents
 from baton.kv_transfer.base import KVHandle
@@ -89,6 +90,7 @@ class CoreStep(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc
     num_received: int  # requests received since the core started (the front's sent - received: not yet queued)
     failures: list[CoreFailure] = []
     events: StepEvents | None = None  # when the front asked for them (telemetry)
+    kv_events: list[KVEvent] = []  # the KV cache's, since the last CoreStep, when the front asked for them
 
 
 class CallError(msgspec.Struct, array_like=True):
@@ -139,4 +141,4 @@ class CoreStats(msgspec.Struct):
 
 # What a front may call between steps: method -> (argument type, result type).
 CORE_CALLS = {"snapshot": (None, EngineSnapshot), "stats": (None, CoreStats), "release_hold": (str, bool),
-              "add_peer": (KVLayout, None)}
+              "add_peer": (KVLayout, None), "kv_block_hashes": (None, list[int])}
