@@ -264,6 +264,12 @@ def test_a_stream_that_failed_after_its_last_message_is_not_moved():
         def failed(self):
             self.healthy = False
 
+        def prefilled(self, request_id):  # the router's load ledger (kv_aware's): nothing charged here
+            pass
+
+        def settle(self, request_id):
+            pass
+
     dying = Backend(address="a", outstanding=0, script=lambda: Call(
         [pb.GenerateResponse(token_ids=[5, 6]), pb.GenerateResponse(token_ids=[2], finish_reason=pb.FINISH_REASON_STOP)],
         True))

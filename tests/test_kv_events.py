@@ -213,3 +213,58 @@ def test_kv_aware_sends_the_follow_up_turn_to_the_instance_holding_the_conversat
         assert device[chosen] > 0 and device[1 - chosen] == 0  # conversations share nothing
         assert a["baton.route.kv.score"][chosen] == max(a["baton.route.kv.score"])
         assert len(a["baton.route.kv.queued_prefill_blocks"]) == len(a["baton.route.kv.active_blocks"]) == 2
+
+
+class _Backend:  # what KVAware reads of a backend, with the router's ledger (backends.Backend's)
+    def __init__(self, address: str):
+        self.address, self.outstanding = address, 0
+        self.queued_prefill_blocks = self.active_blocks = 0
+
+
+def test_kv_aware_weighs_held_blocks_device_above_host_against_load():
+    from baton.services.router.backends import Backend
+    from baton.services.router.kv_aware import KVAware
+
+    index = KVIndex(4)
+    prompt = [11, 12, 13, 14, 15, 16]
+    index.apply("a", to_proto(KVEvent(KVEventKind.STORED, prompt[:4], None)))  # a: 4 blocks in device memory
+    index.apply("b", to_proto(KVEvent(KVEventKind.STORED, prompt[:4], None, HOST)))  # b: the same in host memory
+    a, b, c = _Backend("a"), _Backend("b"), _Backend("c")
+    policy = KVAware(index, overlap_score_weight=1.0, host_hit_weight=0.5, active_weight=1.0)
+    choice = policy.choose([c, b, a], prompt)
+    assert choice.backend is a and choice.decision == "kv_overlap" and choice.prefix_hit_blocks == 4
+    assert choice.inputs["overlap_device_blocks"] == [0, 0, 4] and choice.inputs["overlap_host_blocks"] == [0, 4, 0]
+    assert choice.inputs["score"] == [0, 2, 4]  # b's host blocks count half
+    assert choice.charge == (3, 7) and choice.inputs["prompt_blocks"] == 7  # 3 blocks to compute of 7
+    # a is busy: 3 blocks queued and 2 in use cost it more than b's host hits save b.
+    a.queued_prefill_blocks, a.active_blocks = 3, 2
+    choice = policy.choose([c, b, a], prompt)
+    assert choice.backend is b and choice.decision == "kv_overlap"  # b still holds the most (in host memory)
+    a.active_blocks = b.active_blocks = 20
+    assert policy.choose([c, b, a], prompt).decision == "kv_load"  # c, which holds nothing, wins on load
+    # Nothing held anywhere, nothing in flight: round robin.
+    idle = [_Backend(x) for x in "xyz"]
+    assert {policy.choose(idle, [1, 2]).backend.address for _ in range(3)} == {"x", "y", "z"}
+    # The router's ledger: charged at the pick, the queued part gone at the first token, the rest at the end.
+    real = Backend.__new__(Backend)
+    real.queued_prefill_blocks = real.active_blocks = 0
+    real._charges = {}
+    real.charge("r1", (3, 7))
+    real.charge("r2", (1, 2))
+    real.prefilled("r1")
+    assert (real.queued_prefill_blocks, real.active_blocks) == (1, 9)
+    real.settle("r1")
+    real.settle("r2")
+    real.settle("r2")  # twice (a prefill's and a decode's end): no harm
+    assert (real.queued_prefill_blocks, real.active_blocks) == (0, 0)
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(policy="kv_aware"), "tokenizer_dir"),  # it must hash token ids as the engines do
+    (dict(policy="kv_aware", tokenizer_dir="m", kv_host_hit_weight=1.5), "kv_host_hit_weight"),
+    (dict(policy="kv_aware", tokenizer_dir="m", kv_active_weight=-1), "kv_active_weight"),
+    (dict(policy="kv_awares", tokenizer_dir="m"), "policy"),
+])
+def test_router_options_refuse_a_bad_kv_aware_configuration_naming_the_field(options, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        RouterOptions(decode=["127.0.0.1:1"], **options)

@@ -4,21 +4,27 @@ weighed against its load, as Dynamo's KV router scores workers.
 For each candidate i, from the router's KV index (kv_index.py) and its own ledger of what it
 sent where (Backend.charge):
   D_i  the prompt's leading blocks i holds in device memory
-  H_i  the blocks after those that i holds in host memory only (a load from host costs less
-       than a recompute, not nothing: they count host_hit_weight of a device block)
+  H_i  the blocks after those that i holds in host memory only
   Q_i  prompt blocks routed to i that it has not computed yet (their first token has not come
-       back): the prefill queue the request would wait behind
-  A_i  blocks of the requests in flight at i (prompt blocks, whatever their state)
-  P    the prompt's blocks (its full ones, and the partial last one)
+       back): the prefill queue this request would wait behind
+  A_i  prompt blocks of the requests in flight at i, whatever their state: what it keeps busy
 
-  new prefill blocks    N_i = P - D_i - host_hit_weight * H_i
-  score_i = -(overlap_score_weight * (Q_i + N_i) + A_i)
+  score_i = overlap_score_weight * (D_i + host_hit_weight * H_i) - (Q_i + active_weight * A_i)
 
-The instance with the highest score wins: fewest blocks to compute before this request's first
-token (its own, less what the cache holds, plus the queue ahead of it), weighed by
-overlap_score_weight (Dynamo's name; > 1 favours cache hits, < 1 a balanced load), plus the blocks
-it keeps busy. Ties go to the fewest requests in flight, then round robin. Every input goes into
-the route span (Choice.inputs).
+The highest score wins; ties go to the fewest requests in flight, then round robin. Every input
+goes into the route span (Choice.inputs).
+
+Why these weights. A block held is a block not computed before the first token, and a block
+queued is one computed before it: with overlap_score_weight 1 and active_weight 0 the score is,
+up to a constant, minus the blocks to compute before this request's first token, the TTFT-greedy
+choice (Dynamo's cost with its overlap_score_weight 1, less its active-blocks term). Greedy
+scatters a conversation as soon as its instance has a queue, and then each of its copies is
+evicted sooner: hits today cost hits tomorrow. Hence overlap_score_weight 4 by default: a
+conversation moves when its instance's queue exceeds four times what it would save. A running
+request's blocks slow each step by a token each, not by a block of prefill, but they fill the
+pool and push cached blocks out: active_weight 0.25. A block in host memory is loaded, not
+computed, at a fraction of the cost: host_hit_weight 0.5. bench/kv_routing.py measures the
+choice (docs/architecture.md has the figures).
 """
 from __future__ import annotations
 
@@ -29,22 +35,23 @@ from baton.services.router.policies import Choice
 
 
 class KVAware:
-    def __init__(self, index: KVIndex, overlap_score_weight: float = 1.0, host_hit_weight: float = 0.5):
+    def __init__(self, index: KVIndex, overlap_score_weight: float = 4.0, host_hit_weight: float = 0.5,
+                 active_weight: float = 0.25):
         self.index = index
         self.overlap_score_weight = overlap_score_weight
         self.host_hit_weight = host_hit_weight
+        self.active_weight = active_weight
         self._turn = itertools.count()
 
     def choose(self, backends: list, hashes: list[int]) -> Choice:
         overlaps = self.index.overlap([b.address for b in backends], hashes)
         prompt_blocks = len(hashes) + 1
-        w = self.overlap_score_weight
+        w, wh, wa = self.overlap_score_weight, self.host_hit_weight, self.active_weight
         rows = []
         for b in backends:
             device, host = overlaps[b.address]
-            new = prompt_blocks - device - self.host_hit_weight * host
             rows.append((device, host, b.queued_prefill_blocks, b.active_blocks,
-                         -(w * (b.queued_prefill_blocks + new) + b.active_blocks)))
+                         w * (device + wh * host) - (b.queued_prefill_blocks + wa * b.active_blocks)))
         turn = next(self._turn)
         order = sorted(range(len(backends)), key=lambda i: backends[i].address)
         rank = {i: (k - turn) % len(backends) for k, i in enumerate(order)}  # round robin among ties

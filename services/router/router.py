@@ -65,8 +65,11 @@ class RouterOptions:
     affinity_load_factor: float = 1.5  # by affinity, an instance takes at most this × the mean load,
     affinity_slack: int = 4  # or this many more requests than the least loaded one, whichever is more
     affinity_table_size: int = 100_000
-    kv_overlap_score_weight: float = 1.0  # kv_aware: weight of the blocks to compute against the blocks in use
-    kv_host_hit_weight: float = 0.5  # kv_aware: a block in an instance's host memory counts this much of a device one
+    # kv_aware's weights (kv_aware.py): of a block held, of one held in host memory only (times the
+    # first), and of a block in use by a request in flight (against 1 for a block queued for prefill).
+    kv_overlap_score_weight: float = 4.0
+    kv_host_hit_weight: float = 0.5
+    kv_active_weight: float = 0.25
     resolve_interval_s: float = 5.0
     health_retry_s: float = 0.5
     max_message_bytes: int = 16 << 20
@@ -87,9 +90,11 @@ class RouterOptions:
         if self.policy == "kv_aware" and not self.tokenizer_dir:
             raise ValueError("tokenizer_dir: kv_aware hashes the prompt's token ids as the engines do; give the "
                              "checkpoint's directory (--model)")
-        if not (self.kv_overlap_score_weight > 0 and 0 <= self.kv_host_hit_weight <= 1):
-            raise ValueError(f"kv_overlap_score_weight: must be > 0 and kv_host_hit_weight in [0, 1], got "
-                             f"{self.kv_overlap_score_weight!r} and {self.kv_host_hit_weight!r}")
+        for name, low, high in (("kv_overlap_score_weight", 0, None), ("kv_host_hit_weight", 0, 1),
+                                ("kv_active_weight", 0, None)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and low <= value and (high is None or value <= high)):
+                raise ValueError(f"{name}: must be a number >= {low}{f' and <= {high}' if high else ''}, got {value!r}")
         if self.max_in_flight is not None and not (isinstance(self.max_in_flight, int) and self.max_in_flight >= 1):
             raise ValueError(f"max_in_flight: must be an integer >= 1, got {self.max_in_flight!r}")
         if not (isinstance(self.max_migrations, int) and self.max_migrations >= 0):
@@ -241,7 +246,7 @@ class Router:
         self.kv_subscriptions: dict[str, KVEventSubscription] = {}  # backend address -> its stream
         self.prefill_policy, self.decode_policy = (
             make_policy(o.policy, o.affinity_load_factor, o.affinity_slack, o.affinity_table_size, self.kv_index,
-                        o.kv_overlap_score_weight, o.kv_host_hit_weight) for _ in range(2))
+                        (o.kv_overlap_score_weight, o.kv_host_hit_weight, o.kv_active_weight)) for _ in range(2))
         self.tokenizer = None
         self.model_name = o.served_model_name or (os.path.basename(os.path.normpath(o.tokenizer_dir))
                                                   if o.tokenizer_dir else "baton")
