@@ -62,6 +62,6 @@ class KVAware:
         columns = list(zip(*rows))
         inputs = {"prompt_blocks": prompt_blocks, "overlap_device_blocks": list(columns[0]),
                   "overlap_host_blocks": list(columns[1]), "queued_prefill_blocks": list(columns[2]),
-                  "active_blocks": list(columns[3]), "score": [round(s, 3) for s in columns[4]]}
+                  "active_blocks": list(columns[3]), "score": [float(round(s, 3)) for s in columns[4]]}
         charge = (prompt_blocks - device - host, prompt_blocks)  # what the choice adds to its load
         return Choice(backends[best], decision, device + host, inputs, charge)

@@ -124,8 +124,10 @@ class KVEventSubscription:
                         call.cancel()
                         break
                     backoff = _BACKOFF_S[0]
-            except grpc.aio.AioRpcError as e:
-                log.debug("KV events of %s: %s", self.address, e.details())
+            except grpc.aio.AioRpcError as e:  # down, restarting or loading: expected; anything else is not
+                expected = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                log.log(logging.DEBUG if expected else logging.WARNING, "KV events of %s: %s: %s", self.address,
+                        e.code().name, e.details())
             self.index.drop(self.address)
             self.run, self.seq = None, 0
             self.num_resyncs += 1
