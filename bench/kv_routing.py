@@ -8,14 +8,22 @@ turn may hold most of it. Conversations start as a Poisson process (--conversati
 each sends its next turn when its reply ended (after --think-time). Each instance's KV pool is
 sized so that the conversations' KV at their last turn is --kv-ratio times one pool (default 4):
 no instance holds every conversation, and a policy that scatters a conversation's turns pays in
-misses and evictions.
+misses and evictions. With --routers N, N router replicas share the instances and a
+conversation's turns go to them in turn, as a Service spreads requests over a router
+Deployment's pods: a router then sees only some of a conversation's turns (prefix_affinity's
+table guesses from what it saw pass), while the instances' KV events tell every router alike.
 
 Per policy, on fresh instances: the prefix cache hit rate (prompt tokens the engines found
 cached / prompt tokens), TTFT p50/p99, end-to-end latency, and the spread of load across the
 instances (requests, and prompt tokens each had to compute: max / mean).
 
-    .venv/bin/python bench/kv_routing.py
+On a 2-core CPU SmolLM2 (the default model) takes minutes per policy; the figures in
+docs/architecture.md come from the benchmarks' middle model, a step in milliseconds:
+
+    .venv/bin/python bench/random_checkpoint.py llama-h512 /tmp/random-llama-h512
+    .venv/bin/python bench/kv_routing.py --model /tmp/random-llama-h512 --rounds 2
     .venv/bin/python bench/kv_routing.py --conversations 24 --turns 4 --instances 2
+    .venv/bin/python bench/kv_routing.py --policies kv_aware --router-config weights.yaml  # kv_overlap_score_weight: 4
 """
 from __future__ import annotations
 
@@ -49,6 +57,7 @@ class Turn:
 
 @dataclass
 class Conversation:
+    index: int
     start_s: float
     user_turns: list[list[int]]
     turns: list[Turn] = field(default_factory=list)
@@ -72,6 +81,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine (OMP_NUM_THREADS)")
     p.add_argument("--router-config", help="YAML for the router (e.g. kv_overlap_score_weight)")
+    p.add_argument("--routers", type=int, default=1, help="router replicas in front of the instances")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every policy this many times, in ABBA order, and keep each one's fastest (the "
                         "machine's drift, or a neighbour's load, then lands on no policy alone)")
@@ -90,9 +100,9 @@ def make_workload(args, vocab: int) -> tuple[list[int], list[Conversation]]:
 
     system = ids(args.system_len)
     t, conversations = 0.0, []
-    for _ in range(args.conversations):
+    for i in range(args.conversations):
         users = [ids(rng.randint(args.user_len // 2, args.user_len * 3 // 2)) for _ in range(args.turns)]
-        conversations.append(Conversation(t, users))
+        conversations.append(Conversation(i, t, users))
         t += rng.expovariate(args.conversation_rate)
     return system, conversations
 
@@ -163,13 +173,15 @@ def decisions(metrics_url: str) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
-async def converse(client, args, system: list[int], conv: Conversation, t0: float) -> None:
+async def converse(clients, args, system: list[int], conv: Conversation, t0: float) -> None:
     await asyncio.sleep(max(0.0, conv.start_s - (time.perf_counter() - t0)))
     history = list(system)
-    for user in conv.user_turns:
+    for i, user in enumerate(conv.user_turns):
+        client = clients[(conv.index + i) % len(clients)]  # the router replicas take turns
         prompt, turn, output = history + user, Turn(), []
         turn.prompt_tokens = len(prompt)
-        turn.held_tokens = len(history) // args.block_size * args.block_size  # what the last turn left cached
+        # What the last turn left cached: its full blocks (the last output token's KV is never computed).
+        turn.held_tokens = (len(history) - (i > 0)) // args.block_size * args.block_size
         sent = time.perf_counter()
         try:
             async for chunk in client.generate(prompt, max_tokens=args.output_len, temperature=0, ignore_eos=True,
@@ -188,13 +200,17 @@ async def converse(client, args, system: list[int], conv: Conversation, t0: floa
         await asyncio.sleep(args.think_time)
 
 
-async def drive(args, address: str, system: list[int], conversations: list[Conversation]) -> float:
+async def drive(args, addresses: list[str], system: list[int], conversations: list[Conversation]) -> float:
     from baton.services.client import AsyncClient
 
-    async with AsyncClient(address) as client:
+    clients = [AsyncClient(a) for a in addresses]
+    try:
         t0 = time.perf_counter()
-        await asyncio.gather(*(converse(client, args, system, c, t0) for c in conversations))
+        await asyncio.gather(*(converse(clients, args, system, c, t0) for c in conversations))
         return time.perf_counter() - t0
+    finally:
+        for client in clients:
+            await client.close()
 
 
 def run_policy(args, policy: str, system, conversations, num_blocks: int, max_len: int) -> dict[str, float]:
@@ -207,9 +223,11 @@ def run_policy(args, policy: str, system, conversations, num_blocks: int, max_le
         addresses = [a for _, a, _ in engines]
         router_flags = ("--role", "router", "--policy", policy, "--decode", ",".join(addresses),
                         "--block-size", str(args.block_size), "--metrics-port", "0")
-        router = start(args, *router_flags, *(("--router-config", args.router_config) if args.router_config else ()))
-        procs.append(router[0])
-        wait_serving(router[1])
+        routers = [start(args, *router_flags, *(("--router-config", args.router_config) if args.router_config else ()))
+                   for _ in range(args.routers)]
+        procs += [r[0] for r in routers]
+        for r in routers:
+            wait_serving(r[1])
 
         async def warm_up():  # each engine's first step (kernel load, allocator) is not the policy's doing
             from baton.services.client import AsyncClient
@@ -219,9 +237,9 @@ def run_policy(args, policy: str, system, conversations, num_blocks: int, max_le
                         pass
         asyncio.run(warm_up())
         before = [engine_stats(a) for a in addresses]
-        wall = asyncio.run(drive(args, router[1], system, conversations))
+        wall = asyncio.run(drive(args, [r[1] for r in routers], system, conversations))
         after = [engine_stats(a) for a in addresses]
-        print(f"{policy} decisions: {decisions(router[2])}")
+        print(f"{policy} decisions: {'; '.join(decisions(r[2]) for r in routers)}")
     finally:
         stop(procs)
     turns = [t for c in conversations for t in c.turns if t.ok]
@@ -255,6 +273,12 @@ def main() -> None:
         num_blocks, max_len = kv_blocks_per_instance(args, system, conversations)
         if not shown:
             shown = True
+            ideal = sum((len(system) + sum(map(len, c.user_turns[:k])) + k * args.output_len - (k > 0)) // args.block_size
+                        * args.block_size for c in conversations for k in range(args.turns))
+            prompts = sum(len(system) + sum(map(len, c.user_turns[:k + 1])) + k * args.output_len
+                          for c in conversations for k in range(args.turns))
+            print(f"{args.routers} router(s); at most {100 * ideal / prompts:.1f}% of prompt tokens can hit "
+                  f"(each turn finds its whole conversation so far)")
             print(f"model {args.model.name}; {args.instances} instances of {num_blocks} KV blocks of {args.block_size} "
                   f"tokens; {args.conversations} conversations x {args.turns} turns (system prompt {args.system_len}, "
                   f"user ~{args.user_len}, reply {args.output_len} tokens; longest prompt {max_len}); their KV is "

@@ -85,6 +85,35 @@ def test_the_index_follows_tiers_and_clears():
     assert index.held("b", DEVICE | HOST_BIT) == set() and index.blocks.keys() == {2, 3, 4}
 
 
+def test_a_subscriber_far_behind_gets_a_snapshot_instead_of_the_batches_it_missed(monkeypatch):
+    import baton.services.server.kv_events as hub_module
+
+    monkeypatch.setattr(hub_module, "MAX_BEHIND", 3)
+
+    async def go():
+        hub = KVEventHub("e", 4)
+        hub.publish([KVEvent(KVEventKind.STORED, [1, 2], None)])
+        stream = hub.subscribe()
+        first = await stream.__anext__()
+        assert first.snapshot and first.seq == 1 and [e.kind for e in first.events] == [4, 1]  # ALL_CLEARED, STORED
+        hub.publish([KVEvent(KVEventKind.STORED, [3], 2)])
+        assert (await stream.__anext__()).seq == 2  # live, in order
+        for h in range(10, 16):  # six batches while it reads none: more than MAX_BEHIND
+            hub.publish([KVEvent(KVEventKind.STORED, [h], None)])
+        resync = await stream.__anext__()
+        assert resync.snapshot and resync.seq == 8
+        index = KVIndex(4)
+        for event in resync.events:
+            index.apply("e", event)
+        assert index.held("e") == {1, 2, 3, *range(10, 16)}
+        hub.publish([KVEvent(KVEventKind.REMOVED, [1])])
+        assert (await stream.__anext__()).seq == 9
+        await stream.aclose()
+        assert not hub._subscribers
+
+    run(go())
+
+
 # ---- real engines behind a router ---------------------------------------------------------------
 async def on(engine, coro):
     """Await a coroutine on a ServerThread's loop from this one."""
@@ -136,6 +165,11 @@ def test_the_router_s_index_matches_the_engines_through_requests_evictions_and_a
                 sent = {h for p in prompts for h in extend_block_hashes([], p, BLOCK)}
                 assert sent - set().union(*real)  # blocks were evicted, and the index let them go
                 assert set().union(*real) <= sent  # nothing else (the outputs' blocks are never full: 44 tokens)
+                late = await start_router(engines, tiny_llama)  # a router that comes late: the snapshots fill it
+                try:
+                    await index_matches(late, engines)
+                finally:
+                    await late.stop(0)
 
                 old_run = router.kv_subscriptions[engines[0].address].run
                 engines[0].close()  # a restart of one engine, on the same port
@@ -242,6 +276,12 @@ def test_kv_aware_weighs_held_blocks_device_above_host_against_load():
     assert choice.backend is b and choice.decision == "kv_overlap"  # b still holds the most (in host memory)
     a.active_blocks = b.active_blocks = 20
     assert policy.choose([c, b, a], prompt).decision == "kv_load"  # c, which holds nothing, wins on load
+    # A cold instance is not starved by the blocks the others hold: past the load bound it gets the request.
+    a.active_blocks = b.active_blocks = 0
+    a.outstanding, b.outstanding = 9, 9
+    choice = policy.choose([c, b, a], prompt)
+    assert choice.backend is c and choice.decision == "kv_load" and choice.inputs["load_bound"] == 9.5  # 1.5 x 19 / 3
+    assert choice.inputs["outstanding"] == [0, 9, 9]
     # Nothing held anywhere, nothing in flight: round robin.
     idle = [_Backend(x) for x in "xyz"]
     assert {policy.choose(idle, [1, 2]).backend.address for _ in range(3)} == {"x", "y", "z"}

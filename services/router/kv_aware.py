@@ -11,20 +11,26 @@ sent where (Backend.charge):
 
   score_i = overlap_score_weight * (D_i + host_hit_weight * H_i) - (Q_i + active_weight * A_i)
 
-The highest score wins; ties go to the fewest requests in flight, then round robin. Every input
-goes into the route span (Choice.inputs).
+The highest score wins among the candidates within prefix_affinity's load bound (requests in
+flight at most load_factor x the mean, or slack above the least loaded); ties go to the fewest
+requests in flight, then round robin. Every input goes into the route span (Choice.inputs).
 
 Why these weights. A block held is a block not computed before the first token, and a block
 queued is one computed before it: with overlap_score_weight 1 and active_weight 0 the score is,
 up to a constant, minus the blocks to compute before this request's first token, the TTFT-greedy
 choice (Dynamo's cost with its overlap_score_weight 1, less its active-blocks term). Greedy
 scatters a conversation as soon as its instance has a queue, and then each of its copies is
-evicted sooner: hits today cost hits tomorrow. Hence overlap_score_weight 4 by default: a
-conversation moves when its instance's queue exceeds four times what it would save. A running
+evicted sooner: hits today cost hits tomorrow. Hence overlap_score_weight 8 by default: a
+conversation moves when its instance's queue exceeds eight times what it would save. A running
 request's blocks slow each step by a token each, not by a block of prefill, but they fill the
 pool and push cached blocks out: active_weight 0.25. A block in host memory is loaded, not
 computed, at a fraction of the cost: host_hit_weight 0.5. bench/kv_routing.py measures the
 choice (docs/architecture.md has the figures).
+
+Why a bound besides the score. Blocks every instance but a cold one holds (a shared system
+prompt) count against the cold one in every decision, and a load term that grows a request at a
+time catches up slowly: the cold instance may never get a request, so never hold the prefix.
+The bound sends it one once the others are loaded enough, and from then on it competes.
 """
 from __future__ import annotations
 
@@ -35,12 +41,13 @@ from baton.services.router.policies import Choice
 
 
 class KVAware:
-    def __init__(self, index: KVIndex, overlap_score_weight: float = 4.0, host_hit_weight: float = 0.5,
-                 active_weight: float = 0.25):
+    def __init__(self, index: KVIndex, overlap_score_weight: float = 8.0, host_hit_weight: float = 0.5,
+                 active_weight: float = 0.25, load_factor: float = 1.5, slack: int = 4):
         self.index = index
         self.overlap_score_weight = overlap_score_weight
         self.host_hit_weight = host_hit_weight
         self.active_weight = active_weight
+        self.load_factor, self.slack = load_factor, slack
         self._turn = itertools.count()
 
     def choose(self, backends: list, hashes: list[int]) -> Choice:
@@ -55,13 +62,17 @@ class KVAware:
         turn = next(self._turn)
         order = sorted(range(len(backends)), key=lambda i: backends[i].address)
         rank = {i: (k - turn) % len(backends) for k, i in enumerate(order)}  # round robin among ties
-        best = max(range(len(backends)), key=lambda i: (rows[i][4], -backends[i].outstanding, -rank[i]))
+        loads = [b.outstanding for b in backends]
+        bound = max(self.load_factor * (sum(loads) + 1) / len(backends), min(loads) + self.slack)
+        allowed = [i for i, n in enumerate(loads) if n + 1 <= bound] or range(len(backends))
+        best = max(allowed, key=lambda i: (rows[i][4], -loads[i], -rank[i]))
         device, host = rows[best][0], rows[best][1]
         most = max(r[0] + r[1] for r in rows)
         decision = ("kv_overlap" if device + host == most else "kv_load") if most else "kv_least_loaded"
         columns = list(zip(*rows))
         inputs = {"prompt_blocks": prompt_blocks, "overlap_device_blocks": list(columns[0]),
                   "overlap_host_blocks": list(columns[1]), "queued_prefill_blocks": list(columns[2]),
-                  "active_blocks": list(columns[3]), "score": [float(round(s, 3)) for s in columns[4]]}
+                  "active_blocks": list(columns[3]), "score": [float(round(s, 3)) for s in columns[4]],
+                  "outstanding": loads, "load_bound": float(bound)}
         charge = (prompt_blocks - device - host, prompt_blocks)  # what the choice adds to its load
         return Choice(backends[best], decision, device + host, inputs, charge)

@@ -69,12 +69,12 @@ class PrefixAffinity:
 
 
 def make_policy(name: str, load_factor: float, slack: int, table_size: int, kv_index=None,
-                kv_weights: tuple[float, float, float] = (4.0, 0.5, 0.25)):
+                kv_weights: tuple[float, float, float] = (8.0, 0.5, 0.25)):
     if name == "round_robin":
         return RoundRobin()
     if name == "least_outstanding":
         return LeastOutstanding()
     if name == "kv_aware":
         from baton.services.router.kv_aware import KVAware
-        return KVAware(kv_index, *kv_weights)
+        return KVAware(kv_index, *kv_weights, load_factor, slack)
     return PrefixAffinity(load_factor, slack, table_size)

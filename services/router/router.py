@@ -62,12 +62,12 @@ class RouterOptions:
     tokenizer_dir: str | None = None  # prefix_affinity hashes token ids (without it, prompt bytes); kv_aware needs it
     block_size: int = 16  # the engines': affinity and kv_aware hash whole blocks as their prefix caches do
     affinity_blocks: int = 32  # deepest prefix (in blocks) the affinity table remembers
-    affinity_load_factor: float = 1.5  # by affinity, an instance takes at most this × the mean load,
+    affinity_load_factor: float = 1.5  # by affinity (or kv_aware), an instance takes at most this × the mean load,
     affinity_slack: int = 4  # or this many more requests than the least loaded one, whichever is more
     affinity_table_size: int = 100_000
     # kv_aware's weights (kv_aware.py): of a block held, of one held in host memory only (times the
     # first), and of a block in use by a request in flight (against 1 for a block queued for prefill).
-    kv_overlap_score_weight: float = 4.0
+    kv_overlap_score_weight: float = 8.0
     kv_host_hit_weight: float = 0.5
     kv_active_weight: float = 0.25
     resolve_interval_s: float = 5.0
