@@ -17,6 +17,7 @@ from baton.engine.core_messages import (AdapterInfo, CallError, CoreFailure, Cor
                                         EngineFacts, LoadAdapter)
 from baton.engine.errors import InvalidArgument, check
 from baton.engine.kv_cache_manager import KVCacheManager
+from baton.engine.kv_events import KVEventLog
 from baton.engine.loader import load_model
 from baton.engine.lora.adapter import adapter_bytes
 from baton.engine.lora.layers import LoRASlots
@@ -126,6 +127,15 @@ class EngineCore:
         taken = StepEvents(self.scheduler.events, self._step_tokens, self.scheduler.last_step_time)
         self.scheduler.events, self._step_tokens = [], []
         return taken
+
+    def record_kv_events(self) -> KVEventLog:
+        """From now on record the KV cache's events (blocks stored, removed): the log to take them from."""
+        self.kv.events = KVEventLog()
+        return self.kv.events
+
+    def kv_block_hashes(self) -> list[int]:
+        """The hashes of the blocks the prefix cache holds now (what its KV events describe)."""
+        return list(self.kv.cached)
 
     # ---- requests ---------------------------------------------------------------------------
     def add(self, msg: CoreRequest) -> Request:

@@ -30,6 +30,7 @@ from baton.engine.core_messages import (CORE_CALLS, CallResult, CoreAbort, CoreC
                                         CoreReady, CoreRequest, CoreShutdown, CoreStep, EngineFacts, error_from)
 from baton.engine.errors import StartupError
 from baton.engine.input_processor import InputProcessor
+from baton.engine.kv_events import KVEvent
 from baton.engine.output_processor import OutputProcessor, StepOutput
 from baton.engine.stats import StepEvents
 from baton.engine.tokenizer import load_tokenizer
@@ -72,16 +73,19 @@ def merge_queued(out: StepOutput | BaseException, outputs: asyncio.Queue) -> Ste
 class CoreClient:
     def __init__(self, config: EngineConfig, engine_id: str, hold_timeout_s: float,
                  max_waiting_requests: int | None = None, on_dead: Callable[[BaseException], None] | None = None,
-                 on_step: Callable[[StepEvents, list[StepOutput]], None] | None = None):
+                 on_step: Callable[[StepEvents, list[StepOutput]], None] | None = None,
+                 on_kv_events: Callable[[list[KVEvent]], None] | None = None):
         """`engine_id`: the core's NIXL agent name. `on_step`: given each step's request events and
         outputs, before the outputs reach their streams (telemetry); without it the core records
-        no events."""
+        no events. `on_kv_events`: given the KV cache's events (kv_events.py) in the order they
+        happened, from the core's start on; without it the core records none."""
         self.config = config
         self.engine_id = engine_id
         self.hold_timeout_s = hold_timeout_s
         self.max_waiting_requests = max_waiting_requests
         self.on_dead = on_dead
         self.on_step = on_step
+        self.on_kv_events = on_kv_events
         self.facts: EngineFacts | None = None
         self.tokenizer = None  # the front's own, loaded while the core loads
         self.inputs: InputProcessor | None = None
@@ -125,7 +129,8 @@ class CoreClient:
         from baton.engine.core_process import CoreOptions
 
         loop = asyncio.get_running_loop()
-        options = CoreOptions(self.engine_id, self.hold_timeout_s, self.on_step is not None, *self._addresses)
+        options = CoreOptions(self.engine_id, self.hold_timeout_s, self.on_step is not None, *self._addresses,
+                              kv_events=self.on_kv_events is not None)
         self._proc = subprocess.Popen([sys.executable, "-m", "baton.engine.core_process"], stdin=subprocess.PIPE)
         self._proc.stdin.write(pickle.dumps((self.config, options, os.getpid())))
         self._proc.stdin.close()
@@ -288,6 +293,11 @@ class CoreClient:
 
     def _on_step(self, msg: CoreStep) -> None:
         self._core_waiting, self._num_received = msg.num_waiting, msg.num_received
+        if msg.kv_events:  # (only sent to a client with on_kv_events)
+            try:
+                self.on_kv_events(msg.kv_events)
+            except Exception:  # noqa: BLE001 - publishing must never cost a request
+                log.exception("the KV cache's events could not be published")
         outputs, stopped = self.outputs.process(msg.outputs, msg.time)
         if stopped:  # ended here by a stop string: the core still runs them (or holds their blocks)
             self._send(CoreAbort(stopped))

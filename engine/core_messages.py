@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
+from baton.engine.kv_events import KVEvent
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.stats import EngineSnapshot, StepEvents
 from baton.engine.errors import InUse, InvalidArgument, NotFound, StartupError
@@ -111,6 +112,7 @@ class CoreStep(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc
     num_received: int  # requests received since the core started (the front's sent - received: not yet queued)
     failures: list[CoreFailure] = []
     events: StepEvents | None = None  # when the front asked for them (telemetry)
+    kv_events: list[KVEvent] = []  # the KV cache's, since the last CoreStep, when the front asked for them
 
 
 class CallResult(msgspec.Struct, tag=True, array_like=True):
@@ -157,7 +159,8 @@ class CoreStats(msgspec.Struct):
 
 # What a front may call between steps: method -> (argument type, result type).
 CORE_CALLS = {"snapshot": (None, EngineSnapshot), "stats": (None, CoreStats), "release_hold": (str, bool),
-              "add_peer": (KVLayout, None), "load_adapter": (LoadAdapter, AdapterInfo),
+              "add_peer": (KVLayout, None), "kv_block_hashes": (None, list[int]),
+              "load_adapter": (LoadAdapter, AdapterInfo),
               "unload_adapter": (str, AdapterInfo), "list_adapters": (None, list[AdapterInfo])}
 
 

@@ -46,6 +46,7 @@ class CoreOptions:
     record_events: bool  # the front turns them into spans and metrics
     input_address: str  # the front's PUSH binds here; the core connects
     output_address: str
+    kv_events: bool = False  # send the KV cache's events with each step (the front publishes them)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -117,6 +118,7 @@ class CoreLoop:
     def __init__(self, core: EngineCore, options: CoreOptions, out: zmq.Socket, parent: int):
         self.core = core
         self.record = options.record_events
+        self.kv_log = core.record_kv_events() if options.kv_events else None
         self.inputs: queue.SimpleQueue = queue.SimpleQueue()
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()
         self._parent = parent
@@ -162,9 +164,11 @@ class CoreLoop:
                     outputs += core.step()
                     failures += core.take_failures()
                 events = core.take_events() if self.record else None
-                if outputs or taken or failures or (events is not None and (events.events or events.step_tokens)):
+                kv_events = self.kv_log.take() if self.kv_log is not None else []
+                if (outputs or taken or failures or kv_events
+                        or (events is not None and (events.events or events.step_tokens))):
                     self.outputs.put(CoreStep(outputs, core.scheduler.last_step_time, core.num_waiting,
-                                              self.num_received, failures, events))
+                                              self.num_received, failures, events, kv_events))
         except Exception as e:  # noqa: BLE001 - the front fails its streams with this, then the process ends
             log.exception("the engine core's step loop failed")
             err = error_of(e)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from baton.engine.kv_events import NO_KV_EVENTS
 from baton.engine.request import ROOT_HASH, Request
 
 
@@ -52,6 +53,7 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}  # how many leading blocks of a request are in `cached`
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
+        self.events = NO_KV_EVENTS  # told each hash that enters or leaves `cached` (kv_events.py)
 
     # ---- figures -------------------------------------------------------------------------
     @property
@@ -103,6 +105,7 @@ class KVCacheManager:
             if block_hash not in self.cached and blocks[i].block_hash is None:
                 blocks[i].block_hash = block_hash
                 self.cached[block_hash] = blocks[i]
+                self.events.stored(block_hash, request.block_hashes[i - 1] if i else None)
         self.num_cached_blocks[request.request_id] = max(start, end)
 
     # ---- allocation ----------------------------------------------------------------------
@@ -144,6 +147,7 @@ class KVCacheManager:
     def _pop_free_block(self) -> Block:
         _, block = self.free_queue.popitem(last=False)
         if block.block_hash is not None:  # evict: its old contents are about to be overwritten
+            self.events.removed(block.block_hash)
             del self.cached[block.block_hash]
             block.block_hash = None
         block.ref_cnt = 1
@@ -162,6 +166,7 @@ class KVCacheManager:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if index >= num_valid and block.block_hash is not None:
+                    self.events.removed(block.block_hash)
                     del self.cached[block.block_hash]
                     block.block_hash = None
                 self.free_queue[block.block_id] = block
@@ -172,3 +177,4 @@ class KVCacheManager:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        self.events.cleared()

@@ -111,7 +111,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
         self.thread.start()
         config = EngineConfig.from_kwargs(model_dir, dtype="float32", device="cpu", **engine_args)
-        self.server = self.call(self._make(Server, config, ServerOptions(port=0, **(options or {}))))
+        self.server = self.call(self._make(Server, config, ServerOptions(**{"port": 0, **(options or {})})))
         self.address = self.server.address
 
     @staticmethod
@@ -153,6 +153,8 @@ class ServerThread:
             os.kill(pid, signal.SIGCONT)
 
     def close(self, grace_s: float = 0) -> None:
+        if not self.thread.is_alive():  # closed already
+            return
         try:
             self.call(self.server.stop(grace_s))
         finally:

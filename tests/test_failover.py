@@ -264,13 +264,19 @@ def test_a_stream_that_failed_after_its_last_message_is_not_moved():
         def failed(self):
             self.healthy = False
 
+        def prefilled(self, request_id):  # the router's load ledger (kv_aware's): nothing charged here
+            pass
+
+        def settle(self, request_id):
+            pass
+
     dying = Backend(address="a", outstanding=0, script=lambda: Call(
         [pb.GenerateResponse(token_ids=[5, 6]), pb.GenerateResponse(token_ids=[2], finish_reason=pb.FINISH_REASON_STOP)],
         True))
     spare = Backend(address="b", outstanding=0, script=lambda: Call(
         [pb.GenerateResponse(token_ids=[9], finish_reason=pb.FINISH_REASON_LENGTH)], False))
 
-    def pick(tier, policy, hashes, trace, request_id, tried=()):
+    def pick(tier, policy, hashes, trace, request_id, tried=(), adapter=""):
         backend = next(b for b in (dying, spare) if b not in tried)
         backend.outstanding += 1
         return backend

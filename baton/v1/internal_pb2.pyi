@@ -1,10 +1,34 @@
 from baton.v1 import generate_pb2 as _generate_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KVEventKind]
+    KV_EVENT_KIND_STORED: _ClassVar[KVEventKind]
+    KV_EVENT_KIND_REMOVED: _ClassVar[KVEventKind]
+    KV_EVENT_KIND_TIER_MOVED: _ClassVar[KVEventKind]
+    KV_EVENT_KIND_ALL_CLEARED: _ClassVar[KVEventKind]
+
+class KVTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_UNSPECIFIED: _ClassVar[KVTier]
+    KV_TIER_DEVICE: _ClassVar[KVTier]
+    KV_TIER_HOST: _ClassVar[KVTier]
+KV_EVENT_KIND_UNSPECIFIED: KVEventKind
+KV_EVENT_KIND_STORED: KVEventKind
+KV_EVENT_KIND_REMOVED: KVEventKind
+KV_EVENT_KIND_TIER_MOVED: KVEventKind
+KV_EVENT_KIND_ALL_CLEARED: KVEventKind
+KV_TIER_UNSPECIFIED: KVTier
+KV_TIER_DEVICE: KVTier
+KV_TIER_HOST: KVTier
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
@@ -57,6 +81,38 @@ class KVFormat(_message.Message):
     block_size: int
     attention_backend: str
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+
+class SubscribeKVEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("instance_id", "epoch", "seq", "snapshot", "block_size", "events")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    epoch: int
+    seq: int
+    snapshot: bool
+    block_size: int
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    def __init__(self, instance_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., block_size: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("kind", "block_hashes", "parent_hash", "tier")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    kind: KVEventKind
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent_hash: int
+    tier: KVTier
+    def __init__(self, kind: _Optional[_Union[KVEventKind, str]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., tier: _Optional[_Union[KVTier, str]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -233,6 +233,11 @@ class AdminStub:
                 request_serializer=baton_dot_v1_dot_internal__pb2.StatsRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_internal__pb2.EngineStats.FromString,
                 _registered_method=True)
+        self.SubscribeKVEvents = channel.unary_stream(
+                '/baton.v1.Admin/SubscribeKVEvents',
+                request_serializer=baton_dot_v1_dot_internal__pb2.SubscribeKVEventsRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_internal__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -245,6 +250,18 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKVEvents(self, request, context):
+        """The prefix cache's events, as vLLM publishes them (blocks stored, removed, moved between
+        tiers, all cleared), for a router's index of which instance holds which blocks. The stream
+        opens with a snapshot (ALL_CLEARED, then STORED for every block held), then goes on with
+        live batches, numbered: a batch that does not follow its predecessor (seq + 1) means a lost
+        batch, another instance_id or epoch a restart; either way, subscribe again. A subscriber
+        that falls far behind gets a fresh snapshot in the stream instead of the batches it missed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -252,6 +269,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=baton_dot_v1_dot_internal__pb2.StatsRequest.FromString,
                     response_serializer=baton_dot_v1_dot_internal__pb2.EngineStats.SerializeToString,
+            ),
+            'SubscribeKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKVEvents,
+                    request_deserializer=baton_dot_v1_dot_internal__pb2.SubscribeKVEventsRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_internal__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -281,6 +303,33 @@ class Admin:
             '/baton.v1.Admin/Stats',
             baton_dot_v1_dot_internal__pb2.StatsRequest.SerializeToString,
             baton_dot_v1_dot_internal__pb2.EngineStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.Admin/SubscribeKVEvents',
+            baton_dot_v1_dot_internal__pb2.SubscribeKVEventsRequest.SerializeToString,
+            baton_dot_v1_dot_internal__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -316,7 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--decode", action="append", metavar="HOST:PORT[,…]", help="decode instances, as --prefill")
     r.add_argument("--policy", choices=POLICIES,
                    help="how to pick an instance (default round_robin); prefix_affinity sends shared prompt "
-                        "prefixes to one instance, within a load bound")
+                        "prefixes to one instance, within a load bound; kv_aware follows every instance's KV "
+                        "cache events and picks the one holding most of the prompt against its load (needs "
+                        "--model for the tokenizer; its weights: kv_overlap_score_weight, kv_host_hit_weight "
+                        "in --router-config)")
     r.add_argument("--max-migrations", type=int,
                    help="times a request may move to another decode instance when its instance fails mid-stream "
                         "(it resumes from the tokens already streamed; default 2)")

@@ -49,9 +49,35 @@ class Backend:
         self.adapters: dict[str, pb.Adapter] = {}  # LoRA adapters loaded there, by name (ListAdapters)
         self.outstanding = 0
         self.num_routed = 0
+        # The load kv_aware weighs (Dynamo's router keeps the same ledger of what it sent where):
+        self.queued_prefill_blocks = 0  # prompt blocks sent here whose first token has not come back
+        self.active_blocks = 0  # prompt blocks of the requests in flight here
+        self._charges: dict[str, list[int]] = {}  # request id -> [queued, active] it added
         self._retry_s = retry_s
         self._on_health_change = on_health_change
         self._watch: asyncio.Task | None = None
+
+    def charge(self, request_id: str, charge: tuple[int, int]) -> None:
+        """A request went here, adding (blocks to compute, blocks in all) to its load."""
+        if charge != (0, 0):
+            self.settle(request_id)
+            self._charges[request_id] = list(charge)
+            self.queued_prefill_blocks += charge[0]
+            self.active_blocks += charge[1]
+
+    def prefilled(self, request_id: str) -> None:
+        """The request's first token came back: its prompt is computed."""
+        c = self._charges.get(request_id)
+        if c is not None:
+            self.queued_prefill_blocks -= c[0]
+            c[0] = 0
+
+    def settle(self, request_id: str) -> None:
+        """The request's call here ended."""
+        self.prefilled(request_id)
+        c = self._charges.pop(request_id, None)
+        if c is not None:
+            self.active_blocks -= c[1]
 
     def start(self) -> None:
         self._watch = asyncio.ensure_future(self._watch_health())

@@ -84,8 +84,9 @@ async def pass_on_or_take_out(backend: Backend, e: grpc.aio.AioRpcError, context
     backend.failed()
 
 
-def end_call(backend: Backend, call) -> None:
+def end_call(backend: Backend, call, request_id: str) -> None:
     backend.outstanding -= 1
+    backend.settle(request_id)
     if not call.done():  # the client went away (cancel, deadline): stop the backend's work too
         call.cancel()
 
@@ -112,6 +113,7 @@ async def decode_leg(router, msg: pb.GenerateRequest, hashes: list[int], metadat
                 async for raw in call:
                     if not answered:
                         answered = True
+                        decode.prefilled(msg.request_id)
                         if msg.HasField("kv_handle"):
                             held = None  # the decode has the blocks: it, or the prefill's timeout, ends the hold
                             trace.decode_answer(await call.initial_metadata())
@@ -138,7 +140,7 @@ async def decode_leg(router, msg: pb.GenerateRequest, hashes: list[int], metadat
                 error = e
                 raise
             finally:
-                end_call(decode, call)
+                end_call(decode, call, msg.request_id)
                 trace.call_ended(span, "decode", decode, error)
             if len(tried) > r.options.max_migrations:
                 names = ", ".join(b.address for b in tried)

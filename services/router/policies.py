@@ -1,21 +1,25 @@
-"""How the router picks an instance of a tier: round robin, fewest requests in flight, or the
-instance whose prefix cache most likely holds the prompt's start (within a load bound).
+"""How the router picks an instance of a tier: round robin, fewest requests in flight, the
+instance whose prefix cache most likely holds the prompt's start (within a load bound), or
+(kv_aware.py) the one whose cache, as its KV events tell, holds most of it against its load.
 
-A policy sees backends through `address`, `outstanding` and `num_routed` only, and says why
-it chose what it chose (for the route span and the policy-decision metric)."""
+A policy sees backends through `address`, `outstanding` and `num_routed` (kv_aware: and the
+router's ledger of their load) only, and says why it chose what it chose (for the route span
+and the policy-decision metric)."""
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
 from typing import NamedTuple
 
-POLICIES = ("round_robin", "least_outstanding", "prefix_affinity")
+POLICIES = ("round_robin", "least_outstanding", "prefix_affinity", "kv_aware")
 
 
 class Choice(NamedTuple):
     backend: object
     decision: str  # round_robin, least_loaded, affinity, or load_bound (affinity overruled by load)
     prefix_hit_blocks: int = 0  # how deep the prompt's prefix matched what the instance served
+    inputs: dict | None = None  # what the decision weighed, per candidate (kv_aware), for the route span
+    charge: tuple[int, int] = (0, 0)  # blocks the request adds to the instance: to compute, in all (kv_aware)
 
 
 class RoundRobin:
@@ -64,9 +68,13 @@ class PrefixAffinity:
         return choice
 
 
-def make_policy(name: str, load_factor: float, slack: int, table_size: int):
+def make_policy(name: str, load_factor: float, slack: int, table_size: int, kv_index=None,
+                kv_weights: tuple[float, float, float] = (8.0, 0.5, 0.25)):
     if name == "round_robin":
         return RoundRobin()
     if name == "least_outstanding":
         return LeastOutstanding()
+    if name == "kv_aware":
+        from baton.services.router.kv_aware import KVAware
+        return KVAware(kv_index, *kv_weights, load_factor, slack)
     return PrefixAffinity(load_factor, slack, table_size)

@@ -28,10 +28,11 @@ from baton.engine.errors import InvalidArgument
 from baton.engine.kv_cache_manager import extend_block_hashes
 from baton.services.router.backends import Backend, Tier, split_host_port
 from baton.services.router.decode_leg import Relay, aborted_response, decode_leg, pass_on_or_take_out
+from baton.services.router.kv_index import KVEventSubscription, KVIndex
 from baton.services.router.policies import POLICIES, make_policy
 from baton.services.router.runtime import RouterRuntime
 from baton.services.router.telemetry import RouterTrace
-from baton.services.rpc.api import ROUTER_LIVENESS, SERVICE_NAME, TOKEN_KEY, chat_messages, token_metadata
+from baton.services.rpc.api import ROUTER_LIVENESS, SERVICE_NAME, TOKEN_KEY, chat_messages, chat_tools, token_metadata
 from baton.services.rpc.errors import abort_invalid
 from baton.services.rpc.fan_out import child_requests, merge, num_completions, retag
 from baton.services.rpc.runtime import CallRegistry
@@ -43,6 +44,8 @@ from baton.v1 import generate_pb2 as pb
 
 log = logging.getLogger("baton.router")
 _ABORTED = object()  # a prefill call ended by the Abort API
+
+HASHING_POLICIES = ("prefix_affinity", "kv_aware")  # they hash the prompt's blocks as the engines do
 
 # Client metadata that is the transport's own, not the application's, and is not forwarded.
 _HOP_BY_HOP = ("user-agent", TOKEN_KEY)
@@ -56,12 +59,17 @@ class RouterOptions:
     port: int = 50051
     policy: str = "round_robin"
     internal_token: str | None = None
-    tokenizer_dir: str | None = None  # prefix_affinity hashes token ids; without it, prompt bytes
-    block_size: int = 16  # the engines': affinity hashes whole blocks as their prefix caches do
+    tokenizer_dir: str | None = None  # prefix_affinity hashes token ids (without it, prompt bytes); kv_aware needs it
+    block_size: int = 16  # the engines': affinity and kv_aware hash whole blocks as their prefix caches do
     affinity_blocks: int = 32  # deepest prefix (in blocks) the affinity table remembers
-    affinity_load_factor: float = 1.5  # by affinity, an instance takes at most this × the mean load,
+    affinity_load_factor: float = 1.5  # by affinity (or kv_aware), an instance takes at most this × the mean load,
     affinity_slack: int = 4  # or this many more requests than the least loaded one, whichever is more
     affinity_table_size: int = 100_000
+    # kv_aware's weights (kv_aware.py): of a block held, of one held in host memory only (times the
+    # first), and of a block in use by a request in flight (against 1 for a block queued for prefill).
+    kv_overlap_score_weight: float = 8.0
+    kv_host_hit_weight: float = 0.5
+    kv_active_weight: float = 0.25
     resolve_interval_s: float = 5.0
     health_retry_s: float = 0.5
     max_message_bytes: int = 16 << 20
@@ -79,6 +87,14 @@ class RouterOptions:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not self.decode:
             raise ValueError("decode: at least one decode instance is needed")
+        if self.policy == "kv_aware" and not self.tokenizer_dir:
+            raise ValueError("tokenizer_dir: kv_aware hashes the prompt's token ids as the engines do; give the "
+                             "checkpoint's directory (--model)")
+        for name, low, high in (("kv_overlap_score_weight", 0, None), ("kv_host_hit_weight", 0, 1),
+                                ("kv_active_weight", 0, None)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and low <= value and (high is None or value <= high)):
+                raise ValueError(f"{name}: must be a number >= {low}{f' and <= {high}' if high else ''}, got {value!r}")
         if self.max_in_flight is not None and not (isinstance(self.max_in_flight, int) and self.max_in_flight >= 1):
             raise ValueError(f"max_in_flight: must be an integer >= 1, got {self.max_in_flight!r}")
         if not (isinstance(self.max_migrations, int) and self.max_migrations >= 0):
@@ -141,7 +157,7 @@ class RouterService(RouterRuntime):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is starting or draining")
         metadata = r.forwarded_metadata(context)
         # Tokenizing for affinity takes a while on a long prompt: not on the event loop.
-        hashes = await asyncio.to_thread(r.prefix_hashes, msg) if r.options.policy == "prefix_affinity" else []
+        hashes = await asyncio.to_thread(r.prefix_hashes, msg) if r.options.policy in HASHING_POLICIES else []
         relay = Relay(msg)  # before the prefill call: its first token is the client's too
         prefill_tried: list[Backend] = []
         reply = None
@@ -205,6 +221,7 @@ class RouterService(RouterRuntime):
             return None
         finally:
             prefill.outstanding -= 1
+            prefill.settle(msg.request_id)
             trace.call_ended(span, "prefill", prefill, error)
 
 
@@ -224,8 +241,12 @@ class Router:
         self.options = o = options
         self.prefill = Tier("prefill", o.prefill, o.health_retry_s, self._health_changed, o.tls)
         self.decode = Tier("decode", o.decode, o.health_retry_s, self._health_changed, o.tls)
+        # kv_aware: what every instance holds, from their KV events (one index for both tiers).
+        self.kv_index = KVIndex(o.block_size) if o.policy == "kv_aware" else None
+        self.kv_subscriptions: dict[str, KVEventSubscription] = {}  # backend address -> its stream
         self.prefill_policy, self.decode_policy = (
-            make_policy(o.policy, o.affinity_load_factor, o.affinity_slack, o.affinity_table_size) for _ in range(2))
+            make_policy(o.policy, o.affinity_load_factor, o.affinity_slack, o.affinity_table_size, self.kv_index,
+                        (o.kv_overlap_score_weight, o.kv_host_hit_weight, o.kv_active_weight)) for _ in range(2))
         self.tokenizer = None
         self.model_name = o.served_model_name or (os.path.basename(os.path.normpath(o.tokenizer_dir))
                                                   if o.tokenizer_dir else "baton")
@@ -261,11 +282,10 @@ class Router:
         await self.health.set(ROUTER_LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self.grpc.start()
         o = self.options
-        if o.tokenizer_dir and (o.policy == "prefix_affinity" or o.http_port is not None):
+        if o.tokenizer_dir and (o.policy in HASHING_POLICIES or o.http_port is not None):
             from baton.engine.tokenizer import load_tokenizer
             self.tokenizer = await asyncio.to_thread(load_tokenizer, o.tokenizer_dir)
-        for tier in (self.prefill, self.decode):
-            await tier.refresh()
+        await self._refresh()
         self._resolver = asyncio.ensure_future(self._resolve_periodically())
         if o.http_port is not None:
             from baton.services.openai.front import OpenAIFront
@@ -277,9 +297,21 @@ class Router:
     async def _resolve_periodically(self) -> None:
         while True:
             await asyncio.sleep(self.options.resolve_interval_s)
-            for tier in (self.prefill, self.decode):
-                await tier.refresh()
-                await asyncio.gather(*(b.refresh_adapters() for b in tier.healthy()))
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        """Resolve the tiers' names again; kv_aware: follow the KV events of each instance there is."""
+        for tier in (self.prefill, self.decode):
+            await tier.refresh()
+            await asyncio.gather(*(b.refresh_adapters() for b in tier.healthy()))
+        if self.kv_index is None:
+            return
+        backends = {b.address: b for tier in (self.prefill, self.decode) for b in tier.backends.values()}
+        for address in self.kv_subscriptions.keys() - backends.keys():
+            await self.kv_subscriptions.pop(address).close()
+        for address in backends.keys() - self.kv_subscriptions.keys():
+            self.kv_subscriptions[address] = KVEventSubscription(self.kv_index, backends[address],
+                                                                 self.options.internal_token)
 
     async def _report(self, serving: bool) -> None:
         if serving != self._reported:
@@ -307,12 +339,14 @@ class Router:
         backend = choice.backend
         backend.outstanding += 1
         backend.num_routed += 1
+        backend.charge(request_id, choice.charge)
         self.routed.setdefault(request_id, set()).add(backend)  # where an Abort must go
         return backend
 
     def prefix_hashes(self, msg: pb.GenerateRequest) -> list[int]:
-        """Block hashes of the prompt's start, for prefix affinity: of its token ids as the
-        engines hash them when the router has the tokenizer, else of its UTF-8 bytes."""
+        """Block hashes of the prompt's start (prefix affinity) or of all of it (kv_aware): of its
+        token ids as the engines hash them when the router has the tokenizer, else of its UTF-8
+        bytes."""
         o = self.options
         kind = msg.WhichOneof("prompt")
         if kind == "token_ids":
@@ -323,14 +357,18 @@ class Router:
             messages = chat_messages(msg.chat)
             if self.tokenizer is not None and self.tokenizer.chat_template and messages:
                 from baton.engine.tokenizer import apply_chat_template  # loaded with the tokenizer
-                units = apply_chat_template(self.tokenizer, messages)
+                try:
+                    units = apply_chat_template(self.tokenizer, messages, chat_tools(msg.chat))
+                except InvalidArgument:  # the engine refuses it, naming the field
+                    return []
             else:
                 units = list("\n".join(f"{m['role']}: {m['content']}" for m in messages).encode())
         else:
             return []
         root = next((b.adapters[msg.adapter].hash_root for tier in (self.decode, self.prefill)
                      for b in tier.backends.values() if msg.adapter in b.adapters), None) if msg.adapter else None
-        return extend_block_hashes([], units, o.block_size, o.affinity_blocks, **({"root": root} if root else {}))
+        return extend_block_hashes([], units, o.block_size, None if o.policy == "kv_aware" else o.affinity_blocks,
+                                   **({"root": root} if root else {}))
 
     def forwarded_metadata(self, context: grpc.aio.ServicerContext) -> tuple:
         md = [(k, v) for k, v in (context.invocation_metadata() or ())
@@ -353,6 +391,8 @@ class Router:
             await self.http.stop()
         if self._resolver is not None:
             self._resolver.cancel()
+        for subscription in self.kv_subscriptions.values():
+            await subscription.close()
         for tier in (self.prefill, self.decode):
             await tier.close()
         tracing.shutdown(self.tracer)

@@ -97,7 +97,9 @@ class RouterTrace:
                 "baton.route.tier": tier, "baton.route.policy": policy, "baton.route.decision": choice.decision,
                 "baton.route.candidates": [b.address for b in candidates],
                 "baton.route.chosen": choice.backend.address,
-                "baton.route.expected_prefix_hit_blocks": choice.prefix_hit_blocks}), now)
+                "baton.route.expected_prefix_hit_blocks": choice.prefix_hit_blocks,
+                # kv_aware's scoring inputs, one value per candidate (in candidates' order)
+                **{f"baton.route.kv.{k}": v for k, v in (choice.inputs or {}).items()}}), now)
 
     def client_call(self, tier: str, backend, method: str, metadata: tuple):
         """A CLIENT span for a call to a backend, and the metadata that carries it."""

@@ -28,6 +28,7 @@ from baton.services.rpc.errors import abort
 from baton.services.rpc.serving import advertised_host, drain, in_background, make_grpc_server, set_health
 from baton.services.rpc.tls import TLSConfig
 from baton.services.server.generation import GenerationService
+from baton.services.server.kv_events import KVEventHub
 from baton.services.server.kv_peers import KVPeers, KVPeerService
 from baton.services.server.prefill import PrefillService
 from baton.services.server.runtime import load_from_snapshot, model_info
@@ -84,6 +85,11 @@ class AdminService(internal_pb2_grpc.AdminServicer):
             num_failed_loads=snap.num_failed_loads, num_blocks_pulled=s.num_blocks_pulled,
             num_requests=core.num_requests, engine_core_pid=core.pid)
 
+    async def SubscribeKVEvents(self, msg: internal_pb2.SubscribeKVEventsRequest, context: grpc.aio.ServicerContext):
+        await self.server.check_internal(context)
+        async for batch in self.server.kv_events.subscribe():
+            yield batch
+
 
 class Server:
     """Listens at once (health answers NOT_SERVING while the model loads), then serves."""
@@ -119,6 +125,7 @@ class Server:
                                if self.metrics_registry is not None else None)
         self.background: set[asyncio.Task] = set()
         self.kv_peers = KVPeers(self)
+        self.kv_events = KVEventHub(self.engine_id, config.block_size)  # for a router's index (kv_events.py)
         self.http = None  # the OpenAI front, once started
 
     @property
@@ -133,7 +140,8 @@ class Server:
         o = self.options
         self.core = CoreClient(self.config, self.engine_id, o.kv_hold_timeout_s, o.max_waiting_requests,
                                on_dead=self._on_core_dead,
-                               on_step=self.telemetry.on_step if self.tracer or self.metrics_registry else None)
+                               on_step=self.telemetry.on_step if self.tracer or self.metrics_registry else None,
+                               on_kv_events=self.kv_events.publish)
         facts = await self.core.start()
         self.config.max_model_len = facts.max_model_len  # resolved by the core
         self.telemetry.block_bytes = facts.kv_layout.block_bytes
