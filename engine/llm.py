@@ -56,7 +56,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (the next request computes its whole prompt)."""
-        self.engine.kv.reset_prefix_cache()
+        self.engine.core.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  priority: list[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
