@@ -215,6 +215,8 @@ spec:
 {{- end }}
 {{- if ne (toString ($e.gpuMemoryUtilization | default "")) "" }}{{ $args = append $args (printf "--gpu-memory-utilization=%v" $e.gpuMemoryUtilization) }}{{ end }}
 {{- if ne (toString ($e.kvHoldTimeout | default "")) "" }}{{ $args = append $args (printf "--kv-hold-timeout=%v" $e.kvHoldTimeout) }}{{ end }}
+{{- if ne (toString ($e.kvOffloadingSize | default "")) "" }}{{ $args = append $args (printf "--kv-offloading-size=%v" $e.kvOffloadingSize) }}{{ end }}
+{{- with $e.preemptionMode }}{{ $args = append $args (printf "--preemption-mode=%s" .) }}{{ end }}
 {{- $args = append $args (printf "--grace-period=%v" $v.gracePeriodSeconds) }}
 {{- range $e.extraArgs }}{{ $args = append $args (toString .) }}{{ end }}
 {{- toJson $args }}
