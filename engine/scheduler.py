@@ -112,8 +112,11 @@ class Scheduler:
         if self.by_priority:  # waiting stays sorted by (priority, arrival)
             keys = [r.priority_key() for r in self.waiting]
             self.waiting.insert(bisect.bisect(keys, request.priority_key()), request)
-        elif front:
-            self.waiting.appendleft(request)
+        elif front:  # behind requests whose blocks are in place (landed loads): they can run, it may not
+            i = 0
+            while i < len(self.waiting) and self.waiting[i].request_id in self.kv.req_blocks:
+                i += 1
+            self.waiting.insert(i, request)
         else:
             self.waiting.append(request)
 
