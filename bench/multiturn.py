@@ -62,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads: on a shared machine one keeps the "
                    "figures steady (OpenMP threads spin on cores the others need)")
     p.add_argument("--quick", action="store_true", help="a smaller run (16 conversations x 4 turns)")
+    p.add_argument("--only", choices=("chat", "long"), help="run one of the two comparisons")
     p.add_argument("--measure-copies", action="store_true", help="only time the copier: inline vs background")
     return p.parse_args()
 
@@ -211,6 +212,13 @@ def main() -> None:
         return measure_copies(probe)
     del probe
 
+    if args.only != "long":
+        run_chat(args, model, vocab, nbytes)
+    if args.only != "chat":
+        run_long(args, model, vocab, nbytes)
+
+
+def run_chat(args, model: str, vocab: int, nbytes: int) -> None:
     working_set = chat_kv_blocks(args)
     device_blocks = max(int(working_set / args.working_set_ratio),
                         -(-(args.system_len + args.turns * (args.user_len + args.answer_len)) // args.block_size) * 2)
@@ -226,6 +234,8 @@ def main() -> None:
     print_table(rows, "tier off")
     print(f"outputs identical with the tier on and off: {answers['tier on'] == answers['tier off']}")
 
+
+def run_long(args, model: str, vocab: int, nbytes: int) -> None:
     # Room for half the long requests' prompts, not for their decodes: they preempt one another.
     full = -(-(args.long_prompt + args.long_output) // args.block_size)
     long_blocks = max(full, max(2, args.long_requests // 2) * -(-args.long_prompt // args.block_size) + 1)
