@@ -280,8 +280,9 @@ class Scheduler:
         if request.request_id in self.kv.req_blocks:  # its blocks came with a remote load
             return [], 0, False
         if self.host is not None and request.request_id in self.host.swapped:  # swapped out: load them back
-            num_host = self.host.match(request, 0)
-            return [], num_host, num_host > 0
+            if num_host := self.host.match(request, 0):
+                return [], num_host, True
+            self.host.drop_swapped(request)  # nothing worth loading: computed again
         # A request that wants its prompt's logprobs computes every prompt token (vLLM does so too).
         wants_logprobs = request.sampling_params.prompt_logprobs is not None
         computed, num_local = self.kv.get_computed_blocks(request) if not wants_logprobs else ([], 0)
