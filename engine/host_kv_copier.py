@@ -6,9 +6,10 @@ kv_heads, head_dim]: one block is one contiguous region on both sides, and a run
 block ids one copy. On a GPU it is pinned, so copies are DMA and asynchronous.
 
 When copies run:
-- swap-outs, before the step's forward: the scheduler hands the victim's device blocks out again
-  in this very step. On a GPU they go on the compute stream (ordered before the forward, the
-  CPU does not wait); on CPU they run on the step thread.
+- swap-outs and swap-ins, before the step's forward: the scheduler hands a victim's device blocks
+  out again in this very step, and runs a swapped-in request in it. On a GPU they go on the
+  compute stream (ordered before the forward, the CPU does not wait); on CPU they run on the
+  step thread.
 - write-backs and loads, off the step loop, reported done on a later step (`poll`), like the KV
   connector's finished_recving. Their device blocks are pinned (write-back) or owned by a
   request that is not scheduled (load), so the forward never races them. On a GPU they go on a
@@ -58,8 +59,10 @@ class HostKVCopier:
 
     def submit(self, ops: HostKVOps) -> None:
         """Start a step's copies (before its forward)."""
-        if ops.swap_out:
+        if ops.swap_out:  # first: a swap-in may reuse the device blocks a swap-out reads
             copy_blocks(self.device_cache, self.host_cache, ops.swap_out)
+        if ops.swap_in:
+            copy_blocks(self.host_cache, self.device_cache, ops.swap_in)
         if not (ops.offload or ops.load):
             return
         if self.on_gpu:

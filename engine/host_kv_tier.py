@@ -12,7 +12,9 @@ like the device pool's manager, only block ids live here:
   back; the host blocks are pinned until the load is reported. The host keeps its copy
   (inclusive), so a block read back and freed again costs no second write.
 - swap: a preempted request's computed blocks (the partial last one too) go to host blocks it
-  owns, copied before the step's forward reuses the device blocks; it resumes by loading them.
+  owns, copied before the step's forward reuses the device blocks. It resumes as vLLM v0's
+  swapped requests do: its blocks are copied back before the forward of the step that runs it
+  (no waiting state), and it keeps its place ahead of requests not admitted yet.
 
 LRU across both tiers: the device's free queue evicts its least recently freed block, whose copy
 stays on the host; the host's free queue evicts its least recently stored or read one. A hit
@@ -34,11 +36,12 @@ class HostKVOps:
     block ids. The runner reports the job done once its offloads and loads landed."""
     job_id: int = 0
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # device -> host, before this step's forward
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # host -> device, next (the request runs in this step)
     offload: list[tuple[int, int]] = field(default_factory=list)  # device -> host, in the background
     load: list[tuple[int, int]] = field(default_factory=list)  # host -> device, in the background
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.offload or self.load)
+        return bool(self.swap_out or self.swap_in or self.offload or self.load)
 
 
 @dataclass(slots=True)
@@ -166,10 +169,15 @@ class HostKVTier:
         return self._match is not None and self._match[0] == request.request_id and bool(self._match[1])
 
     def load_after_alloc(self, request: Request, block_ids: list[int], num_device_blocks: int) -> None:
-        """The device blocks for `match`'s hits are allocated: load into them."""
+        """The device blocks for `match`'s hits are allocated: load into them (a swapped request's
+        before this step's forward, which runs it; a prefix's in the background)."""
         hits, self._match = self._match[1], None
-        if request.request_id not in self.swapped:  # a prefix hit (counted once it loads, not per lookup)
-            self.num_hits += len(hits) * self.block_size
+        if request.request_id in self.swapped:
+            self._ops.swap_in += [(host.block_id, device) for host, device in zip(hits, block_ids)]
+            self.num_loaded_blocks += len(hits)
+            self.drop_swapped(request)  # read before anything can reuse them: they go back now
+            return
+        self.num_hits += len(hits) * self.block_size  # a prefix hit (counted once it loads, not per lookup)
         for host, device in zip(hits, block_ids[num_device_blocks:num_device_blocks + len(hits)], strict=True):
             self._ref(host)  # not evicted while read
             self._ops.load.append((host.block_id, device))

@@ -240,7 +240,7 @@ class Scheduler:
             # A host-tier load reserves the rest of the request too: once its blocks landed it can
             # run, never holding blocks while it waits for more (two such would deadlock).
             from_host = self.host is not None and self.host.has_match(request)
-            if from_host:
+            if from_host and load_async:
                 n = request.num_tokens - num_computed
             elif not self.config.enable_chunked_prefill and num_computed + n < request.num_tokens:
                 break  # a prompt that does not fit whole waits for a step with room
@@ -281,7 +281,7 @@ class Scheduler:
             return [], 0, False
         if self.host is not None and request.request_id in self.host.swapped:  # swapped out: load them back
             if num_host := self.host.match(request, 0):
-                return [], num_host, True
+                return [], num_host, False  # copied back before this step's forward: it runs now
             self.host.drop_swapped(request)  # nothing worth loading: computed again
         # A request that wants its prompt's logprobs computes every prompt token (vLLM does so too).
         wants_logprobs = request.sampling_params.prompt_logprobs is not None

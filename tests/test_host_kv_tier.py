@@ -274,7 +274,7 @@ def test_a_tier_smaller_than_one_block_is_refused(tiny_llama):
 # ---- the bookkeeping, against a model of both pools' contents --------------------------------
 class FakeRunner:
     """Writes each scheduled token into its slot of a model device pool, checks every token a
-    request attends to is its own, and carries out the host tier's copies: swap-outs at once,
+    request attends to is its own, and carries out the host tier's copies: swaps at once,
     write-backs and loads only when reported landed (a random number of steps later)."""
 
     def __init__(self, sched: Scheduler, num_blocks: int, num_host_blocks: int, rng: random.Random):
@@ -288,6 +288,8 @@ class FakeRunner:
         if ops is not None:
             for d, h in ops.swap_out:
                 self.host[h] = list(self.device[d])
+            for h, d in ops.swap_in:
+                self.device[d] = list(self.host[h])
             if ops.offload or ops.load:
                 self.jobs.append([self.rng.randint(0, 3), ops])
         sampled = {}
@@ -373,3 +375,29 @@ def test_randomized_bookkeeping_of_both_tiers(tmp_path, seed):
     assert not sched.requests and not pending and not sched.held and not host.has_pending
     assert kv.num_free_blocks == kv.num_blocks and host.num_free_blocks == host.num_blocks and not host.swapped
     check_refcounts(sched, kv, host)
+
+
+def test_a_swapped_request_resumes_before_new_ones_are_admitted(tmp_path):
+    from baton.engine.stats import EventType
+
+    config = EngineConfig(model=str(tmp_path), block_size=4, max_model_len=32, kv_offloading_size=1e-6,
+                          preemption_mode="swap")
+    kv = KVCacheManager(9, 4)
+    host = HostKVTier(32, kv, "swap", config.max_num_batched_tokens)
+    sched = Scheduler(config, kv, host=host)
+    sched.events = []
+    runner = FakeRunner(sched, 9, 32, random.Random(0))
+    a, b = (Request(name, [i + 1] * 12, SamplingParams(max_tokens=16)) for i, name in enumerate("ab"))
+    sched.add_request(a)
+    sched.add_request(b)
+    late = Request("late", [7] * 6, SamplingParams(max_tokens=4))
+    while sched.requests or host.has_pending:
+        out = sched.schedule()
+        if b.request_id in host.swapped and late.request_id not in sched.requests and not late.is_finished:
+            sched.add_request(late)  # arrives while b waits in the host tier
+        sched.update_from_output(out, runner.run(out))
+    order = [(e.request_id, e.type) for e in sched.events if e.type in (EventType.SCHEDULED, EventType.PREEMPTED)]
+    assert ("b", EventType.PREEMPTED) in order and host.num_swapped_out >= 1
+    resumed = order.index(("b", EventType.SCHEDULED), order.index(("b", EventType.PREEMPTED)))
+    assert resumed < order.index(("late", EventType.SCHEDULED)), order
+    assert kv.num_free_blocks == kv.num_blocks and host.num_free_blocks == host.num_blocks
