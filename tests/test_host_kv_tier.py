@@ -401,3 +401,36 @@ def test_a_swapped_request_resumes_before_new_ones_are_admitted(tmp_path):
     resumed = order.index(("b", EventType.SCHEDULED), order.index(("b", EventType.PREEMPTED)))
     assert resumed < order.index(("late", EventType.SCHEDULED)), order
     assert kv.num_free_blocks == kv.num_blocks and host.num_free_blocks == host.num_blocks
+
+
+def test_disaggregated_with_host_tiers_on_both_sides(tiny_llama):
+    """The decode pulls a peer's KV (never the host's) for a request with a handle; both sides'
+    prefix caches write back to their host tiers like any other, and a later decode of a longer
+    prompt finds its prefix in the decode's host tier."""
+    from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
+
+    prompts = random_prompts([70, 90, 60, 80], seed=51)
+    longer = [p + random_prompts([20], seed=52 + i)[0] for i, p in enumerate(prompts)]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    big = LLM(tiny_llama, dtype="float32", device="cpu")
+    tier = dict(max_model_len=200, kv_offloading_size=gib(64))
+    # The prefill's pool holds every prompt until its decode pulls it; the decode's is small.
+    prefill = nixl_engine(tiny_llama, "prefill", num_kv_blocks=32, **tier)
+    decode = nixl_engine(tiny_llama, "decode", num_kv_blocks=14, **tier)
+    connect(prefill, decode)
+    assert disaggregated(prefill, decode, prompts, [greedy] * 4) == [o.token_ids for o in big.generate(prompts, greedy)]
+    assert decode.runner.connector.num_blocks_pulled > 0 and decode.snapshot().host_kv_cache_hits == 0
+    for eng in (prefill, decode):
+        while eng.has_unfinished_requests():  # the last write-backs land
+            eng.step()
+        assert eng.snapshot().num_host_kv_stored_blocks > 0
+    pulled = decode.runner.connector.num_blocks_pulled
+    # Each longer prompt's prefix: evicted from the decode's 14 device blocks, on its host tier.
+    decode_only = [decode.add_request(f"again{i}", p, greedy) for i, p in enumerate(longer)]
+    outs = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert [outs[r.request_id] for r in decode_only] == [o.token_ids for o in big.generate(longer, greedy)]
+    assert decode.snapshot().host_kv_cache_hits > 0 and decode.runner.connector.num_blocks_pulled == pulled
+    assert_pools_full(prefill, decode)
