@@ -13,6 +13,21 @@ from baton.engine.errors import InvalidArgument, check
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+_GIB = 1 << 30
+
+
+def available_host_bytes() -> int:
+    """Host memory that can be had now without swapping: MemAvailable (free + reclaimable
+    caches), or the free pages where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def read_config(model_dir: str) -> dict:
@@ -49,6 +64,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters whose weights stay in host memory (default: max_loras)
     lora_modules: dict[str, str] = field(default_factory=dict)
+    kv_offloading_size: float = 0  # GiB of host memory for a second KV tier (0: none); pinned when on a GPU
+    preemption_mode: str = "recompute"  # "recompute" | "swap" (to the host tier) | "auto" (by the request's cost)
 
     def __post_init__(self):
         check(isinstance(self.model, (str, os.PathLike)) and os.path.isdir(self.model), "model",
@@ -76,6 +93,10 @@ class EngineConfig:
               f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         check(isinstance(self.device, str) and _DEVICE.fullmatch(self.device) is not None, "device",
               f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        self._check_lora()
+        self._check_host_tier()
+
+    def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
@@ -87,6 +108,18 @@ class EngineConfig:
               "lora_modules", "must map adapter names to PEFT adapter directories")
         self.lora_modules = {k: os.fspath(v) for k, v in self.lora_modules.items()}
         self.enable_lora = bool(self.enable_lora or self.lora_modules)
+
+    def _check_host_tier(self) -> None:
+        size = self.kv_offloading_size
+        check(isinstance(size, (int, float)) and not isinstance(size, bool) and size >= 0, "kv_offloading_size",
+              f"must be a number of GiB >= 0, got {size!r}")
+        available = available_host_bytes()
+        check(size * _GIB <= available, "kv_offloading_size",
+              f"{size:g} GiB asked for, but the host has only {available / _GIB:.2f} GiB available")
+        check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+              f"must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
+        check(self.preemption_mode == "recompute" or size > 0, "preemption_mode",
+              f"{self.preemption_mode!r} swaps to the host KV tier: set kv_offloading_size > 0")
 
     def resolve_device(self) -> None:
         """`auto` and plain `cuda` made explicit: cpu, or cuda:N, N the current CUDA device (an

@@ -16,6 +16,7 @@ from baton.engine.config import EngineConfig, read_config
 from baton.engine.core_messages import (AdapterInfo, CallError, CoreFailure, CoreOutput, CoreRequest, CoreStats,
                                         EngineFacts, LoadAdapter)
 from baton.engine.errors import InvalidArgument, check
+from baton.engine.host_kv_tier import HostKVTier
 from baton.engine.kv_cache_manager import KVCacheManager
 from baton.engine.kv_events import KVEventLog
 from baton.engine.loader import load_model
@@ -68,9 +69,13 @@ class EngineCore:
                 config.kv_cache_memory_bytes -= reserve
         self.num_kv_blocks = self._num_kv_blocks(args, model.embed_tokens.weight.element_size())
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.num_host_blocks = self._num_host_blocks(args, model.embed_tokens.weight.element_size())
+        self.host = (HostKVTier(self.num_host_blocks, self.kv, config.preemption_mode, config.max_num_batched_tokens)
+                     if self.num_host_blocks else None)
         connector_scheduler, connector_worker = kv_connector or (None, None)
-        self.scheduler = Scheduler(config, self.kv, connector_scheduler)
-        self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker, lora_slots)
+        self.scheduler = Scheduler(config, self.kv, connector_scheduler, self.host)
+        self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker, lora_slots,
+                                  self.num_host_blocks)
         self.connector = connector_worker
         self.vocab_size = args.vocab_size
         self.grammars = self.runner.grammars = Grammars(config.model, args.vocab_size, self.eos_token_ids)
@@ -108,6 +113,14 @@ class EngineCore:
               f"{c.num_kv_blocks} blocks of {c.block_size} tokens cannot hold one request of max_model_len "
               f"{c.max_model_len}; raise num_kv_blocks (or kv_cache_memory_bytes) or lower max_model_len")
         return c.num_kv_blocks
+
+    def _num_host_blocks(self, args: ModelArgs, dtype_bytes: int) -> int:
+        c = self.config
+        block_bytes = args.num_layers * 2 * c.block_size * args.num_kv_heads * args.head_dim * dtype_bytes
+        num = int(c.kv_offloading_size * (1 << 30)) // block_bytes
+        check(num > 0 or c.kv_offloading_size == 0, "kv_offloading_size",
+              f"{c.kv_offloading_size:g} GiB is less than one KV block ({block_bytes} bytes)")
+        return num
 
     def facts(self) -> EngineFacts:
         return EngineFacts(self.config.max_model_len, self.vocab_size, sorted(self.eos_token_ids),
@@ -222,12 +235,23 @@ class EngineCore:
     def list_adapters(self) -> list[AdapterInfo]:
         return list(self.loras.adapters.values()) if self.loras is not None else []
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block, in both tiers."""
+        self.kv.reset_prefix_cache()
+        if self.host is not None:
+            self.host.reset_prefix_cache()
+
     def add_peer(self, layout) -> None:
         """Learn a KV peer's layout (the KV handshake); raises KVFormatMismatch naming what differs."""
         self.connector.add_peer(layout)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self.awaiting_grammar)
+        return self.scheduler.num_unfinished > 0 or bool(self.awaiting_grammar) or self.host_copies_pending
+
+    @property
+    def host_copies_pending(self) -> bool:
+        """Copies to or from the host KV tier not settled yet (the loop steps until they are)."""
+        return self.host is not None and self.host.has_pending
 
     @property
     def num_waiting(self) -> int:
@@ -248,7 +272,15 @@ class EngineCore:
             sum(1 for r in sched.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS), len(sched.held),
             held, self.num_kv_blocks, kv.num_free_blocks, kv.prefix_queries, kv.prefix_hits, sched.num_preemptions,
             sched.num_failed_loads, sched.num_prompt_tokens, sched.num_prompt_tokens_cached,
-            sched.num_prompt_tokens_external, sched.num_generation_tokens)
+            sched.num_prompt_tokens_external, sched.num_generation_tokens, *self._host_figures())
+
+    def _host_figures(self) -> tuple[int, ...]:
+        """The host tier's part of the snapshot (EngineSnapshot's order)."""
+        h = self.host
+        if h is None:
+            return ()
+        return (h.num_blocks, h.num_empty_blocks, len(h.cached), h.num_hits, h.num_stored_blocks,
+                h.num_loaded_blocks, len(h.swapped), h.num_swapped_out)
 
     def stats(self) -> CoreStats:
         worker = self.connector

@@ -155,7 +155,7 @@ class CoreLoop:
             while True:
                 busy = core.scheduler.num_unfinished > 0
                 # Held blocks and compiling grammars are polled, not stepped for.
-                polled = core.num_held_requests or core.awaiting_grammar
+                polled = core.num_held_requests or core.awaiting_grammar or core.host_copies_pending
                 wait = None if busy else (_HELD_POLL_S if polled else 3600.0)
                 taken, outputs, failures, stop = self._apply_inputs(wait)
                 if stop:

@@ -56,7 +56,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (the next request computes its whole prompt)."""
-        self.engine.kv.reset_prefix_cache()
+        self.engine.core.reset_prefix_cache()
 
     def load_adapter(self, name: str, path: str) -> None:
         """Serve a LoRA adapter (a PEFT directory) under `name`, for generate's lora_request."""

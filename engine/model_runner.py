@@ -13,6 +13,7 @@ import torch
 
 from baton.engine import block_tables
 from baton.engine.config import EngineConfig
+from baton.engine.host_kv_copier import HostKVCopier
 from baton.engine.loader import checkpoint_fingerprint
 from baton.engine.lora.layers import LoRASlots
 from baton.engine.model import CausalLM
@@ -26,6 +27,7 @@ from baton.kv_transfer.base import KVConnectorWorker, KVFormat
 
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are materialized at once
+_IDLE_WAIT_S = 0.002  # a step with nothing to compute waits this long for host-tier copies rather than spin
 
 
 class RequestState:
@@ -46,8 +48,10 @@ class RequestState:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, eos_token_ids: frozenset[int],
-                 connector: KVConnectorWorker | None = None, lora: LoRASlots | None = None):
-        """`lora`: the adapters on the device (attached to the model already), when LoRA is on."""
+                 connector: KVConnectorWorker | None = None, lora: LoRASlots | None = None,
+                 num_host_blocks: int = 0):
+        """`lora`: the adapters on the device (attached to the model already), when LoRA is on;
+        `num_host_blocks`: the host KV tier's size (0: none)."""
         self.model = model
         self.lora = lora
         self.config = config
@@ -58,6 +62,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(num_blocks, args.num_layers, 2, config.block_size, args.num_kv_heads,
                                     args.head_dim, dtype=model.embed_tokens.weight.dtype, device=self.device)
         model.init_rope(config.max_model_len + 1)
+        self.host_kv = HostKVCopier(self.kv_cache, num_host_blocks) if num_host_blocks else None
         self.states: dict[str, RequestState] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.staging = block_tables.Staging(self.device)  # the step's metadata on its way to the device
@@ -110,11 +115,15 @@ class ModelRunner:
         for cached in sched.scheduled_cached_reqs:
             state = self.states[cached.req_id]
             state.block_ids = block_tables.grow(state.block_ids, cached.new_block_ids)
+        if sched.host_kv_ops is not None:  # before the forward: a swap-out's device blocks are reused in it
+            self.host_kv.submit(sched.host_kv_ops)
         if self.connector is not None:
             self.connector.start_load_kv(sched.kv_connector_metadata)
         out = self._run(sched) if sched.total_num_scheduled_tokens else ModelRunnerOutput({})
         if self.connector is not None:
             out.kv_connector_output = self.connector.get_finished()
+        if self.host_kv is not None:
+            out.host_kv_finished = self.host_kv.poll(0.0 if sched.total_num_scheduled_tokens else _IDLE_WAIT_S)
         return out
 
     def _run(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baton.engine.config import EngineConfig
+from baton.engine.host_kv_tier import HostKVOps, HostKVTier
 from baton.engine.kv_cache_manager import KVCacheManager
 from baton.engine.request import Request, RequestStatus
 from baton.engine.sampling_params import SamplingParams
@@ -49,6 +50,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # the runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)  # ditto; they come back as new
     kv_connector_metadata: Any = None
+    host_kv_ops: HostKVOps | None = None  # copies between the device pool and the host KV tier
 
 
 @dataclass(slots=True)
@@ -58,6 +60,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, Any] = field(default_factory=dict)  # request id -> the sampled token's TokenLogprobs
     prompt_logprobs: dict[str, list] = field(default_factory=dict)  # request id -> one per prompt token, when complete
     grammar_ended: set[str] = field(default_factory=set)  # requests whose grammar took its end token
+    host_kv_finished: list[int] = field(default_factory=list)  # host KV tier jobs whose copies landed
 
 
 @dataclass(slots=True)
@@ -69,10 +72,12 @@ class RequestUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, connector: KVConnectorScheduler | None = None):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, connector: KVConnectorScheduler | None = None,
+                 host: HostKVTier | None = None):
         self.config = config
         self.kv = kv
         self.connector = connector
+        self.host = host  # the host KV tier, when kv_offloading_size > 0
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -108,8 +113,11 @@ class Scheduler:
         if self.by_priority:  # waiting stays sorted by (priority, arrival)
             keys = [r.priority_key() for r in self.waiting]
             self.waiting.insert(bisect.bisect(keys, request.priority_key()), request)
-        elif front:
-            self.waiting.appendleft(request)
+        elif front:  # behind requests whose blocks are in place (landed loads): they can run, it may not
+            i = 0
+            while i < len(self.waiting) and self.waiting[i].request_id in self.kv.req_blocks:
+                i += 1
+            self.waiting.insert(i, request)
         else:
             self.waiting.append(request)
 
@@ -140,9 +148,15 @@ class Scheduler:
         if hold:
             self.held[request.request_id] = request
         else:
-            self.kv.free(request)
+            self._free(request)
         if self.events is not None:
             self.record(request, EventType.FINISHED, request.finished_time, stats=RequestStats.of(request))
+
+    def _free(self, request: Request) -> None:
+        if self.host is not None:  # its cached blocks written back, a swapped request's host blocks let go
+            self.host.store_freed(request)
+            self.host.drop_swapped(request)
+        self.kv.free(request)
 
     @property
     def num_unfinished(self) -> int:
@@ -165,6 +179,8 @@ class Scheduler:
             request.num_computed_tokens += n
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        if self.host is not None:
+            out.host_kv_ops = self.host.build_ops()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -192,12 +208,15 @@ class Scheduler:
         return budget
 
     def _preempt_one(self, out: SchedulerOutput) -> Request:
-        """Recompute-preemption: free the victim's blocks and send it back to waiting."""
+        """Free the victim's blocks (swapped to the host tier first, as preemption_mode says) and
+        send it back to waiting, to recompute or load them."""
         if self.by_priority:
             victim = max(self.running, key=Request.priority_key)
             self.running.remove(victim)
         else:
             victim = self.running.pop()
+        if self.host is not None:
+            self.host.preempt(victim)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -226,14 +245,23 @@ class Scheduler:
             num_computed = request.num_computed_tokens + len(computed) * self.kv.block_size + num_external
             n = 0 if load_async else min(request.num_tokens - num_computed, budget,
                                          self.config.long_prefill_token_threshold or budget)
-            if not self.config.enable_chunked_prefill and num_computed + n < request.num_tokens:
+            # A host-tier load reserves the rest of the request too: once its blocks landed it can
+            # run, never holding blocks while it waits for more (two such would deadlock).
+            from_host = self.host is not None and self.host.has_match(request)
+            if from_host and load_async:
+                n = request.num_tokens - num_computed
+            elif not self.config.enable_chunked_prefill and num_computed + n < request.num_tokens:
                 break  # a prompt that does not fit whole waits for a step with room
             if self.kv.allocate_slots(request, n + num_external, computed, cache=not load_async) is None:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_computed
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_external)
+            block_ids = self.kv.block_ids(request.request_id)
+            if from_host:  # the host tier is a local cache: its tokens count as cached, not external
+                self.host.load_after_alloc(request, block_ids, len(computed))
+                num_external = 0
+            elif self.connector is not None:
+                self.connector.update_state_after_alloc(request, block_ids, num_external)
             if request.num_cached_tokens < 0:  # local prefix-cache hits at first admission
                 request.num_cached_tokens = num_computed - num_external
                 request.num_external_tokens = num_external
@@ -261,13 +289,21 @@ class Scheduler:
         """Prefix-cache hits and remote tokens for a request being admitted."""
         if request.request_id in self.kv.req_blocks:  # its blocks came with a remote load
             return [], 0, False
+        if self.host is not None and request.request_id in self.host.swapped:  # swapped out: load them back
+            if num_host := self.host.match(request, 0):
+                return [], num_host, False  # copied back before this step's forward: it runs now
+            self.host.drop_swapped(request)  # nothing worth loading: computed again
         # A request that wants its prompt's logprobs computes every prompt token (vLLM does so too).
-        computed, num_local = (self.kv.get_computed_blocks(request) if request.sampling_params.prompt_logprobs is None
-                               else ([], 0))
-        if self.connector is None:
-            return computed, 0, False
-        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
-        return computed, num_external, load_async
+        wants_logprobs = request.sampling_params.prompt_logprobs is not None
+        computed, num_local = self.kv.get_computed_blocks(request) if not wants_logprobs else ([], 0)
+        if self.connector is not None:
+            num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+            if num_external or request.remote_kv is not None:  # a peer's KV is pulled, not the host's
+                return computed, num_external, load_async
+        if self.host is not None and not wants_logprobs:
+            num_host = self.host.match(request, len(computed))
+            return computed, num_host, num_host > 0
+        return computed, 0, False
 
     # ---- after the model ran ----------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
@@ -297,7 +333,24 @@ class Scheduler:
             updates.append(RequestUpdate(request, [token_id], status is not None))
         if result.kv_connector_output is not None:
             self._update_from_connector(result.kv_connector_output)
+        if self.host is not None and result.host_kv_finished:
+            for req_id in self.host.finished(result.host_kv_finished):
+                self._host_loaded(req_id)
         return updates
+
+    def _host_loaded(self, req_id: str) -> None:
+        """A request's blocks came back from the host tier: it may run (or, aborted meanwhile, free them)."""
+        request = self.requests.get(req_id)
+        if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            request.status = RequestStatus.WAITING
+            self.host.drop_swapped(request)
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            # First in line: it holds every block it needs now, and a request ahead of it that
+            # waits for blocks must not wait on these.
+            self.waiting.remove(request)
+            self.waiting.appendleft(request)
+        elif (held := self.held.pop(req_id, None)) is not None:
+            self._free(held)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params, n = request.sampling_params, request.num_output_tokens
@@ -340,4 +393,4 @@ class Scheduler:
         for req_id in kv_out.finished_sending | kv_out.finished_recving:
             request = self.held.pop(req_id, None)
             if request is not None:
-                self.kv.free(request)
+                self._free(request)

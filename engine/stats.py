@@ -87,7 +87,23 @@ class EngineSnapshot:
     num_prompt_tokens_cached: int  # ... of which the local prefix cache held
     num_prompt_tokens_external: int  # ... of which a peer sent
     num_generation_tokens: int
+    # The host KV tier (kv_offloading_size; all 0 without one).
+    num_host_kv_blocks: int = 0
+    num_empty_host_kv_blocks: int = 0  # holding nothing (no copy, no swapped or in-flight block)
+    num_cached_host_kv_blocks: int = 0  # holding a prefix block's copy
+    host_kv_cache_hits: int = 0  # prompt tokens found there, beyond the device's prefix hits
+    num_host_kv_stored_blocks: int = 0  # written back to it
+    num_host_kv_loaded_blocks: int = 0  # brought back from it (prefix hits and swap-ins)
+    num_swapped: int = 0  # preempted requests whose blocks wait there
+    num_swap_preemptions: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
         return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks
+
+    @property
+    def host_kv_cache_usage(self) -> float:
+        """The share of the host tier holding something (cached copies, swapped or in-flight blocks)."""
+        if not self.num_host_kv_blocks:
+            return 0.0
+        return 1.0 - self.num_empty_host_kv_blocks / self.num_host_kv_blocks

@@ -248,7 +248,8 @@ def test_engine_flags_gpu_and_tier_overrides():
     values = {"engine": {"dtype": "bfloat16", "device": "cuda", "maxModelLen": 4096, "blockSize": 32,
                          "numKvBlocks": 2048, "maxNumSeqs": 64, "maxNumBatchedTokens": 4096,
                          "extraArgs": ["--no-prefix-caching"]},
-              "decode": {"engine": {"maxNumSeqs": 256, "kvCacheMemoryBytes": 21474836480},
+              "decode": {"engine": {"maxNumSeqs": 256, "kvCacheMemoryBytes": 21474836480, "kvOffloadingSize": 32,
+                                    "preemptionMode": "swap"},
                          "resources": {"limits": {"nvidia.com/gpu": 2}}},
               "prefill": {"engine": {"gpuMemoryUtilization": 0.45}},
               "model": {"servedModelName": "smol"}}
@@ -264,6 +265,8 @@ def test_engine_flags_gpu_and_tier_overrides():
     assert (prefill.max_num_seqs, decode.max_num_seqs) == (64, 256)
     assert (prefill.kv_cache_memory_bytes, decode.kv_cache_memory_bytes) == (None, 21474836480)
     assert (prefill.gpu_memory_utilization, decode.gpu_memory_utilization) == (0.45, None)
+    assert (prefill.kv_offloading_size, decode.kv_offloading_size) == (None, 32.0)
+    assert (prefill.preemption_mode, decode.preemption_mode) == (None, "swap")
     assert router.block_size == 32 and router.served_model_name == "smol"
     limits = decode_doc["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits == {"nvidia.com/gpu": 2}

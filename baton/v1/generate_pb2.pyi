@@ -276,7 +276,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("role", "address", "num_running", "num_waiting", "num_waiting_for_remote_kvs", "kv_cache_usage", "num_held_blocks", "num_in_flight", "backends")
+    __slots__ = ("role", "address", "num_running", "num_waiting", "num_waiting_for_remote_kvs", "kv_cache_usage", "num_held_blocks", "num_in_flight", "backends", "num_host_kv_blocks", "host_kv_cache_usage", "host_kv_cache_hits", "num_swapped")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,10 @@ class Load(_message.Message):
     NUM_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     num_running: int
@@ -295,7 +299,11 @@ class Load(_message.Message):
     num_held_blocks: int
     num_in_flight: int
     backends: _containers.RepeatedCompositeFieldContainer[BackendLoad]
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_remote_kvs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_held_blocks: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., backends: _Optional[_Iterable[_Union[BackendLoad, _Mapping]]] = ...) -> None: ...
+    num_host_kv_blocks: int
+    host_kv_cache_usage: float
+    host_kv_cache_hits: int
+    num_swapped: int
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_remote_kvs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_held_blocks: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., backends: _Optional[_Iterable[_Union[BackendLoad, _Mapping]]] = ..., num_host_kv_blocks: _Optional[int] = ..., host_kv_cache_usage: _Optional[float] = ..., host_kv_cache_hits: _Optional[int] = ..., num_swapped: _Optional[int] = ...) -> None: ...
 
 class BackendLoad(_message.Message):
     __slots__ = ("address", "tier", "healthy", "outstanding", "load")

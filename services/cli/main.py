@@ -40,6 +40,10 @@ ENGINE_FLAGS = {
                                "CPU, triton on CUDA"),
     "long_prefill_token_threshold": (int, "most prompt tokens one request gets per step (0: no cap)"),
     "scheduling_policy": (str, "fcfs (first come, first served) or priority (lowest value first)"),
+    "kv_offloading_size": (float, "GiB of host memory for a second KV cache tier: prefix blocks evicted from the "
+                                  "device are kept there and loaded back, not recomputed (default 0: none)"),
+    "preemption_mode": (str, "recompute, swap (a preempted request's KV goes to the host tier and back) or auto "
+                             "(swap when recomputing would cost more than half a step); default recompute"),
     "seed": (int, "seed for requests that sample without their own seed (default 0)"),
     "max_loras": (int, "LoRA: most distinct adapters in one step, and on the device (default 1)"),
     "max_lora_rank": (int, "LoRA: highest adapter rank accepted (default 16)"),

@@ -125,4 +125,6 @@ def model_info(model_dir: str, facts, tokenizer, model_name: str, role: str) -> 
 def load_from_snapshot(snapshot, role: str, address: str, num_in_flight: int) -> pb.Load:
     return pb.Load(role=role, address=address, num_running=snapshot.num_running, num_waiting=snapshot.num_waiting,
                    num_waiting_for_remote_kvs=snapshot.num_waiting_for_kvs, kv_cache_usage=snapshot.kv_cache_usage,
-                   num_held_blocks=snapshot.num_held_blocks, num_in_flight=num_in_flight)
+                   num_held_blocks=snapshot.num_held_blocks, num_in_flight=num_in_flight,
+                   num_host_kv_blocks=snapshot.num_host_kv_blocks, host_kv_cache_usage=snapshot.host_kv_cache_usage,
+                   host_kv_cache_hits=snapshot.host_kv_cache_hits, num_swapped=snapshot.num_swapped)

@@ -233,6 +233,17 @@ class _EngineLoadCollector:
         yield family(c, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                      s.prefix_cache_hits)
         yield family(c, "num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions)
+        yield family(c, "num_swap_preemptions", "Preemptions that swapped the request's KV blocks to the host tier "
+                     "(the rest recompute).", s.num_swap_preemptions)
+        yield family(g, "num_requests_swapped", "Number of requests swapped to the host KV tier.", s.num_swapped)
+        yield family(g, "host_kv_cache_blocks", "Blocks in the host KV tier (kv_offloading_size).", s.num_host_kv_blocks)
+        yield family(g, "host_kv_cache_usage_perc", "Host KV tier usage (blocks holding a copy, a swapped or an "
+                     "in-flight block). 1 means 100 percent usage.", s.host_kv_cache_usage)
+        yield family(c, "host_kv_cache_hits", "Prompt tokens found in the host KV tier beyond the device's prefix "
+                     "cache hits (they were loaded, not recomputed).", s.host_kv_cache_hits)
+        yield family(c, "host_kv_transferred_blocks", "KV blocks copied between the device pool and the host tier, "
+                     "by direction.", label="direction",
+                     by={"to_host": s.num_host_kv_stored_blocks, "to_device": s.num_host_kv_loaded_blocks})
         yield family(c, "prompt_tokens", "Number of prefill tokens processed.", s.num_prompt_tokens)
         computed = s.num_prompt_tokens - s.num_prompt_tokens_cached - s.num_prompt_tokens_external
         yield family(c, "prompt_tokens_by_source", "Number of prompt tokens by source.", label="source",

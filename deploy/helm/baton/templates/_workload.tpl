@@ -219,6 +219,8 @@ spec:
 {{- $args = append $args "--lora-modules" }}
 {{- range $name := keys . | sortAlpha }}{{ $args = append $args (printf "%s=/models/%s" $name (trimAll "/" (index $e.loraModules $name))) }}{{ end }}
 {{- end }}
+{{- if ne (toString ($e.kvOffloadingSize | default "")) "" }}{{ $args = append $args (printf "--kv-offloading-size=%v" $e.kvOffloadingSize) }}{{ end }}
+{{- with $e.preemptionMode }}{{ $args = append $args (printf "--preemption-mode=%s" .) }}{{ end }}
 {{- $args = append $args (printf "--grace-period=%v" $v.gracePeriodSeconds) }}
 {{- range $e.extraArgs }}{{ $args = append $args (toString .) }}{{ end }}
 {{- toJson $args }}
