@@ -29,6 +29,7 @@ class KVHandle(msgspec.Struct, frozen=True):
     block_ids: list[int]  # the prompt's blocks there, in order
     num_tokens: int  # the prompt's tokens they hold
     first_token: int  # sampled by the prefill: the decode's first output
+    hold_s: float = 0.0  # how long the prefill holds the blocks from when it gave the handle out (0: unknown)
 
 
 class KVFormatMismatch(ValueError):

@@ -51,6 +51,7 @@ log = logging.getLogger("baton.kv_transfer")
 DEFAULT_HOLD_TIMEOUT_S = 120.0
 _EARLY_NOTIF_TTL_S = 60.0  # a hold registers one step after its request finished: far less
 DEFAULT_LOAD_TIMEOUT_S = 30.0
+_HANDOFF_SLACK = 0.1  # of a hold: the most a handle may spend between its prefill and its decode
 # A decode's notification that it will not read a hold (its load failed): the prefill lets go.
 # Any other notification is a finished read's tag, the request id.
 RELEASE_PREFIX = "release:"
@@ -85,18 +86,36 @@ class NixlConnectorMeta:
 
 
 class NixlConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, engine_id: str, block_size: int, hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S):
+    def __init__(self, engine_id: str, block_size: int, hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
+                 load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S):
         self.engine_id = engine_id
         self.block_size = block_size
         self.hold_timeout_s = hold_timeout_s
+        self.load_timeout_s = load_timeout_s  # the worker's: a READ may run this long
+        self.num_late_handles = 0
         self._meta = NixlConnectorMeta()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         handle = request.remote_kv
         if handle is None:
             return 0, False
+        if self._too_late(request, handle):  # the prompt is computed here instead (and the hold let go)
+            self.num_late_handles += 1
+            log.warning("the KV hold of %s may expire before a read would end; computing its prompt", request.request_id)
+            return 0, False
         num_remote = handle.num_tokens - num_computed_tokens
         return (num_remote, True) if num_remote > 0 else (0, False)
+
+    def _too_late(self, request: Request, handle: KVHandle) -> bool:
+        """Whether a READ starting now might still be running when the prefill's hold expires and
+        its blocks go to other requests: a one-sided read would then load their KV, not this
+        prompt's. The hold started before the request arrived here (the router hands the handle
+        on at once; `_HANDOFF_SLACK` of the hold allows for its delay) and a READ ends within
+        load_timeout_s, else it counts as failed."""
+        if not handle.hold_s:
+            return False
+        deadline = request.arrival_time + handle.hold_s * (1 - _HANDOFF_SLACK) - self.load_timeout_s
+        return time.monotonic() >= deadline
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         handle = request.remote_kv
@@ -123,7 +142,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._meta.holds[request.request_id] = time.monotonic() + self.hold_timeout_s
         num_tokens = request.num_prompt_tokens
         return True, KVHandle(self.engine_id, request.request_id, block_ids[:math.ceil(num_tokens / self.block_size)],
-                              num_tokens, request.output_token_ids[0])
+                              num_tokens, request.output_token_ids[0], self.hold_timeout_s)
 
 
 @dataclass(slots=True)
@@ -393,5 +412,5 @@ def make_nixl_connector(engine_id: str, block_size: int, hold_timeout_s: float =
                         agent=None, load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
                         ) -> tuple[NixlConnectorScheduler, NixlConnectorWorker]:
     """The two halves for LLMEngine(config, kv_connector=...)."""
-    return (NixlConnectorScheduler(engine_id, block_size, hold_timeout_s),
+    return (NixlConnectorScheduler(engine_id, block_size, hold_timeout_s, load_timeout_s),
             NixlConnectorWorker(engine_id, agent, load_timeout_s))

@@ -74,6 +74,29 @@ def test_a_handle_nobody_pulls_is_freed_after_the_timeout(tiny_llama):
     assert_pools_full(prefill)
 
 
+def test_a_decode_too_late_for_the_hold_computes_the_prompt_instead_of_reading_reused_blocks(tiny_llama):
+    """A decode that reaches a handle when the prefill's hold may expire before a read would
+    end must not read: the blocks go to other requests after the hold, and a one-sided READ
+    would load their KV (wrong output). It computes the prompt and equals colocated."""
+    import time
+
+    prefill = nixl_engine(tiny_llama, "prefill", hold_timeout_s=1.0, num_kv_blocks=8, max_model_len=128)
+    decode = nixl_engine(tiny_llama, "decode", load_timeout_s=0.3)
+    connect(prefill, decode)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt, other = random_prompts([100, 100], seed=31)
+    handle = run_prefill(prefill, [prompt], [greedy])[0]
+    arrived = time.monotonic()  # the decode has the handle at once, but a busy decode gets to it late
+    run_until_done(prefill)  # the hold expires (1 s) ...
+    run_prefill(prefill, [other], [greedy])  # ... and its blocks hold another prompt's KV now
+    req = decode.add_request("late", prompt, greedy, arrival_time=arrived, remote_kv=handle)
+    run_until_done(prefill, decode)
+    want = LLM(tiny_llama, dtype="float32", device="cpu").generate([prompt], greedy)[0].token_ids
+    assert [handle.first_token] + req.output_token_ids[1:] == want and req.output_token_ids[0] == want[0]
+    assert decode.runner.connector.num_blocks_pulled == 0 and decode.scheduler.connector.num_late_handles == 1
+    assert_pools_full(prefill, decode)
+
+
 def test_decode_abort_while_loading_frees_blocks_after_the_load(tiny_llama):
     prompts = random_prompts([64, 33], seed=17)
     greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)

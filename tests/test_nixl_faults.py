@@ -154,7 +154,7 @@ def test_a_load_that_never_finishes_times_out_and_recomputes(tiny_llama):
     prompt = random_prompts([50], seed=14)[0]
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = LLM(tiny_llama, dtype="float32", device="cpu").generate([prompt], greedy)[0].token_ids
-    prefill = nixl_engine(tiny_llama, "prefill", hold_timeout_s=0.5)
+    prefill = nixl_engine(tiny_llama, "prefill", hold_timeout_s=1.0)  # the decode reads well within it (0.2 s)
     stuck = FaultyAgent(f"decode-t{next(agent_ids)}", slow_checks=10**9)  # reports PROC forever
     decode = nixl_engine(tiny_llama, "decode", agent=stuck, load_timeout_s=0.2)
     connect(prefill, decode)
@@ -166,11 +166,12 @@ def test_a_load_that_never_finishes_times_out_and_recomputes(tiny_llama):
 def test_failed_and_unpulled_transfers_say_so_in_their_events(tiny_llama):
     prompts = random_prompts([50, 40], seed=19)
     greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    prefill = nixl_engine(tiny_llama, "prefill", hold_timeout_s=0.3)
+    prefill = nixl_engine(tiny_llama, "prefill", hold_timeout_s=1.0)
     prefill.record_events()
     handles = run_prefill(prefill, prompts, [greedy] * 2)
+    # A read ends within load_timeout_s, well within the hold: the decode reads (and fails).
     decode = nixl_engine(tiny_llama, "decode", agent=FaultyAgent(f"decode-g{next(agent_ids)}",
-                                                                 {handles[0].request_id}))
+                                                                 {handles[0].request_id}), load_timeout_s=0.2)
     decode.record_events()
     connect(prefill, decode)
     decode.add_request("g0", prompts[0], greedy, remote_kv=handles[0])  # the second is never pulled

@@ -302,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--internal-token", default=os.environ.get("BATON_INTERNAL_TOKEN"),
                    help="shared secret internal calls must carry (default: $BATON_INTERNAL_TOKEN; unset: none)")
     s.add_argument("--kv-hold-timeout", type=float, default=120.0,
-                   help="seconds a prefill holds KV blocks for a decode peer that never pulls them")
+                   help="seconds a prefill holds KV blocks for a decode peer that never pulls them; a decode "
+                        "reads them only while a read (up to 30 s) would end within 90%% of it, and computes "
+                        "the prompt itself after that")
     t = s.add_argument_group("observability")
     t.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics over HTTP on this port (0: a free "
                                                     "one, printed); default: no metrics endpoint")

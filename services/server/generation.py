@@ -53,7 +53,7 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
 
 
 def kv_handle_from_proto(h: pb.KVHandle) -> KVHandle:
-    return KVHandle(h.engine_id, h.request_id, list(h.block_ids), h.num_tokens, h.first_token)
+    return KVHandle(h.engine_id, h.request_id, list(h.block_ids), h.num_tokens, h.first_token, h.hold_seconds)
 
 
 @dataclass(slots=True)

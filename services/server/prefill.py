@@ -72,7 +72,7 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
         return internal_pb2.PrefillResponse(first=first, handle=pb.KVHandle(
             engine_id=handle.engine_id, address=self.server.address, request_id=handle.request_id,
             block_ids=handle.block_ids, num_tokens=handle.num_tokens, first_token=handle.first_token,
-            trace_context=rt.hold_context() if rt is not None else {}))
+            hold_seconds=handle.hold_s, trace_context=rt.hold_context() if rt is not None else {}))
 
     async def Release(self, handle: pb.KVHandle, context: grpc.aio.ServicerContext):
         await self.server.check_internal(context)
