@@ -34,7 +34,6 @@ from baton.engine.kv_events import KVEvent
 from baton.engine.output_processor import OutputProcessor, StepOutput
 from baton.engine.stats import StepEvents
 from baton.engine.tokenizer import load_tokenizer
-from baton.kv_transfer.base import KVFormatMismatch
 
 log = logging.getLogger("baton.engine")
 _STOP_WAIT_S = 10.0  # a core told to stop gets this long before it is killed

@@ -240,14 +240,15 @@ def test_the_tier_in_get_load_and_metrics(serve, tiny_llama):
 
 
 def test_cli_flags_reach_the_engine(tiny_llama):
-    from baton.services.cli.main import _engine_config, build_parser
+    from baton.services.cli.engine_args import engine_config
+    from baton.services.cli.main import build_parser
 
     args = build_parser().parse_args(["serve", "--model", tiny_llama, "--kv-offloading-size", "0.5",
                                       "--preemption-mode", "auto"])
-    config = _engine_config(args)
+    config = engine_config(args)
     assert (config.kv_offloading_size, config.preemption_mode) == (0.5, "auto")
     with pytest.raises(InvalidArgument) as err:
-        _engine_config(build_parser().parse_args(["serve", "--model", tiny_llama, "--preemption-mode", "lru"]))
+        engine_config(build_parser().parse_args(["serve", "--model", tiny_llama, "--preemption-mode", "lru"]))
     assert err.value.field == "preemption_mode"
 
 

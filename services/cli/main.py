@@ -6,7 +6,9 @@ import os
 import sys
 import time
 
-DEFAULT_MODELS_DIR = os.environ.get("BATON_MODELS_DIR", "models")
+from baton.services.cli.engine_args import (DEFAULT_MODELS_DIR, add_engine_flags, engine_argv, engine_config,
+                                            model_dir)
+
 
 
 def _prepare(args) -> None:
@@ -21,70 +23,6 @@ def _prepare(args) -> None:
     # Built now, once, rather than by every engine process that starts first on this machine.
     print(f"{'kernels':>10}: {'CPU attention kernel built' if cpu_kernels.load() else 'PyTorch reference (no kernel)'}")
     print(f"ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-
-
-# Engine arguments as flags (vLLM's spelling), each with what it does.
-ENGINE_FLAGS = {
-    "device": (str, "cpu, cuda, cuda:N or auto (a GPU when there is one)"),
-    "dtype": (str, "float32, bfloat16, float16 or auto (float32 on CPU, the checkpoint's half type on GPU)"),
-    "max_num_seqs": (int, "most requests running at once (default 64)"),
-    "max_num_batched_tokens": (int, "token budget of one engine step (default 2048)"),
-    "max_model_len": (int, "longest prompt + output, in tokens (default: the model's, capped at 8192)"),
-    "block_size": (int, "tokens per KV cache block (default 16)"),
-    "num_kv_blocks": (int, "KV cache blocks in the pool (default: from --kv-cache-memory-bytes)"),
-    "kv_cache_memory_bytes": (int, "memory for the KV cache (default 1 GiB on CPU; on a GPU, what "
-                                   "--gpu-memory-utilization leaves)"),
-    "gpu_memory_utilization": (float, "share of the GPU's memory this engine may use for weights, activations and "
-                                      "KV cache (default 0.9; measured at start, as vLLM does)"),
-    "attention_backend": (str, "auto, cpu (the C++ kernel), triton or torch (the PyTorch reference); auto: cpu on "
-                               "CPU, triton on CUDA"),
-    "long_prefill_token_threshold": (int, "most prompt tokens one request gets per step (0: no cap)"),
-    "scheduling_policy": (str, "fcfs (first come, first served) or priority (lowest value first)"),
-    "kv_offloading_size": (float, "GiB of host memory for a second KV cache tier: prefix blocks evicted from the "
-                                  "device are kept there and loaded back, not recomputed (default 0: none)"),
-    "preemption_mode": (str, "recompute, swap (a preempted request's KV goes to the host tier and back) or auto "
-                             "(swap when recomputing would cost more than half a step); default recompute"),
-    "seed": (int, "seed for requests that sample without their own seed (default 0)"),
-    "max_loras": (int, "LoRA: most distinct adapters in one step, and on the device (default 1)"),
-    "max_lora_rank": (int, "LoRA: highest adapter rank accepted (default 16)"),
-    "max_cpu_loras": (int, "LoRA: adapters whose weights stay in host memory (default: --max-loras)"),
-}
-
-
-def _add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", help="Hugging Face checkpoint directory (default: the prepared SmolLM2 demo model)")
-    g.add_argument("--models-dir", default=DEFAULT_MODELS_DIR, help="where prepare-models put the demo model")
-    for name, (kind, text) in ENGINE_FLAGS.items():
-        if name not in skip:
-            g.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
-    g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
-    g.add_argument("--no-chunked-prefill", action="store_true", help="run each prompt in one step")
-    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
-    g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
-                   help="LoRA adapters (PEFT directories) to load at start; requests pick one by name")
-
-
-def _model_dir(args) -> str:
-    """--model, or the demo model that prepare-models wrote."""
-    from baton.engine.checkpoints import SMOLLM2_DIR_NAME
-
-    return args.model or os.path.join(args.models_dir, SMOLLM2_DIR_NAME)
-
-
-def _engine_config(args):
-    from baton.engine.config import EngineConfig
-
-    model = _model_dir(args)
-    kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}
-    modules = getattr(args, "lora_modules", [])
-    bad = next((m for m in modules if "=" not in m or not m.split("=", 1)[0]), None)
-    if bad is not None:
-        sys.exit(f"baton serve: --lora-modules: expected NAME=PATH, got {bad!r}")
-    return EngineConfig.from_kwargs(model, enable_prefix_caching=not args.no_prefix_caching,
-                                    enable_chunked_prefill=not args.no_chunked_prefill,
-                                    enable_lora=getattr(args, "enable_lora", False),
-                                    lora_modules=dict(m.split("=", 1) for m in modules), **kwargs)
 
 
 def _serve(args) -> None:
@@ -105,7 +43,7 @@ def _serve(args) -> None:
                            max_waiting_requests=args.max_waiting_requests, grace_s=args.grace_period,
                            role=args.role, internal_token=args.internal_token, kv_hold_timeout_s=args.kv_hold_timeout,
                            advertise_host=args.advertise_host, tls=_tls(args), **_telemetry_options(args))
-        make = lambda: Server(_engine_config(args), options)  # noqa: E731
+        make = lambda: Server(engine_config(args), options)  # noqa: E731
 
     async def run() -> None:
         try:
@@ -188,7 +126,7 @@ def _router_options(args):
     for name in ("max_migrations", "max_in_flight"):
         if getattr(args, name) is not None:
             config[name] = getattr(args, name)
-    tokenizer_dir = _model_dir(args)
+    tokenizer_dir = model_dir(args)
     config.setdefault("tokenizer_dir", tokenizer_dir if os.path.isdir(tokenizer_dir) else None)
     if args.block_size:
         config["block_size"] = args.block_size
@@ -203,20 +141,14 @@ def _up(args) -> None:
 
     if args.decode < 1 or args.prefill < 0:
         sys.exit("baton up: --decode must be >= 1 and --prefill >= 0")
-    argv = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ENGINE_FLAGS
-            if getattr(args, name, None) is not None]
-    argv += [flag for flag, on in (("--no-prefix-caching", args.no_prefix_caching),
-                                   ("--no-chunked-prefill", args.no_chunked_prefill),
-                                   ("--enable-lora", args.enable_lora)) if on]
-    if args.lora_modules:  # every engine of the stack serves the adapters
-        argv += ["--lora-modules", *args.lora_modules]
+    argv = engine_argv(args)
     try:
         placements = place_engines(["prefill"] * args.prefill + ["decode"] * args.decode, args.device,
                                    {"prefill": args.prefill_device, "decode": args.decode_device}, visible_gpus(),
                                    args.gpu_memory_utilization)
     except ValueError as e:
         sys.exit(f"baton up: {e}")
-    sys.exit(up(_model_dir(args), args.host, args.port, args.prefill, args.decode, argv, args.policy,
+    sys.exit(up(model_dir(args), args.host, args.port, args.prefill, args.decode, argv, args.policy,
                 args.start_timeout, trace=args.trace, http_port=args.http_port or None, restart=not args.no_restart,
                 placements=placements))
 
@@ -233,7 +165,7 @@ def _trace(args) -> None:
 def _generate(args) -> None:
     from baton.services.cli.generate import generate
 
-    generate(args, _engine_config, _tls)
+    generate(args, engine_config, _tls)
 
 
 def _health(args) -> None:
@@ -334,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--router-config", metavar="FILE",
                    help="YAML/JSON with prefill, decode, policy and other router options; flags win")
     _add_tls_flags(s, serving=True)
-    _add_engine_flags(s)
+    add_engine_flags(s)
     s.set_defaults(func=_serve)
 
     u = sub.add_parser("up", help="run router + prefill + decode on this machine, each its own process",
@@ -361,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "only on a crash loop)")
     u.add_argument("--trace", action="store_true", help="receive every service's traces here and print a "
                                                         "waterfall per request (as `baton trace` does)")
-    _add_engine_flags(u)
+    add_engine_flags(u)
     u.set_defaults(func=_up)
 
     g = sub.add_parser("generate", help="stream an answer from a server, or run the engine in-process",
@@ -375,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=None, help="deadline of the call, in seconds (with --target)")
     g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     _add_tls_flags(g, serving=False)
-    _add_engine_flags(g, skip=("seed",))  # --seed is the sampling seed here
+    add_engine_flags(g, skip=("seed",))  # --seed is the sampling seed here
     g.set_defaults(func=_generate)
 
     c = sub.add_parser("check-stack", help="send one request through a stack and check that its tiers did their "

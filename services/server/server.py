@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from baton.engine.config import EngineConfig
 from baton.engine.core_client import CoreClient
 from baton.engine.errors import check
-from baton.kv_transfer.nixl_connector import DEFAULT_HOLD_TIMEOUT_S
+from baton.kv_transfer.nixl_scheduler import DEFAULT_HOLD_TIMEOUT_S
 from baton.services.rpc.api import SERVICE_NAME, TOKEN_KEY
 from baton.services.rpc.errors import abort
 from baton.services.rpc.serving import advertised_host, drain, in_background, make_grpc_server, set_health

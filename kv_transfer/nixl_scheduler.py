@@ -1,0 +1,97 @@
+"""The NIXL connector's scheduler half (nixl_connector.py has the path of a request and the
+worker half): which prompt tokens a decode request pulls and into which blocks, which blocks a
+finished prefill request holds, and the handle it gives out for them. No tensors, no agent."""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from baton.engine.request import RequestStatus
+from baton.kv_transfer.base import KVConnectorScheduler, KVHandle
+
+if TYPE_CHECKING:
+    from baton.engine.request import Request
+
+log = logging.getLogger("baton.kv_transfer")
+
+DEFAULT_HOLD_TIMEOUT_S = 120.0
+DEFAULT_LOAD_TIMEOUT_S = 30.0
+_HANDOFF_SLACK = 0.1  # of a hold: the most a handle may spend between its prefill and its decode
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    request_id: str
+    local_block_ids: list[int]
+    remote_engine_id: str
+    remote_block_ids: list[int]
+    remote_request_id: str
+
+
+@dataclass(slots=True)
+class NixlConnectorMeta:
+    loads: list[LoadSpec] = field(default_factory=list)
+    holds: dict[str, float] = field(default_factory=dict)  # prefill: request id -> monotonic deadline
+
+
+class NixlConnectorScheduler(KVConnectorScheduler):
+    def __init__(self, engine_id: str, block_size: int, hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
+                 load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S):
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.hold_timeout_s = hold_timeout_s
+        self.load_timeout_s = load_timeout_s  # the worker's: a READ may run this long
+        self.num_late_handles = 0
+        self._meta = NixlConnectorMeta()
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        handle = request.remote_kv
+        if handle is None:
+            return 0, False
+        if self._too_late(request, handle):  # the prompt is computed here instead (and the hold let go)
+            self.num_late_handles += 1
+            log.warning("the KV hold of %s may expire before a read would end; computing its prompt", request.request_id)
+            return 0, False
+        num_remote = handle.num_tokens - num_computed_tokens
+        return (num_remote, True) if num_remote > 0 else (0, False)
+
+    def _too_late(self, request: Request, handle: KVHandle) -> bool:
+        """Whether a READ starting now might still be running when the prefill's hold expires and
+        its blocks go to other requests: a one-sided read would then load their KV, not this
+        prompt's. The hold started before the request arrived here (the router hands the handle
+        on at once; `_HANDOFF_SLACK` of the hold allows for its delay) and a READ ends within
+        load_timeout_s, else it counts as failed."""
+        if not handle.hold_s:
+            return False
+        deadline = request.arrival_time + handle.hold_s * (1 - _HANDOFF_SLACK) - self.load_timeout_s
+        return time.monotonic() >= deadline
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        handle = request.remote_kv
+        if handle is None:
+            return
+        # Local hits are whole blocks, so the pulled range starts on a block boundary. When
+        # they cover everything the load is empty: it only tells the prefill side to let go.
+        first = (handle.num_tokens - num_external_tokens) // self.block_size
+        end = math.ceil(handle.num_tokens / self.block_size) if num_external_tokens else first
+        self._meta.loads.append(LoadSpec(request.request_id, block_ids[first:end], handle.engine_id,
+                                         handle.block_ids[first:end], handle.request_id))
+        if not num_external_tokens:
+            request.remote_kv = None  # nothing to wait for: never released twice
+
+    def build_connector_meta(self, scheduler_output) -> NixlConnectorMeta:
+        meta, self._meta = self._meta, NixlConnectorMeta()
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVHandle | None]:
+        # Held only when the prefill ended as asked (max_tokens=1): a first token that stops the
+        # request (EOS, a stop id), or an abort, leaves no decode to do.
+        if not request.hold_for_remote or request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+            return False, None
+        self._meta.holds[request.request_id] = time.monotonic() + self.hold_timeout_s
+        num_tokens = request.num_prompt_tokens
+        return True, KVHandle(self.engine_id, request.request_id, block_ids[:math.ceil(num_tokens / self.block_size)],
+                              num_tokens, request.output_token_ids[0], self.hold_timeout_s)
