@@ -272,7 +272,14 @@ class EngineCore:
             sum(1 for r in sched.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS), len(sched.held),
             held, self.num_kv_blocks, kv.num_free_blocks, kv.prefix_queries, kv.prefix_hits, sched.num_preemptions,
             sched.num_failed_loads, sched.num_prompt_tokens, sched.num_prompt_tokens_cached,
-            sched.num_prompt_tokens_external, sched.num_generation_tokens, *self._host_figures())
+            sched.num_prompt_tokens_external, sched.num_generation_tokens, *self._host_figures(),
+            **self._lora_figures())
+
+    def _lora_figures(self) -> dict[str, int]:
+        if self.loras is None:
+            return {}
+        return {"num_loras": len(self.loras.adapters), "num_lora_device_loads": self.runner.lora.num_loads,
+                "num_running_loras": len({r.lora_id for r in self.scheduler.running} - {0})}
 
     def _host_figures(self) -> tuple[int, ...]:
         """The host tier's part of the snapshot (EngineSnapshot's order)."""

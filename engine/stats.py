@@ -96,6 +96,10 @@ class EngineSnapshot:
     num_host_kv_loaded_blocks: int = 0  # brought back from it (prefix hits and swap-ins)
     num_swapped: int = 0  # preempted requests whose blocks wait there
     num_swap_preemptions: int = 0
+    # LoRA adapters (all 0 without enable_lora).
+    num_loras: int = 0  # loaded
+    num_running_loras: int = 0  # distinct among running requests (at most max_loras)
+    num_lora_device_loads: int = 0  # put on the device (a slot taken by another adapter before)
 
     @property
     def kv_cache_usage(self) -> float:

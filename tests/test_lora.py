@@ -72,6 +72,8 @@ def test_max_loras_bounds_each_step(tiny_llama, adapters, peft_ref):
     assert_matches_peft(peft_ref, adapters, prompts, names, outputs)
     assert max(len(s) for s in steps) == 1 and len(set().union(*steps)) == 3
     assert runner.lora.num_loads >= 3  # one slot: adapters take turns in it
+    snapshot = llm.engine.snapshot()  # what GetLoad's figures and /metrics' baton:lora_* come from
+    assert (snapshot.num_loras, snapshot.num_running_loras, snapshot.num_lora_device_loads) == (3, 0, runner.lora.num_loads)
 
 
 def test_preempted_under_a_small_pool(tiny_llama, adapters, peft_ref):

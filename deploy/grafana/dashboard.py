@@ -90,6 +90,26 @@ ROWS = [
         ("Router: policy decisions", "ops", [(rate("baton:router_policy_decisions_total", "tier, decision"),
                                               "{{tier}} {{decision}}")], ""),
     ]),
+    ("Host KV tier, LoRA adapters, structured output", [
+        ("Host KV tier usage", "percentunit", [(f"baton:host_kv_cache_usage_perc{{{SEL}}}", "{{role}} {{instance}}")],
+         "kv_offloading_size: the share of the host tier holding a block's copy, a swapped or an in-flight block."),
+        ("Host KV tier traffic", "ops", [
+            (rate("baton:host_kv_transferred_blocks_total", "direction"), "blocks {{direction}}/s"),
+            (rate("baton:host_kv_cache_hits_total", "role"), "hit tokens/s {{role}}")],
+         "Blocks written back to the host tier and brought back; prompt tokens loaded from it instead of recomputed."),
+        ("Swap preemptions", "short", [
+            (rate("baton:num_swap_preemptions_total", "role"), "swapped out/s {{role}}"),
+            (f"sum by (role) (baton:num_requests_swapped{{{SEL}}})", "waiting swapped {{role}}")], ""),
+        ("LoRA adapters", "short", [
+            (f"sum by (role, state) (baton:lora_adapters{{{SEL}}})", "{{state}} {{role}}"),
+            (rate("baton:lora_device_loads_total", "role"), "device loads/s {{role}}")],
+         "Loaded adapters, those running (at most max_loras), and adapters put on the device."),
+        ("Constrained requests", "reqps", [(rate("baton:structured_output_requests_total", "kind"), "{{kind}}")],
+         "Requests under a structured output constraint, by kind."),
+        ("Grammar wait", "s", [(q(0.5, "baton:grammar_wait_seconds"), "p50"),
+                               (q(0.99, "baton:grammar_wait_seconds"), "p99")],
+         "From a constrained request's arrival until its grammar was ready (compiled off the step loop)."),
+    ]),
 ]
 
 

@@ -244,6 +244,10 @@ class _EngineLoadCollector:
         yield family(c, "host_kv_transferred_blocks", "KV blocks copied between the device pool and the host tier, "
                      "by direction.", label="direction",
                      by={"to_host": s.num_host_kv_stored_blocks, "to_device": s.num_host_kv_loaded_blocks})
+        yield family(g, "lora_adapters", "LoRA adapters: loaded, and running (distinct among running requests, at "
+                     "most max_loras).", label="state", by={"loaded": s.num_loras, "running": s.num_running_loras})
+        yield family(c, "lora_device_loads", "LoRA adapters put on the device (its slots held others).",
+                     s.num_lora_device_loads)
         yield family(c, "prompt_tokens", "Number of prefill tokens processed.", s.num_prompt_tokens)
         computed = s.num_prompt_tokens - s.num_prompt_tokens_cached - s.num_prompt_tokens_external
         yield family(c, "prompt_tokens_by_source", "Number of prompt tokens by source.", label="source",
