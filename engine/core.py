@@ -67,9 +67,11 @@ class EngineCore:
                       f"{config.max_loras} adapters of rank {config.max_lora_rank} need {reserve / 2**30:.2f} GiB, "
                       f"more than the KV cache's {config.kv_cache_memory_bytes / 2**30:.2f} GiB")
                 config.kv_cache_memory_bytes -= reserve
-        self.num_kv_blocks = self._num_kv_blocks(args, model.embed_tokens.weight.element_size())
+        block_bytes = (args.num_layers * 2 * config.block_size * args.num_kv_heads * args.head_dim
+                       * model.embed_tokens.weight.element_size())  # one block: every layer's K and V
+        self.num_kv_blocks = self._num_kv_blocks(block_bytes)
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.num_host_blocks = self._num_host_blocks(args, model.embed_tokens.weight.element_size())
+        self.num_host_blocks = self._num_host_blocks(block_bytes)
         self.host = (HostKVTier(self.num_host_blocks, self.kv, config.preemption_mode, config.max_num_batched_tokens)
                      if self.num_host_blocks else None)
         connector_scheduler, connector_worker = kv_connector or (None, None)
@@ -101,10 +103,9 @@ class EngineCore:
         slots.attach(model)
         return registry, slots
 
-    def _num_kv_blocks(self, args: ModelArgs, dtype_bytes: int) -> int:
+    def _num_kv_blocks(self, block_bytes: int) -> int:
         c = self.config
         if c.num_kv_blocks is None:
-            block_bytes = args.num_layers * 2 * c.block_size * args.num_kv_heads * args.head_dim * dtype_bytes
             budget = _CPU_KV_BUDGET if c.kv_cache_memory_bytes is None else c.kv_cache_memory_bytes
             # Never more than every sequence slot at full length needs (plus prefix-cache slack).
             most = 2 * c.max_num_seqs * -(-c.max_model_len // c.block_size)
@@ -114,9 +115,8 @@ class EngineCore:
               f"{c.max_model_len}; raise num_kv_blocks (or kv_cache_memory_bytes) or lower max_model_len")
         return c.num_kv_blocks
 
-    def _num_host_blocks(self, args: ModelArgs, dtype_bytes: int) -> int:
+    def _num_host_blocks(self, block_bytes: int) -> int:
         c = self.config
-        block_bytes = args.num_layers * 2 * c.block_size * args.num_kv_heads * args.head_dim * dtype_bytes
         num = int(c.kv_offloading_size * (1 << 30)) // block_bytes
         check(num > 0 or c.kv_offloading_size == 0, "kv_offloading_size",
               f"{c.kv_offloading_size:g} GiB is less than one KV block ({block_bytes} bytes)")
@@ -160,8 +160,7 @@ class EngineCore:
         for token in msg.output_token_ids:
             request.append_output_token(token)
         if msg.lora_name:
-            check(self.loras is not None, "adapter", "LoRA is not enabled on this engine (enable_lora)")
-            info = self.loras.get(msg.lora_name, "adapter")
+            info = self._registry("adapter").get(msg.lora_name, "adapter")
             request.lora_id, request.hash_root = info.adapter_id, info.hash_root
         so = msg.sampling_params.structured_output
         if so is not None:
@@ -219,16 +218,19 @@ class EngineCore:
         return True
 
     # ---- LoRA adapters ------------------------------------------------------------------------
+    def _registry(self, field: str) -> LoRARegistry:
+        check(self.loras is not None, field, "LoRA is not enabled on this engine (start it with enable_lora)")
+        return self.loras
+
     def load_adapter(self, msg: LoadAdapter) -> AdapterInfo:
-        check(self.loras is not None, "lora_name", "LoRA is not enabled on this engine (start it with enable_lora)")
-        return self.loras.load(msg.name, msg.path)
+        return self._registry("lora_name").load(msg.name, msg.path)
 
     def unload_adapter(self, name: str) -> AdapterInfo:
         """Forget an adapter; refused (InUse) while requests use it."""
-        check(self.loras is not None, "lora_name", "LoRA is not enabled on this engine (start it with enable_lora)")
-        adapter_id = self.loras.get(name, "lora_name").adapter_id
+        loras = self._registry("lora_name")
+        adapter_id = loras.get(name, "lora_name").adapter_id
         live = list(self.scheduler.requests.values()) + self.awaiting_grammar
-        info = self.loras.unload(name, sum(1 for r in live if r.lora_id == adapter_id))
+        info = loras.unload(name, sum(1 for r in live if r.lora_id == adapter_id))
         self.runner.lora.forget(info.adapter_id)
         return info
 

@@ -26,7 +26,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from baton.engine.kv_cache_manager import Block, KVCacheManager
+from baton.engine.kv_cache_manager import Block, KVCacheManager, acquire, release
 from baton.engine.kv_events import HOST
 from baton.engine.request import Request
 
@@ -107,16 +107,10 @@ class HostKVTier:
         return block
 
     def _ref(self, block: Block) -> None:
-        if block.ref_cnt == 0:
-            del self.free_queue[block.block_id]
-        block.ref_cnt += 1
+        acquire(block, self.free_queue)
 
     def _unref(self, block: Block) -> None:
-        block.ref_cnt -= 1
-        if block.ref_cnt == 0:
-            self.free_queue[block.block_id] = block  # most recently used
-            if block.block_hash is None:  # no cache value: handed out first
-                self.free_queue.move_to_end(block.block_id, last=False)
+        release(block, self.free_queue)
 
     def _register(self, host: Block, block_hash: int) -> None:
         if block_hash not in self.cached:
@@ -264,11 +258,7 @@ class HostKVTier:
                     self._register(host, block_hash)
                 self._unref(host)
                 self.num_stored_blocks += 1
-                device.ref_cnt -= 1
-                if device.ref_cnt == 0:  # freed meanwhile: back to the device's free queue
-                    self.kv.free_queue[device.block_id] = device
-                    if device.block_hash is None:
-                        self.kv.free_queue.move_to_end(device.block_id, last=False)
+                release(device, self.kv.free_queue)  # the copy's reference (freed meanwhile: back to the free queue)
             for host in job.read:
                 self._unref(host)
             loaded += job.loaded

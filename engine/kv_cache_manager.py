@@ -22,6 +22,23 @@ class Block:
         self.block_hash: int | None = None
 
 
+def acquire(block: Block, free_queue: OrderedDict) -> None:
+    """Take a reference: a block that had none leaves its pool's free queue."""
+    if block.ref_cnt == 0:
+        del free_queue[block.block_id]
+    block.ref_cnt += 1
+
+
+def release(block: Block, free_queue: OrderedDict) -> None:
+    """Drop a reference: a block left with none goes back to its pool's free queue, last (most
+    recently used) when it keeps a cache value, first when it has none."""
+    block.ref_cnt -= 1
+    if block.ref_cnt == 0:
+        free_queue[block.block_id] = block
+        if block.block_hash is None:
+            free_queue.move_to_end(block.block_id, last=False)
+
+
 def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     # Python's hash of ints and tuples of ints is not salted per process, so two services
     # (and the router's affinity) compute the same chain for the same tokens.
@@ -130,9 +147,7 @@ class KVCacheManager:
                 del self.req_blocks[request.request_id]
             return None
         for block in new_computed_blocks:
-            if block.ref_cnt == 0:
-                del self.free_queue[block.block_id]
-            block.ref_cnt += 1
+            acquire(block, self.free_queue)
         blocks.extend(new_computed_blocks)
         if new_computed_blocks:
             self.num_cached_blocks[request.request_id] = len(blocks)
@@ -163,15 +178,11 @@ class KVCacheManager:
         # Tail blocks first, so a shared prefix outlives the request-specific suffix.
         for index in range(len(blocks) - 1, -1, -1):
             block = blocks[index]
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if index >= num_valid and block.block_hash is not None:
-                    self.events.removed(block.block_hash)
-                    del self.cached[block.block_hash]
-                    block.block_hash = None
-                self.free_queue[block.block_id] = block
-                if block.block_hash is None:  # no cache value: hand it out first
-                    self.free_queue.move_to_end(block.block_id, last=False)
+            if block.ref_cnt == 1 and index >= num_valid and block.block_hash is not None:
+                self.events.removed(block.block_hash)
+                del self.cached[block.block_hash]
+                block.block_hash = None
+            release(block, self.free_queue)
 
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():

@@ -30,15 +30,20 @@ def _safetensors_files(model_dir: str) -> list[str]:
     raise InvalidArgument("model", f"{model_dir!r} has no model.safetensors or model.safetensors.index.json")
 
 
-def checkpoint_fingerprint(model_dir: str, samples: int = 8, sample_bytes: int = 1 << 16) -> str:
+def checkpoint_fingerprint(model_dir: str) -> str:
     """A short digest of a checkpoint's contents: its config.json, and each weight file's size
-    and `samples` ranges spread over it. The same checkpoint gives the same digest wherever it
-    is mounted; fine-tunes of one base (equal configs and shapes) differ in their weights. It
-    reads under a MiB per file: milliseconds, however large the model."""
+    and ranges spread over it. The same checkpoint gives the same digest wherever it is
+    mounted; fine-tunes of one base (equal configs and shapes) differ in their weights."""
+    return files_fingerprint(os.path.join(model_dir, "config.json"), _safetensors_files(model_dir))
+
+
+def files_fingerprint(config_path: str, weight_paths: list[str], samples: int = 8, sample_bytes: int = 1 << 16) -> str:
+    """A digest of a config file (whole) and weight files (each one's size and `samples` ranges
+    spread over it): under a MiB read per file, milliseconds however large the weights."""
     digest = hashlib.sha256()
-    with open(os.path.join(model_dir, "config.json"), "rb") as f:
+    with open(config_path, "rb") as f:
         digest.update(f.read())
-    for path in _safetensors_files(model_dir):
+    for path in weight_paths:
         size = os.path.getsize(path)
         digest.update(size.to_bytes(8, "little"))
         with open(path, "rb") as f:

@@ -129,7 +129,7 @@ class ModelRunner:
     def _run(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         batch = self._build_batch(sched)
         if self.lora is not None:
-            self.lora.prepare(batch["row_adapters"], lambda rows: torch.tensor(rows, device=self.device))
+            self.lora.prepare(batch["adapter_spans"])
         hidden = self.model(batch["input_ids"], batch["positions"], self.kv_cache, batch["meta"])
         out = ModelRunnerOutput({})
         if batch["prompt_rows"]:
@@ -189,18 +189,19 @@ class ModelRunner:
         # One-token decodes first, longest context first (the reference's length groups are
         # then row ranges), then prefill chunks; with LoRA, by adapter within each (its rows then
         # run together), except on the reference, whose groups need the length order.
-        by_adapter = self.lora is not None and self.attention_backend != "torch"
+        by_lora = self.lora is not None
+        by_adapter = by_lora and self.attention_backend != "torch"
         order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: (
             kv[1] != 1, self.states[kv[0]].lora_id if by_adapter else 0, -starts[kv[0]]))
         input_ids, positions, sample_rows, sample_req_ids, spans, prompt_rows = [], [], [], [], [], []
-        row_adapters = [] if self.lora is not None else None
+        adapter_spans = []  # (adapter id, first row, end row) per request, with LoRA on
         for req_id, n in order:
             state, start = self.states[req_id], starts[req_id]
             end = start + n
             if state.prompt_logprobs is not None:
                 prompt_rows.append((req_id, len(input_ids), start, end))
-            if row_adapters is not None:
-                row_adapters += [state.lora_id] * n
+            if by_lora:
+                adapter_spans.append((state.lora_id, len(input_ids), len(input_ids) + n))
             input_ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             spans.append((start, end, state.block_ids))
@@ -218,7 +219,7 @@ class ModelRunner:
             meta = self._reference_batch(spans, num_decodes)
         return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t, "meta": meta,
                 "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids,
-                "prompt_rows": prompt_rows, "row_adapters": row_adapters}
+                "prompt_rows": prompt_rows, "adapter_spans": adapter_spans}
 
     def _kernel_batch(self, spans: list[block_tables.Span], positions: torch.Tensor) -> AttentionMetadata:
         bs, tables, counts = self.block_size, [], []

@@ -237,10 +237,10 @@ class Scheduler:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:  # its load is still under way
                 skipped.append(self.waiting.popleft())
                 continue
-            if loras is not None and request.lora_id and request.lora_id not in loras:
-                if len(loras) >= self.config.max_loras:
-                    skipped.append(self.waiting.popleft())
-                    continue
+            if (loras is not None and request.lora_id and request.lora_id not in loras
+                    and len(loras) >= self.config.max_loras):
+                skipped.append(self.waiting.popleft())
+                continue
             computed, num_external, load_async = self._lookup(request)
             num_computed = request.num_computed_tokens + len(computed) * self.kv.block_size + num_external
             n = 0 if load_async else min(request.num_tokens - num_computed, budget,

@@ -63,9 +63,9 @@ def test_max_loras_bounds_each_step(tiny_llama, adapters, peft_ref):
     runner = llm.engine.runner
     prepare = runner.lora.prepare
 
-    def spy(rows, to_device):
-        steps.append(set(rows) - {0})
-        prepare(rows, to_device)
+    def spy(spans):
+        steps.append({adapter for adapter, _, _ in spans} - {0})
+        prepare(spans)
     runner.lora.prepare = spy
     prompts, names = mixed(2, seed=4)
     outputs = llm.generate(prompts, GREEDY, lora_request=names)

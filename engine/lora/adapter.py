@@ -11,7 +11,6 @@ per projection, whatever the parts.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -22,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from baton.engine.errors import InvalidArgument, check
+from baton.engine.loader import files_fingerprint
 from baton.engine.model import ModelArgs
 
 # Each merged projection of a decoder layer, its parts in output order.
@@ -112,15 +112,13 @@ def read_adapter_config(path: str, max_rank: int, architecture: str) -> AdapterC
 
 
 def adapter_fingerprint(path: str) -> int:
-    """A 60-bit digest of the adapter's files: the root of its requests' block-hash chains, so
-    two adapters (or an adapter and the base) never share KV, and equal files on two instances
-    name equal prefixes alike. Ints hash alike in every process, unlike strings."""
-    digest = hashlib.sha256()
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        with open(os.path.join(path, name), "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    return int(digest.hexdigest()[:15], 16)
+    """A 60-bit digest of the adapter's files (loader.files_fingerprint): the root of its
+    requests' block-hash chains, so two adapters (or an adapter and the base) never share KV,
+    and equal files on two instances name equal prefixes alike. Ints hash alike in every
+    process, unlike strings."""
+    digest = files_fingerprint(os.path.join(path, "adapter_config.json"),
+                               [os.path.join(path, "adapter_model.safetensors")])
+    return int(digest[:15], 16)
 
 
 def load_adapter(path: str, args: ModelArgs, max_rank: int) -> tuple[AdapterConfig, LoRAWeights]:

@@ -81,29 +81,30 @@ class LoRASlots:
                 parent = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
                 setattr(parent, name, LoRALinear(getattr(parent, name), i, name, self))
 
-    def prepare(self, row_adapters: list[int], device_rows: Callable[[list[int]], torch.Tensor]) -> None:
-        """Set the step's batch from each row's adapter id (0: the base model)."""
-        ids = sorted(set(row_adapters) - {0})
-        if not ids:
+    def prepare(self, spans: list[tuple[int, int, int]]) -> None:
+        """Set the step's batch from its rows' adapters: (adapter id, first row, end row) spans, in
+        row order (0: the base model)."""
+        runs: dict[int, list[tuple[int, int]]] = {}  # adapter id -> its rows' ranges, consecutive ones joined
+        for adapter_id, start, end in spans:
+            if adapter_id:
+                ranges = runs.setdefault(adapter_id, [])
+                if ranges and ranges[-1][1] == start:
+                    ranges[-1] = (ranges[-1][0], end)
+                else:
+                    ranges.append((start, end))
+        if not runs:
             self.batch = None
             return
-        if len(ids) > self.max_loras:
-            raise RuntimeError(f"{len(ids)} adapters in one step, max_loras is {self.max_loras}")
-        runs: dict[int, list[tuple[int, int]]] = {}  # adapter id -> its rows' ranges
-        start = 0
-        for i in range(1, len(row_adapters) + 1):
-            if i == len(row_adapters) or row_adapters[i] != row_adapters[start]:
-                runs.setdefault(row_adapters[start], []).append((start, i))
-                start = i
+        if len(runs) > self.max_loras:
+            raise RuntimeError(f"{len(runs)} adapters in one step, max_loras is {self.max_loras}")
         batch = LoRABatch()
-        for adapter_id in ids:
-            ranges = runs[adapter_id]
-            rows = ranges if len(ranges) <= _MAX_RANGES else device_rows(
-                [r for s, e in ranges for r in range(s, e)])
-            batch.groups.append((rows, self._resident(adapter_id, ids)))
+        for adapter_id, ranges in runs.items():
+            rows = ranges if len(ranges) <= _MAX_RANGES else torch.cat(
+                [torch.arange(s, e) for s, e in ranges]).to(self.device)
+            batch.groups.append((rows, self._resident(adapter_id, runs)))
         self.batch = batch
 
-    def _resident(self, adapter_id: int, in_step: list[int]) -> LoRAWeights:
+    def _resident(self, adapter_id: int, in_step) -> LoRAWeights:
         weights = self.resident.get(adapter_id)
         if weights is not None:
             self.resident.move_to_end(adapter_id)

@@ -215,12 +215,13 @@ class OpenAIFront:
                 requests = prompts_from_body(body)
                 for msg in requests:
                     msg.sampling.CopyFrom(sampling)
+            # vLLM's extra: lower runs first under the priority policy.
+            priority = typed(body, "priority", int) if body.get("priority") is not None else 0
             request_id = request.headers.get("x-request-id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             for i, msg in enumerate(requests):
                 msg.request_id = request_id if len(requests) == 1 else f"{request_id}-{i}"
                 msg.adapter = adapter
-                if body.get("priority") is not None:  # vLLM's extra: lower runs first under the priority policy
-                    in_range("priority", lambda: setattr(msg, "priority", typed(body, "priority", int)))  # noqa: B023
+                in_range("priority", lambda: setattr(msg, "priority", priority))  # noqa: B023 - called at once
             stream = body.get("stream") is True
             include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
             responses = self._responses(requests, request, max(sampling.n, 1))

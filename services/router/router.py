@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from baton.engine.errors import InvalidArgument
 from baton.engine.kv_cache_manager import extend_block_hashes
+from baton.engine.request import ROOT_HASH
 from baton.services.router.backends import Backend, Tier, split_host_port
 from baton.services.router.decode_leg import Relay, aborted_response, decode_leg, pass_on_or_take_out
 from baton.services.router.kv_index import KVEventSubscription, KVIndex
@@ -306,7 +307,7 @@ class Router:
             await asyncio.gather(*(b.refresh_adapters() for b in tier.healthy()))
         if self.kv_index is None:
             return
-        backends = {b.address: b for tier in (self.prefill, self.decode) for b in tier.backends.values()}
+        backends = {b.address: b for b in self.backends()}
         for address in self.kv_subscriptions.keys() - backends.keys():
             await self.kv_subscriptions.pop(address).close()
         for address in backends.keys() - self.kv_subscriptions.keys():
@@ -365,10 +366,21 @@ class Router:
                 units = list("\n".join(f"{m['role']}: {m['content']}" for m in messages).encode())
         else:
             return []
-        root = next((b.adapters[msg.adapter].hash_root for tier in (self.decode, self.prefill)
-                     for b in tier.backends.values() if msg.adapter in b.adapters), None) if msg.adapter else None
         return extend_block_hashes([], units, o.block_size, None if o.policy == "kv_aware" else o.affinity_blocks,
-                                   **({"root": root} if root else {}))
+                                   self.hash_root(msg.adapter))
+
+    def backends(self) -> list[Backend]:
+        """Every instance of both tiers, healthy or not."""
+        return [b for tier in (self.prefill, self.decode) for b in tier.backends.values()]
+
+    def hash_root(self, adapter: str) -> int:
+        """Where the engines start a prompt's block-hash chain: a LoRA adapter's own root (as an
+        instance that has it loaded says), else the base model's."""
+        if adapter:
+            for b in self.backends():
+                if adapter in b.adapters:
+                    return b.adapters[adapter].hash_root
+        return ROOT_HASH
 
     def forwarded_metadata(self, context: grpc.aio.ServicerContext) -> tuple:
         md = [(k, v) for k, v in (context.invocation_metadata() or ())

@@ -61,26 +61,23 @@ class RouterRuntime:
     async def ListAdapters(self, msg: pb.ListAdaptersRequest, context) -> pb.ListAdaptersResponse:
         """Each adapter the instances have loaded (as of their last refresh), with where."""
         merged: dict[str, pb.Adapter] = {}
-        for b in self._backends():
+        for b in self.router.backends():
             for name, adapter in b.adapters.items():
-                entry = merged.setdefault(name, pb.Adapter(name=name, path=adapter.path, rank=adapter.rank,
-                                                           hash_root=adapter.hash_root))
-                entry.instances.append(b.address)
+                merged.setdefault(name, _where(adapter)).instances.append(b.address)
         return pb.ListAdaptersResponse(adapters=list(merged.values()))
 
     async def _everywhere(self, method: str, msg, context) -> pb.Adapter:
         """Load or unload on every healthy instance of both tiers; the instances that did it are
         the answer's. An instance's refusal (a bad adapter, one in use) is the answer when no
         instance did it; instances that lack an adapter being unloaded are skipped."""
-        backends = [b for b in self._backends() if b.healthy]
+        backends = [b for b in self.router.backends() if b.healthy]
         md = token_metadata(self.router.options.internal_token)
         results = await asyncio.gather(*(getattr(b.api, method)(msg, metadata=md, timeout=30) for b in backends),
                                        return_exceptions=True)
         done, refusal = None, None
         for backend, result in zip(backends, results):
             if isinstance(result, pb.Adapter):
-                done = done or pb.Adapter(name=result.name, path=result.path, rank=result.rank,
-                                          hash_root=result.hash_root)
+                done = done or _where(result)
                 done.instances.append(backend.address)
                 if method == "LoadAdapter":
                     backend.adapters[result.name] = result
@@ -97,9 +94,6 @@ class RouterRuntime:
         if done is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy instance")
         return done
-
-    def _backends(self):
-        return [b for tier in (self.router.prefill, self.router.decode) for b in tier.backends.values()]
 
     async def _load(self) -> pb.Load:
         """The router's requests in flight, and each backend's own load (when it answers)."""
@@ -128,3 +122,11 @@ class RouterRuntime:
                     if e.code() != grpc.StatusCode.UNAVAILABLE:
                         await pass_on(context, e)
         await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy backend")
+
+
+def _where(adapter: pb.Adapter) -> pb.Adapter:
+    """An instance's adapter as the router lists it: the same, its instances to be filled in."""
+    out = pb.Adapter()
+    out.CopyFrom(adapter)
+    out.ClearField("instances")
+    return out
