@@ -289,7 +289,8 @@ class EngineCore:
         if h is None:
             return ()
         return (h.num_blocks, h.num_empty_blocks, len(h.cached), h.num_hits, h.num_stored_blocks,
-                h.num_loaded_blocks, len(h.swapped), h.num_swapped_out)
+                h.num_loaded_blocks, len(h.swapped), h.num_swapped_out, h.num_handed_off,
+                h.num_free_blocks)
 
     def stats(self) -> CoreStats:
         worker = self.connector

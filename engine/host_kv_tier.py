@@ -15,6 +15,9 @@ like the device pool's manager, only block ids live here:
   owns, copied before the step's forward reuses the device blocks. It resumes as vLLM v0's
   swapped requests do: its blocks are copied back before the forward of the step that runs it
   (no waiting state), and it keeps its place ahead of requests not admitted yet.
+- hand-off: a finished prefill's blocks held for a decode peer, when the device pool is short,
+  go to host blocks the hold owns, copied in the background; its handle then names those (the
+  decode reads them there) and its device blocks fall free once the copy landed.
 
 LRU across both tiers: the device's free queue evicts its least recently freed block, whose copy
 stays on the host; the host's free queue evicts its least recently stored or read one. A hit
@@ -51,6 +54,7 @@ class _Job:
     stored: list[tuple[Block, Block, int | None]] = field(default_factory=list)  # device block, host block, hash
     read: list[Block] = field(default_factory=list)  # host blocks pinned for loads
     loaded: list[str] = field(default_factory=list)  # requests whose loads are in the job
+    handed_off: list[str] = field(default_factory=list)  # held requests whose blocks the job copies here
 
 
 class HostKVTier:
@@ -70,6 +74,7 @@ class HostKVTier:
         self.cached: dict[int, Block] = {}  # block hash -> host block (its copy landed)
         self.storing: set[int] = set()  # hashes whose write-back is in flight (not written twice)
         self.swapped: dict[str, tuple[list[Block], int]] = {}  # request id -> its host blocks, tokens they hold
+        self.holds: dict[str, list[Block]] = {}  # held prefill request id -> the host blocks its handle names
         self._match: tuple[str, list[Block]] | None = None  # the last lookup's host hits, until its blocks are allocated
         self._ops = HostKVOps()
         self._job = _Job()
@@ -78,6 +83,7 @@ class HostKVTier:
         self.num_hits = 0  # prompt tokens found here (beyond the device's hits)
         self.num_stored_blocks = self.num_loaded_blocks = 0
         self.num_swapped_out = 0  # preemptions that swapped
+        self.num_handed_off = 0  # holds moved here
 
     # ---- figures -------------------------------------------------------------------------
     @property
@@ -219,10 +225,40 @@ class HostKVTier:
         return True
 
     def drop_swapped(self, request: Request) -> None:
-        """A swapped request ended (aborted) or resumed: its host blocks are let go."""
+        """A swapped request ended (aborted) or resumed, or a hold here ended: its host blocks are let go."""
         swapped = self.swapped.pop(request.request_id, None)
-        for host in swapped[0] if swapped else ():
+        for host in [*(swapped[0] if swapped else ()), *self.holds.pop(request.request_id, ())]:
             self._unref(host)
+
+    # ---- hand-off ------------------------------------------------------------------------
+    def hand_off(self, request: Request, num_blocks: int) -> list[int] | None:
+        """Copy the first `num_blocks` blocks of a finished request held for a decode peer to host
+        blocks the hold owns, in the background (each device block pinned until its copy lands);
+        their ids, or None, with nothing changed, when the host cannot take them all."""
+        blocks = self.kv.req_blocks[request.request_id][:num_blocks]
+        num_full = request.num_computed_tokens // self.block_size
+        shared = {i: self.cached[b.block_hash] for i, b in enumerate(blocks[:num_full]) if b.block_hash in self.cached}
+        if len(blocks) - len(shared) + sum(1 for host in shared.values() if host.ref_cnt == 0) > self.num_free_blocks:
+            return None
+        for host in shared.values():  # its copy is there already: shared
+            self._ref(host)
+        owned = []
+        for i, block in enumerate(blocks):
+            host = shared.get(i)
+            if host is None:
+                host = self._alloc()  # the copy's reference, dropped when it lands
+                self._ref(host)  # the hold's
+                h = block.block_hash if i < num_full and block.block_hash not in self.storing else None
+                if h is not None:  # joins the host's prefix cache once it landed
+                    self.storing.add(h)
+                block.ref_cnt += 1  # the copy's reference on the device block
+                self._ops.offload.append((block.block_id, host.block_id))
+                self._job.stored.append((block, host, h))
+            owned.append(host)
+        self._job.handed_off.append(request.request_id)
+        self.holds[request.request_id] = owned
+        self.num_handed_off += 1
+        return [host.block_id for host in owned]
 
     def reset_prefix_cache(self) -> None:
         """Forget every copy's hash (LLM.reset_prefix_cache); write-backs in flight land unnamed."""
@@ -247,9 +283,10 @@ class HostKVTier:
         self._ops, self._job = HostKVOps(), _Job()
         return ops
 
-    def finished(self, job_ids: list[int]) -> list[str]:
-        """Settle the jobs the runner reports landed; returns the requests whose loads landed."""
-        loaded = []
+    def finished(self, job_ids: list[int]) -> tuple[list[str], list[str]]:
+        """Settle the jobs the runner reports landed; returns the requests whose loads landed, and
+        the held ones whose hand-off copies did."""
+        loaded, handed_off = [], []
         for job_id in job_ids:
             job = self._jobs.pop(job_id)
             for device, host, block_hash in reversed(job.stored):  # the request's tail falls free first
@@ -262,4 +299,5 @@ class HostKVTier:
             for host in job.read:
                 self._unref(host)
             loaded += job.loaded
-        return loaded
+            handed_off += job.handed_off
+        return loaded, handed_off

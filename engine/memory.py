@@ -21,7 +21,7 @@ from baton.engine.config import EngineConfig
 from baton.engine.errors import check
 from baton.engine.model_runner import PROMPT_LOGPROB_ROWS, ModelRunner
 from baton.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from baton.engine.scheduler import NewRequestData, SchedulerOutput
+from baton.engine.scheduler_output import NewRequestData, SchedulerOutput
 
 _GIB = 1 << 30
 

@@ -19,7 +19,7 @@ from baton.engine.lora.layers import LoRASlots
 from baton.engine.model import CausalLM
 from baton.engine.sampler import apply_processors, sample, skip_draws, token_logprobs
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from baton.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton.engine.structured_output import mask_logits
 from baton.kernels.attention import (DECODE_PADDING_ELEMS, AttentionMetadata, DecodeGroup, KernelBatch, PrefillSeq,
                                      TritonBatch, choose_backend, group_decodes)
@@ -75,7 +75,8 @@ class ModelRunner:
         if connector is not None:
             connector.register_kv_caches(self.kv_cache, KVFormat(
                 checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,
-                args.num_kv_heads, args.head_dim, config.block_size, self.attention_backend))
+                args.num_kv_heads, args.head_dim, config.block_size, self.attention_backend),
+                host_cache=self.host_kv.host_cache if self.host_kv is not None else None)
 
     def _add_request(self, new) -> None:
         params = new.sampling_params

@@ -8,67 +8,21 @@ runs, `update_from_output` appends tokens, applies stop conditions and frees fin
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+
+import msgspec
 
 from baton.engine.config import EngineConfig
-from baton.engine.host_kv_tier import HostKVOps, HostKVTier
+from baton.engine.host_kv_tier import HostKVTier
 from baton.engine.kv_cache_manager import KVCacheManager
+from baton.engine.kv_events import HOST
 from baton.engine.request import Request, RequestStatus
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestUpdate,
+                                           SchedulerOutput)
 from baton.engine.stats import EventType, RequestEvent, RequestStats
 from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
-
-
-@dataclass(slots=True)
-class NewRequestData:
-    """A request the runner has not seen (or must rebuild after preemption)."""
-    req_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling_params: SamplingParams
-    num_prompt_tokens: int  # the rest of token_ids are outputs (after preemption, or from a prefill peer)
-    lora_id: int = 0  # its LoRA adapter (0: the base model)
-
-
-@dataclass(slots=True)
-class CachedRequestData:
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
-    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    total_num_scheduled_tokens: int = 0
-    finished_req_ids: set[str] = field(default_factory=set)  # the runner drops their state
-    preempted_req_ids: set[str] = field(default_factory=set)  # ditto; they come back as new
-    kv_connector_metadata: Any = None
-    host_kv_ops: HostKVOps | None = None  # copies between the device pool and the host KV tier
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]  # only requests that reached the end of their known tokens
-    kv_connector_output: KVConnectorOutput | None = None
-    logprobs: dict[str, Any] = field(default_factory=dict)  # request id -> the sampled token's TokenLogprobs
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)  # request id -> one per prompt token, when complete
-    grammar_ended: set[str] = field(default_factory=set)  # requests whose grammar took its end token
-    host_kv_finished: list[int] = field(default_factory=list)  # host KV tier jobs whose copies landed
-
-
-@dataclass(slots=True)
-class RequestUpdate:
-    """One request's progress in one step, for the engine's callers."""
-    request: Request
-    new_token_ids: list[int]
-    finished: bool
 
 
 class Scheduler:
@@ -86,6 +40,9 @@ class Scheduler:
         # Finished, but their blocks wait for a transfer: a remote reader (prefill side), or a
         # load still landing in them (a decode request aborted in WAITING_FOR_REMOTE_KVS).
         self.held: dict[str, Request] = {}
+        # Held prefill requests whose blocks are being copied to the host tier (request id -> the
+        # request and the host block ids): their outputs, which carry the handle, wait for the copy.
+        self.handing_off: dict[str, tuple[Request, list[int]]] = {}
         self.num_failed_loads = 0
         self.num_preemptions = 0
         # Prompts of requests that got their first token here, by where their KV came from
@@ -147,10 +104,35 @@ class Scheduler:
             hold, request.kv_handle = self.connector.request_finished(request, self.kv.block_ids(request.request_id))
         if hold:
             self.held[request.request_id] = request
+            if self.host is not None and request.kv_handle is not None and self._device_short():
+                host_ids = self.host.hand_off(request, len(request.kv_handle.block_ids))
+                if host_ids is not None:
+                    self.handing_off[request.request_id] = (request, host_ids)
         else:
             self._free(request)
         if self.events is not None:
             self.record(request, EventType.FINISHED, request.finished_time, stats=RequestStats.of(request))
+
+    def _device_short(self) -> bool:
+        """Whether the device pool lacks the blocks that the requests here still need for their
+        tokens: blocks held for a decode peer would then keep prompts waiting."""
+        need, free, size = 0, self.kv.num_free_blocks, self.kv.block_size
+        for r in itertools.chain(self.running, self.waiting):
+            need += -(-r.num_tokens // size) - len(self.kv.req_blocks.get(r.request_id, ()))
+            if need > free:
+                return True
+        return False
+
+    def _handed_off(self, req_id: str) -> RequestUpdate:
+        """A held request's blocks landed on the host tier: its device blocks go, and its output
+        (held back until now) carries a handle naming the host's."""
+        request, host_ids = self.handing_off.pop(req_id)
+        if self.held.get(req_id) is request:
+            self.kv.free(request)
+            request.kv_handle = msgspec.structs.replace(request.kv_handle, block_ids=host_ids, tier=HOST)
+        else:  # let go meanwhile (its caller left): nothing to pull, and its blocks were freed
+            request.kv_handle = None
+        return RequestUpdate(request, [request.output_token_ids[-1]], True)
 
     def _free(self, request: Request) -> None:
         if self.host is not None:  # its cached blocks written back, a swapped request's host blocks let go
@@ -330,12 +312,16 @@ class Scheduler:
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
+                if req_id in self.handing_off:  # its output goes out with the handle, once the copy landed
+                    continue
             updates.append(RequestUpdate(request, [token_id], status is not None))
         if result.kv_connector_output is not None:
             self._update_from_connector(result.kv_connector_output)
         if self.host is not None and result.host_kv_finished:
-            for req_id in self.host.finished(result.host_kv_finished):
+            loaded, handed_off = self.host.finished(result.host_kv_finished)
+            for req_id in loaded:
                 self._host_loaded(req_id)
+            updates += map(self._handed_off, handed_off)
         return updates
 
     def _host_loaded(self, req_id: str) -> None:

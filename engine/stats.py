@@ -96,6 +96,8 @@ class EngineSnapshot:
     num_host_kv_loaded_blocks: int = 0  # brought back from it (prefix hits and swap-ins)
     num_swapped: int = 0  # preempted requests whose blocks wait there
     num_swap_preemptions: int = 0
+    num_host_hand_offs: int = 0  # holds for a decode peer moved there (the device pool was short)
+    num_free_host_kv_blocks: int = 0  # referenced by nothing (empty, or a copy nobody pins)
     # LoRA adapters (all 0 without enable_lora).
     num_loras: int = 0  # loaded
     num_running_loras: int = 0  # distinct among running requests (at most max_loras)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from baton.engine.request import Request
-    from baton.engine.scheduler import SchedulerOutput
+    from baton.engine.scheduler_output import SchedulerOutput
 
 
 class KVHandle(msgspec.Struct, frozen=True):
@@ -30,6 +30,7 @@ class KVHandle(msgspec.Struct, frozen=True):
     num_tokens: int  # the prompt's tokens they hold
     first_token: int  # sampled by the prefill: the decode's first output
     hold_s: float = 0.0  # how long the prefill holds the blocks from when it gave the handle out (0: unknown)
+    tier: str = "device"  # the pool `block_ids` index: "device", or "host" (the prefill moved them to its host tier)
 
 
 class KVFormatMismatch(ValueError):
@@ -119,9 +120,11 @@ class KVConnectorOutput:
 
 class KVConnectorWorker(ABC):
     @abstractmethod
-    def register_kv_caches(self, kv_cache: "torch.Tensor", kv_format: KVFormat) -> None:
+    def register_kv_caches(self, kv_cache: "torch.Tensor", kv_format: KVFormat,
+                           host_cache: "torch.Tensor | None" = None) -> None:
         """Register the engine's KV cache ([num_blocks, num_layers, 2, block_size, kv_heads, head_dim])
-        and what its blocks hold (peers compare it before reading)."""
+        and what its blocks hold (peers compare it before reading); `host_cache`, the host KV
+        tier's pool of the same block shape, where a handle may name blocks moved there."""
 
     @abstractmethod
     def start_load_kv(self, metadata: Any) -> None:

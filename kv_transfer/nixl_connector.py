@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from baton.engine.kv_events import HOST
 from baton.kv_transfer.base import KVConnectorOutput, KVConnectorWorker, KVFormat, KVHoldEnd, KVTransfer
 from baton.kv_transfer.nixl_scheduler import (DEFAULT_HOLD_TIMEOUT_S, DEFAULT_LOAD_TIMEOUT_S, LoadSpec,
                                               NixlConnectorMeta, NixlConnectorScheduler)
@@ -62,6 +63,18 @@ class KVLayout:
     mem_type: str  # "DRAM" or "VRAM"
     dev_id: int
     format: KVFormat
+    # The host KV tier's pool (always DRAM), registered too: a prefill may move a hold's blocks
+    # there while they wait for their decode, and its handle then names blocks of this pool.
+    host_base_addr: int = 0
+    host_num_blocks: int = 0  # 0: no host tier
+
+    def region(self, tier: str) -> tuple[int, str, int]:
+        """(base address, memory type, device id) of the pool a handle's `tier` names."""
+        if tier == HOST:
+            if not self.host_num_blocks:
+                raise ValueError(f"engine {self.engine_id} has no host KV tier to read from")
+            return self.host_base_addr, "DRAM", 0
+        return self.base_addr, self.mem_type, self.dev_id
 
 
 @dataclass(slots=True)
@@ -121,15 +134,18 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.num_bytes_pulled = 0
 
     # ---- memory and peers ---------------------------------------------------------------------
-    def register_kv_caches(self, kv_cache: torch.Tensor, kv_format: KVFormat) -> None:
-        """Register the cache (as VRAM where it is on a GPU). GPU memory is checked at once:
-        UCX built without its CUDA transports fails the first READ, so a probe READ runs now."""
+    def register_kv_caches(self, kv_cache: torch.Tensor, kv_format: KVFormat, host_cache: torch.Tensor | None = None,
+                           ) -> None:
+        """Register the cache (as VRAM where it is on a GPU), and the host tier's pool where there
+        is one. GPU memory is checked at once: UCX built without its CUDA transports fails the
+        first READ, so a probe READ runs now."""
         with self._lock:
-            self._reg = self.agent.register_memory(kv_cache)
+            self._regs = [self.agent.register_memory(t) for t in (kv_cache, host_cache) if t is not None]
         on_gpu = kv_cache.device.type == "cuda"
         self.layout = KVLayout(self.engine_id, self.agent.get_agent_metadata(), kv_cache.data_ptr(),
                                kv_cache[0].numel() * kv_cache.element_size(), kv_cache.shape[0],
-                               "VRAM" if on_gpu else "DRAM", (kv_cache.device.index or 0) if on_gpu else 0, kv_format)
+                               "VRAM" if on_gpu else "DRAM", (kv_cache.device.index or 0) if on_gpu else 0, kv_format,
+                               *((host_cache.data_ptr(), host_cache.shape[0]) if host_cache is not None else ()))
         if on_gpu:
             self.check_reachable(kv_cache)
         self._poller = threading.Thread(target=self._poll, args=(kv_cache.device,), name="nixl-progress", daemon=True)
@@ -156,10 +172,10 @@ class NixlConnectorWorker(KVConnectorWorker):
             name = self.agent.add_remote_agent(layout.agent_metadata)
         self.peers[layout.engine_id] = _Peer(name.decode() if isinstance(name, bytes) else name, layout)
 
-    def _descs(self, layout: KVLayout, runs: list[tuple[int, int, int]], side: int):
+    def _descs(self, layout: KVLayout, runs: list[tuple[int, int, int]], side: int, tier: str = "device"):
         size = layout.block_bytes
-        return self.agent.get_xfer_descs([(layout.base_addr + run[side] * size, run[2] * size, layout.dev_id)
-                                          for run in runs], layout.mem_type)
+        base, mem_type, dev_id = layout.region(tier)
+        return self.agent.get_xfer_descs([(base + run[side] * size, run[2] * size, dev_id) for run in runs], mem_type)
 
     # ---- polling during steps ----------------------------------------------------------------
     def _poll(self, device: torch.device) -> None:
@@ -220,7 +236,8 @@ class NixlConnectorWorker(KVConnectorWorker):
                     record.end_time, record.ok = record.start_time, True
                     continue
                 handle = self.agent.initialize_xfer("READ", self._descs(self.layout, runs, 0),
-                                                    self._descs(peer.layout, runs, 1), peer.agent_name,
+                                                    self._descs(peer.layout, runs, 1, load.remote_tier),
+                                                    peer.agent_name,
                                                     load.remote_request_id.encode())
                 if self.agent.transfer(handle) == "ERR":
                     self.agent.release_xfer_handle(handle)
@@ -323,7 +340,8 @@ class NixlConnectorWorker(KVConnectorWorker):
                 self.agent.release_xfer_handle(handle)
             self._loading.clear()
             if self.layout is not None:
-                self.agent.deregister_memory(self._reg)
+                for reg in self._regs:
+                    self.agent.deregister_memory(reg)
                 self.layout = None
 
 

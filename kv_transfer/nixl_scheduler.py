@@ -29,6 +29,7 @@ class LoadSpec:
     remote_engine_id: str
     remote_block_ids: list[int]
     remote_request_id: str
+    remote_tier: str = "device"  # the peer's pool that remote_block_ids index
 
 
 @dataclass(slots=True)
@@ -78,7 +79,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         first = (handle.num_tokens - num_external_tokens) // self.block_size
         end = math.ceil(handle.num_tokens / self.block_size) if num_external_tokens else first
         self._meta.loads.append(LoadSpec(request.request_id, block_ids[first:end], handle.engine_id,
-                                         handle.block_ids[first:end], handle.request_id))
+                                         handle.block_ids[first:end], handle.request_id, handle.tier))
         if not num_external_tokens:
             request.remote_kv = None  # nothing to wait for: never released twice
 

@@ -65,11 +65,12 @@ def stats(address: str):
 
 
 def pools_full(address: str, timeout: float = 10.0) -> bool:
-    """Waits (bounded) until the server's every KV block is free, nothing held or streaming."""
+    """Waits (bounded) until every KV block of the server's tiers is free, nothing held or streaming."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         s = stats(address)
-        if s.num_free_kv_blocks == s.num_kv_blocks and s.num_held == 0 and s.num_in_flight_streams == 0:
+        if (s.num_free_kv_blocks == s.num_kv_blocks and s.num_held == 0 and s.num_in_flight_streams == 0
+                and s.num_free_host_kv_blocks == s.num_host_kv_blocks):
             return True
         time.sleep(0.05)
     return False

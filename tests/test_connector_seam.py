@@ -56,7 +56,7 @@ class CopyConnector(KVConnectorScheduler, KVConnectorWorker):
                               request.output_token_ids[0])
 
     # worker half
-    def register_kv_caches(self, kv_cache, kv_format):
+    def register_kv_caches(self, kv_cache, kv_format, host_cache=None):
         self.kv_cache = kv_cache
 
     def start_load_kv(self, metadata):

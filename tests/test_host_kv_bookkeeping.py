@@ -13,7 +13,8 @@ from baton.engine.host_kv_tier import HostKVTier
 from baton.engine.kv_cache_manager import KVCacheManager
 from baton.engine.request import Request
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler import ModelRunnerOutput, Scheduler
+from baton.engine.scheduler import Scheduler
+from baton.engine.scheduler_output import ModelRunnerOutput
 
 
 class FakeRunner:

@@ -9,7 +9,8 @@ from baton.engine.config import EngineConfig
 from baton.engine.kv_cache_manager import KVCacheManager
 from baton.engine.request import Request, RequestStatus
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler import ModelRunnerOutput, Scheduler
+from baton.engine.scheduler import Scheduler
+from baton.engine.scheduler_output import ModelRunnerOutput
 
 
 def make_scheduler(tmp_path, num_blocks, **kwargs):

@@ -30,6 +30,12 @@ class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_REASON_KV_PEER_RESTARTED: _ClassVar[FailureReason]
     FAILURE_REASON_KV_FORMAT_MISMATCH: _ClassVar[FailureReason]
 
+class KVTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_UNSPECIFIED: _ClassVar[KVTier]
+    KV_TIER_DEVICE: _ClassVar[KVTier]
+    KV_TIER_HOST: _ClassVar[KVTier]
+
 class AbortStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ABORT_STATUS_UNSPECIFIED: _ClassVar[AbortStatus]
@@ -50,6 +56,9 @@ FAILURE_REASON_ENGINE_UNAVAILABLE: FailureReason
 FAILURE_REASON_KV_PEER_UNREACHABLE: FailureReason
 FAILURE_REASON_KV_PEER_RESTARTED: FailureReason
 FAILURE_REASON_KV_FORMAT_MISMATCH: FailureReason
+KV_TIER_UNSPECIFIED: KVTier
+KV_TIER_DEVICE: KVTier
+KV_TIER_HOST: KVTier
 ABORT_STATUS_UNSPECIFIED: AbortStatus
 ABORT_STATUS_ABORTED: AbortStatus
 ABORT_STATUS_ALREADY_FINISHED: AbortStatus
@@ -215,7 +224,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("engine_id", "address", "request_id", "block_ids", "num_tokens", "first_token", "trace_context", "hold_seconds")
+    __slots__ = ("engine_id", "address", "request_id", "block_ids", "num_tokens", "first_token", "trace_context", "hold_seconds", "tier")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +240,7 @@ class KVHandle(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     HOLD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     address: str
     request_id: str
@@ -239,7 +249,8 @@ class KVHandle(_message.Message):
     first_token: int
     trace_context: _containers.ScalarMap[str, str]
     hold_seconds: float
-    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., hold_seconds: _Optional[float] = ...) -> None: ...
+    tier: KVTier
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., hold_seconds: _Optional[float] = ..., tier: _Optional[_Union[KVTier, str]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

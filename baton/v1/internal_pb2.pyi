@@ -15,20 +15,11 @@ class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_EVENT_KIND_REMOVED: _ClassVar[KVEventKind]
     KV_EVENT_KIND_TIER_MOVED: _ClassVar[KVEventKind]
     KV_EVENT_KIND_ALL_CLEARED: _ClassVar[KVEventKind]
-
-class KVTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    KV_TIER_UNSPECIFIED: _ClassVar[KVTier]
-    KV_TIER_DEVICE: _ClassVar[KVTier]
-    KV_TIER_HOST: _ClassVar[KVTier]
 KV_EVENT_KIND_UNSPECIFIED: KVEventKind
 KV_EVENT_KIND_STORED: KVEventKind
 KV_EVENT_KIND_REMOVED: KVEventKind
 KV_EVENT_KIND_TIER_MOVED: KVEventKind
 KV_EVENT_KIND_ALL_CLEARED: KVEventKind
-KV_TIER_UNSPECIFIED: KVTier
-KV_TIER_DEVICE: KVTier
-KV_TIER_HOST: KVTier
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
@@ -45,7 +36,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, handle: _Optional[_Union[_generate_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Union[_generate_pb2.GenerateResponse, _Mapping]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("engine_id", "agent_metadata", "base_addr", "block_bytes", "num_blocks", "mem_type", "dev_id", "format")
+    __slots__ = ("engine_id", "agent_metadata", "base_addr", "block_bytes", "num_blocks", "mem_type", "dev_id", "format", "host_base_addr", "host_num_blocks")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +45,8 @@ class KVLayout(_message.Message):
     MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
     DEV_ID_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
+    HOST_BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    HOST_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     agent_metadata: bytes
     base_addr: int
@@ -62,7 +55,9 @@ class KVLayout(_message.Message):
     mem_type: str
     dev_id: int
     format: KVFormat
-    def __init__(self, engine_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., mem_type: _Optional[str] = ..., dev_id: _Optional[int] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ...) -> None: ...
+    host_base_addr: int
+    host_num_blocks: int
+    def __init__(self, engine_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., mem_type: _Optional[str] = ..., dev_id: _Optional[int] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., host_base_addr: _Optional[int] = ..., host_num_blocks: _Optional[int] = ...) -> None: ...
 
 class KVFormat(_message.Message):
     __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "attention_backend")
@@ -111,15 +106,15 @@ class KVEvent(_message.Message):
     kind: KVEventKind
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     parent_hash: int
-    tier: KVTier
-    def __init__(self, kind: _Optional[_Union[KVEventKind, str]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., tier: _Optional[_Union[KVTier, str]] = ...) -> None: ...
+    tier: _generate_pb2.KVTier
+    def __init__(self, kind: _Optional[_Union[KVEventKind, str]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., tier: _Optional[_Union[_generate_pb2.KVTier, str]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("engine_id", "role", "num_kv_blocks", "num_free_kv_blocks", "num_running", "num_waiting", "num_held", "num_in_flight_streams", "num_prefix_hit_tokens", "num_expired_holds", "num_failed_loads", "num_blocks_pulled", "num_requests", "engine_core_pid")
+    __slots__ = ("engine_id", "role", "num_kv_blocks", "num_free_kv_blocks", "num_running", "num_waiting", "num_held", "num_in_flight_streams", "num_prefix_hit_tokens", "num_expired_holds", "num_failed_loads", "num_blocks_pulled", "num_requests", "engine_core_pid", "num_host_kv_blocks", "num_free_host_kv_blocks", "num_host_hand_offs")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +129,9 @@ class EngineStats(_message.Message):
     NUM_BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_CORE_PID_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_HOST_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_HAND_OFFS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: str
     num_kv_blocks: int
@@ -148,4 +146,7 @@ class EngineStats(_message.Message):
     num_blocks_pulled: int
     num_requests: int
     engine_core_pid: int
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held: _Optional[int] = ..., num_in_flight_streams: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_expired_holds: _Optional[int] = ..., num_failed_loads: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., num_requests: _Optional[int] = ..., engine_core_pid: _Optional[int] = ...) -> None: ...
+    num_host_kv_blocks: int
+    num_free_host_kv_blocks: int
+    num_host_hand_offs: int
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held: _Optional[int] = ..., num_in_flight_streams: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_expired_holds: _Optional[int] = ..., num_failed_loads: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., num_requests: _Optional[int] = ..., engine_core_pid: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., num_free_host_kv_blocks: _Optional[int] = ..., num_host_hand_offs: _Optional[int] = ...) -> None: ...

@@ -17,13 +17,14 @@ import logging
 import grpc
 
 from baton.services.rpc.api import token_metadata
+from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2 as ipb
 from baton.v1 import internal_pb2_grpc
 
 log = logging.getLogger("baton.router")
 
 DEVICE, HOST = 1, 2  # tier bits: a block may sit in both tiers at once
-_TIER_BITS = {ipb.KV_TIER_DEVICE: DEVICE, ipb.KV_TIER_HOST: HOST}
+_TIER_BITS = {pb.KV_TIER_DEVICE: DEVICE, pb.KV_TIER_HOST: HOST}
 _BACKOFF_S = (0.1, 2.0)  # first and longest wait before subscribing again
 
 

@@ -13,6 +13,7 @@ import grpc
 
 from baton.engine.core_messages import CoreRequest
 from baton.engine.errors import InvalidArgument, check
+from baton.engine.kv_events import DEVICE, HOST
 from baton.engine.sampling_params import SamplingParams
 from baton.kv_transfer.base import KVHandle
 from baton.services.rpc.api import chat_messages, chat_tools
@@ -53,7 +54,8 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
 
 
 def kv_handle_from_proto(h: pb.KVHandle) -> KVHandle:
-    return KVHandle(h.engine_id, h.request_id, list(h.block_ids), h.num_tokens, h.first_token, h.hold_seconds)
+    return KVHandle(h.engine_id, h.request_id, list(h.block_ids), h.num_tokens, h.first_token, h.hold_seconds,
+                    HOST if h.tier == pb.KV_TIER_HOST else DEVICE)
 
 
 @dataclass(slots=True)

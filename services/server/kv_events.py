@@ -16,13 +16,14 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from baton.engine.kv_events import TIERS, KVEvent, KVEventKind, KVEventLog
+from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2 as ipb
 
 MAX_BEHIND = 4096  # batches queued for one subscriber before it is sent a snapshot instead
 
 KINDS = {KVEventKind.STORED: ipb.KV_EVENT_KIND_STORED, KVEventKind.REMOVED: ipb.KV_EVENT_KIND_REMOVED,
          KVEventKind.TIER_MOVED: ipb.KV_EVENT_KIND_TIER_MOVED, KVEventKind.ALL_CLEARED: ipb.KV_EVENT_KIND_ALL_CLEARED}
-WIRE_TIERS = {"device": ipb.KV_TIER_DEVICE, "host": ipb.KV_TIER_HOST}
+WIRE_TIERS = {"device": pb.KV_TIER_DEVICE, "host": pb.KV_TIER_HOST}
 
 
 def to_proto(event: KVEvent) -> ipb.KVEvent:

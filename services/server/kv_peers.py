@@ -35,6 +35,7 @@ def layout_to_proto(layout: KVLayout) -> internal_pb2.KVLayout:
     return internal_pb2.KVLayout(
         engine_id=layout.engine_id, agent_metadata=layout.agent_metadata, base_addr=layout.base_addr,
         block_bytes=layout.block_bytes, num_blocks=layout.num_blocks, mem_type=layout.mem_type, dev_id=layout.dev_id,
+        host_base_addr=layout.host_base_addr, host_num_blocks=layout.host_num_blocks,
         format=internal_pb2.KVFormat(model=f.model, dtype=f.dtype, num_layers=f.num_layers, num_kv_heads=f.num_kv_heads,
                                      head_size=f.head_size, block_size=f.block_size,
                                      attention_backend=f.attention_backend))
@@ -44,7 +45,8 @@ def layout_from_proto(msg: internal_pb2.KVLayout) -> KVLayout:
     f = msg.format
     return KVLayout(msg.engine_id, msg.agent_metadata, msg.base_addr, msg.block_bytes, msg.num_blocks,
                     msg.mem_type, msg.dev_id, KVFormat(f.model, f.dtype, f.num_layers, f.num_kv_heads, f.head_size,
-                                                       f.block_size, f.attention_backend))
+                                                       f.block_size, f.attention_backend),
+                    msg.host_base_addr, msg.host_num_blocks)
 
 
 class KVPeerService(internal_pb2_grpc.KVPeerServicer):

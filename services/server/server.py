@@ -83,7 +83,8 @@ class AdminService(internal_pb2_grpc.AdminServicer):
             num_held=snap.num_held_requests, num_in_flight_streams=core.num_in_flight,
             num_prefix_hit_tokens=snap.prefix_cache_hits, num_expired_holds=s.num_expired_holds,
             num_failed_loads=snap.num_failed_loads, num_blocks_pulled=s.num_blocks_pulled,
-            num_requests=core.num_requests, engine_core_pid=core.pid)
+            num_requests=core.num_requests, engine_core_pid=core.pid, num_host_kv_blocks=snap.num_host_kv_blocks,
+            num_free_host_kv_blocks=snap.num_free_host_kv_blocks, num_host_hand_offs=snap.num_host_hand_offs)
 
     async def SubscribeKVEvents(self, msg: internal_pb2.SubscribeKVEventsRequest, context: grpc.aio.ServicerContext):
         await self.server.check_internal(context)

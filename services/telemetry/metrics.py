@@ -235,6 +235,8 @@ class _EngineLoadCollector:
         yield family(c, "num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions)
         yield family(c, "num_swap_preemptions", "Preemptions that swapped the request's KV blocks to the host tier "
                      "(the rest recompute).", s.num_swap_preemptions)
+        yield family(c, "kv_host_hand_offs", "Blocks held for a decode peer that were moved to the host KV tier "
+                     "before their handle went out (the device pool was short), by request.", s.num_host_hand_offs)
         yield family(g, "num_requests_swapped", "Number of requests swapped to the host KV tier.", s.num_swapped)
         yield family(g, "host_kv_cache_blocks", "Blocks in the host KV tier (kv_offloading_size).", s.num_host_kv_blocks)
         yield family(g, "host_kv_cache_usage_perc", "Host KV tier usage (blocks holding a copy, a swapped or an "

@@ -1,0 +1,60 @@
+"""What one scheduler step hands the model runner, what the runner hands back, and the
+progress of each request the engine reports: plain data, no tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.engine.host_kv_tier import HostKVOps
+from baton.engine.request import Request
+from baton.engine.sampling_params import SamplingParams
+from baton.kv_transfer.base import KVConnectorOutput
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after preemption)."""
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    num_prompt_tokens: int  # the rest of token_ids are outputs (after preemption, or from a prefill peer)
+    lora_id: int = 0  # its LoRA adapter (0: the base model)
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)  # the runner drops their state
+    preempted_req_ids: set[str] = field(default_factory=set)  # ditto; they come back as new
+    kv_connector_metadata: Any = None
+    host_kv_ops: HostKVOps | None = None  # copies between the device pool and the host KV tier
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]  # only requests that reached the end of their known tokens
+    kv_connector_output: KVConnectorOutput | None = None
+    logprobs: dict[str, Any] = field(default_factory=dict)  # request id -> the sampled token's TokenLogprobs
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)  # request id -> one per prompt token, when complete
+    grammar_ended: set[str] = field(default_factory=set)  # requests whose grammar took its end token
+    host_kv_finished: list[int] = field(default_factory=list)  # host KV tier jobs whose copies landed
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """One request's progress in one step, for the engine's callers."""
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
