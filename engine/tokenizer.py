@@ -23,8 +23,12 @@ def load_tokenizer(model_dir: str):
 def apply_chat_template(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """A conversation's prompt token ids, the assistant's turn opened for the reply. Tools go to
     a template that renders them; a template that knows none (SmolLM2's, ChatML's) gets them in
-    a system prompt of Baton's own, asking for Hermes-style calls, which the tool parser reads."""
+    a system prompt of Baton's own, asking for Hermes-style calls, which the tool parser reads;
+    an agent's earlier calls and their results are then written as Hermes writes them."""
     check(tokenizer.chat_template is not None, "messages", "this checkpoint has no chat template")
+    if "tool_calls" not in tokenizer.chat_template and any(m.get("tool_calls") or m.get("role") == "tool"
+                                                            for m in messages):
+        messages = hermes_history(messages)
     if tools and "tools" not in tokenizer.chat_template:
         messages, tools = with_tool_prompt(messages, tools), None
     return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
@@ -38,7 +42,26 @@ def tool_prompt(tools: list[dict]) -> str:
             f"<tools>\n{lines}\n</tools>\n"
             "To call one, write a JSON object with its name and its arguments between tool_call tags, "
             "one call per pair of tags:\n"
-            '<tool_call>\n{"name": "the function\'s name", "arguments": {"an argument": "its value"}}\n</tool_call>')
+            '<tool_call>\n{"name": "the function\'s name", "arguments": {"an argument": "its value"}}\n</tool_call>\n'
+            "Results come back between tool_response tags.")
+
+
+def hermes_history(messages: list[dict]) -> list[dict]:
+    """An agent's history for a template that renders no tool turns: an assistant's calls as the
+    Hermes blocks it wrote, a tool's result as a user turn between tool_response tags (the
+    convention of Hermes and Qwen2.5, whose templates render them so)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                            "arguments": c["function"]["arguments"]},
+                                                           ensure_ascii=False) + "\n</tool_call>"
+                              for c in m["tool_calls"])
+            m = {"role": m["role"], "content": f"{m['content']}\n{calls}" if m["content"] else calls}
+        elif m.get("role") == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        out.append(m)
+    return out
 
 
 def with_tool_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:

@@ -80,6 +80,8 @@ BAD_REQUESTS = [
     (pb.GenerateRequest(text="hi", output=9), "output"),
     (pb.GenerateRequest(text="hi", request_id="x" * 300), "request_id"),
     (pb.GenerateRequest(chat=pb.Chat()), "chat.messages"),
+    (pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="assistant", tool_calls_json='[{"id": 1}]')])),
+     "chat.messages.tool_calls_json"),
 ]
 
 

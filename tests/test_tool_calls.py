@@ -142,3 +142,40 @@ def test_templates_without_tools_get_the_built_in_tool_prompt(tiny_llama):
                                "{% for m in messages %}{{ m.content }}\n{% endfor %}")
     text = tokenizer.decode(apply_chat_template(tokenizer, asked, TOOLS))
     assert "TOOL get_weather" in text and "<tools>" not in text
+
+
+AGENT = [{"role": "user", "content": "Tell me the time."},
+         {"role": "assistant", "content": None, "tool_calls": [
+             {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "cet"}'}}]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "12:30"}]
+
+
+def test_an_agents_history_of_calls_and_results_is_rendered(tiny_llama):
+    """An assistant turn that called tools and the tool's result: as Hermes writes them for a
+    template that renders no tool turns, with the arguments as an object for one that does."""
+    from baton.engine.tokenizer import apply_chat_template, load_tokenizer
+    from baton.services.openai.protocol import chat_messages_from_body
+    from baton.services.rpc.api import chat_messages
+    from baton.v1 import generate_pb2 as pb
+
+    messages = chat_messages(pb.Chat(messages=chat_messages_from_body({"messages": AGENT})))
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"zone": "cet"}
+    tokenizer = load_tokenizer(tiny_llama)  # ChatML
+    text = tokenizer.decode(apply_chat_template(tokenizer, messages, TOOLS))
+    call = text.index('<tool_call>\n{"name": "get_time", "arguments": {"zone": "cet"}}\n</tool_call>')
+    assert text.index("Tell me the time.") < call < text.index("<tool_response>\n12:30\n</tool_response>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m.role }}:{% for c in m.tool_calls or [] %}"
+                               "{{ c.function.name }}({{ c.function.arguments.zone }}){% endfor %}"
+                               "{{ m.content }}\n{% endfor %}")
+    assert tokenizer.decode(apply_chat_template(tokenizer, messages)).splitlines()[1:] == [
+        "assistant:get_time(cet)", "tool:12:30"]
+
+
+def test_a_second_turn_after_a_call_is_served_and_bad_history_refused(front):
+    client, model = front
+    reply = client.chat.completions.create(model=model, messages=AGENT, tools=TOOLS, max_tokens=5, temperature=0)
+    assert reply.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    bad = [AGENT[0], {"role": "assistant", "content": None, "tool_calls": [{"type": "function"}]}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=bad, tools=TOOLS, max_tokens=5)
+    assert err.value.body["param"] == "messages" and "tool_calls" in err.value.body["message"]

@@ -8,7 +8,8 @@ import json
 
 import grpc
 
-from baton.services.rpc.api import FINISH_REASON_NAMES
+from baton.engine.errors import InvalidArgument
+from baton.services.rpc.api import FINISH_REASON_NAMES, tool_calls_for_template
 from baton.v1 import generate_pb2 as pb
 
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
@@ -189,9 +190,20 @@ def chat_messages_from_body(body: dict) -> list[pb.ChatMessage]:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):  # [{"type": "text", "text": ...}]: the text parts
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if content is None and calls:  # an assistant turn that only called tools
+            content = ""
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
-            raise ApiError(400, "messages: each needs a role and a text content", "messages")
-        out.append(pb.ChatMessage(role=m["role"], content=content))
+            raise ApiError(400, "messages: each needs a role and a text content (an assistant's may be null "
+                                "when it has tool_calls)", "messages")
+        message = pb.ChatMessage(role=m["role"], content=content, tool_call_id=str(m.get("tool_call_id") or ""))
+        if calls:
+            message.tool_calls_json = json.dumps(calls)
+            try:
+                tool_calls_for_template(message.tool_calls_json)
+            except InvalidArgument as e:
+                raise ApiError(400, f"messages: tool_calls {e.reason}", "messages") from None
+        out.append(message)
     return out
 
 

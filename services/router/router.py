@@ -355,15 +355,15 @@ class Router:
         elif kind == "text":
             units = self.tokenizer.encode(msg.text) if self.tokenizer else list(msg.text.encode())
         elif kind == "chat":
-            messages = chat_messages(msg.chat)
-            if self.tokenizer is not None and self.tokenizer.chat_template and messages:
-                from baton.engine.tokenizer import apply_chat_template  # loaded with the tokenizer
-                try:
+            try:
+                messages = chat_messages(msg.chat)
+                if self.tokenizer is not None and self.tokenizer.chat_template and messages:
+                    from baton.engine.tokenizer import apply_chat_template  # loaded with the tokenizer
                     units = apply_chat_template(self.tokenizer, messages, chat_tools(msg.chat))
-                except InvalidArgument:  # the engine refuses it, naming the field
-                    return []
-            else:
-                units = list("\n".join(f"{m['role']}: {m['content']}" for m in messages).encode())
+                else:
+                    units = list("\n".join(f"{m['role']}: {m['content']}" for m in messages).encode())
+            except InvalidArgument:  # the engine refuses it, naming the field
+                return []
         else:
             return []
         return extend_block_hashes([], units, o.block_size, None if o.policy == "kv_aware" else o.affinity_blocks,

@@ -23,7 +23,40 @@ def token_metadata(token: str | None) -> tuple:
 
 
 def chat_messages(chat: pb.Chat) -> list[dict]:
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+    """The conversation as chat templates take it. Raises InvalidArgument naming
+    chat.messages.tool_calls_json when an assistant's calls are not a JSON list of calls."""
+    out = []
+    for m in chat.messages:
+        message = {"role": m.role, "content": m.content}
+        if m.tool_calls_json:
+            message["tool_calls"] = tool_calls_for_template(m.tool_calls_json)
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def tool_calls_for_template(calls_json: str) -> list[dict]:
+    """An assistant's tool calls with each function's arguments as an object, as templates
+    (Qwen2.5's, Llama 3.1's) render them; OpenAI sends them as a JSON string."""
+    field = "chat.messages.tool_calls_json"
+    try:
+        calls = json.loads(calls_json)
+    except json.JSONDecodeError as e:
+        raise InvalidArgument(field, f"is not JSON: {e}") from None
+    out = []
+    for call in calls if isinstance(calls, list) else [None]:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidArgument(field, 'must be a list of {"type": "function", "function": {"name", "arguments"}}')
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass  # not JSON: the model wrote it so, and sees it so
+        out.append({**call, "type": "function", "function": {**function, "arguments": arguments}})
+    return out
 
 
 def chat_tools(chat: pb.Chat) -> list[dict] | None:
