@@ -97,9 +97,12 @@ ROWS = [
             (rate("baton:host_kv_transferred_blocks_total", "direction"), "blocks {{direction}}/s"),
             (rate("baton:host_kv_cache_hits_total", "role"), "hit tokens/s {{role}}")],
          "Blocks written back to the host tier and brought back; prompt tokens loaded from it instead of recomputed."),
-        ("Swap preemptions", "short", [
+        ("Swaps and hand-offs", "short", [
             (rate("baton:num_swap_preemptions_total", "role"), "swapped out/s {{role}}"),
-            (f"sum by (role) (baton:num_requests_swapped{{{SEL}}})", "waiting swapped {{role}}")], ""),
+            (f"sum by (role) (baton:num_requests_swapped{{{SEL}}})", "waiting swapped {{role}}"),
+            (rate("baton:kv_host_hand_offs_total", "role"), "holds handed off/s {{role}}")],
+         "Preemptions that swapped to the host tier, requests waiting swapped, and prefill holds moved "
+         "to the host tier because the device pool was short."),
         ("LoRA adapters", "short", [
             (f"sum by (role, state) (baton:lora_adapters{{{SEL}}})", "{{state}} {{role}}"),
             (rate("baton:lora_device_loads_total", "role"), "device loads/s {{role}}")],
