@@ -25,22 +25,15 @@ def run(args, hand_off: bool) -> str:
                       kv_offloading_size=args.host_gib, hold_timeout_s=600)
     if not hand_off:
         eng.scheduler._device_short = lambda: False  # holds always stay on the device
-    finished_at = {}
-    finish = eng.scheduler._finish
-
-    def timed_finish(request, status):
-        finished_at[request.request_id] = time.monotonic()
-        finish(request, status)
-    eng.scheduler._finish = timed_finish
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     prompts = random_prompts([args.prompt_len] * args.num_prompts, seed=1)
-    reqs = [eng.add_request(f"p{i}", p, one, hold_for_remote=True) for i, p in enumerate(prompts)]
+    reqs = {f"p{i}": eng.add_request(f"p{i}", p, one, hold_for_remote=True) for i, p in enumerate(prompts)}
     t0 = time.monotonic()
     delays = {"host": [], "device": []}
     while eng.has_unfinished_requests() and time.monotonic() < t0 + args.limit_s:
         for out in eng.step():
             if out.finished:
-                delays[out.kv_handle.tier].append(time.monotonic() - finished_at[out.request_id])
+                delays[out.kv_handle.tier].append(time.monotonic() - reqs[out.request_id].finished_time)
     n = sum(map(len, delays.values()))
     ms = {tier: f"{1000 * statistics.mean(d):.2f} ms" if d else "-" for tier, d in delays.items()}
     return (f"{'on' if hand_off else 'off':>4} | {n:>3}/{len(reqs)} in {time.monotonic() - t0:5.2f} s | "

@@ -178,7 +178,7 @@ class HostKVTier:
         if request.request_id in self.swapped:
             self._ops.swap_in += [(host.block_id, device) for host, device in zip(hits, block_ids)]
             self.num_loaded_blocks += len(hits)
-            self.drop_swapped(request)  # read before anything can reuse them: they go back now
+            self.release_owned(request)  # read before anything can reuse them: they go back now
             return
         self.num_hits += len(hits) * self.block_size  # a prefix hit (counted once it loads, not per lookup)
         for host, device in zip(hits, block_ids[num_device_blocks:num_device_blocks + len(hits)], strict=True):
@@ -205,12 +205,8 @@ class HostKVTier:
         # Blocks past the computed ones may carry a hash already (registered when this step
         # scheduled their tokens, under the priority policy) but not their KV: copied, not named.
         num_full = num_tokens // self.block_size
-        shared = {i: self.cached[b.block_hash] for i, b in enumerate(blocks[:num_full]) if b.block_hash in self.cached}
-        needed = len(blocks) - len(shared) + sum(1 for host in shared.values() if host.ref_cnt == 0)
-        if needed > self.num_free_blocks:
+        if (shared := self._share_copies(blocks, num_full)) is None:
             return False
-        for host in shared.values():  # its copy is there: share it (and keep the allocations below off it)
-            self._ref(host)
         owned = []
         for i, block in enumerate(blocks):
             host = shared.get(i)
@@ -224,8 +220,21 @@ class HostKVTier:
         self.num_swapped_out += 1
         return True
 
-    def drop_swapped(self, request: Request) -> None:
-        """A swapped request ended (aborted) or resumed, or a hold here ended: its host blocks are let go."""
+    def _share_copies(self, blocks: list[Block], num_full: int) -> dict[int, Block] | None:
+        """For a request's device blocks about to be copied here: {index: host block} for those
+        among the first `num_full` whose copy the host has, each referenced now (so the
+        allocations for the rest stay off them); None, with nothing changed, when the host
+        cannot take the rest."""
+        shared = {i: self.cached[b.block_hash] for i, b in enumerate(blocks[:num_full]) if b.block_hash in self.cached}
+        if len(blocks) - len(shared) + sum(1 for host in shared.values() if host.ref_cnt == 0) > self.num_free_blocks:
+            return None
+        for host in shared.values():
+            self._ref(host)
+        return shared
+
+    def release_owned(self, request: Request) -> None:
+        """The host blocks a request owns are let go: a swapped request's (it ended or resumed),
+        or a hold's (it ended)."""
         swapped = self.swapped.pop(request.request_id, None)
         for host in [*(swapped[0] if swapped else ()), *self.holds.pop(request.request_id, ())]:
             self._unref(host)
@@ -237,11 +246,8 @@ class HostKVTier:
         their ids, or None, with nothing changed, when the host cannot take them all."""
         blocks = self.kv.req_blocks[request.request_id][:num_blocks]
         num_full = request.num_computed_tokens // self.block_size
-        shared = {i: self.cached[b.block_hash] for i, b in enumerate(blocks[:num_full]) if b.block_hash in self.cached}
-        if len(blocks) - len(shared) + sum(1 for host in shared.values() if host.ref_cnt == 0) > self.num_free_blocks:
+        if (shared := self._share_copies(blocks, num_full)) is None:
             return None
-        for host in shared.values():  # its copy is there already: shared
-            self._ref(host)
         owned = []
         for i, block in enumerate(blocks):
             host = shared.get(i)

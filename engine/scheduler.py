@@ -135,9 +135,9 @@ class Scheduler:
         return RequestUpdate(request, [request.output_token_ids[-1]], True)
 
     def _free(self, request: Request) -> None:
-        if self.host is not None:  # its cached blocks written back, a swapped request's host blocks let go
+        if self.host is not None:  # its cached blocks written back, host blocks it owns (swapped, or held) let go
             self.host.store_freed(request)
-            self.host.drop_swapped(request)
+            self.host.release_owned(request)
         self.kv.free(request)
 
     @property
@@ -274,7 +274,7 @@ class Scheduler:
         if self.host is not None and request.request_id in self.host.swapped:  # swapped out: load them back
             if num_host := self.host.match(request, 0):
                 return [], num_host, False  # copied back before this step's forward: it runs now
-            self.host.drop_swapped(request)  # nothing worth loading: computed again
+            self.host.release_owned(request)  # nothing worth loading: computed again
         # A request that wants its prompt's logprobs computes every prompt token (vLLM does so too).
         wants_logprobs = request.sampling_params.prompt_logprobs is not None
         computed, num_local = self.kv.get_computed_blocks(request) if not wants_logprobs else ([], 0)
@@ -329,7 +329,7 @@ class Scheduler:
         request = self.requests.get(req_id)
         if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             request.status = RequestStatus.WAITING
-            self.host.drop_swapped(request)
+            self.host.release_owned(request)
             self.kv.cache_blocks(request, request.num_computed_tokens)
             # First in line: it holds every block it needs now, and a request ahead of it that
             # waits for blocks must not wait on these.

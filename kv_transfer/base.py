@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from baton.engine.kv_events import DEVICE
+
 if TYPE_CHECKING:
     import torch
 
@@ -30,7 +32,7 @@ class KVHandle(msgspec.Struct, frozen=True):
     num_tokens: int  # the prompt's tokens they hold
     first_token: int  # sampled by the prefill: the decode's first output
     hold_s: float = 0.0  # how long the prefill holds the blocks from when it gave the handle out (0: unknown)
-    tier: str = "device"  # the pool `block_ids` index: "device", or "host" (the prefill moved them to its host tier)
+    tier: str = DEVICE  # the pool `block_ids` index: "device", or "host" (the prefill moved them to its host tier)
 
 
 class KVFormatMismatch(ValueError):

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from baton.engine.kv_events import HOST
+from baton.engine.kv_events import DEVICE, HOST
 from baton.kv_transfer.base import KVConnectorOutput, KVConnectorWorker, KVFormat, KVHoldEnd, KVTransfer
 from baton.kv_transfer.nixl_scheduler import (DEFAULT_HOLD_TIMEOUT_S, DEFAULT_LOAD_TIMEOUT_S, LoadSpec,
                                               NixlConnectorMeta, NixlConnectorScheduler)
@@ -172,7 +172,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             name = self.agent.add_remote_agent(layout.agent_metadata)
         self.peers[layout.engine_id] = _Peer(name.decode() if isinstance(name, bytes) else name, layout)
 
-    def _descs(self, layout: KVLayout, runs: list[tuple[int, int, int]], side: int, tier: str = "device"):
+    def _descs(self, layout: KVLayout, runs: list[tuple[int, int, int]], side: int, tier: str = DEVICE):
         size = layout.block_bytes
         base, mem_type, dev_id = layout.region(tier)
         return self.agent.get_xfer_descs([(base + run[side] * size, run[2] * size, dev_id) for run in runs], mem_type)

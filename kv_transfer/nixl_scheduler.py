@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from baton.engine.kv_events import DEVICE
 from baton.engine.request import RequestStatus
 from baton.kv_transfer.base import KVConnectorScheduler, KVHandle
 
@@ -29,7 +30,7 @@ class LoadSpec:
     remote_engine_id: str
     remote_block_ids: list[int]
     remote_request_id: str
-    remote_tier: str = "device"  # the peer's pool that remote_block_ids index
+    remote_tier: str = DEVICE  # the peer's pool that remote_block_ids index
 
 
 @dataclass(slots=True)
