@@ -391,6 +391,11 @@ def test_baton_up_answers_traces_and_stops_cleanly(tiny_llama):
 
     try:
         wait_for("Baton is up")
+        # One invitation, after every service said it serves: the children print none of their own.
+        invites = [i for i, line in enumerate(lines) if "baton generate --target" in line]
+        serving = [i for i, line in enumerate(lines) if "serving on " in line]
+        up_at = next(i for i, line in enumerate(lines) if line.startswith("Baton is up"))
+        assert len(invites) == 1 and invites[0] > up_at and len(serving) == 3 and max(serving) < up_at, "".join(lines)
         pids = [int(x) for x in subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True,
                                                 text=True).stdout.split()]
         assert len(pids) == 3
@@ -416,7 +421,8 @@ def test_baton_up_answers_traces_and_stops_cleanly(tiny_llama):
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
         time.sleep(0.2)
-        assert not [pid for pid in pids if subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0]
+        assert not [pid for pid in pids
+                    if subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode == 0]
     finally:
         if up.poll() is None:
             up.kill()
@@ -439,3 +445,26 @@ def test_baton_up_fails_clearly(tiny_llama, tmp_path):
     assert bad.returncode == 1 and "exited with status" in out and "max_model_len" in out, out
     # Its children (reparented once it exited) carry the flag as one argument; none is left.
     assert subprocess.run(["pgrep", "-f", "max-model-len=999999"], capture_output=True).stdout == b""
+
+
+def test_a_router_whose_tier_is_starting_says_so(tiny_llama):
+    """Before any decode has served (still loading, say), a request is refused UNAVAILABLE naming
+    the tier and how many of its instances are ready, over gRPC and the OpenAI front alike."""
+    http_port = free_port("127.0.0.1")
+    r = ServerProcess(tiny_llama, "--role", "router", "--internal-token", TOKEN, "--http-port", str(http_port),
+                      "--decode", f"127.0.0.1:{free_port('127.0.0.1')}")  # nothing listens there yet
+    try:
+        async def refused():
+            async with AsyncClient(r.address) as client:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await collect(client, [5, 6, 7], max_tokens=2)
+                return err.value
+
+        err = run(refused())
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and err.details() == "decode tier starting: 0 of 1 ready"
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as http_err:
+            client.models.list()
+        assert http_err.value.status_code == 503 and "decode tier starting: 0 of 1 ready" in str(http_err.value)
+    finally:
+        r.stop()

@@ -105,9 +105,13 @@ def test_logprobs_are_transformers_log_softmax(tiny_model, hf):
             assert torch.allclose(torch.tensor(lp.top_logprobs), want.values, atol=LOGPROB_TOL)
             assert torch.allclose(row[lp.top_token_ids], want.values, atol=LOGPROB_TOL)
         assert len(out.outputs[0].logprobs[0].top_token_ids) == 4 and len(out.prompt_logprobs[1].top_token_ids) == 3
-    # A prompt seen before still gets its logprobs (such requests compute the whole prompt).
+    # A prompt seen before still gets its logprobs (such requests compute the whole prompt). Within
+    # the tolerance, not exactly: alone its chunks differ from the first run's (batched with the
+    # other prompt), and a CPU may sum such batches in another order (last-bit differences).
     again = llm.generate(prompts[1:], params)[0]
-    assert [lp.logprob for lp in again.prompt_logprobs[1:]] == [lp.logprob for lp in out.prompt_logprobs[1:]]
+    assert [lp.token_id for lp in again.prompt_logprobs[1:]] == prompts[1][1:]
+    assert all(abs(a.logprob - b.logprob) < LOGPROB_TOL
+               for a, b in zip(again.prompt_logprobs[1:], out.prompt_logprobs[1:]))
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 

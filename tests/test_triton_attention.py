@@ -156,7 +156,7 @@ def test_write_kv_puts_each_row_in_its_slot_and_nothing_else(dtype):
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     want_k.view(-1, 2, 64)[slots.long()] = kv[0]
     want_v.view(-1, 2, 64)[slots.long()] = kv[1]
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)  # a copy, no arithmetic: exact
 
 
 @pytest.mark.gpu

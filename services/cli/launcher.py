@@ -2,7 +2,8 @@
 and M decode engines on free ports, and the router in front of them on the public port.
 
 It waits until every process reports SERVING over the health protocol, prints where to
-talk to it (and each service's /metrics), and stops them all on Ctrl-C. It supervises as
+talk to it (and each service's /metrics; the services it starts invite no request of their
+own, since one serving is not the stack serving), and stops them all on Ctrl-C. It supervises as
 Kubernetes would: a service that dies is started again on its address after a backoff
 (doubling from RESTART_BACKOFF_S, reset once it has run for a minute), while the router serves
 on the survivors; only a crash loop (CRASH_LOOP deaths within CRASH_WINDOW_S) stops the stack.
@@ -29,6 +30,7 @@ from baton.services.cli.placement import Placement
 RESTART_BACKOFF_S, MAX_BACKOFF_S = 0.5, 30.0
 CRASH_LOOP, CRASH_WINDOW_S = 5, 60.0  # this many deaths of one service within the window stop the stack
 STABLE_S = 60.0  # a service that ran this long starts its backoff over
+UP_CHILD_ENV = "BATON_UP_CHILD"  # set for the services `baton up` starts: they leave inviting requests to it
 
 
 def free_port(host: str) -> int:
@@ -208,7 +210,8 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
             print(f"baton up: {host}:{taken} is taken; pick another with {flag}", file=sys.stderr)
             return 2
     stack = build_stack(model, host, port, num_prefill, num_decode, engine_argv, policy, http_port, placements)
-    env = dict(os.environ, BATON_INTERNAL_TOKEN=os.environ.get("BATON_INTERNAL_TOKEN") or secrets.token_hex(16))
+    env = dict(os.environ, BATON_INTERNAL_TOKEN=os.environ.get("BATON_INTERNAL_TOKEN") or secrets.token_hex(16),
+               **{UP_CHILD_ENV: "1"})
     # Engines share the cores instead of each assuming all of them.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (num_prefill + num_decode))))
     stopping = threading.Event()

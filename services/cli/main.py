@@ -31,6 +31,7 @@ def _serve(args) -> None:
     import signal
 
     from baton.engine.errors import InvalidArgument, StartupError
+    from baton.services.cli.launcher import UP_CHILD_ENV
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.role == "router":
@@ -63,8 +64,10 @@ def _serve(args) -> None:
             sys.exit(f"baton serve: {e}")
         if server.http is not None:
             print(f"OpenAI API on {server.http.url}/v1", flush=True)
-        print(f"serving on {server.address}; try:\n  baton generate --target {server.address} "
-              f"'What is the capital of France?'", flush=True)
+        # Under `baton up` the stack is not ready when one service is: its own line invites requests.
+        invite = "" if os.environ.get(UP_CHILD_ENV) else (
+            f"; try:\n  baton generate --target {server.address} 'What is the capital of France?'")
+        print(f"serving on {server.address}{invite}", flush=True)
         dead = getattr(server, "dead", None)  # an engine server's core died (a router has none)
         waits = [asyncio.ensure_future(stop.wait())] + ([asyncio.ensure_future(dead.wait())] if dead else [])
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -217,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "health and reflection. Ctrl-C drains: in-flight streams get the grace "
                                    "period to finish.")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    s.add_argument("--port", type=int, default=50051, help="port to listen on; 0 picks a free one (default: %(default)s)")
+    s.add_argument("--port", type=int, default=50051,
+                   help="port to listen on; 0 picks a free one (default: %(default)s)")
     s.add_argument("--advertise-host", help="the address peers reach this server at, in the KV handles a prefill "
                                             "gives out (default: --host, or this host's IP when --host is 0.0.0.0 "
                                             "or ::)")
@@ -326,8 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_check_stack)
 
     h = sub.add_parser("health", help="exit 0 if a server reports SERVING (a probe that speaks TLS)",
-                       description="Ask a server's grpc.health.v1 service; exit 0 when it reports SERVING, 1 otherwise. "
-                                   "Kubernetes' native gRPC probes cannot do TLS: the Helm chart execs this instead.")
+                       description="Ask a server's grpc.health.v1 service; exit 0 when it reports SERVING, "
+                                   "1 otherwise. Kubernetes' native gRPC probes cannot do TLS: the Helm chart execs "
+                                   "this instead.")
     h.add_argument("--target", required=True, help="HOST:PORT of the server")
     h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     h.add_argument("--service", default="", help="the health service to ask: \"\" (the server: ready to serve), or "

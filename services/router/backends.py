@@ -41,11 +41,13 @@ class Backend:
         self.address = address
         self.channel = aio_channel(address, tls, _CHANNEL_OPTIONS)
         # Responses stay bytes: the router forwards them without parsing them again.
-        self.generate = self.channel.unary_stream(GENERATE_METHOD, request_serializer=pb.GenerateRequest.SerializeToString,
+        self.generate = self.channel.unary_stream(GENERATE_METHOD,
+                                                  request_serializer=pb.GenerateRequest.SerializeToString,
                                                   response_deserializer=None)
         self.prefill = internal_pb2_grpc.PrefillStub(self.channel)
         self.api = generate_pb2_grpc.TextGenerationStub(self.channel)  # the runtime API
         self.healthy = False
+        self.ever_served = False  # reported SERVING at least once: not starting any more
         self.adapters: dict[str, pb.Adapter] = {}  # LoRA adapters loaded there, by name (ListAdapters)
         self.outstanding = 0
         self.num_routed = 0
@@ -85,6 +87,7 @@ class Backend:
     def _set_healthy(self, healthy: bool) -> None:
         if healthy != self.healthy:
             self.healthy = healthy
+            self.ever_served = self.ever_served or healthy
             log.info("%s is %s", self.address, "healthy" if healthy else "unhealthy")
             if healthy:  # a new or restarted instance: what it has loaded now (then every resolve interval)
                 self._adapters_task = asyncio.ensure_future(self.refresh_adapters())
@@ -134,6 +137,14 @@ class Tier:
 
     def healthy(self, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
         return [b for b in self.backends.values() if b.healthy and b not in exclude]
+
+    def why_none(self) -> str:
+        """Why no instance of the tier can take a request: still starting (none has served yet),
+        or none serving now."""
+        ready, known = len(self.healthy()), len(self.backends)
+        if known and not any(b.ever_served for b in self.backends.values()):
+            return f"{self.name} tier starting: {ready} of {known} ready"
+        return f"no healthy {self.name} instance ({known} known, {ready} serving)"
 
     async def refresh(self) -> None:
         """Resolve every name again: add the new addresses, drop the ones that went away."""

@@ -101,7 +101,7 @@ async def decode_leg(router, msg: pb.GenerateRequest, hashes: list[int], metadat
         while True:
             decode = r.pick(r.decode, r.decode_policy, hashes, trace, msg.request_id, tried, msg.adapter)
             if decode is None:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode instance" + (
+                await context.abort(grpc.StatusCode.UNAVAILABLE, r.decode.why_none() + (
                     f" (tried {', '.join(b.address for b in tried)})" if tried else ""))
             if tried:
                 trace.retried("decode")
@@ -145,7 +145,8 @@ async def decode_leg(router, msg: pb.GenerateRequest, hashes: list[int], metadat
             if len(tried) > r.options.max_migrations:
                 names = ", ".join(b.address for b in tried)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode instances {names} failed "
-                                    f"({error.details()}); moved {len(tried) - 1} times, the most max_migrations allows")
+                                    f"({error.details()}); moved {len(tried) - 1} times, "
+                                    "the most max_migrations allows")
             if msg.request_id in r.aborted:  # the Abort API, while the request was between instances
                 yield aborted_response(msg)
                 return

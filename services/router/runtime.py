@@ -121,7 +121,7 @@ class RouterRuntime:
                 except grpc.aio.AioRpcError as e:
                     if e.code() != grpc.StatusCode.UNAVAILABLE:
                         await pass_on(context, e)
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy backend")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, self.router.decode.why_none())
 
 
 def _where(adapter: pb.Adapter) -> pb.Adapter:
