@@ -15,9 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from baton import SamplingParams  # noqa: E402
-from helpers import random_prompts  # noqa: E402
-from nixl_engines import nixl_engine  # noqa: E402
+from baton import SamplingParams
+from helpers import random_prompts
+from nixl_engines import nixl_engine
 
 
 def run(args, hand_off: bool) -> str:

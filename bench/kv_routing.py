@@ -65,7 +65,8 @@ class Conversation:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="models/smollm2-135m-instruct", help="checkpoint dir (relative: from the repo root)")
+    p.add_argument("--model", default="models/smollm2-135m-instruct",
+                   help="checkpoint dir (relative: from the repo root)")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of: {', '.join(POLICIES)}, "
                                                                  "least_outstanding")
     p.add_argument("--instances", type=int, default=3)
@@ -273,8 +274,8 @@ def main() -> None:
         num_blocks, max_len = kv_blocks_per_instance(args, system, conversations)
         if not shown:
             shown = True
-            ideal = sum((len(system) + sum(map(len, c.user_turns[:k])) + k * args.output_len - (k > 0)) // args.block_size
-                        * args.block_size for c in conversations for k in range(args.turns))
+            ideal = sum((len(system) + sum(map(len, c.user_turns[:k])) + k * args.output_len - (k > 0))
+                        // args.block_size * args.block_size for c in conversations for k in range(args.turns))
             prompts = sum(len(system) + sum(map(len, c.user_turns[:k + 1])) + k * args.output_len
                           for c in conversations for k in range(args.turns))
             print(f"{args.routers} router(s); at most {100 * ideal / prompts:.1f}% of prompt tokens can hit "

@@ -83,8 +83,9 @@ def main() -> None:
                 best[n] = min(best.get(n, float("inf")), wall)
                 print(f"  round {r + 1}: {n or 'base'} adapters: {wall:.1f}s", flush=True)
         tokens = args.num_requests * args.output_len
-        print(f"model {args.model}, {args.num_requests} requests of {args.prompt_len} prompt + {args.output_len} output "
-              f"tokens, rank {args.rank} on every projection, {torch.get_num_threads()} threads")
+        print(f"model {args.model}, {args.num_requests} requests of {args.prompt_len} prompt + "
+              f"{args.output_len} output tokens, rank {args.rank} on every projection, "
+              f"{torch.get_num_threads()} threads")
         print(f"{'adapters':>10} {'tok/s':>10} {'vs base':>8}")
         for n in order:
             print(f"{n or 'base':>10} {tokens / best[n]:>10.1f} {best[0] / best[n]:>7.3f}x")

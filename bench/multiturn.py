@@ -171,7 +171,8 @@ def long_run(engine: LLMEngine, args, vocab: int) -> dict[str, float]:
             answers[out.request_id] += out.new_token_ids
     took, s = clock.figures(), engine.snapshot()
     tokens = sum(len(a) for a in answers.values())
-    return {"output tok/s": tokens / took["wall s"], **took, "TTFT p50 ms": np.percentile(list(ttft.values()), 50) * 1e3,
+    return {"output tok/s": tokens / took["wall s"], **took,
+            "TTFT p50 ms": np.percentile(list(ttft.values()), 50) * 1e3,
             "preemptions": s.num_preemptions, "swaps": s.num_swap_preemptions,
             "blocks moved": s.num_host_kv_stored_blocks + s.num_host_kv_loaded_blocks, "_answers": answers}
 
@@ -195,7 +196,8 @@ def measure_copies(engine: LLMEngine, num_blocks: int = 64, reps: int = 20) -> N
             pass
     copier.close()
     print(f"{num_blocks} blocks of {block_bytes(engine) / (1 << 20):.2f} MiB device -> host: inline "
-          f"{np.median(inline) * 1e3:.2f} ms, handed to the thread {np.median(handoff) * 1e3:.3f} ms (medians of {reps})")
+          f"{np.median(inline) * 1e3:.2f} ms, handed to the thread {np.median(handoff) * 1e3:.3f} ms "
+          f"(medians of {reps})")
 
 
 def main() -> None:

@@ -79,7 +79,8 @@ def write_random_checkpoint(out_dir: str, shape: str, seed: int = 0, max_positio
                 p + "self_attn.q_proj.weight": normal(heads * head_dim, h),
                 p + "self_attn.k_proj.weight": normal(kv * head_dim, h),
                 p + "self_attn.v_proj.weight": normal(kv * head_dim, h),
-                p + "self_attn.o_proj.weight": normal(h, heads * head_dim), p + "mlp.gate_proj.weight": normal(inter, h),
+                p + "self_attn.o_proj.weight": normal(h, heads * head_dim),
+                p + "mlp.gate_proj.weight": normal(inter, h),
                 p + "mlp.up_proj.weight": normal(inter, h), p + "mlp.down_proj.weight": normal(h, inter),
                 p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
                 p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})

@@ -74,7 +74,8 @@ class Trace:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="models/smollm2-135m-instruct", help="checkpoint dir (relative: from the repo root)")
+    p.add_argument("--model", default="models/smollm2-135m-instruct",
+                   help="checkpoint dir (relative: from the repo root)")
     p.add_argument("--num-prompts", type=int, default=96)
     p.add_argument("--input-len", type=int, default=256, help="mean prompt length in tokens")
     p.add_argument("--output-len", type=int, default=64, help="mean new tokens per request")
@@ -370,7 +371,8 @@ def main() -> None:
     workload = make_workload(args, vocab)
     print(f"model {args.model.name}; {args.num_prompts} requests, input ~{args.input_len}, output ~{args.output_len} "
           f"(range ratio {args.range_ratio}), "
-          f"{f'every {args.long_every}th prompt {args.long_input_len} tokens, ' if args.long_every else ''}rate {args.request_rate}/s, max concurrency {args.max_concurrency}; {os.cpu_count()} cores")
+          f"{f'every {args.long_every}th prompt {args.long_input_len} tokens, ' if args.long_every else ''}"
+          f"rate {args.request_rate}/s, max concurrency {args.max_concurrency}; {os.cpu_count()} cores")
     sink = SpanSink() if "traced" in args.telemetry else None
     runs = [(mode, "off") if mode == "offline" else (mode, variant)
             for mode in args.modes for variant in (args.telemetry if mode != "offline" else ["off"])]

@@ -214,7 +214,8 @@ def print_notes(results: list[Result]) -> None:
 
 def main() -> None:
     args = parse_args()
-    print(f"torch {torch.__version__}, device {args.device}, dtype {args.dtype}, torch threads {torch.get_num_threads()}")
+    print(f"torch {torch.__version__}, device {args.device}, dtype {args.dtype}, "
+          f"torch threads {torch.get_num_threads()}")
     print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt}, "
           f"outputs {args.min_output}-{args.max_output}, seed {args.seed}, greedy, ignore EOS")
     for model_dir in args.model:

@@ -60,7 +60,8 @@ def _tiny_config(arch: str, tokenizer):
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, initializer_range=0.2)  # wide enough that greedy argmax has clear margins
+                  pad_token_id=tokenizer.pad_token_id,
+                  initializer_range=0.2)  # wide enough that greedy argmax has clear margins
     if arch == "llama":  # untied head, Llama 3 RoPE scaling
         return LlamaConfig(num_hidden_layers=4, tie_word_embeddings=False, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,

@@ -75,17 +75,20 @@ class EngineConfig:
             value = getattr(self, name)
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
                   f"must be an integer >= 1, got {value!r}")
-        check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", f"must be a power of two <= 256, got {self.block_size}")
+        check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
+              f"must be a power of two <= 256, got {self.block_size}")
         check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
               "max_model_len", f"must be an integer >= 1, got {self.max_model_len!r}")
         check(isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0,
               "long_prefill_token_threshold", f"must be an integer >= 0, got {self.long_prefill_token_threshold!r}")
         check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
               f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        check(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check(self.dtype == "auto" or self.dtype in DTYPES, "dtype",
+              f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         check(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1),
               "num_kv_blocks", f"must be an integer >= 1, got {self.num_kv_blocks!r}")
-        check(self.kv_cache_memory_bytes is None or (isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes > 0),
+        check(self.kv_cache_memory_bytes is None
+              or (isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes > 0),
               "kv_cache_memory_bytes", f"must be a positive integer, got {self.kv_cache_memory_bytes!r}")
         check(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1,
               "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
@@ -101,7 +104,8 @@ class EngineConfig:
             value = getattr(self, name)
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
                   f"must be an integer >= 1, got {value!r}")
-        check(self.max_cpu_loras is None or (isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras),
+        check(self.max_cpu_loras is None
+              or (isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras),
               "max_cpu_loras", f"must be an integer >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
         check(isinstance(self.lora_modules, dict) and all(isinstance(k, str) and k and isinstance(v, (str, os.PathLike))
                                                           for k, v in self.lora_modules.items()),
@@ -138,11 +142,12 @@ class EngineConfig:
         check(index < count, "device", f"{self.device} was asked for but {count} GPU(s) are visible")
 
     @classmethod
-    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
         known = {f.name for f in fields(cls)}
         for name in kwargs:
             if name not in known:
-                raise InvalidArgument(name, f"is not an engine argument (known: {', '.join(sorted(known - {'model'}))})")
+                raise InvalidArgument(name, "is not an engine argument "
+                                            f"(known: {', '.join(sorted(known - {'model'}))})")
         return cls(model=model, **kwargs)
 
     def torch_dtype(self, checkpoint_dtype: str | None):
@@ -164,4 +169,5 @@ class EngineConfig:
               f"{self.max_model_len} exceeds the model's max_position_embeddings {max_position_embeddings}")
         if not self.enable_chunked_prefill:
             check(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
-                  f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is off, got {self.max_num_batched_tokens}")
+                  f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is off, "
+                  f"got {self.max_num_batched_tokens}")

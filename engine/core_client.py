@@ -4,7 +4,8 @@ fanned out to per-request streams. The front never waits on a step, and the core
 detokenizes or encodes an RPC.
 
 The core process is a fresh interpreter (`python -m baton.engine.core_process`: nothing of
-the front's threads, sockets or main module is inherited), watched through a pidfd: when it exits, every stream fails with EngineDead at once, pending
+the front's threads, sockets or main module is inherited), watched through a pidfd: when it
+exits, every stream fails with EngineDead at once, pending
 calls too, and `on_dead` tells the server (which reports NOT_SERVING and exits, so that its
 supervisor restarts the pair). The core dies with the front (core_process.py).
 """
@@ -62,7 +63,8 @@ def merge_queued(out: StepOutput | BaseException, outputs: asyncio.Queue) -> Ste
         if isinstance(more, BaseException):
             raise more
         out = dataclasses.replace(more, new_token_ids=out.new_token_ids + more.new_token_ids,
-                                  text=out.text + more.text, prompt_logprobs=out.prompt_logprobs or more.prompt_logprobs,
+                                  text=out.text + more.text,
+                                  prompt_logprobs=out.prompt_logprobs or more.prompt_logprobs,
                                   logprobs=None if out.logprobs is None and more.logprobs is None
                                   else (out.logprobs or []) + (more.logprobs or []),
                                   ready_time=out.ready_time or more.ready_time)
@@ -142,7 +144,8 @@ class CoreClient:
         await asyncio.wait([first, self._exited], return_when=asyncio.FIRST_COMPLETED)
         if not first.done():
             first.cancel()
-            raise StartupError(f"the engine core exited with status {self._proc.returncode} while loading (see its log)")
+            raise StartupError(f"the engine core exited with status {self._proc.returncode} while loading "
+                               "(see its log)")
         msg = self._decoder.decode(first.result().buffer)
         if isinstance(msg, CoreFailed):
             raise error_from(msg.error)
@@ -189,7 +192,7 @@ class CoreClient:
             self._send(CoreShutdown())
             try:
                 await asyncio.wait_for(asyncio.shield(self._exited), _STOP_WAIT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("the engine core did not stop within %gs; killing it", _STOP_WAIT_S)
                 self._proc.kill()
                 await self._exited
@@ -279,7 +282,7 @@ class CoreClient:
             frame = await self._pull.recv(copy=False)
             try:
                 self._dispatch(self._decoder.decode(frame.buffer))
-            except Exception:  # noqa: BLE001 - one bad message must not stop every stream
+            except Exception:  # one bad message must not stop every stream
                 log.exception("a message from the engine core could not be handled")
 
     def _dispatch(self, msg) -> None:
@@ -295,7 +298,7 @@ class CoreClient:
         if msg.kv_events:  # (only sent to a client with on_kv_events)
             try:
                 self.on_kv_events(msg.kv_events)
-            except Exception:  # noqa: BLE001 - publishing must never cost a request
+            except Exception:  # publishing must never cost a request
                 log.exception("the KV cache's events could not be published")
         outputs, stopped = self.outputs.process(msg.outputs, msg.time)
         if stopped:  # ended here by a stop string: the core still runs them (or holds their blocks)
@@ -303,7 +306,7 @@ class CoreClient:
         if self.on_step is not None and msg.events is not None:
             try:
                 self.on_step(msg.events, outputs)
-            except Exception:  # noqa: BLE001 - telemetry must never cost a request
+            except Exception:  # telemetry must never cost a request
                 log.exception("telemetry failed on a step's events")
         for failure in msg.failures:
             stream = self._streams.get(failure.key)

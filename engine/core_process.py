@@ -93,7 +93,7 @@ def run_engine_core(config: EngineConfig, options: CoreOptions, parent: int) -> 
     try:
         connector = make_nixl_connector(options.engine_id, config.block_size, options.hold_timeout_s)
         core = EngineCore(config, connector)
-    except Exception as e:  # noqa: BLE001 - told to the front in one sentence, then the process ends
+    except Exception as e:  # told to the front in one sentence, then the process ends
         if not isinstance(e, (InvalidArgument, StartupError)):
             log.exception("the engine core could not start")
         out.send(msgspec.msgpack.encode(CoreFailed(error_of(e))))
@@ -169,7 +169,7 @@ class CoreLoop:
                         or (events is not None and (events.events or events.step_tokens))):
                     self.outputs.put(CoreStep(outputs, core.scheduler.last_step_time, core.num_waiting,
                                               self.num_received, failures, events, kv_events))
-        except Exception as e:  # noqa: BLE001 - the front fails its streams with this, then the process ends
+        except Exception as e:  # the front fails its streams with this, then the process ends
             log.exception("the engine core's step loop failed")
             err = error_of(e)
             err.message = f"the engine core's step loop failed: {err.message}"

@@ -56,7 +56,8 @@ class TextStream:
         self.pending = ""  # decoded, not yet emitted
         self.hands_over = False  # the request goes on elsewhere when it ends by length (a prefill's)
 
-    def push(self, new_token_ids: list[int], final: bool = False, look_for_stops: bool = True) -> tuple[str, str | None]:
+    def push(self, new_token_ids: list[int], final: bool = False,
+             look_for_stops: bool = True) -> tuple[str, str | None]:
         """Add tokens; returns the text to emit now and the stop string that ended the text, if
         one did (`look_for_stops` false: none can yet, min_tokens not reached). `final` flushes."""
         text = self.detokenizer.push(new_token_ids, final)

@@ -75,7 +75,8 @@ class HostKVTier:
         self.storing: set[int] = set()  # hashes whose write-back is in flight (not written twice)
         self.swapped: dict[str, tuple[list[Block], int]] = {}  # request id -> its host blocks, tokens they hold
         self.holds: dict[str, list[Block]] = {}  # held prefill request id -> the host blocks its handle names
-        self._match: tuple[str, list[Block]] | None = None  # the last lookup's host hits, until its blocks are allocated
+        # the last lookup's host hits, until its blocks are allocated
+        self._match: tuple[str, list[Block]] | None = None
         self._ops = HostKVOps()
         self._job = _Job()
         self._jobs: dict[int, _Job] = {}  # in flight

@@ -30,7 +30,8 @@ class InputProcessor:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                      priority: int = 0, arrival_time: float | None = None, hold_for_remote: bool = False,
-                     remote_kv: KVHandle | None = None, resumed_output: list[int] = (), adapter: str = "") -> CoreRequest:
+                     remote_kv: KVHandle | None = None, resumed_output: list[int] = (),
+                     adapter: str = "") -> CoreRequest:
         """`hold_for_remote`: a prefill's request, whose blocks wait for a decode peer once it
         ends. `remote_kv`: a decode's, whose prompt KV a prefill peer holds (its first token
         is then an output already). `resumed_output`: tokens another instance generated and

@@ -72,7 +72,8 @@ class LLM:
         lora_request: a loaded adapter's name for every prompt, or one per prompt (None: the base)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        params = (sampling_params if isinstance(sampling_params, list)
+                  else [sampling_params or SamplingParams()] * len(prompts))
         adapters = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         check(len(params) == len(prompts), "sampling_params", f"has {len(params)} entries for {len(prompts)} prompts")
         check(priority is None or len(priority) == len(prompts), "priority", "needs one entry per prompt")

@@ -50,7 +50,8 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                      priority: int = 0, arrival_time: float | None = None, hold_for_remote: bool = False,
-                     remote_kv: KVHandle | None = None, resumed_output: list[int] = (), adapter: str = "") -> CoreRequest:
+                     remote_kv: KVHandle | None = None, resumed_output: list[int] = (),
+                     adapter: str = "") -> CoreRequest:
         """Validate and tokenize a request (InputProcessor.make_request)."""
         return self.inputs.make_request(request_id, prompt, params, priority, arrival_time, hold_for_remote,
                                         remote_kv, resumed_output, adapter)

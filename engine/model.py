@@ -40,10 +40,11 @@ class ModelArgs:
     torch_dtype: str | None
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+    def from_hf_config(cls, cfg: dict) -> ModelArgs:
         arch = (cfg.get("architectures") or [""])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise InvalidArgument("model", f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+            raise InvalidArgument("model", f"architecture {arch!r} is not supported "
+                                           f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         if cfg.get("hidden_act", "silu") != "silu":
             raise InvalidArgument("model", f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
         # transformers >= 5 writes rope settings under rope_parameters; older checkpoints at top level.

@@ -113,4 +113,5 @@ class Request:
         return (self.priority, self.arrival_time, self.arrival_seq)
 
     def __repr__(self) -> str:
-        return f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/{self.num_tokens})"
+        return (f"Request({self.request_id!r}, {self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -67,20 +67,20 @@ class KVFormat(msgspec.Struct, frozen=True):
 
 class KVConnectorScheduler(ABC):
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond `num_computed_tokens` that a peer can supply, and whether they arrive
         asynchronously (the request then waits in WAITING_FOR_REMOTE_KVS)."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         """Local blocks now hold room for the request; remember where the external tokens go."""
 
     @abstractmethod
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> Any:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         """The per-step instructions for the worker half (which loads to start, into which blocks)."""
 
     @abstractmethod
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, KVHandle | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVHandle | None]:
         """Called once a request ends. Returns (hold_blocks, handle): when hold_blocks is true
         the scheduler keeps the blocks until the worker reports the send done, and the handle
         tells a decode peer where they are."""
@@ -122,8 +122,8 @@ class KVConnectorOutput:
 
 class KVConnectorWorker(ABC):
     @abstractmethod
-    def register_kv_caches(self, kv_cache: "torch.Tensor", kv_format: KVFormat,
-                           host_cache: "torch.Tensor | None" = None) -> None:
+    def register_kv_caches(self, kv_cache: torch.Tensor, kv_format: KVFormat,
+                           host_cache: torch.Tensor | None = None) -> None:
         """Register the engine's KV cache ([num_blocks, num_layers, 2, block_size, kv_heads, head_dim])
         and what its blocks hold (peers compare it before reading); `host_cache`, the host KV
         tier's pool of the same block shape, where a handle may name blocks moved there."""

@@ -93,11 +93,11 @@ def _new_agent(name: str):
 def merge_runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
     """(local start, remote start, length) for runs consecutive on both sides."""
     runs: list[list[int]] = []
-    for l, r in zip(local, remote, strict=True):
-        if runs and l == runs[-1][0] + runs[-1][2] and r == runs[-1][1] + runs[-1][2]:
+    for here, there in zip(local, remote, strict=True):
+        if runs and here == runs[-1][0] + runs[-1][2] and there == runs[-1][1] + runs[-1][2]:
             runs[-1][2] += 1
         else:
-            runs.append([l, r, 1])
+            runs.append([here, there, 1])
     return [tuple(run) for run in runs]
 
 

@@ -55,7 +55,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             return 0, False
         if self._too_late(request, handle):  # the prompt is computed here instead (and the hold let go)
             self.num_late_handles += 1
-            log.warning("the KV hold of %s may expire before a read would end; computing its prompt", request.request_id)
+            log.warning("the KV hold of %s may expire before a read would end; computing its prompt",
+                        request.request_id)
             return 0, False
         num_remote = handle.num_tokens - num_computed_tokens
         return (num_remote, True) if num_remote > 0 else (0, False)

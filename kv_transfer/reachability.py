@@ -48,7 +48,7 @@ def probe_read(agent, lock: threading.Lock, layout, kv_cache: torch.Tensor, prob
             raise RuntimeError(f"the READ ended in {state}" if state != "PROC" else f"no READ within {timeout_s:g}s")
         if not torch.equal(probe, block):
             raise RuntimeError("the READ reported done, but the block's bytes did not arrive")
-    except Exception as e:  # noqa: BLE001 - said once, as why the engine cannot start
+    except Exception as e:  # said once, as why the engine cannot start
         raise StartupError(f"the KV connector cannot move KV blocks in {layout.mem_type} on {kv_cache.device} over "
                            f"NIXL/UCX ({e}); for GPU memory UCX needs its CUDA transports (cuda_copy, cuda_ipc: see "
                            f"`ucx_info -d`, and UCX_TLS if set)") from e

@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 
@@ -219,7 +220,7 @@ class ServerProcess:
             self.proc.send_signal(2)
             try:
                 return self.proc.wait(30)
-            except Exception:
+            except subprocess.TimeoutExpired:
                 self.kill()
         return self.proc.returncode
 

@@ -85,7 +85,7 @@ def chart():
     return helm_python.Chart.load(CHART)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _render(values_json: str) -> dict[str, str]:
     return chart().render(json.loads(values_json), name=RELEASE, namespace=NAMESPACE)
 

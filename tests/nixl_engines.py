@@ -68,7 +68,7 @@ def assert_pools_full(*engines):
 def disaggregated(prefill, decode, prompts, params, on_step=None) -> list[list[int]]:
     handles = run_prefill(prefill, prompts, params)
     ids = []
-    for i, (prompt, p, handle) in enumerate(zip(prompts, params, handles)):
+    for prompt, p, handle in zip(prompts, params, handles):
         req = decode.add_request(f"d{next(agent_ids)}", prompt, p, remote_kv=handle)
         ids.append(req.request_id)
     tokens = run_until_done(prefill, decode, on_step=on_step)

@@ -33,7 +33,8 @@ def test_queued_outputs_merge_up_to_the_last():
         return merge_queued(step([1], "a"), queue), queue.empty()
 
     merged, drained = asyncio.run(run())
-    assert (merged.new_token_ids, merged.text, merged.finished, merged.finish_reason) == ([1, 2, 3, 4], "abcd", True, "length")
+    assert ((merged.new_token_ids, merged.text, merged.finished, merged.finish_reason)
+            == ([1, 2, 3, 4], "abcd", True, "length"))
     assert drained
 
 

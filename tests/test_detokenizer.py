@@ -22,7 +22,8 @@ def test_deltas_concatenate_to_the_full_text_without_broken_utf8(tiny_llama):
 
 def test_engine_text_matches_decode_of_its_tokens(tiny_qwen2):
     llm = LLM(tiny_qwen2, dtype="float32", device="cpu")
-    outs = llm.generate(["😀 café", "東京 north"], SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True))
+    outs = llm.generate(["😀 café", "東京 north"],
+                        SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True))
     for out in outs:
         assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
 

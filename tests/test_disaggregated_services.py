@@ -136,7 +136,8 @@ def test_processes_disaggregated_equal_colocated_and_pools_refill(spawn, tiny_ll
     prefill = tier(spawn, tiny_llama, "prefill", "--max-num-batched-tokens", "32")
     decode = tier(spawn, tiny_llama, "decode")
     prompts = random_prompts([9, 33, 70, 120], seed=51)
-    want = [o.token_ids for o in LLM(tiny_llama, dtype="float32", device="cpu").generate(prompts, SamplingParams(**GREEDY))]
+    want = [o.token_ids
+            for o in LLM(tiny_llama, dtype="float32", device="cpu").generate(prompts, SamplingParams(**GREEDY))]
 
     async def run():
         return await asyncio.gather(*(disaggregated(prefill.address, decode.address, p, **GREEDY) for p in prompts))

@@ -271,7 +271,8 @@ def test_a_stream_that_failed_after_its_last_message_is_not_moved():
             pass
 
     dying = Backend(address="a", outstanding=0, script=lambda: Call(
-        [pb.GenerateResponse(token_ids=[5, 6]), pb.GenerateResponse(token_ids=[2], finish_reason=pb.FINISH_REASON_STOP)],
+        [pb.GenerateResponse(token_ids=[5, 6]),
+         pb.GenerateResponse(token_ids=[2], finish_reason=pb.FINISH_REASON_STOP)],
         True))
     spare = Backend(address="b", outstanding=0, script=lambda: Call(
         [pb.GenerateResponse(token_ids=[9], finish_reason=pb.FINISH_REASON_LENGTH)], False))

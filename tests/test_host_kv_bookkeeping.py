@@ -99,11 +99,13 @@ def test_randomized_bookkeeping_of_both_tiers(tmp_path, seed):
     prefixes = [[rng.randrange(3) for _ in range(rng.randint(0, max_model_len // 2))] for _ in range(3)]
     pending, prompts = [], []
     for i in range(rng.randint(8, 24)):
-        prompt = (rng.choice(prefixes) + [rng.randrange(3) for _ in range(max_model_len)])[:rng.randint(1, max_model_len - 1)]
+        prompt = ((rng.choice(prefixes) + [rng.randrange(3) for _ in range(max_model_len)])
+                  [:rng.randint(1, max_model_len - 1)])
         if prompts and rng.random() < 0.4:  # a prompt again (a conversation's next turn starts with the last)
             prompt = rng.choice(prompts)
         prompts.append(prompt)
-        pending.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 12)), priority=rng.randint(0, 3)))
+        pending.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 12)),
+                               priority=rng.randint(0, 3)))
     for _ in range(4000):
         if pending and rng.random() < 0.3:
             sched.add_request(pending.pop())

@@ -151,7 +151,8 @@ def test_reset_prefix_cache_forgets_the_host_tier_too(tiny_llama):
     llm.reset_prefix_cache()
     assert not llm.engine.core.host.cached
     again = llm.generate(prompts, GREEDY)
-    assert [o.num_cached_tokens for o in again] == [0] * 4 and [o.token_ids for o in again] == [o.token_ids for o in first]
+    assert ([o.num_cached_tokens for o in again] == [0] * 4
+            and [o.token_ids for o in again] == [o.token_ids for o in first])
     assert_tiers_settled(llm)
 
 

@@ -73,7 +73,8 @@ def test_max_loras_bounds_each_step(tiny_llama, adapters, peft_ref):
     assert max(len(s) for s in steps) == 1 and len(set().union(*steps)) == 3
     assert runner.lora.num_loads >= 3  # one slot: adapters take turns in it
     snapshot = llm.engine.snapshot()  # what GetLoad's figures and /metrics' baton:lora_* come from
-    assert (snapshot.num_loras, snapshot.num_running_loras, snapshot.num_lora_device_loads) == (3, 0, runner.lora.num_loads)
+    assert ((snapshot.num_loras, snapshot.num_running_loras, snapshot.num_lora_device_loads)
+            == (3, 0, runner.lora.num_loads))
 
 
 def test_preempted_under_a_small_pool(tiny_llama, adapters, peft_ref):
@@ -112,7 +113,8 @@ def test_load_and_unload_at_run_time(tiny_llama, adapters, peft_ref):
         llm.generate(prompt, GREEDY, lora_request="sql")
     # A new adapter under the old name is a new adapter: no stale blocks or weights.
     llm.load_adapter("sql", adapters["code"])
-    assert llm.generate(prompt, GREEDY, lora_request="sql")[0].token_ids == peft_ref.greedy(adapters["code"], prompt, 12)
+    assert (llm.generate(prompt, GREEDY, lora_request="sql")[0].token_ids
+            == peft_ref.greedy(adapters["code"], prompt, 12))
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 

@@ -134,7 +134,8 @@ def test_bad_requests_get_openai_errors_naming_the_parameter(serve, tiny_llama, 
 def test_parameters_baton_does_not_implement_are_refused_never_ignored(serve, tiny_llama):
     srv = serve(tiny_llama, {"http_port": 0}, scheduling_policy="priority")
     url = srv.server.http.url
-    for path, extra, param in [("/v1/completions", {"echo": True}, "echo"), ("/v1/completions", {"best_of": 3}, "best_of"),
+    for path, extra, param in [("/v1/completions", {"echo": True}, "echo"),
+                               ("/v1/completions", {"best_of": 3}, "best_of"),
                                ("/v1/completions", {"suffix": "end"}, "suffix"),
                                ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
                                ("/v1/completions", {"tool_choice": "auto"}, "tool_choice"),
@@ -164,7 +165,8 @@ def test_a_full_queue_gets_429_and_a_draining_server_503(serve, tiny_llama):
         status, error = post(url, "/v1/completions", body)
     for t in threads:
         t.join(30)
-    assert status == 429 and error["error"]["type"] == "RateLimitError" and "max_waiting_requests" in error["error"]["message"]
+    assert (status == 429 and error["error"]["type"] == "RateLimitError"
+            and "max_waiting_requests" in error["error"]["message"])
     long = threading.Thread(target=lambda: results.append(post(url, "/v1/completions", {
         "prompt": [5, 6], "max_tokens": 1000, "ignore_eos": True})))  # about a second: it outlives the checks
     long.start()

@@ -17,7 +17,8 @@ def test_wheel_holds_only_the_baton_namespace(tmp_path):
     top = {n.split("/")[0] for n in names}
     assert top == {"baton", next(t for t in top if t.endswith(".dist-info"))}
     for module in ("baton/engine/scheduler.py", "baton/kernels/attention.py", "baton/kv_transfer/base.py",
-                   "baton/services/cli/main.py", "baton/services/server/server.py", "baton/services/router/router.py", "baton/kernels/cpu/paged_attention.cpp"):
+                   "baton/services/cli/main.py", "baton/services/server/server.py", "baton/services/router/router.py",
+                   "baton/kernels/cpu/paged_attention.cpp"):
         assert module in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "baton = baton.services.cli:main" in zipfile.ZipFile(tmp_path / wheel).read(entry_points).decode()

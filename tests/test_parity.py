@@ -91,7 +91,8 @@ def test_prefix_cache_hits(tiny_model, hf, attention):
 def test_bfloat16_runs_and_returns_the_pool(tiny_llama):
     llm = LLM(tiny_llama, dtype="bfloat16", device="cpu")
     outs = llm.generate(random_prompts([20, 50]), GREEDY)
-    assert llm.engine.runner.kv_cache.dtype.is_floating_point and str(llm.engine.runner.kv_cache.dtype) == "torch.bfloat16"
+    assert (llm.engine.runner.kv_cache.dtype.is_floating_point
+            and str(llm.engine.runner.kv_cache.dtype) == "torch.bfloat16")
     assert [len(o.token_ids) for o in outs] == [20, 20]
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 

@@ -116,7 +116,8 @@ def test_stop_conditions(tmp_path):
     sched, kv = make_scheduler(tmp_path, num_blocks=16, block_size=4, max_model_len=12)
     cases = {
         "eos": (SamplingParams(max_tokens=5), [7], RequestStatus.FINISHED_STOPPED, 1),
-        "eos_ignored": (SamplingParams(max_tokens=3, ignore_eos=True), [7, 7, 7], RequestStatus.FINISHED_LENGTH_CAPPED, 3),
+        "eos_ignored": (SamplingParams(max_tokens=3, ignore_eos=True), [7, 7, 7],
+                        RequestStatus.FINISHED_LENGTH_CAPPED, 3),
         "stop_id": (SamplingParams(max_tokens=5, stop_token_ids=[9]), [1, 9], RequestStatus.FINISHED_STOPPED, 2),
         "min_tokens": (SamplingParams(max_tokens=5, min_tokens=2), [7, 7, 7], RequestStatus.FINISHED_STOPPED, 3),
         "model_len": (SamplingParams(max_tokens=50), [1] * 10, RequestStatus.FINISHED_LENGTH_CAPPED, 4),

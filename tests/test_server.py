@@ -247,7 +247,8 @@ def test_reflection_lists_the_service_and_a_reflection_only_client_calls_it(serv
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         request = request_cls(text="hello", sampling={"max_tokens": 6, "temperature": 0.0, "ignore_eos": True})
-        call = channel.unary_stream("/baton.v1.TextGeneration/Generate", request_serializer=request_cls.SerializeToString,
+        call = channel.unary_stream("/baton.v1.TextGeneration/Generate",
+                                    request_serializer=request_cls.SerializeToString,
                                     response_deserializer=response_cls.FromString)
         responses = list(call(request, timeout=30))
     assert sum(len(r.token_ids) for r in responses) == 6

@@ -177,7 +177,8 @@ def test_a_constrained_request_traces_and_counts_its_wait_for_its_grammar(traced
     spans = request_spans(trace_receiver, "json-0", names=("decode", "grammar"))
     grammar = [s for s in spans if s.name == "grammar"]
     assert {s.service for s in grammar} == {"baton-prefill", "baton-decode"}  # each engine compiles it
-    assert all(s.attributes["baton.structured_output.kind"] == "json_schema" and s.end_ns >= s.start_ns for s in grammar)
+    assert all(s.attributes["baton.structured_output.kind"] == "json_schema" and s.end_ns >= s.start_ns
+               for s in grammar)
     for proc in (prefill, decode):
         counts = samples(metrics_url(proc))
         assert counts[("baton:structured_output_requests_total", (("kind", "json_schema"),))] >= 1

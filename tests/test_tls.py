@@ -31,7 +31,7 @@ def _name(cn: str) -> x509.Name:
 
 
 def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool = False, dns: tuple[str, ...] = ()):
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(_name(issuer))
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))

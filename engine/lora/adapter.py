@@ -36,7 +36,8 @@ _UNSUPPORTED = ("use_dora", "modules_to_save", "layers_to_transform", "rank_patt
 
 def part_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
     """Each adaptable module's (in, out) features in this model."""
-    q, kv, h, i = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.hidden_size, args.intermediate_size
+    q, kv, h, i = (args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.hidden_size,
+                   args.intermediate_size)
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
@@ -57,7 +58,7 @@ class LoRAWeights:
     scaling: float
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
 
-    def to(self, device, dtype) -> "LoRAWeights":
+    def to(self, device, dtype) -> LoRAWeights:
         return LoRAWeights(self.rank, self.scaling, [{k: (a.to(device, dtype), b.to(device, dtype))
                                                       for k, (a, b) in layer.items()} for layer in self.layers])
 
@@ -106,7 +107,8 @@ def read_adapter_config(path: str, max_rank: int, architecture: str) -> AdapterC
           f"the adapter was trained on a {trained_on} ({cfg.get('base_model_name_or_path') or 'unnamed'}), "
           f"this model is a {architecture}")
     alpha = cfg.get("lora_alpha", rank)
-    check(isinstance(alpha, (int, float)) and not isinstance(alpha, bool), "lora_alpha", f"must be a number, got {alpha!r}")
+    check(isinstance(alpha, (int, float)) and not isinstance(alpha, bool), "lora_alpha",
+          f"must be a number, got {alpha!r}")
     return AdapterConfig(rank, float(alpha), bool(cfg.get("use_rslora")), sorted(set(targets)),
                          str(cfg.get("base_model_name_or_path") or ""))
 
@@ -145,7 +147,7 @@ def load_adapter(path: str, args: ModelArgs, max_rank: int) -> tuple[AdapterConf
                   f"the adapter's layer {layer} {module}.lora_{which} is {list(tensor.shape)}, this model needs "
                   f"{list(want)}: it was made for another base ({cfg.base_model or 'unnamed'})")
             parts.setdefault((layer, module), {})[which] = tensor
-    missing = sorted(f"layers.{l}.{mod}" for (l, mod), ab in parts.items() if len(ab) != 2)
+    missing = sorted(f"layers.{layer}.{mod}" for (layer, mod), ab in parts.items() if len(ab) != 2)
     check(not missing, "lora_path", f"the adapter lacks A or B for {missing[:3]}")
     check(parts, "lora_path", "the adapter has no LoRA tensors")
     return cfg, LoRAWeights(cfg.rank, cfg.scaling, [_merge_layer(parts, i, shapes, cfg.rank)

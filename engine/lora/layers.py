@@ -38,7 +38,7 @@ _MAX_RANGES = 2  # an adapter's decode rows and its prompt rows; more scattered 
 class LoRALinear(nn.Module):
     """A projection plus the deltas of the step's adapters."""
 
-    def __init__(self, base: nn.Linear, layer: int, name: str, state: "LoRASlots"):
+    def __init__(self, base: nn.Linear, layer: int, name: str, state: LoRASlots):
         super().__init__()
         self.base, self.layer, self.name, self.state = base, layer, name, state
 

@@ -54,7 +54,8 @@ def typed(body: dict, name: str, kind: type):
         isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
         isinstance(value, int) and not isinstance(value, bool))
     if not ok:
-        raise ApiError(400, f"{name}: must be {'a boolean' if kind is bool else 'a number' if kind is float else 'an integer'}, "
+        raise ApiError(400, f"{name}: must be "
+                            f"{'a boolean' if kind is bool else 'a number' if kind is float else 'an integer'}, "
                             f"got {value!r}", name)
     return value
 
@@ -305,7 +306,8 @@ class Completion:
                 choice["prompt_logprobs"] = c["prompt_logprobs"]
             if self.chat and self.tools is not None:
                 content, calls = self.tools.calls(c["text"])
-                choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                choice["message"] = {"role": "assistant", "content": content,
+                                     **({"tool_calls": calls} if calls else {})}
                 if calls and c["finish_reason"] == "stop":
                     choice["finish_reason"] = "tool_calls"
             elif self.chat:

@@ -233,7 +233,8 @@ def _handlers(service: RouterService) -> dict:
         request, response = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(getattr(service, method.name), request_deserializer=request.FromString,
-                                     response_serializer=None if method.name == "Generate" else response.SerializeToString)
+                                     response_serializer=(None if method.name == "Generate"
+                                                          else response.SerializeToString))
     return handlers
 
 

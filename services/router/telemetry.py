@@ -120,7 +120,8 @@ class RouterTrace:
         ours = isinstance(error, (asyncio.CancelledError, GeneratorExit))  # our client left: not the backend's fault
         if code != grpc.StatusCode.OK and not ours and self.metrics is not None:
             m = self.metrics
-            m.backend_errors.labels(**m.labels, tier=tier, backend=m.backend_label(backend.address), code=code.name).inc()
+            m.backend_errors.labels(**m.labels, tier=tier, backend=m.backend_label(backend.address),
+                                    code=code.name).inc()
 
     def retried(self, tier: str) -> None:
         if self.metrics is not None:

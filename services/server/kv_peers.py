@@ -119,7 +119,8 @@ class KVPeers:
                                    f"kv_handle: prefill {handle.address} refused this decode: {e.details()}",
                                    failure.field) from e
             raise PeerUnusable(grpc.StatusCode.UNAVAILABLE, pb.FAILURE_REASON_KV_PEER_UNREACHABLE,
-                               f"kv_handle: cannot reach prefill {handle.address}: {e.code().name} {e.details()}") from e
+                               f"kv_handle: cannot reach prefill {handle.address}: "
+                               f"{e.code().name} {e.details()}") from e
         if theirs.engine_id != handle.engine_id:
             raise PeerUnusable(grpc.StatusCode.FAILED_PRECONDITION, pb.FAILURE_REASON_KV_PEER_RESTARTED,
                                f"kv_handle: {handle.address} is now engine {theirs.engine_id}, not "

@@ -51,7 +51,7 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             last, calls = None, self.generation.calls
             calls.started(request.request_id, [request.request_id])
             try:
-                async for last in server.core.generate(request, min_tokens=made.min_tokens):
+                async for last in server.core.generate(request, min_tokens=made.min_tokens):  # noqa: B007 - the last one
                     pass
             except ENGINE_ERRORS as e:
                 server.telemetry.drop(rt, time.monotonic(), str(e))
@@ -73,7 +73,8 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
         return internal_pb2.PrefillResponse(first=first, handle=pb.KVHandle(
             engine_id=handle.engine_id, address=self.server.address, request_id=handle.request_id,
             block_ids=handle.block_ids, num_tokens=handle.num_tokens, first_token=handle.first_token,
-            hold_seconds=handle.hold_s, tier=WIRE_TIERS[handle.tier], trace_context=rt.hold_context() if rt is not None else {}))
+            hold_seconds=handle.hold_s, tier=WIRE_TIERS[handle.tier],
+            trace_context=rt.hold_context() if rt is not None else {}))
 
     async def Release(self, handle: pb.KVHandle, context: grpc.aio.ServicerContext):
         await self.server.check_internal(context)

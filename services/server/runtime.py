@@ -75,7 +75,8 @@ class EngineRuntime:
         vocab_size = core.facts.vocab_size
         bad = next((t for t in msg.token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: must be in [0, {vocab_size}), got {bad}",
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"token_ids: must be in [0, {vocab_size}), got {bad}",
                         field="token_ids")
         skip = msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
         text = await asyncio.to_thread(core.tokenizer.decode, list(msg.token_ids), skip_special_tokens=skip)

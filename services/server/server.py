@@ -159,7 +159,8 @@ class Server:
         await set_health(self.health, True)
         log.info("serving %s on %s (engine core: pid %d, %s)", self.config.model, self.address, facts.pid, facts.device)
 
-    def server_span(self, context: grpc.aio.ServicerContext, msg: pb.GenerateRequest, method: str) -> tracing.ServerSpan:
+    def server_span(self, context: grpc.aio.ServicerContext, msg: pb.GenerateRequest,
+                    method: str) -> tracing.ServerSpan:
         """The SERVER span of a Generate or Prefill call (GenAI naming: `{operation} {model}`)."""
         if self.tracer is None:
             return tracing.ServerSpan(None, context, "", {})

@@ -170,7 +170,8 @@ class RequestTelemetry:
             self.hub.observe_finished(self, reason, num_output_tokens, latencies)
         if self.holds_blocks:  # the blocks wait for a decode to pull them
             blocks = stats.num_held_blocks
-            self.start_phase("kv_hold", when, {"baton.kv.blocks": blocks, "baton.kv.bytes": blocks * self.hub.block_bytes})
+            self.start_phase("kv_hold", when,
+                             {"baton.kv.blocks": blocks, "baton.kv.bytes": blocks * self.hub.block_bytes})
 
     @property
     def holds_blocks(self) -> bool:
@@ -185,7 +186,8 @@ class RequestTelemetry:
 
         def between(a, b):
             return b - a if a is not None and b is not None else None
-        return {"time_in_queue": between(r.arrival_time, scheduled), "time_to_first_token": between(r.arrival_time, first),
+        return {"time_in_queue": between(r.arrival_time, scheduled),
+                "time_to_first_token": between(r.arrival_time, first),
                 "e2e": between(r.arrival_time, s.finished_time), "time_in_model_prefill": between(scheduled, first),
                 "time_in_model_decode": between(first, last), "time_in_model_inference": between(scheduled, last)}
 
@@ -224,7 +226,8 @@ class RequestTelemetry:
 EVENT_HANDLERS = {
     EventType.SCHEDULED: RequestTelemetry._scheduled, EventType.PREFILL_CHUNK: RequestTelemetry._prefill_chunk,
     EventType.PREEMPTED: RequestTelemetry._preempted, EventType.KV_WAIT: RequestTelemetry._kv_wait,
-    EventType.KV_LOAD_START: RequestTelemetry._transfer_started, EventType.KV_LOAD_END: RequestTelemetry._transfer_ended,
+    EventType.KV_LOAD_START: RequestTelemetry._transfer_started,
+    EventType.KV_LOAD_END: RequestTelemetry._transfer_ended,
     EventType.FINISHED: RequestTelemetry._finished, EventType.HOLD_END: RequestTelemetry._hold_ended,
     EventType.GRAMMAR_READY: RequestTelemetry._grammar_ready}
 
@@ -273,7 +276,7 @@ class EngineTelemetry:
                     done.append(rt)
                 try:
                     EVENT_HANDLERS[ev.type](rt, ev)
-                except Exception:  # noqa: BLE001 - one request's telemetry must not cost the others'
+                except Exception:  # one request's telemetry must not cost the others'
                     log.exception("telemetry failed on %s of %s", ev.type.value, ev.request_id)
             self._tokens(step.time, outputs)
             if self.metrics is not None:

@@ -238,7 +238,8 @@ class _EngineLoadCollector:
         yield family(c, "kv_host_hand_offs", "Blocks held for a decode peer that were moved to the host KV tier "
                      "before their handle went out (the device pool was short), by request.", s.num_host_hand_offs)
         yield family(g, "num_requests_swapped", "Number of requests swapped to the host KV tier.", s.num_swapped)
-        yield family(g, "host_kv_cache_blocks", "Blocks in the host KV tier (kv_offloading_size).", s.num_host_kv_blocks)
+        yield family(g, "host_kv_cache_blocks", "Blocks in the host KV tier (kv_offloading_size).",
+                     s.num_host_kv_blocks)
         yield family(g, "host_kv_cache_usage_perc", "Host KV tier usage (blocks holding a copy, a swapped or an "
                      "in-flight block). 1 means 100 percent usage.", s.host_kv_cache_usage)
         yield family(c, "host_kv_cache_hits", "Prompt tokens found in the host KV tier beyond the device's prefix "
@@ -314,7 +315,7 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int):
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's name
+            def do_GET(self):
                 if self.path.split("?")[0] != "/metrics":
                     self.send_error(404, "only /metrics is served here")
                     return

@@ -104,7 +104,7 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def endpoint(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def Export(self, request, context):  # noqa: N802 - the OTLP service's name
+    def Export(self, request, context):
         spans = spans_from_request(request)
         now = time.monotonic()
         with self._changed:
@@ -176,7 +176,8 @@ def waterfall(spans: list[SpanRecord], width: int = _BAR) -> str:
         b = max(a + 1, int((s.end_ns - t0) / total * width + 0.5))
         bar = " " * a + "█" * (min(b, width) - a)
         mark = "  !" if s.is_error else ""
-        lines.append(f"  {tier:<10}{label:<18}{(s.start_ns - t0) / 1e6:>7.1f} ms{(s.end_ns - s.start_ns) / 1e6:>8.1f} ms"
+        lines.append(f"  {tier:<10}{label:<18}{(s.start_ns - t0) / 1e6:>7.1f} ms"
+                     f"{(s.end_ns - s.start_ns) / 1e6:>8.1f} ms"
                      f"  |{bar:<{width}}|{mark}")
     return "\n".join(lines)
 
