@@ -5,8 +5,8 @@ import importlib
 
 # Imported on first use, so that clients (`baton generate --target`, baton.services.client)
 # start without loading torch and transformers.
-_LAZY = {"LLM": "baton.engine.llm", "RequestOutput": "baton.engine.llm", "CompletionOutput": "baton.engine.llm",
-         "SamplingParams": "baton.engine.sampling_params"}
+_LAZY = {"LLM": "baton.engine.offline.llm", "RequestOutput": "baton.engine.offline.llm",
+         "CompletionOutput": "baton.engine.offline.llm", "SamplingParams": "baton.engine.common.sampling_params"}
 
 __all__ = list(_LAZY)
 

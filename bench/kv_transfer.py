@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from baton.engine.kv_cache_manager import KVCacheManager
-from baton.engine.config import read_config
-from baton.engine.model import ModelArgs
-from baton.engine.request import Request, RequestStatus
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.core.kv_cache_manager import KVCacheManager
+from baton.engine.common.config import read_config
+from baton.engine.worker.model import ModelArgs
+from baton.engine.core.request import Request, RequestStatus
+from baton.engine.common.sampling_params import SamplingParams
 from baton.kv_transfer.nixl_connector import _new_agent, make_nixl_connector
 
 REPO = Path(__file__).resolve().parent.parent

@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import save_file
 
 from baton import LLM, SamplingParams
-from baton.engine.config import read_config
-from baton.engine.lora.adapter import part_shapes
-from baton.engine.model import ModelArgs
+from baton.engine.common.config import read_config
+from baton.engine.worker.lora.adapter import part_shapes
+from baton.engine.worker.model import ModelArgs
 
 _PARENT = {"o_proj": "self_attn", "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"}
 

@@ -34,8 +34,8 @@ from random_checkpoint import write_random_checkpoint  # noqa: E402
 from report import print_table  # noqa: E402
 
 from baton import SamplingParams  # noqa: E402
-from baton.engine.config import EngineConfig  # noqa: E402
-from baton.engine.llm_engine import LLMEngine  # noqa: E402
+from baton.engine.common.config import EngineConfig  # noqa: E402
+from baton.engine.offline.llm_engine import LLMEngine  # noqa: E402
 
 FIRST_TOKEN_ID = 3
 
@@ -179,8 +179,8 @@ def long_run(engine: LLMEngine, args, vocab: int) -> dict[str, float]:
 
 # ---- the copier's cost ------------------------------------------------------------------------
 def measure_copies(engine: LLMEngine, num_blocks: int = 64, reps: int = 20) -> None:
-    from baton.engine.host_kv_copier import HostKVCopier
-    from baton.engine.host_kv_tier import HostKVOps
+    from baton.engine.worker.host_kv_copier import HostKVCopier
+    from baton.engine.common.scheduler_output import HostKVOps
 
     copier = HostKVCopier(engine.runner.kv_cache, num_blocks)
     pairs = [(2 * i, i) for i in range(num_blocks)]  # every other device block: no runs to merge

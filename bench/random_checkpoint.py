@@ -38,7 +38,7 @@ def write_random_checkpoint(out_dir: str, shape: str, seed: int = 0, max_positio
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from baton.engine.checkpoints import train_tokenizer
+    from baton.testing.checkpoints import train_tokenizer
 
     if os.path.isfile(os.path.join(out_dir, "config.json")):
         return out_dir

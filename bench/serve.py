@@ -134,9 +134,9 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> list[Request]:
 def run_offline(args: argparse.Namespace, workload: list[Request], schema: str | None = None,
                 ) -> tuple[list[Trace], float]:
     from baton import SamplingParams
-    from baton.engine.config import EngineConfig
-    from baton.engine.llm_engine import LLMEngine
-    from baton.engine.structured_output import StructuredOutput
+    from baton.engine.common.config import EngineConfig
+    from baton.engine.offline.llm_engine import LLMEngine
+    from baton.engine.common.structured_output import StructuredOutput
 
     engine = LLMEngine(EngineConfig.from_kwargs(str(args.model), max_num_seqs=args.max_num_seqs,
                                                 max_num_batched_tokens=args.max_num_batched_tokens))
@@ -346,8 +346,9 @@ async def run_http(args: argparse.Namespace, workload: list[Request], url: str, 
 
 def print_compile_times(model: Path, schema: str) -> None:
     """The schema's grammar compile time, first use (the tokenizer table included) and cached."""
-    from baton.engine.structured_output import Grammars, StructuredOutput
-    from baton.engine.tokenizer import eos_token_ids
+    from baton.engine.common.structured_output import StructuredOutput
+    from baton.engine.worker.grammar import Grammars
+    from baton.engine.common.tokenizer import eos_token_ids
 
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     grammars, so = Grammars(str(model), vocab, list(eos_token_ids(str(model)))), StructuredOutput("json_schema", schema)

@@ -4,7 +4,7 @@ One call serves a whole step's flat batch: it writes the step's new K/V into the
 attends, the one-token decodes and the prefill chunks (each attending to its cached prefix
 and, causally, to itself).
 
-Three backends (`choose_backend`): on CPU the whole batch goes to a C++ kernel
+Three backends (chosen by engine/worker/attention_backend.py): on CPU the whole batch goes to a C++ kernel
 (kernels/cpu_kernels.py, metadata `AttentionMetadata.kernel`) that reads blocks in place,
 2-4x faster than the reference below; on CUDA, to the Triton kernels
 (kernels/triton_attention.py, metadata `AttentionMetadata.triton`). The PyTorch reference
@@ -17,15 +17,12 @@ of a group into the query-length axis, so K/V are never repeated per query head.
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from baton.engine.errors import check
 from baton.kernels import cpu_kernels
 
 log = logging.getLogger(__name__)
@@ -80,29 +77,6 @@ class AttentionMetadata:
     triton: TritonBatch | None = None
 
 
-
-
-def choose_backend(asked: str, dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int,
-                   head_dim: int) -> str:
-    """The attention backend for a cache: "cpu" (the C++ kernel), "triton" or "torch" (the
-    reference). "auto": the C++ kernel on CPU where it builds and fits the model, Triton on
-    CUDA where it is installed, else the reference. An explicit choice that cannot run here is
-    an error naming attention_backend."""
-    if asked == "cpu" or (asked == "auto" and device.type == "cpu"):
-        if cpu_kernels.supports(dtype, device, num_heads, num_kv_heads, head_dim):
-            return "cpu"
-        check(asked == "auto", "attention_backend", f"the CPU kernel cannot run {dtype} on {device} with "
-              f"{num_heads} query / {num_kv_heads} KV heads of {head_dim} (or it did not build; see the log)")
-        return "torch"
-    if asked in ("triton", "auto"):
-        if importlib.util.find_spec("triton") is None:
-            check(asked == "auto", "attention_backend", "triton is not installed")
-            log.warning("triton is not installed: attention on %s uses the PyTorch reference", device)
-            return "torch"
-        check(device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1", "attention_backend",
-              f"triton runs on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1); the device is {device}")
-        return "triton"
-    return "torch"
 
 
 _MAX_CPU_SCORES = 1 << 24  # score elements (64 MiB in float32) a prefill may materialize on CPU

@@ -1,7 +1,7 @@
 """Triton attention over the paged KV cache, for the GPU path: the write of a step's new K/V
 into their slots, decode attention and prefill attention, each reading blocks in place
 through the block table, never gathering them. The runner picks them when the cache is on a
-CUDA device (kernels/attention.py, `choose_backend`); `paged_attention` runs a whole step.
+CUDA device (engine/worker/attention_backend.py); `paged_attention` runs a whole step.
 
 Decode (one query token per request): the query heads of a GQA group share each K/V read
 (they are the rows of one tile), and long contexts are split across programs

@@ -4,23 +4,33 @@ Like vLLM v1's connector it has two halves. The scheduler half answers questions
 requests (how many prompt tokens can be loaded from a peer, must finished blocks be held for
 a remote reader) and builds one metadata object per step. The worker half sits next to the
 KV cache tensor: it registers the memory with a transport, starts the loads the metadata
-asks for, and reports which transfers finished. Nothing is plugged in by default.
+asks for, reports which transfers finished, lets go of holds, and learns its peers' layouts.
+Every engine server plugs the NIXL connector (nixl_connector.py, nixl_scheduler.py); the
+offline engine plugs none.
+
+This module imports nothing of the engine: the engine imports it (the one direction between
+the two packages), so a second connector can be written from this file alone.
 """
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
-
-from baton.engine.kv_events import DEVICE
 
 if TYPE_CHECKING:
     import torch
 
-    from baton.engine.request import Request
-    from baton.engine.scheduler_output import SchedulerOutput
+
+DEFAULT_HOLD_TIMEOUT_S = 120.0  # how long a prefill holds a request's blocks for a reader that has not come
+
+
+class KVTier(enum.Enum):
+    """Which pool of an engine a block lives in."""
+    DEVICE = "device"  # the engine's KV pool (GPU memory, or the CPU pool of a CPU engine)
+    HOST = "host"  # host memory holding blocks offloaded from the device pool
 
 
 class KVHandle(msgspec.Struct, frozen=True):
@@ -32,7 +42,7 @@ class KVHandle(msgspec.Struct, frozen=True):
     num_tokens: int  # the prompt's tokens they hold
     first_token: int  # sampled by the prefill: the decode's first output
     hold_s: float = 0.0  # how long the prefill holds the blocks from when it gave the handle out (0: unknown)
-    tier: str = DEVICE  # the pool `block_ids` index: "device", or "host" (the prefill moved them to its host tier)
+    tier: KVTier = KVTier.DEVICE  # the pool `block_ids` index (HOST: the prefill moved them to its host tier)
 
 
 class KVFormatMismatch(ValueError):
@@ -65,22 +75,68 @@ class KVFormat(msgspec.Struct, frozen=True):
                                              f"and attention backend")
 
 
+@dataclass(slots=True)
+class KVLayout:
+    """What a peer needs to read this engine's blocks, and what they hold (traded at the KV
+    handshake by the services, checked by the peer's `add_peer`)."""
+    engine_id: str
+    agent_metadata: bytes  # the transport's own description of this engine's agent
+    base_addr: int
+    block_bytes: int
+    num_blocks: int
+    mem_type: str  # "DRAM" or "VRAM"
+    dev_id: int
+    format: KVFormat
+    # The host KV tier's pool (always DRAM), registered too: a prefill may move a hold's blocks
+    # there while they wait for their decode, and its handle then names blocks of this pool.
+    host_base_addr: int = 0
+    host_num_blocks: int = 0  # 0: no host tier
+
+    def region(self, tier: KVTier) -> tuple[int, str, int]:
+        """(base address, memory type, device id) of the pool a handle's `tier` names."""
+        if tier is KVTier.HOST:
+            if not self.host_num_blocks:
+                raise ValueError(f"engine {self.engine_id} has no host KV tier to read from")
+            return self.host_base_addr, "DRAM", 0
+        return self.base_addr, self.mem_type, self.dev_id
+
+
+class KVUnreachable(RuntimeError):
+    """Peers could not read this engine's KV cache over the transport: the engine must not start."""
+
+
+class ConnectorRequest(Protocol):
+    """What a connector reads of a request (the engine's Request has these)."""
+    request_id: str
+    arrival_time: float  # time.monotonic()
+    num_prompt_tokens: int
+    output_token_ids: list[int]
+    hold_for_remote: bool  # a prefill's: hold its blocks for a decode peer
+    remote_kv: KVHandle | None  # a decode's: where the prompt's KV waits; the connector clears it once done
+
+    @property
+    def length_capped(self) -> bool:
+        """It ended at its max_tokens (a prefill's asked-for end), not at a stop or an abort."""
+
+
 class KVConnectorScheduler(ABC):
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond `num_computed_tokens` that a peer can supply, and whether they arrive
         asynchronously (the request then waits in WAITING_FOR_REMOTE_KVS)."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
         """Local blocks now hold room for the request; remember where the external tokens go."""
 
     @abstractmethod
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
-        """The per-step instructions for the worker half (which loads to start, into which blocks)."""
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """The per-step instructions for the worker half (which loads to start, into which
+        blocks), from the step's SchedulerOutput (engine/core/scheduler_output.py)."""
 
     @abstractmethod
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVHandle | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, KVHandle | None]:
         """Called once a request ends. Returns (hold_blocks, handle): when hold_blocks is true
         the scheduler keeps the blocks until the worker reports the send done, and the handle
         tells a decode peer where they are."""
@@ -101,11 +157,18 @@ class KVTransfer:
     recompute_from_block: int | None = None  # set by the scheduler when blocks were invalid
 
 
+class HoldOutcome(enum.Enum):
+    """How a prefill's hold for a remote reader ended."""
+    PULLED = "pulled"  # a reader said it is done
+    RELEASED = "released"  # nobody will come (the router or the decode said so)
+    EXPIRED = "expired"  # nobody came within the hold's time
+
+
 @dataclass(slots=True)
 class KVHoldEnd:
     """Blocks a prefill held for a remote reader were let go."""
     request_id: str
-    outcome: str  # "pulled" (a reader said it is done), "released" (nobody will come), "expired"
+    outcome: HoldOutcome
     time: float
 
 
@@ -121,12 +184,19 @@ class KVConnectorOutput:
 
 
 class KVConnectorWorker(ABC):
+    """The worker half. Besides the three step methods, all the engine core uses of it."""
+    engine_id: str  # this engine's name among its peers
+    layout: KVLayout | None = None  # set by register_kv_caches: what peers need to read this engine
+    num_expired_holds: int = 0  # holds nobody pulled in time
+    num_blocks_pulled: int = 0  # blocks this engine read from peers
+
     @abstractmethod
     def register_kv_caches(self, kv_cache: torch.Tensor, kv_format: KVFormat,
                            host_cache: torch.Tensor | None = None) -> None:
         """Register the engine's KV cache ([num_blocks, num_layers, 2, block_size, kv_heads, head_dim])
         and what its blocks hold (peers compare it before reading); `host_cache`, the host KV
-        tier's pool of the same block shape, where a handle may name blocks moved there."""
+        tier's pool of the same block shape, where a handle may name blocks moved there.
+        Raises KVUnreachable when a peer could not read it."""
 
     @abstractmethod
     def start_load_kv(self, metadata: Any) -> None:
@@ -135,3 +205,15 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def get_finished(self) -> KVConnectorOutput:
         """Transfers completed (or failed) since the last call."""
+
+    @abstractmethod
+    def release(self, request_id: str) -> None:
+        """Nobody will read this request's held blocks (a router's word): let go of them now."""
+
+    @abstractmethod
+    def add_peer(self, layout: KVLayout) -> None:
+        """Learn a peer's layout; raises KVFormatMismatch naming the first field that differs."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Let go of the transport (the engine is stopping)."""

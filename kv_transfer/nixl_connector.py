@@ -14,7 +14,7 @@ This module has the worker half (the scheduler half: nixl_scheduler.py). The pat
   also lists its blocks in `invalid_block_ids`, and the scheduler recomputes from there);
   NIXL delivers the tag to the prefill side as a notification, whose worker reports the
   request in `finished_sending`, and the held blocks are freed. A decode whose load failed
-  says so (a `release:` notification), so the prefill frees them without waiting; a handle
+  says so (a LetGo notification), so the prefill frees them without waiting; a handle
   nobody pulls within `hold_timeout_s` is freed too, with a log line and `num_expired_holds`.
 
 A block holds all layers' K and V ([num_blocks, layers, 2, block_size, heads, head_dim]),
@@ -36,10 +36,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from baton.engine.kv_events import DEVICE, HOST
-from baton.kv_transfer.base import KVConnectorOutput, KVConnectorWorker, KVFormat, KVHoldEnd, KVTransfer
-from baton.kv_transfer.nixl_scheduler import (DEFAULT_HOLD_TIMEOUT_S, DEFAULT_LOAD_TIMEOUT_S, LoadSpec,
-                                              NixlConnectorMeta, NixlConnectorScheduler)
+import msgspec
+
+from baton.kv_transfer.base import (DEFAULT_HOLD_TIMEOUT_S, HoldOutcome, KVConnectorOutput, KVConnectorWorker, KVFormat,
+                                    KVHoldEnd, KVLayout, KVTier, KVTransfer)
+from baton.kv_transfer.nixl_scheduler import (DEFAULT_LOAD_TIMEOUT_S, LoadSpec, NixlConnectorMeta,
+                                              NixlConnectorScheduler)
 
 if TYPE_CHECKING:
     import torch
@@ -47,34 +49,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("baton.kv_transfer")
 
 _EARLY_NOTIF_TTL_S = 60.0  # a hold registers one step after its request finished: far less
-# A decode's notification that it will not read a hold (its load failed): the prefill lets go.
-# Any other notification is a finished read's tag, the request id.
-RELEASE_PREFIX = "release:"
 
 
-@dataclass(slots=True)
-class KVLayout:
-    """What a peer needs to read this engine's blocks, and what they hold."""
-    engine_id: str
-    agent_metadata: bytes
-    base_addr: int
-    block_bytes: int
-    num_blocks: int
-    mem_type: str  # "DRAM" or "VRAM"
-    dev_id: int
-    format: KVFormat
-    # The host KV tier's pool (always DRAM), registered too: a prefill may move a hold's blocks
-    # there while they wait for their decode, and its handle then names blocks of this pool.
-    host_base_addr: int = 0
-    host_num_blocks: int = 0  # 0: no host tier
+class ReadDone(msgspec.Struct, tag=True, array_like=True):
+    """A reader has a hold's blocks: its READ finished (NIXL delivers this with the READ), or it
+    found them all in its own prefix cache."""
+    request_id: str  # the holder's request
 
-    def region(self, tier: str) -> tuple[int, str, int]:
-        """(base address, memory type, device id) of the pool a handle's `tier` names."""
-        if tier == HOST:
-            if not self.host_num_blocks:
-                raise ValueError(f"engine {self.engine_id} has no host KV tier to read from")
-            return self.host_base_addr, "DRAM", 0
-        return self.base_addr, self.mem_type, self.dev_id
+
+class LetGo(msgspec.Struct, tag=True, array_like=True):
+    """A reader will not read a hold (its load failed)."""
+    request_id: str
+
+
+# On the wire as JSON: NIXL hands a notification on as UTF-8 text.
+Notification = ReadDone | LetGo
+_OUTCOMES = {ReadDone: HoldOutcome.PULLED, LetGo: HoldOutcome.RELEASED}
+encode_notification = msgspec.json.Encoder().encode
+decode_notification = msgspec.json.Decoder(Notification).decode
 
 
 @dataclass(slots=True)
@@ -120,8 +112,9 @@ class NixlConnectorWorker(KVConnectorWorker):
         # Holds that ended before they were registered (a read, or a release, that came first;
         # request id -> (when, outcome)), and reads of holds already let go: forgotten after
         # _EARLY_NOTIF_TTL_S.
-        self._early_notifs: dict[str, tuple[float, str]] = {}
-        self._ended: dict[str, tuple[float, str]] = {}  # holds let go lately (id -> when, how): a repeat is no news
+        self._early_notifs: dict[str, tuple[float, HoldOutcome]] = {}
+        # Holds let go lately (id -> when, how): a repeat is no news.
+        self._ended: dict[str, tuple[float, HoldOutcome]] = {}
         self._lock = threading.Lock()  # one caller into the agent at a time
         self._inbox: list[bytes] = []  # notifications the progress thread collected
         self._active_until = 0.0  # the progress thread polls until then (or while work is pending)
@@ -152,7 +145,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._poller.start()
 
     def check_reachable(self, kv_cache: torch.Tensor, probe_agent=None) -> None:
-        """Raises StartupError where a peer's READ of this cache would fail (see reachability);
+        """Raises KVUnreachable where a peer's READ of this cache would fail (see reachability);
         `probe_agent`: injected by tests."""
         from baton.kv_transfer.reachability import probe_read  # torch: only where the cache is
 
@@ -172,7 +165,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             name = self.agent.add_remote_agent(layout.agent_metadata)
         self.peers[layout.engine_id] = _Peer(name.decode() if isinstance(name, bytes) else name, layout)
 
-    def _descs(self, layout: KVLayout, runs: list[tuple[int, int, int]], side: int, tier: str = DEVICE):
+    def _descs(self, layout: KVLayout, runs: list[tuple[int, int, int]], side: int, tier: KVTier = KVTier.DEVICE):
         size = layout.block_bytes
         base, mem_type, dev_id = layout.region(tier)
         return self.agent.get_xfer_descs([(base + run[side] * size, run[2] * size, dev_id) for run in runs], mem_type)
@@ -231,14 +224,14 @@ class NixlConnectorWorker(KVConnectorWorker):
                 peer = self.peers.get(load.remote_engine_id)
                 if peer is None:
                     raise KeyError(f"no layout for peer {load.remote_engine_id!r}")
-                if not blocks:  # all hit locally: release the prefill's hold
-                    self.agent.send_notif(peer.agent_name, load.remote_request_id.encode())
+                if not blocks:  # all hit locally: as good as read, the prefill's hold may go
+                    self.agent.send_notif(peer.agent_name, encode_notification(ReadDone(load.remote_request_id)))
                     record.end_time, record.ok = record.start_time, True
                     continue
                 handle = self.agent.initialize_xfer("READ", self._descs(self.layout, runs, 0),
                                                     self._descs(peer.layout, runs, 1, load.remote_tier),
                                                     peer.agent_name,
-                                                    load.remote_request_id.encode())
+                                                    encode_notification(ReadDone(load.remote_request_id)))
                 if self.agent.transfer(handle) == "ERR":
                     self.agent.release_xfer_handle(handle)
                     raise RuntimeError("NIXL refused the transfer")
@@ -257,16 +250,16 @@ class NixlConnectorWorker(KVConnectorWorker):
         peer = self.peers.get(load.remote_engine_id)
         try:
             if peer is not None:
-                self.agent.send_notif(peer.agent_name, (RELEASE_PREFIX + load.remote_request_id).encode())
+                self.agent.send_notif(peer.agent_name, encode_notification(LetGo(load.remote_request_id)))
         except Exception as e:  # noqa: BLE001
             log.warning("could not tell %s to free the blocks of %s: %s", load.remote_engine_id,
                         load.remote_request_id, e)
 
     def release(self, req_id: str) -> None:
         """Let go of a hold no decode will pull, as if its reader had said it is done."""
-        self._end_hold(req_id, "released", time.monotonic())
+        self._end_hold(req_id, HoldOutcome.RELEASED, time.monotonic())
 
-    def _end_hold(self, req_id: str, outcome: str, now: float) -> None:
+    def _end_hold(self, req_id: str, outcome: HoldOutcome, now: float) -> None:
         if self._holds.pop(req_id, None) is not None:
             self._holds_ended.append(KVHoldEnd(req_id, outcome, now))
             self._ended[req_id] = (now, outcome)
@@ -314,11 +307,13 @@ class NixlConnectorWorker(KVConnectorWorker):
                 out.transfers_ended[record.request_id] = record
         self._collect_notifs()
         inbox, self._inbox = self._inbox, []
-        for message in map(bytes.decode, inbox):
-            if message.startswith(RELEASE_PREFIX):
-                self._end_hold(message[len(RELEASE_PREFIX):], "released", now)
-            else:
-                self._end_hold(message, "pulled", now)
+        for raw in inbox:
+            try:
+                note = decode_notification(raw)
+            except msgspec.DecodeError as e:  # not from a Baton peer of this version: ignore it
+                log.warning("ignoring a KV notification that is not one: %s", e)
+                continue
+            self._end_hold(note.request_id, _OUTCOMES[type(note)], now)
         for seen in (self._early_notifs, self._ended):  # an early one: its hold was let go before the read
             for req_id, (when, _) in list(seen.items()) if seen else ():
                 if now - when > _EARLY_NOTIF_TTL_S:
@@ -327,7 +322,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             if now >= deadline:
                 self.num_expired_holds += 1
                 log.warning("KV blocks of %s were not pulled in time; freeing them", req_id)
-                self._end_hold(req_id, "expired", now)
+                self._end_hold(req_id, HoldOutcome.EXPIRED, now)
         out.holds_ended, self._holds_ended = self._holds_ended, []
         out.finished_sending.update(end.request_id for end in out.holds_ended)
         return out

@@ -7,18 +7,11 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from baton.engine.kv_events import DEVICE
-from baton.engine.request import RequestStatus
-from baton.kv_transfer.base import KVConnectorScheduler, KVHandle
-
-if TYPE_CHECKING:
-    from baton.engine.request import Request
+from baton.kv_transfer.base import DEFAULT_HOLD_TIMEOUT_S, ConnectorRequest, KVConnectorScheduler, KVHandle, KVTier
 
 log = logging.getLogger("baton.kv_transfer")
 
-DEFAULT_HOLD_TIMEOUT_S = 120.0
 DEFAULT_LOAD_TIMEOUT_S = 30.0
 _HANDOFF_SLACK = 0.1  # of a hold: the most a handle may spend between its prefill and its decode
 
@@ -30,7 +23,7 @@ class LoadSpec:
     remote_engine_id: str
     remote_block_ids: list[int]
     remote_request_id: str
-    remote_tier: str = DEVICE  # the peer's pool that remote_block_ids index
+    remote_tier: KVTier = KVTier.DEVICE  # the peer's pool that remote_block_ids index
 
 
 @dataclass(slots=True)
@@ -49,7 +42,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.num_late_handles = 0
         self._meta = NixlConnectorMeta()
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         handle = request.remote_kv
         if handle is None:
             return 0, False
@@ -61,7 +54,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         num_remote = handle.num_tokens - num_computed_tokens
         return (num_remote, True) if num_remote > 0 else (0, False)
 
-    def _too_late(self, request: Request, handle: KVHandle) -> bool:
+    def _too_late(self, request: ConnectorRequest, handle: KVHandle) -> bool:
         """Whether a READ starting now might still be running when the prefill's hold expires and
         its blocks go to other requests: a one-sided read would then load their KV, not this
         prompt's. The hold started before the request arrived here (the router hands the handle
@@ -72,7 +65,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         deadline = request.arrival_time + handle.hold_s * (1 - _HANDOFF_SLACK) - self.load_timeout_s
         return time.monotonic() >= deadline
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
         handle = request.remote_kv
         if handle is None:
             return
@@ -89,10 +83,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         meta, self._meta = self._meta, NixlConnectorMeta()
         return meta
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, KVHandle | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, KVHandle | None]:
         # Held only when the prefill ended as asked (max_tokens=1): a first token that stops the
         # request (EOS, a stop id), or an abort, leaves no decode to do.
-        if not request.hold_for_remote or request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+        if not request.hold_for_remote or not request.length_capped:
             return False, None
         self._meta.holds[request.request_id] = time.monotonic() + self.hold_timeout_s
         num_tokens = request.num_prompt_tokens

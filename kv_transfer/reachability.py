@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from baton.engine.errors import StartupError
+from baton.kv_transfer.base import KVUnreachable
 
 log = logging.getLogger("baton.kv_transfer")
 
@@ -22,7 +22,7 @@ def probe_read(agent, lock: threading.Lock, layout, kv_cache: torch.Tensor, prob
     """A READ of the cache's first block (registered on `agent`, described by `layout`) by
     `probe_agent`, a second agent in this process, into memory on the same device, through
     the same backend, as a peer's READ would go: the block holds a pattern for the READ, and
-    the probe other bytes, so a READ that moves nothing fails too. Raises StartupError saying
+    the probe other bytes, so a READ that moves nothing fails too. Raises KVUnreachable saying
     what failed."""
     size = layout.block_bytes
     block = kv_cache[0].view(-1).view(torch.uint8)
@@ -49,7 +49,7 @@ def probe_read(agent, lock: threading.Lock, layout, kv_cache: torch.Tensor, prob
         if not torch.equal(probe, block):
             raise RuntimeError("the READ reported done, but the block's bytes did not arrive")
     except Exception as e:  # said once, as why the engine cannot start
-        raise StartupError(f"the KV connector cannot move KV blocks in {layout.mem_type} on {kv_cache.device} over "
+        raise KVUnreachable(f"the KV connector cannot move KV blocks in {layout.mem_type} on {kv_cache.device} over "
                            f"NIXL/UCX ({e}); for GPU memory UCX needs its CUDA transports (cuda_copy, cuda_ipc: see "
                            f"`ucx_info -d`, and UCX_TLS if set)") from e
     finally:
@@ -59,7 +59,7 @@ def probe_read(agent, lock: threading.Lock, layout, kv_cache: torch.Tensor, prob
 
 def _cleanup(probe_agent, handle, name, reg, probe: torch.Tensor) -> None:
     """Each step on its own: one that fails (a transfer still active cannot be released)
-    must neither hide the StartupError nor skip the rest."""
+    must neither hide the KVUnreachable nor skip the rest."""
     steps = [(handle, probe_agent.release_xfer_handle),
              (name, lambda n: probe_agent.remove_remote_agent(n.decode() if isinstance(n, bytes) else n)),
              (reg, probe_agent.deregister_memory)]

@@ -13,7 +13,9 @@ import time
 import pytest
 import torch
 
-from baton.engine.checkpoints import SMOLLM2_DIR_NAME, prepare_smollm2, write_tiny_checkpoint
+from baton.engine.common.messages import GetSnapshot
+from baton.services.cli.demo_models import SMOLLM2_DIR_NAME, prepare_smollm2
+from baton.testing.checkpoints import write_tiny_checkpoint
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 if not torch.cuda.is_available():  # the Triton kernels run on CPU tensors, interpreted (read at triton's import)
@@ -105,7 +107,7 @@ class ServerThread:
     so that tests can be plain functions calling it with sync or asyncio clients."""
 
     def __init__(self, model_dir: str, options: dict | None = None, **engine_args):
-        from baton.engine.config import EngineConfig
+        from baton.engine.common.config import EngineConfig
         from baton.services.server.server import Server, ServerOptions
 
         self.loop = asyncio.new_event_loop()
@@ -128,7 +130,7 @@ class ServerThread:
 
     def snapshot(self):
         """The engine core's load and totals (EngineSnapshot), asked over its IPC."""
-        return self.call(self.server.core.call("snapshot"))
+        return self.call(self.server.core.call(GetSnapshot()))
 
     def wait_pool_full(self, timeout: float = 10) -> bool:
         """Aborts land at the next step: wait (bounded) until every KV block is free again, no

@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 import time
 
-from baton.engine.config import EngineConfig
-from baton.engine.llm_engine import LLMEngine
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.common.config import EngineConfig
+from baton.engine.offline.llm_engine import LLMEngine
+from baton.engine.common.sampling_params import SamplingParams
 from baton.kv_transfer.nixl_connector import make_nixl_connector
 
 agent_ids = itertools.count()  # NIXL agent names must be unique among peers, across modules

@@ -3,14 +3,15 @@
 A prefill engine computes the prompt, samples the first token and holds its blocks; a decode
 engine parks the request in WAITING_FOR_REMOTE_KVS while its connector copies those blocks,
 then decodes. The transport here is a plain tensor copy between the two engines' real KV
-caches (NIXL comes with the disaggregation issue); the output must equal transformers'.
+caches, a connector written from kv_transfer/base.py alone (the servers plug NIXL's); the
+output must equal transformers'.
 """
 from __future__ import annotations
 
-from baton.engine.config import EngineConfig
-from baton.engine.llm_engine import LLMEngine
-from baton.engine.request import RequestStatus
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.common.config import EngineConfig
+from baton.engine.offline.llm_engine import LLMEngine
+from baton.engine.core.request import RequestStatus
+from baton.engine.common.sampling_params import SamplingParams
 from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker, KVHandle
 
 from helpers import random_prompts
@@ -69,6 +70,15 @@ class CopyConnector(KVConnectorScheduler, KVConnectorWorker):
         done, self.done = self.done, KVConnectorOutput(finished_recving=self.in_flight)
         self.in_flight = set()
         return done
+
+    def release(self, request_id):
+        self.done.finished_sending.add(request_id)
+
+    def add_peer(self, layout):  # one process: every engine is known through by_id
+        pass
+
+    def close(self):
+        self.by_id.pop(self.engine_id, None)
 
 
 def engine(model_dir, **kwargs):

@@ -1,7 +1,7 @@
 """The engine core in a process of its own, seen from its front (CoreClient): outputs a slow
 reader left queued are merged, never lost or reordered; ids reused at once get runs of their
 own; a core that dies fails its streams at once; a front that dies takes its core with it;
-the front never imports torch."""
+a call the core cannot answer is its caller's error; the front loads neither torch nor NIXL."""
 from __future__ import annotations
 
 import asyncio
@@ -10,13 +10,18 @@ import signal
 import subprocess
 import sys
 import time
+from typing import ClassVar
 
+import msgspec
 import pytest
 
-from baton.engine.config import EngineConfig
-from baton.engine.core_client import CoreClient, EngineDead, merge_queued
-from baton.engine.output_processor import StepOutput
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.common.config import EngineConfig
+from baton.engine.common.errors import InvalidArgument
+from baton.engine.common.messages import CoreCallFailed, GetSnapshot, LoadAdapter, ReleaseHold
+from baton.engine.front.core_client import CoreClient, EngineDead, merge_queued
+from baton.engine.front.output_processor import StepOutput
+from baton.engine.common.sampling_params import SamplingParams
+from baton.services.client import Client
 
 from helpers import stats
 
@@ -90,7 +95,7 @@ def test_an_id_reused_right_after_its_stream_left_gets_a_run_of_its_own(tiny_lla
                 await first.aclose()  # the client leaves: the abort is on its way
                 outs = [o async for o in core.generate(core.inputs.make_request("x", [5, 6, 7, 8], params))]
                 results.append((outs[-1].finish_reason, sum(len(o.new_token_ids) for o in outs)))
-            snapshot = await core.call("snapshot")
+            snapshot = await core.call(GetSnapshot())
             return results, snapshot
         finally:
             await core.stop()
@@ -106,15 +111,40 @@ def test_a_call_whose_caller_left_still_runs_and_the_core_goes_on(tiny_llama):
         await core.start()
         try:
             os.kill(core.pid, signal.SIGSTOP)  # the core holds (a long step)
-            left = asyncio.ensure_future(core.call("release_hold", "nobody"))
+            left = asyncio.ensure_future(core.call(ReleaseHold("nobody")))
             await asyncio.sleep(0.05)
             left.cancel()  # its caller goes away before the core reaches it
             os.kill(core.pid, signal.SIGCONT)
-            return await asyncio.wait_for(core.call("snapshot"), 10)
+            return await asyncio.wait_for(core.call(GetSnapshot()), 10)
         finally:
             await core.stop()
 
     assert asyncio.run(run()).num_running == 0
+
+
+class NoSuchCall(msgspec.Struct, tag=True, array_like=True):
+    """A call this core does not know (as from a front of another version)."""
+    result: ClassVar = int
+
+
+def test_an_unknown_or_failing_call_is_its_caller_s_error_and_the_core_serves_on(tiny_llama):
+    async def run():
+        core = _client(tiny_llama)
+        await core.start()
+        try:
+            with pytest.raises(CoreCallFailed, match="NoSuchCall"):
+                await asyncio.wait_for(core.call(NoSuchCall()), 10)
+            with pytest.raises(InvalidArgument, match="LoRA is not enabled"):  # a known call that fails
+                await asyncio.wait_for(core.call(LoadAdapter("a", "/nowhere")), 10)
+            params = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0)
+            outs = [o async for o in core.generate(core.inputs.make_request("after", [5, 6, 7], params))]
+            return outs, await core.call(GetSnapshot())
+        finally:
+            await core.stop()
+
+    outs, snapshot = asyncio.run(asyncio.wait_for(run(), 60))
+    assert outs[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in outs) == 5
+    assert snapshot.num_free_kv_blocks == snapshot.num_kv_blocks
 
 
 def test_a_killed_core_fails_its_streams_and_calls_at_once(tiny_llama):
@@ -137,7 +167,7 @@ def test_a_killed_core_fails_its_streams_and_calls_at_once(tiny_llama):
             errors.append(str(err.value))
         waited = time.monotonic() - t0
         with pytest.raises(EngineDead):
-            await core.call("snapshot")
+            await core.call(GetSnapshot())
         pid = core.pid
         await core.stop()
         return errors, waited, pid
@@ -156,7 +186,7 @@ def test_a_core_that_cannot_start_says_why_in_one_sentence(tiny_llama):
         finally:
             await core.stop()
 
-    from baton.engine.errors import InvalidArgument
+    from baton.engine.common.errors import InvalidArgument
     with pytest.raises(InvalidArgument) as err:
         asyncio.run(run())
     assert err.value.field == "num_kv_blocks" and "max_model_len" in str(err.value)
@@ -206,8 +236,27 @@ def test_a_killed_core_ends_the_server_non_zero_with_its_streams_unavailable(spa
     assert not [name for name in leftovers(server.proc.pid) if "baton" in name]
 
 
-def test_the_front_never_imports_torch():
+def test_the_front_imports_neither_torch_nor_nixl_nor_the_core():
     code = ("import sys; import baton.services.server.server, baton.services.router.router, "
-            "baton.services.openai.front; import baton.engine.core_client; "
-            "sys.exit(1 if 'torch' in sys.modules else 0)")
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+            "baton.services.openai.front; import baton.engine.front.core_client; "
+            "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('torch', 'nixl') or m.startswith("
+            "('baton.engine.core', 'baton.engine.worker', 'baton.kv_transfer.nixl', 'baton.kernels'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.split() == [], done.stdout + done.stderr
+
+
+def test_a_serving_front_has_not_loaded_torch_or_nixl(spawn, tiny_llama):
+    """A running server's front process, having served a request: no torch or NIXL library is
+    mapped in it (its engine core, another process, has both)."""
+    server = spawn(tiny_llama)
+    with Client(server.address) as client:
+        assert len([c for c in client.generate([5, 6, 7], max_tokens=3, temperature=0, ignore_eos=True)]) >= 1
+    core_pid = stats(server.address).engine_core_pid
+
+    def mapped(pid: int) -> set[str]:
+        with open(f"/proc/{pid}/maps") as f:
+            return {line.split()[-1] for line in f if "/" in line}
+    libraries = {os.path.basename(p) for p in mapped(server.proc.pid)}
+    assert not [lib for lib in libraries if "torch" in lib or "nixl" in lib], sorted(libraries)
+    core_libraries = mapped(core_pid)
+    assert any("libtorch" in p for p in core_libraries) and any("nixl" in p for p in core_libraries)

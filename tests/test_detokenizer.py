@@ -4,7 +4,7 @@ from __future__ import annotations
 from transformers import AutoTokenizer
 
 from baton import LLM, SamplingParams
-from baton.engine.detokenizer import IncrementalDetokenizer
+from baton.engine.front.detokenizer import IncrementalDetokenizer
 
 
 def test_deltas_concatenate_to_the_full_text_without_broken_utf8(tiny_llama):
@@ -29,7 +29,7 @@ def test_engine_text_matches_decode_of_its_tokens(tiny_qwen2):
 
 
 def test_the_engine_tokenizer_encodes_and_templates_like_autotokenizer(tiny_llama, tiny_qwen2, smollm2):
-    from baton.engine.tokenizer import load_tokenizer
+    from baton.engine.common.tokenizer import load_tokenizer
 
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "naïve 😀 question?"}]
     for model_dir in (tiny_llama, tiny_qwen2, smollm2):

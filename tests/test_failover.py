@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from baton import LLM, SamplingParams
-from baton.engine.structured_output import StructuredOutput
+from baton.engine.common.structured_output import StructuredOutput
 from baton.services.client import AsyncClient
 
 from conftest import pd_stack

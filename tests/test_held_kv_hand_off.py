@@ -10,6 +10,7 @@ leaves while a hand-off copy is in flight.
 from __future__ import annotations
 
 from baton import LLM, SamplingParams
+from baton.kv_transfer.base import KVTier
 from helpers import random_prompts
 from nixl_engines import agent_ids, assert_pools_full, connect, disaggregated, nixl_engine
 from test_host_kv_tier import gib
@@ -43,8 +44,8 @@ def test_a_short_prefill_hands_held_blocks_to_its_host_tier_and_the_decode_reads
     assert outs == [o.token_ids for o in big.generate(prompts, GREEDY)]
     tiers = [r.kv_handle.tier for r in handles]
     # Those that finished while others waited went to the host; the last ones stayed.
-    assert "host" in tiers and tiers[-1] == "device", tiers
-    assert prefill.snapshot().num_host_hand_offs == tiers.count("host")
+    assert KVTier.HOST in tiers and tiers[-1] is KVTier.DEVICE, tiers
+    assert prefill.snapshot().num_host_hand_offs == tiers.count(KVTier.HOST)
     assert decode.runner.connector.num_blocks_pulled == sum(-(-len(p) // 16) for p in prompts)
     assert_pools_full(prefill, decode)
     assert_host_free(prefill)

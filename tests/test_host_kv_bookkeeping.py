@@ -8,13 +8,13 @@ import random
 
 import pytest
 
-from baton.engine.config import EngineConfig
-from baton.engine.host_kv_tier import HostKVTier
-from baton.engine.kv_cache_manager import KVCacheManager
-from baton.engine.request import Request
-from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler import Scheduler
-from baton.engine.scheduler_output import ModelRunnerOutput
+from baton.engine.common.config import EngineConfig
+from baton.engine.core.host_kv_tier import HostKVTier
+from baton.engine.core.kv_cache_manager import KVCacheManager
+from baton.engine.core.request import Request
+from baton.engine.common.sampling_params import SamplingParams
+from baton.engine.core.scheduler import Scheduler
+from baton.engine.common.scheduler_output import ModelRunnerOutput
 
 
 class FakeRunner:
@@ -125,7 +125,7 @@ def test_randomized_bookkeeping_of_both_tiers(tmp_path, seed):
 
 
 def test_a_swapped_request_resumes_before_new_ones_are_admitted(tmp_path):
-    from baton.engine.stats import EventType
+    from baton.engine.common.stats import EventType
 
     config = EngineConfig(model=str(tmp_path), block_size=4, max_model_len=32, kv_offloading_size=1e-6,
                           preemption_mode="swap")

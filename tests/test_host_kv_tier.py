@@ -15,9 +15,10 @@ from collections import deque
 import pytest
 
 from baton import LLM, SamplingParams
-from baton.engine.config import EngineConfig
-from baton.engine.errors import InvalidArgument
-from baton.engine.request import RequestStatus
+from baton.engine.common.config import EngineConfig
+from baton.engine.common.errors import InvalidArgument
+from baton.engine.core.request import RequestStatus
+from baton.kv_transfer.base import KVTier
 from helpers import random_prompts
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -306,7 +307,7 @@ def test_disaggregated_with_host_tiers_on_both_sides(tiny_llama):
 def test_kv_events_follow_both_tiers(tiny_llama):
     """The KV cache events of an engine with a host tier replay to what each tier holds: blocks
     offloaded to the host are stored there, host evictions removed from there."""
-    from baton.engine.kv_events import KVEventLog
+    from baton.engine.common.kv_events import KVEventLog
     from baton.services.server.kv_events import KVEventHub
 
     llm = LLM(tiny_llama, dtype="float32", device="cpu", num_kv_blocks=14, max_model_len=200,
@@ -318,8 +319,8 @@ def test_kv_events_follow_both_tiers(tiny_llama):
     for prompts in [[conv[t] for conv in conversations(6, 3)] for t in range(3)]:
         llm.generate(prompts, params)
         events = log.take()
-        host_removals += sum(len(e.block_hashes) for e in events if e.kind.value == "removed" and e.tier == "host")
+        host_removals += sum(len(e.block_hashes) for e in events if e.kind.value == "removed" and e.tier is KVTier.HOST)
         hub.publish(events)
-        assert set(hub.mirror.tiers["device"]) == set(core.kv.cached)
-        assert set(hub.mirror.tiers["host"]) == set(core.host.cached)
+        assert set(hub.mirror.tiers[KVTier.DEVICE]) == set(core.kv.cached)
+        assert set(hub.mirror.tiers[KVTier.HOST]) == set(core.host.cached)
     assert core.host.cached and host_removals > 0  # offloaded, and evicted from the host too

@@ -10,15 +10,18 @@ import random
 
 import pytest
 
-from baton.engine.kv_cache_manager import KVCacheManager, extend_block_hashes
-from baton.engine.kv_events import HOST, KVEvent, KVEventKind, KVEventLog
-from baton.engine.request import Request
-from baton.engine.sampling_params import SamplingParams
-from baton.engine.tokenizer import apply_chat_template
+from baton.engine.common.block_hashes import extend_block_hashes
+from baton.engine.core.kv_cache_manager import KVCacheManager
+from baton.engine.common.kv_events import KVEvent, KVEventKind, KVEventLog
+from baton.engine.common.messages import GetKVBlockHashes
+from baton.engine.core.request import Request
+from baton.engine.common.sampling_params import SamplingParams
+from baton.engine.common.tokenizer import apply_chat_template
 from baton.services.client import AsyncClient
 from baton.services.router.kv_index import DEVICE, KVIndex
 from baton.services.router.kv_index import HOST as HOST_BIT
 from baton.services.router.router import Router, RouterOptions
+from baton.kv_transfer.base import KVTier
 from baton.services.server.kv_events import KVBlockMirror, KVEventHub, to_proto
 
 from helpers import collect, random_prompts
@@ -56,10 +59,10 @@ def test_events_replay_to_the_cache_s_contents_through_admissions_evictions_and_
         events = log.take()
         removed += sum(len(e.block_hashes) for e in events if e.kind is KVEventKind.REMOVED)
         hub.publish(events)
-        assert set(hub.mirror.tiers["device"]) == set(kv.cached)
+        assert set(hub.mirror.tiers[KVTier.DEVICE]) == set(kv.cached)
         # Each stored block's parent is the block before it in its chain.
         assert all(p is None or kv.cached.get(p) is None or kv.cached[p].block_hash == p
-                   for p in hub.mirror.tiers["device"].values())
+                   for p in hub.mirror.tiers[KVTier.DEVICE].values())
     assert removed > 20  # evictions and early frees happened
     # A snapshot replayed on an index gives the same set.
     index = KVIndex(4)
@@ -70,15 +73,15 @@ def test_events_replay_to_the_cache_s_contents_through_admissions_evictions_and_
 
 def test_the_index_follows_tiers_and_clears():
     index, mirror = KVIndex(4), KVBlockMirror()
-    events = [KVEvent(KVEventKind.STORED, [1, 2, 3], None), KVEvent(KVEventKind.TIER_MOVED, [3], tier=HOST),
-              KVEvent(KVEventKind.STORED, [4], 3, HOST), KVEvent(KVEventKind.REMOVED, [1])]
+    events = [KVEvent(KVEventKind.STORED, [1, 2, 3], None), KVEvent(KVEventKind.TIER_MOVED, [3], tier=KVTier.HOST),
+              KVEvent(KVEventKind.STORED, [4], 3, KVTier.HOST), KVEvent(KVEventKind.REMOVED, [1])]
     for e in events:
         index.apply("a", to_proto(e))
         mirror.apply(e)
     assert index.held("a", DEVICE) == {2} and index.held("a", HOST_BIT) == {3, 4}
-    assert set(mirror.tiers["device"]) == {2} and mirror.tiers["host"] == {3: 2, 4: 3}
+    assert set(mirror.tiers[KVTier.DEVICE]) == {2} and mirror.tiers[KVTier.HOST] == {3: 2, 4: 3}
     # The prompt 1-2-3-4: instance "a" lost block 1, "b" holds 1, 2 in device memory and 3 in host memory.
-    for e in [KVEvent(KVEventKind.STORED, [1, 2, 3], None), KVEvent(KVEventKind.TIER_MOVED, [3], tier=HOST)]:
+    for e in [KVEvent(KVEventKind.STORED, [1, 2, 3], None), KVEvent(KVEventKind.TIER_MOVED, [3], tier=KVTier.HOST)]:
         index.apply("b", to_proto(e))
     assert index.overlap(["a", "b"], [1, 2, 3, 4]) == {"a": (0, 0), "b": (2, 1)}
     index.apply("b", to_proto(KVEvent(KVEventKind.ALL_CLEARED)))
@@ -122,7 +125,7 @@ async def on(engine, coro):
 
 async def held_by(engine) -> set[int]:
     """What the engine's prefix cache really holds (its core's `cached` map, over its IPC)."""
-    return set(await on(engine, engine.server.core.call("kv_block_hashes")))
+    return set(await on(engine, engine.server.core.call(GetKVBlockHashes())))
 
 
 async def index_matches(router: Router, engines, timeout: float = 15.0) -> list[set[int]]:
@@ -262,7 +265,7 @@ def test_kv_aware_weighs_held_blocks_device_above_host_against_load():
     index = KVIndex(4)
     prompt = [11, 12, 13, 14, 15, 16]
     index.apply("a", to_proto(KVEvent(KVEventKind.STORED, prompt[:4], None)))  # a: 4 blocks in device memory
-    index.apply("b", to_proto(KVEvent(KVEventKind.STORED, prompt[:4], None, HOST)))  # b: the same in host memory
+    index.apply("b", to_proto(KVEvent(KVEventKind.STORED, prompt[:4], None, KVTier.HOST)))  # b: the same in host memory
     a, b, c = _Backend("a"), _Backend("b"), _Backend("c")
     policy = KVAware(index, overlap_score_weight=1.0, host_hit_weight=0.5, active_weight=1.0)
     choice = policy.choose([c, b, a], prompt)

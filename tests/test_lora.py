@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from baton import LLM, SamplingParams
-from baton.engine.errors import InUse, InvalidArgument, NotFound
+from baton.engine.common.errors import InUse, InvalidArgument, NotFound
 from helpers import random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -164,9 +164,9 @@ def test_bad_engine_arguments(tiny_llama, args, field):
 def test_the_device_room_kept_for_an_adapter_is_what_one_takes(tiny_llama, adapters):
     """On a GPU the KV cache leaves max_loras adapters' room (adapter_bytes): an adapter of
     every projection at the highest rank takes exactly that."""
-    from baton.engine.config import read_config
-    from baton.engine.lora.adapter import adapter_bytes, load_adapter
-    from baton.engine.model import ModelArgs
+    from baton.engine.common.config import read_config
+    from baton.engine.worker.lora.adapter import adapter_bytes, load_adapter
+    from baton.engine.worker.model import ModelArgs
 
     args = ModelArgs.from_hf_config(read_config(tiny_llama))
     _, weights = load_adapter(adapters["code"], args, 16)  # rank 16 on all seven projections

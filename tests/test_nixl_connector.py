@@ -5,8 +5,8 @@ Transport faults and the start-up probe: test_nixl_faults.py."""
 from __future__ import annotations
 
 from baton import LLM, SamplingParams
-from baton.engine.request import RequestStatus
-from baton.engine.stats import EventType
+from baton.engine.core.request import RequestStatus
+from baton.engine.common.stats import EventType
 from baton.kv_transfer.nixl_connector import merge_runs
 
 from helpers import random_prompts

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
-from baton.engine.request import RequestStatus
-from baton.engine.stats import EventType
+from baton.engine.core.request import RequestStatus
+from baton.engine.common.stats import EventType
+from baton.kv_transfer.nixl_connector import decode_notification
 
 from helpers import random_prompts
 from nixl_engines import (agent_ids, assert_pools_full, connect, disaggregated, events_by_request, nixl_engine,
@@ -82,7 +83,7 @@ class FaultyAgent(AgentProxy):
     def initialize_xfer(self, op, local, remote, peer, notif=b""):
         import ctypes
 
-        request = notif.decode()
+        request = decode_notification(notif).request_id
         if request in self.half_requests:
             here, there = self._descs[id(local)], self._descs[id(remote)]
             half = [sum(size for _, size, _ in here) // 2]  # bytes that arrive
@@ -226,11 +227,11 @@ class IdleAgent(RefusingAgent):
 @pytest.mark.parametrize("agent,why", [(RefusingAgent, r"the READ ended in ERR"),
                                        (IdleAgent, r"the READ reported done, but the block's bytes did not arrive")])
 def test_a_cache_peers_cannot_read_stops_the_start_saying_why(tiny_llama, agent, why):
-    from baton.engine.errors import StartupError
+    from baton.kv_transfer.base import KVUnreachable
 
     engine = nixl_engine(tiny_llama, "probe", num_kv_blocks=16, max_model_len=256)
     before = engine.runner.kv_cache.clone()
-    with pytest.raises(StartupError, match=r"cannot move KV blocks in DRAM on cpu over NIXL/UCX \(" + why
+    with pytest.raises(KVUnreachable, match=r"cannot move KV blocks in DRAM on cpu over NIXL/UCX \(" + why
                                            + r"\); for GPU memory UCX needs its CUDA transports"):
         engine.runner.connector.check_reachable(engine.runner.kv_cache, agent(f"faulty-{next(agent_ids)}"))
     assert torch.equal(engine.runner.kv_cache, before)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from baton import LLM, SamplingParams
-from baton.engine.sampler import _apply_top_k_top_p, sample
+from baton.engine.worker.sampler import _apply_top_k_top_p, sample
 
 from helpers import random_prompts
 
@@ -57,7 +57,7 @@ def test_sampled_frequencies_follow_the_distribution():
 def test_draws_from_a_shared_generator_come_in_one_launch_and_equal_row_by_row_draws():
     """Every unseeded request draws from the engine's generator: one [rows, V] draw for all of
     them gives each row what drawing row by row would, and a seeded row keeps its own stream."""
-    from baton.engine.sampler import _noise, _noises
+    from baton.engine.worker.sampler import _noise, _noises
 
     def generators():
         shared, seeded = torch.Generator().manual_seed(3), torch.Generator().manual_seed(9)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
-from baton.engine.errors import InvalidArgument
-from baton.engine.sampler import sample
+from baton.engine.common.errors import InvalidArgument
+from baton.engine.worker.sampler import sample
 
 from helpers import random_prompts
 

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from baton import LLM, SamplingParams
-from baton.engine.errors import InvalidArgument
-from baton.engine.structured_output import StructuredOutput
+from baton.engine.common.errors import InvalidArgument
+from baton.engine.common.structured_output import StructuredOutput
 from baton.services.client import AsyncClient
 from baton.services.rpc.errors import failure_of_error
 

@@ -127,7 +127,7 @@ def test_auto_end_to_end_with_a_model_that_writes_a_call(front):
 
 
 def test_templates_without_tools_get_the_built_in_tool_prompt(tiny_llama):
-    from baton.engine.tokenizer import apply_chat_template, load_tokenizer
+    from baton.engine.common.tokenizer import apply_chat_template, load_tokenizer
 
     tokenizer = load_tokenizer(tiny_llama)  # ChatML, which renders no tools
     asked = [{"role": "user", "content": "Tell me the time."}]
@@ -153,7 +153,7 @@ AGENT = [{"role": "user", "content": "Tell me the time."},
 def test_an_agents_history_of_calls_and_results_is_rendered(tiny_llama):
     """An assistant turn that called tools and the tool's result: as Hermes writes them for a
     template that renders no tool turns, with the arguments as an object for one that does."""
-    from baton.engine.tokenizer import apply_chat_template, load_tokenizer
+    from baton.engine.common.tokenizer import apply_chat_template, load_tokenizer
     from baton.services.openai.protocol import chat_messages_from_body
     from baton.services.rpc.api import chat_messages
     from baton.v1 import generate_pb2 as pb

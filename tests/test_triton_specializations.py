@@ -18,8 +18,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton")
-from baton.engine.block_tables import Staging
-from baton.engine.model_runner import ModelRunner
+from baton.engine.worker.block_tables import Staging
+from baton.engine.worker.model_runner import ModelRunner
 from baton.kernels import triton_attention
 
 KERNELS = ("_decode_split", "_combine_splits", "_write_kv", "_prefill")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from baton import LLM, SamplingParams
-from baton.engine.errors import InvalidArgument
+from baton.engine.common.errors import InvalidArgument
 
 
 @pytest.mark.parametrize("kwargs,field", [

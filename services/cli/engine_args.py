@@ -52,13 +52,13 @@ def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
 
 def model_dir(args) -> str:
     """--model, or the demo model that prepare-models wrote."""
-    from baton.engine.checkpoints import SMOLLM2_DIR_NAME
+    from baton.services.cli.demo_models import SMOLLM2_DIR_NAME
 
     return args.model or os.path.join(args.models_dir, SMOLLM2_DIR_NAME)
 
 
 def engine_config(args):
-    from baton.engine.config import EngineConfig
+    from baton.engine.common.config import EngineConfig
 
     model = model_dir(args)
     kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}

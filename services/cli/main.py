@@ -12,7 +12,7 @@ from baton.services.cli.engine_args import (DEFAULT_MODELS_DIR, add_engine_flags
 
 
 def _prepare(args) -> None:
-    from baton.engine.checkpoints import prepare_models
+    from baton.services.cli.demo_models import prepare_models
 
     from baton.kernels import cpu_kernels
 
@@ -30,7 +30,7 @@ def _serve(args) -> None:
     import logging
     import signal
 
-    from baton.engine.errors import InvalidArgument, StartupError
+    from baton.engine.common.errors import InvalidArgument, StartupError
     from baton.services.cli.launcher import UP_CHILD_ENV
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, fields
 
-from baton.engine.config import EngineConfig
+from baton.engine.common.config import EngineConfig
 
 DEFAULT_UTILIZATION = next(f.default for f in fields(EngineConfig) if f.name == "gpu_memory_utilization")
 

@@ -8,7 +8,7 @@ import json
 
 import grpc
 
-from baton.engine.errors import InvalidArgument
+from baton.engine.common.errors import InvalidArgument
 from baton.services.rpc.api import FINISH_REASON_NAMES, tool_calls_for_template
 from baton.v1 import generate_pb2 as pb
 

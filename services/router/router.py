@@ -24,9 +24,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from baton.engine.errors import InvalidArgument
-from baton.engine.kv_cache_manager import extend_block_hashes
-from baton.engine.request import ROOT_HASH
+from baton.engine.common.errors import InvalidArgument
+from baton.engine.common.block_hashes import ROOT_HASH, extend_block_hashes
 from baton.services.router.backends import Backend, Tier, split_host_port
 from baton.services.router.decode_leg import Relay, aborted_response, decode_leg, pass_on_or_take_out
 from baton.services.router.kv_index import KVEventSubscription, KVIndex
@@ -285,7 +284,7 @@ class Router:
         await self.grpc.start()
         o = self.options
         if o.tokenizer_dir and (o.policy in HASHING_POLICIES or o.http_port is not None):
-            from baton.engine.tokenizer import load_tokenizer
+            from baton.engine.common.tokenizer import load_tokenizer
             self.tokenizer = await asyncio.to_thread(load_tokenizer, o.tokenizer_dir)
         await self._refresh()
         self._resolver = asyncio.ensure_future(self._resolve_periodically())
@@ -359,7 +358,7 @@ class Router:
             try:
                 messages = chat_messages(msg.chat)
                 if self.tokenizer is not None and self.tokenizer.chat_template and messages:
-                    from baton.engine.tokenizer import apply_chat_template  # loaded with the tokenizer
+                    from baton.engine.common.tokenizer import apply_chat_template  # loaded with the tokenizer
                     units = apply_chat_template(self.tokenizer, messages, chat_tools(msg.chat))
                 else:
                     units = list("\n".join(f"{m['role']}: {m['content']}" for m in messages).encode())

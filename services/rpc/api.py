@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from baton.engine.errors import InvalidArgument
+from baton.engine.common.errors import InvalidArgument
 from baton.v1 import generate_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name

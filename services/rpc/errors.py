@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
-from baton.engine.errors import InUse, InvalidArgument, NotFound
+from baton.engine.common.errors import InUse, InvalidArgument, NotFound
 from baton.v1 import generate_pb2 as pb
 
 DETAILS_KEY = "grpc-status-details-bin"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from baton.engine.errors import check
-from baton.engine.sampling_params import MAX_N, child_seed
+from baton.engine.common.errors import check
+from baton.engine.common.sampling_params import MAX_N, child_seed
 from baton.v1 import generate_pb2 as pb
 
 _DONE = object()

@@ -11,15 +11,14 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from baton.engine.core_messages import CoreRequest
-from baton.engine.errors import InvalidArgument, check
-from baton.engine.kv_events import DEVICE, HOST
-from baton.engine.sampling_params import SamplingParams
-from baton.kv_transfer.base import KVHandle
+from baton.engine.common.messages import CoreRequest
+from baton.engine.common.errors import InvalidArgument, check
+from baton.engine.common.sampling_params import SamplingParams
 from baton.services.rpc.api import chat_messages, chat_tools
 from baton.services.rpc.errors import abort, abort_invalid
-from baton.engine.structured_output import StructuredOutput
+from baton.engine.common.structured_output import StructuredOutput
 from baton.services.rpc.fan_out import child_requests, merge, num_completions
+from baton.services.rpc.kv_wire import handle_from_proto
 from baton.services.rpc.runtime import CallRegistry
 from baton.services.server.responses import (ENGINE_ERRORS, abort_for_engine_error, api_field, decode_timing,
                                               response_from_output)
@@ -51,11 +50,6 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         return SamplingParams(**kwargs)
     except InvalidArgument as e:
         raise InvalidArgument(api_field(e.field), e.reason) from None
-
-
-def kv_handle_from_proto(h: pb.KVHandle) -> KVHandle:
-    return KVHandle(h.engine_id, h.request_id, list(h.block_ids), h.num_tokens, h.first_token, h.hold_seconds,
-                    HOST if h.tier == pb.KV_TIER_HOST else DEVICE)
 
 
 @dataclass(slots=True)
@@ -91,7 +85,7 @@ class GenerationService(EngineRuntime, generate_pb2_grpc.TextGenerationServicer)
             check(self.server.options.role != "prefill", "kv_handle", "this server runs the prefill role only")
             check(params.max_tokens >= 2, "sampling.max_tokens",
                   "must be >= 2 with a kv_handle: the first token came from the prefill")
-            remote_kv = kv_handle_from_proto(msg.kv_handle)
+            remote_kv = handle_from_proto(msg.kv_handle)
         if not for_prefill and (remote_kv is not None or msg.resume.ids):  # the prompt's logprobs went out already
             params = dataclasses.replace(params, prompt_logprobs=None)
         try:

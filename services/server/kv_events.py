@@ -15,20 +15,20 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 
-from baton.engine.kv_events import TIERS, KVEvent, KVEventKind, KVEventLog
-from baton.v1 import generate_pb2 as pb
+from baton.engine.common.kv_events import KVEvent, KVEventKind, KVEventLog
+from baton.kv_transfer.base import KVTier
+from baton.services.rpc.kv_wire import TIER_TO_WIRE
 from baton.v1 import internal_pb2 as ipb
 
 MAX_BEHIND = 4096  # batches queued for one subscriber before it is sent a snapshot instead
 
 KINDS = {KVEventKind.STORED: ipb.KV_EVENT_KIND_STORED, KVEventKind.REMOVED: ipb.KV_EVENT_KIND_REMOVED,
          KVEventKind.TIER_MOVED: ipb.KV_EVENT_KIND_TIER_MOVED, KVEventKind.ALL_CLEARED: ipb.KV_EVENT_KIND_ALL_CLEARED}
-WIRE_TIERS = {"device": pb.KV_TIER_DEVICE, "host": pb.KV_TIER_HOST}
 
 
 def to_proto(event: KVEvent) -> ipb.KVEvent:
     return ipb.KVEvent(kind=KINDS[event.kind], block_hashes=event.block_hashes, parent_hash=event.parent_hash,
-                       tier=WIRE_TIERS[event.tier])
+                       tier=TIER_TO_WIRE[event.tier])
 
 
 class KVBlockMirror:
@@ -36,7 +36,7 @@ class KVBlockMirror:
     hash, in the order the blocks were stored."""
 
     def __init__(self):
-        self.tiers: dict[str, dict[int, int | None]] = {tier: {} for tier in TIERS}
+        self.tiers: dict[KVTier, dict[int, int | None]] = {tier: {} for tier in KVTier}
 
     def apply(self, event: KVEvent) -> None:
         held = self.tiers[event.tier]

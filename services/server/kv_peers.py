@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from baton.kv_transfer.base import KVFormat, KVFormatMismatch
-from baton.kv_transfer.nixl_connector import KVLayout
+from baton.engine.common.messages import AddPeer
+from baton.kv_transfer.base import KVFormatMismatch
 from baton.services.rpc.api import token_metadata
 from baton.services.rpc.errors import abort, failure_of_error
+from baton.services.rpc.kv_wire import layout_from_proto, layout_to_proto
 from baton.services.rpc.tls import aio_channel
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2, internal_pb2_grpc
@@ -30,25 +31,6 @@ class PeerUnusable(Exception):
         self.code, self.reason, self.field = code, reason, field
 
 
-def layout_to_proto(layout: KVLayout) -> internal_pb2.KVLayout:
-    f = layout.format
-    return internal_pb2.KVLayout(
-        engine_id=layout.engine_id, agent_metadata=layout.agent_metadata, base_addr=layout.base_addr,
-        block_bytes=layout.block_bytes, num_blocks=layout.num_blocks, mem_type=layout.mem_type, dev_id=layout.dev_id,
-        host_base_addr=layout.host_base_addr, host_num_blocks=layout.host_num_blocks,
-        format=internal_pb2.KVFormat(model=f.model, dtype=f.dtype, num_layers=f.num_layers, num_kv_heads=f.num_kv_heads,
-                                     head_size=f.head_size, block_size=f.block_size,
-                                     attention_backend=f.attention_backend))
-
-
-def layout_from_proto(msg: internal_pb2.KVLayout) -> KVLayout:
-    f = msg.format
-    return KVLayout(msg.engine_id, msg.agent_metadata, msg.base_addr, msg.block_bytes, msg.num_blocks,
-                    msg.mem_type, msg.dev_id, KVFormat(f.model, f.dtype, f.num_layers, f.num_kv_heads, f.head_size,
-                                                       f.block_size, f.attention_backend),
-                    msg.host_base_addr, msg.host_num_blocks)
-
-
 class KVPeerService(internal_pb2_grpc.KVPeerServicer):
     def __init__(self, server: Server):
         self.server = server
@@ -56,7 +38,7 @@ class KVPeerService(internal_pb2_grpc.KVPeerServicer):
     async def Handshake(self, theirs: internal_pb2.KVLayout, context: grpc.aio.ServicerContext):
         await self.server.check_internal(context)
         try:
-            await self.server.core.call("add_peer", layout_from_proto(theirs))
+            await self.server.core.call(AddPeer(layout_from_proto(theirs)))
         except KVFormatMismatch as e:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"kv_layout.format.{e}",
                         pb.FAILURE_REASON_KV_FORMAT_MISMATCH, f"kv_layout.format.{e.field}")
@@ -126,7 +108,7 @@ class KVPeers:
                                f"kv_handle: {handle.address} is now engine {theirs.engine_id}, not "
                                f"{handle.engine_id} (it restarted; its blocks are gone)")
         try:
-            await server.core.call("add_peer", layout_from_proto(theirs))
+            await server.core.call(AddPeer(layout_from_proto(theirs)))
         except KVFormatMismatch as e:
             raise PeerUnusable(grpc.StatusCode.FAILED_PRECONDITION, pb.FAILURE_REASON_KV_FORMAT_MISMATCH,
                                f"kv_handle: prefill {handle.address} holds KV of another format: "

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from baton.engine.errors import InvalidArgument, check
-from baton.engine.output_processor import StepOutput
+from baton.engine.common.errors import InvalidArgument, check
+from baton.engine.front.output_processor import StepOutput
 from baton.services.rpc.errors import abort, abort_invalid
 from baton.services.rpc.fan_out import num_completions
 from baton.services.rpc.serving import in_background
-from baton.services.server.kv_events import WIRE_TIERS
+from baton.services.rpc.kv_wire import handle_to_proto
 from baton.services.server.responses import ENGINE_ERRORS, abort_for_engine_error, response_from_output
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2, internal_pb2_grpc
@@ -70,11 +70,8 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             return internal_pb2.PrefillResponse(first=first)
         first.ClearField("finish_reason")  # the request goes on at the decode side
         first.ClearField("usage")
-        return internal_pb2.PrefillResponse(first=first, handle=pb.KVHandle(
-            engine_id=handle.engine_id, address=self.server.address, request_id=handle.request_id,
-            block_ids=handle.block_ids, num_tokens=handle.num_tokens, first_token=handle.first_token,
-            hold_seconds=handle.hold_s, tier=WIRE_TIERS[handle.tier],
-            trace_context=rt.hold_context() if rt is not None else {}))
+        return internal_pb2.PrefillResponse(first=first, handle=handle_to_proto(
+            handle, self.server.address, rt.hold_context() if rt is not None else {}))
 
     async def Release(self, handle: pb.KVHandle, context: grpc.aio.ServicerContext):
         await self.server.check_internal(context)

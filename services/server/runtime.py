@@ -7,9 +7,9 @@ import os
 
 import grpc
 
-from baton.engine.config import read_config
-from baton.engine.core_messages import AdapterInfo, LoadAdapter
-from baton.engine.errors import InvalidArgument
+from baton.engine.common.config import read_config
+from baton.engine.common.messages import AdapterInfo, LoadAdapter, UnloadAdapter
+from baton.engine.common.errors import InvalidArgument
 from baton.services.rpc.api import chat_messages, chat_tools
 from baton.services.rpc.errors import abort, abort_invalid
 from baton.services.rpc.runtime import watch
@@ -87,14 +87,14 @@ class EngineRuntime:
     async def LoadAdapter(self, msg: pb.LoadAdapterRequest, context) -> pb.Adapter:
         core = await self._loaded(context)
         await self.server.check_token(context)
-        info = await self._adapter_call(context, "load_adapter", LoadAdapter(msg.lora_name, msg.lora_path))
+        info = await self._adapter_call(context, LoadAdapter(msg.lora_name, msg.lora_path))
         core.inputs.adapters[info.name] = info
         return adapter_to_proto(info)
 
     async def UnloadAdapter(self, msg: pb.UnloadAdapterRequest, context) -> pb.Adapter:
         core = await self._loaded(context)
         await self.server.check_token(context)
-        info = await self._adapter_call(context, "unload_adapter", msg.lora_name)
+        info = await self._adapter_call(context, UnloadAdapter(msg.lora_name))
         core.inputs.adapters.pop(info.name, None)
         return adapter_to_proto(info)
 
@@ -102,9 +102,9 @@ class EngineRuntime:
         core = await self._loaded(context)
         return pb.ListAdaptersResponse(adapters=[adapter_to_proto(a) for a in core.inputs.adapters.values()])
 
-    async def _adapter_call(self, context, method: str, arg):
+    async def _adapter_call(self, context, call: LoadAdapter | UnloadAdapter) -> AdapterInfo:
         try:
-            return await self.server.core.call(method, arg)
+            return await self.server.core.call(call)
         except InvalidArgument as e:  # NotFound and InUse too, each with its own status
             await abort_invalid(context, e)
 
@@ -121,11 +121,3 @@ def model_info(model_dir: str, facts, tokenizer, model_name: str, role: str) -> 
                         vocab_size=facts.vocab_size, block_size=facts.block_size, dtype=facts.dtype,
                         eos_token_ids=facts.eos_token_ids, has_chat_template=bool(tokenizer.chat_template),
                         baton_version=baton_version(), role=role)
-
-
-def load_from_snapshot(snapshot, role: str, address: str, num_in_flight: int) -> pb.Load:
-    return pb.Load(role=role, address=address, num_running=snapshot.num_running, num_waiting=snapshot.num_waiting,
-                   num_waiting_for_remote_kvs=snapshot.num_waiting_for_kvs, kv_cache_usage=snapshot.kv_cache_usage,
-                   num_held_blocks=snapshot.num_held_blocks, num_in_flight=num_in_flight,
-                   num_host_kv_blocks=snapshot.num_host_kv_blocks, host_kv_cache_usage=snapshot.host_kv_cache_usage,
-                   host_kv_cache_hits=snapshot.host_kv_cache_hits, num_swapped=snapshot.num_swapped)

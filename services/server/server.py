@@ -19,10 +19,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from baton.engine.config import EngineConfig
-from baton.engine.core_client import CoreClient
-from baton.engine.errors import check
-from baton.kv_transfer.nixl_scheduler import DEFAULT_HOLD_TIMEOUT_S
+from baton.engine.common.config import EngineConfig
+from baton.engine.common.messages import GetSnapshot, GetStats, ReleaseHold
+from baton.engine.front.core_client import CoreClient
+from baton.engine.common.errors import check
+from baton.kv_transfer.base import DEFAULT_HOLD_TIMEOUT_S
 from baton.services.rpc.api import SERVICE_NAME, TOKEN_KEY
 from baton.services.rpc.errors import abort
 from baton.services.rpc.serving import advertised_host, drain, in_background, make_grpc_server, set_health
@@ -31,7 +32,8 @@ from baton.services.server.generation import GenerationService
 from baton.services.server.kv_events import KVEventHub
 from baton.services.server.kv_peers import KVPeers, KVPeerService
 from baton.services.server.prefill import PrefillService
-from baton.services.server.runtime import load_from_snapshot, model_info
+from baton.services.server.runtime import model_info
+from baton.services.server.snapshots import load_to_proto, stats_to_proto
 from baton.services.server.telemetry import EngineTelemetry
 from baton.services.telemetry import tracing
 from baton.services.telemetry.metrics import EngineMetrics, MetricsServer, make_registry, on_loop
@@ -75,16 +77,8 @@ class AdminService(internal_pb2_grpc.AdminServicer):
     async def Stats(self, msg: internal_pb2.StatsRequest, context: grpc.aio.ServicerContext):
         await self.server.check_internal(context)
         core = self.server.core
-        s = await core.call("stats")
-        snap = s.snapshot
-        return internal_pb2.EngineStats(
-            engine_id=s.engine_id, role=self.server.options.role, num_kv_blocks=snap.num_kv_blocks,
-            num_free_kv_blocks=snap.num_free_kv_blocks, num_running=snap.num_running, num_waiting=snap.num_waiting,
-            num_held=snap.num_held_requests, num_in_flight_streams=core.num_in_flight,
-            num_prefix_hit_tokens=snap.prefix_cache_hits, num_expired_holds=s.num_expired_holds,
-            num_failed_loads=snap.num_failed_loads, num_blocks_pulled=s.num_blocks_pulled,
-            num_requests=core.num_requests, engine_core_pid=core.pid, num_host_kv_blocks=snap.num_host_kv_blocks,
-            num_free_host_kv_blocks=snap.num_free_host_kv_blocks, num_host_hand_offs=snap.num_host_hand_offs)
+        return stats_to_proto(await core.call(GetStats()), self.server.options.role, core.num_in_flight,
+                              core.num_requests, core.pid)
 
     async def SubscribeKVEvents(self, msg: internal_pb2.SubscribeKVEventsRequest, context: grpc.aio.ServicerContext):
         await self.server.check_internal(context)
@@ -174,19 +168,19 @@ class Server:
         return model_info(self.config.model, self.core.facts, self.core.tokenizer, self.model_name, self.options.role)
 
     async def load(self) -> pb.Load:
-        snapshot = await self.core.call("snapshot")
-        return load_from_snapshot(snapshot, self.options.role, self.address, self.core.num_in_flight)
+        snapshot = await self.core.call(GetSnapshot())
+        return load_to_proto(snapshot, self.options.role, self.address, self.core.num_in_flight)
 
     async def release_hold(self, request_id: str) -> bool:
         """Let go of blocks held for a decode that will not pull them; false when none are held."""
-        return await self.core.call("release_hold", request_id)
+        return await self.core.call(ReleaseHold(request_id))
 
     def _snapshot(self, loop: asyncio.AbstractEventLoop):
         """The engine's figures for a scrape (from the HTTP thread), or None when it cannot answer."""
         if self.core is None or not self.serving:
             return None
         try:
-            return on_loop(loop, lambda: self.core.call("snapshot"))
+            return on_loop(loop, lambda: self.core.call(GetSnapshot()))
         except Exception:  # noqa: BLE001 - a scrape during shutdown, or a dead core: no load figures
             return None
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 
-from baton.engine.core_messages import CoreRequest
-from baton.engine.stats import EventType, RequestEvent, RequestStats, StepEvents
+from baton.engine.common.messages import CoreRequest
+from baton.engine.common.stats import EventType, RequestEvent, RequestStats, StepEvents
 from baton.services.telemetry.metrics import EngineMetrics
 from baton.services.telemetry.tracing import carrier_of, end_span, link_to, start_span, wall_ns
 

@@ -1,0 +1,89 @@
+"""Tiny random Llama and Qwen2 checkpoints, written to disk for tests and benchmarks.
+
+Nothing is downloaded from a hub: each gets a byte-level BPE tokenizer trained here with
+`tokenizers` on a small built-in corpus, and random weights from transformers' own classes.
+"""
+from __future__ import annotations
+
+import os
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_WORDS = ("the a of to and in is it that for on with as was at by an be this from or have are not but "
+          "what which one all were when we there can been has more if will would who about up out them "
+          "so some into time very then make like him could than first water been call people may down "
+          "side did get come made long little over new sound take only work know place year live back "
+          "give most very after thing our just name good sentence man think say great where help through "
+          "much before line right too mean old any same tell boy follow came want show also around form "
+          "three small set put end does another well large must big even such because turn here why ask "
+          "went men read need land different home us move try kind hand picture again change off play "
+          "spell air away animal house point page letter mother answer found study still learn should "
+          "Paris France capital city river north south east west café naïve Zürich 東京 😀").split()
+
+
+def _corpus(n_lines: int = 4000):
+    import random
+    rng = random.Random(0)
+    for _ in range(n_lines):
+        yield " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 16))) + rng.choice([".", "?", "!", ","])
+    yield "0 1 2 3 4 5 6 7 8 9 ( ) [ ] { } < > = + - * / \\ ' \" : ; # @ & % $ ~ ^ _ |"
+
+
+def train_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer (GPT-2 style) trained on a small built-in corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def _tiny_config(arch: str, tokenizer):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id,
+                  initializer_range=0.2)  # wide enough that greedy argmax has clear margins
+    if arch == "llama":  # untied head, Llama 3 RoPE scaling
+        return LlamaConfig(num_hidden_layers=4, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}, **common)
+    if arch == "qwen2":  # tied head, q/k/v bias
+        return Qwen2Config(num_hidden_layers=3, tie_word_embeddings=True, use_sliding_window=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **common)
+    raise ValueError(f"arch: unknown tiny architecture {arch!r} (llama, qwen2)")
+
+
+def write_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, max_shard_size: str | None = None) -> str:
+    """Random weights + a locally trained tokenizer, loadable by transformers offline."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    tokenizer = train_tokenizer()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_tiny_config(arch, tokenizer), dtype=torch.float32)
+    if arch == "qwen2":  # give the q/k/v biases something to do (they start at zero)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.1)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size or "50GB")
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

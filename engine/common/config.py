@@ -1,0 +1,173 @@
+"""Engine arguments (vLLM's names where vLLM has one), validated with errors that name the
+field, and the checkpoint's config.json. Torch-free: a server's front process makes the config
+and validates it; its engine core resolves the device (`resolve_device`) where torch lives."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field, fields
+
+from baton.engine.common.errors import InvalidArgument, check
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+_GIB = 1 << 30
+
+
+def available_host_bytes() -> int:
+    """Host memory that can be had now without swapping: MemAvailable (free + reclaimable
+    caches), or the free pages where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def read_config(model_dir: str) -> dict:
+    """The checkpoint's config.json."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise InvalidArgument("model", f"{model_dir!r} has no config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings, capped at 8192
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no per-request cap beyond the step budget
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
+    dtype: str = "auto"  # "auto": float32 on CPU, the checkpoint's dtype (or bfloat16) on CUDA
+    device: str = "auto"  # "auto": cuda when there is one, else cpu; resolved to cpu or cuda:N by resolve_device
+    seed: int = 0
+    num_kv_blocks: int | None = None  # default: sized from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None  # default: 1 GiB on CPU; on CUDA, from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # the share of the GPU's memory this engine may use (weights, activations, KV)
+    attention_backend: str = "auto"  # "auto" | "cpu" (C++ kernel) | "triton" | "torch" (the reference)
+    # LoRA adapters (vLLM's names): `lora_modules` (name -> PEFT directory) are loaded at start
+    # and imply enable_lora; more can be loaded at run time.
+    enable_lora: bool = False
+    max_loras: int = 1  # distinct adapters in one step (and on the device)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters whose weights stay in host memory (default: max_loras)
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    kv_offloading_size: float = 0  # GiB of host memory for a second KV tier (0: none); pinned when on a GPU
+    preemption_mode: str = "recompute"  # "recompute" | "swap" (to the host tier) | "auto" (by the request's cost)
+
+    def __post_init__(self):
+        check(isinstance(self.model, (str, os.PathLike)) and os.path.isdir(self.model), "model",
+              f"must be a checkpoint directory, got {self.model!r}")
+        self.model = os.fspath(self.model)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
+                  f"must be an integer >= 1, got {value!r}")
+        check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
+              f"must be a power of two <= 256, got {self.block_size}")
+        check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
+              "max_model_len", f"must be an integer >= 1, got {self.max_model_len!r}")
+        check(isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0,
+              "long_prefill_token_threshold", f"must be an integer >= 0, got {self.long_prefill_token_threshold!r}")
+        check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
+              f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        check(self.dtype == "auto" or self.dtype in DTYPES, "dtype",
+              f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1),
+              "num_kv_blocks", f"must be an integer >= 1, got {self.num_kv_blocks!r}")
+        check(self.kv_cache_memory_bytes is None
+              or (isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes > 0),
+              "kv_cache_memory_bytes", f"must be a positive integer, got {self.kv_cache_memory_bytes!r}")
+        check(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1,
+              "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+              f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        check(isinstance(self.device, str) and _DEVICE.fullmatch(self.device) is not None, "device",
+              f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        self._check_lora()
+        self._check_host_tier()
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
+                  f"must be an integer >= 1, got {value!r}")
+        check(self.max_cpu_loras is None
+              or (isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras),
+              "max_cpu_loras", f"must be an integer >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
+        check(isinstance(self.lora_modules, dict) and all(isinstance(k, str) and k and isinstance(v, (str, os.PathLike))
+                                                          for k, v in self.lora_modules.items()),
+              "lora_modules", "must map adapter names to PEFT adapter directories")
+        self.lora_modules = {k: os.fspath(v) for k, v in self.lora_modules.items()}
+        self.enable_lora = bool(self.enable_lora or self.lora_modules)
+
+    def _check_host_tier(self) -> None:
+        size = self.kv_offloading_size
+        check(isinstance(size, (int, float)) and not isinstance(size, bool) and size >= 0, "kv_offloading_size",
+              f"must be a number of GiB >= 0, got {size!r}")
+        available = available_host_bytes()
+        check(size * _GIB <= available, "kv_offloading_size",
+              f"{size:g} GiB asked for, but the host has only {available / _GIB:.2f} GiB available")
+        check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+              f"must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
+        check(self.preemption_mode == "recompute" or size > 0, "preemption_mode",
+              f"{self.preemption_mode!r} swaps to the host KV tier: set kv_offloading_size > 0")
+
+    def resolve_device(self) -> None:
+        """`auto` and plain `cuda` made explicit: cpu, or cuda:N, N the current CUDA device (an
+        index is what torch.cuda.set_device and a KV layout's device id need). Raises
+        InvalidArgument naming device when the GPU asked for is not there."""
+        import torch
+
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cpu":
+            return
+        check(torch.cuda.is_available(), "device", f"{self.device} was asked for but no GPU is visible")
+        if self.device == "cuda":
+            self.device = f"cuda:{torch.cuda.current_device()}"
+        index, count = int(self.device.split(":")[1]), torch.cuda.device_count()
+        check(index < count, "device", f"{self.device} was asked for but {count} GPU(s) are visible")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        for name in kwargs:
+            if name not in known:
+                raise InvalidArgument(name, "is not an engine argument "
+                                            f"(known: {', '.join(sorted(known - {'model'}))})")
+        return cls(model=model, **kwargs)
+
+    def torch_dtype(self, checkpoint_dtype: str | None):
+        """The torch dtype of weights and KV cache (after resolve_device)."""
+        import torch
+
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        if self.device == "cpu":
+            return torch.float32
+        # On a GPU keep a half-precision checkpoint's dtype; float32 checkpoints run in bfloat16.
+        return getattr(torch, checkpoint_dtype) if checkpoint_dtype in ("bfloat16", "float16") else torch.bfloat16
+
+    def resolve_model_len(self, max_position_embeddings: int) -> None:
+        """Called once the checkpoint's config is known."""
+        if self.max_model_len is None:
+            self.max_model_len = min(max_position_embeddings, 8192)
+        check(self.max_model_len <= max_position_embeddings, "max_model_len",
+              f"{self.max_model_len} exceeds the model's max_position_embeddings {max_position_embeddings}")
+        if not self.enable_chunked_prefill:
+            check(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
+                  f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is off, "
+                  f"got {self.max_num_batched_tokens}")

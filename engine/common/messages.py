@@ -1,0 +1,249 @@
+"""The typed messages between an engine's front (which tokenizes, detokenizes and serves) and
+its engine core (which schedules, runs the model and owns the KV cache), as vLLM v1's
+EngineCoreRequest and EngineCoreOutputs. In a server they cross a process boundary, encoded
+with msgspec (array-like structs: no field names on the wire); the offline engine passes the
+same objects within one process.
+
+A front gives each request a `key`, unique among its requests (request ids may be reused once
+a request ended): outputs and events carry the key, never the id, so that a late output of an
+ended request cannot reach a new one under the same id.
+"""
+from __future__ import annotations
+
+import enum
+from typing import ClassVar
+
+import msgspec
+
+from baton.engine.common.errors import InUse, InvalidArgument, NotFound, StartupError
+from baton.engine.common.kv_events import KVEvent
+from baton.engine.common.sampling_params import SamplingParams
+from baton.engine.common.stats import EngineSnapshot, StepEvents
+from baton.kv_transfer.base import KVFormatMismatch, KVHandle, KVLayout, KVUnreachable
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """One position's logprobs: the token's (and its rank, 1 = likeliest) and the top ones'."""
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class AdapterInfo(msgspec.Struct, array_like=True):
+    """A LoRA adapter an engine serves, as fronts and routers see it."""
+    name: str
+    path: str
+    rank: int
+    adapter_id: int  # the core's number for it, never reused
+    hash_root: int  # its block-hash chains start here (engine/lora/adapter.py: adapter_fingerprint)
+
+
+class CoreOptions(msgspec.Struct):
+    """How a front starts its core: what the core process reads first, on its stdin."""
+    engine_id: str  # the NIXL agent's name
+    hold_timeout_s: float
+    record_events: bool  # the front turns them into spans and metrics
+    input_address: str  # the front's PUSH binds here; the core connects
+    output_address: str
+    kv_events: bool = False  # send the KV cache's events with each step (the front publishes them)
+
+
+class CoreRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """A request as a front hands it to its core: validated and tokenized."""
+    key: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float  # time.monotonic(), the same clock in every process of a host
+    priority: int = 0
+    # Outputs generated elsewhere already (a prefill's first token, a failed instance's stream):
+    # recomputed with the prompt, so the rest goes on as one uninterrupted run would.
+    output_token_ids: list[int] = []
+    hold_for_remote: bool = False  # a prefill's: hold its blocks for a decode peer (and give out a KVHandle)
+    remote_kv: KVHandle | None = None  # a decode's: the prompt's KV is at this peer
+    lora_name: str = ""  # its LoRA adapter ("": the base model)
+
+
+class CoreAbort(msgspec.Struct, tag=True, array_like=True):
+    """End these requests wherever they are, and let go of blocks held for a decode peer."""
+    request_ids: list[str]
+
+
+class CoreCall(msgspec.Struct, tag=True, array_like=True):
+    """A Call for the core to run between two steps; answered by a CallResult with its call_id.
+    The call travels encoded, so the core answers one it cannot decode (a front of another
+    version) with an error instead of failing its whole input."""
+    call_id: int
+    call: msgspec.Raw  # one of Call's types, msgpack-encoded
+
+
+class CoreShutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+CoreInput = CoreRequest | CoreAbort | CoreCall | CoreShutdown
+
+
+class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's progress in one step."""
+    key: int
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" once it ended
+    stop_token_id: int | None = None  # the stop token id that ended it (stop strings are the front's)
+    num_cached_tokens: int = 0  # prompt tokens the local prefix cache held
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked for
+    kv_handle: KVHandle | None = None  # a prefill's finished request: where its blocks wait
+    ready_time: float | None = None  # with its first sampled token: when it could run (KV landed, or scheduled)
+
+
+class ErrorKind(enum.Enum):
+    """What went wrong in the core, so the front raises the same exception type."""
+    NOT_FOUND = "not_found"
+    IN_USE = "in_use"
+    INVALID_ARGUMENT = "invalid_argument"
+    KV_FORMAT_MISMATCH = "kv_format_mismatch"
+    STARTUP = "startup"  # the engine cannot start (or its KV cache cannot be read by peers)
+    INTERNAL = "internal"  # anything else: a defect, said in one sentence
+
+
+class CallError(msgspec.Struct, array_like=True):
+    kind: ErrorKind
+    message: str
+    field: str | None = None
+
+
+class CoreFailure(msgspec.Struct, array_like=True):
+    """A request the core could not take (a grammar that does not compile, an adapter unloaded
+    since the front checked it)."""
+    key: int
+    error: CallError
+
+
+class CoreStep(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """What one pass of the core's loop tells its front: one message however many requests."""
+    outputs: list[CoreOutput]
+    time: float  # when this step's tokens were sampled
+    num_waiting: int  # the scheduler's waiting queue after the step
+    num_received: int  # requests received since the core started (the front's sent - received: not yet queued)
+    failures: list[CoreFailure] = []
+    events: StepEvents | None = None  # when the front asked for them (telemetry)
+    kv_events: list[KVEvent] = []  # the KV cache's, since the last CoreStep, when the front asked for them
+
+
+class CallResult(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")
+    error: CallError | None = None
+
+
+class EngineFacts(msgspec.Struct):
+    """What a front needs to know of its core, once it has loaded."""
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    block_size: int
+    num_kv_blocks: int
+    dtype: str  # of the KV cache ("float32", "bfloat16", ...)
+    device: str  # resolved: cpu or cuda:N
+    pid: int  # the core's process (the front's own when in-process)
+    kv_layout: KVLayout | None = None  # where peers read its blocks (services trade it in the KV handshake)
+    enable_lora: bool = False
+    adapters: list[AdapterInfo] = []  # loaded at start (lora_modules)
+
+
+class CoreReady(msgspec.Struct, tag=True, array_like=True):
+    facts: EngineFacts
+
+
+class CoreFailed(msgspec.Struct, tag=True, array_like=True):
+    """The core cannot start, or its loop died: why, in one sentence."""
+    error: CallError
+
+
+CoreMessage = CoreStep | CallResult | CoreReady | CoreFailed
+
+
+class CoreStats(msgspec.Struct):
+    """The engine's load and totals with its KV connector's counters (the internal Admin.Stats)."""
+    snapshot: EngineSnapshot
+    engine_id: str
+    num_expired_holds: int
+    num_blocks_pulled: int
+    num_requests: int  # taken in since start
+
+
+# ---- the calls a front makes between steps: one type each, its result type beside it ----------
+class GetSnapshot(msgspec.Struct, tag=True, array_like=True):
+    """The engine's load and running totals."""
+    result: ClassVar = EngineSnapshot
+
+
+class GetStats(msgspec.Struct, tag=True, array_like=True):
+    """The snapshot with the KV connector's counters (the internal Admin.Stats)."""
+    result: ClassVar = CoreStats
+
+
+class ReleaseHold(msgspec.Struct, tag=True, array_like=True):
+    """Let go of blocks held for a decode that will not come; True when some were held."""
+    request_id: str
+    result: ClassVar = bool
+
+
+class AddPeer(msgspec.Struct, tag=True, array_like=True):
+    """A KV peer's layout (the KV handshake); a KVFormatMismatch names what differs."""
+    layout: KVLayout
+    result: ClassVar = None
+
+
+class GetKVBlockHashes(msgspec.Struct, tag=True, array_like=True):
+    """The hashes of every block the prefix cache holds (tests compare them with KV events)."""
+    result: ClassVar = list[int]
+
+
+class LoadAdapter(msgspec.Struct, tag=True, array_like=True):
+    name: str
+    path: str
+    result: ClassVar = AdapterInfo
+
+
+class UnloadAdapter(msgspec.Struct, tag=True, array_like=True):
+    name: str
+    result: ClassVar = AdapterInfo
+
+
+class ListAdapters(msgspec.Struct, tag=True, array_like=True):
+    result: ClassVar = list[AdapterInfo]
+
+
+Call = GetSnapshot | GetStats | ReleaseHold | AddPeer | GetKVBlockHashes | LoadAdapter | UnloadAdapter | ListAdapters
+
+
+# Core-side exceptions that cross to the front typed (subclasses before their bases).
+_ERROR_KINDS = {ErrorKind.NOT_FOUND: NotFound, ErrorKind.IN_USE: InUse, ErrorKind.INVALID_ARGUMENT: InvalidArgument,
+                ErrorKind.KV_FORMAT_MISMATCH: KVFormatMismatch}
+
+
+class CoreCallFailed(RuntimeError):
+    pass
+
+
+def error_of(e: Exception) -> CallError:
+    """A core-side exception as a typed error the front can raise again (error_from)."""
+    for kind, cls in _ERROR_KINDS.items():
+        if isinstance(e, cls):
+            return CallError(kind, e.reason, e.field)
+    if isinstance(e, (StartupError, KVUnreachable)):
+        return CallError(ErrorKind.STARTUP, str(e))
+    return CallError(ErrorKind.INTERNAL, f"{type(e).__name__}: {e}")
+
+
+def error_from(err: CallError) -> Exception:
+    """The exception a core-side error stands for."""
+    if err.kind in _ERROR_KINDS:
+        return _ERROR_KINDS[err.kind](err.field, err.message)
+    if err.kind is ErrorKind.STARTUP:
+        return StartupError(err.message)
+    return CoreCallFailed(err.message)

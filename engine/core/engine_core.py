@@ -1,0 +1,336 @@
+"""The engine core: the half of an engine that owns the device. Scheduler -> model runner ->
+scheduler, the KV cache, and the KV connector's worker half (its NIXL agent lives with the
+cache). It takes validated, tokenized requests (CoreRequest) and gives token ids back
+(CoreOutput); text, stop strings and every RPC are its front's. In a server it runs in a
+process of its own (core_process.py); the offline engine (llm_engine.py) holds it in-process.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from baton.engine.common.config import EngineConfig, read_config
+from baton.engine.common.messages import (AdapterInfo, CallError, CoreFailure, CoreOutput, CoreRequest, CoreStats,
+                                        EngineFacts, LoadAdapter)
+from baton.engine.common.errors import InvalidArgument, check
+from baton.engine.core.host_kv_tier import HostKVTier
+from baton.engine.core.kv_cache_manager import KVCacheManager
+from baton.engine.common.kv_events import KVEventLog
+from baton.engine.worker.loader import load_model
+from baton.engine.worker.lora.adapter import adapter_bytes
+from baton.engine.worker.lora.layers import LoRASlots
+from baton.engine.worker.lora.registry import LoRARegistry
+from baton.engine.worker.memory import measure_kv_cache_bytes, memory_before_loading
+from baton.engine.worker.model import ModelArgs
+from baton.engine.worker.model_runner import ModelRunner
+from baton.engine.core.request import Request, RequestStatus
+from baton.engine.core.scheduler import Scheduler
+from baton.engine.worker.grammar import Grammars
+from baton.engine.common.stats import EngineSnapshot, EventType, StepEvents
+from baton.engine.common.tokenizer import eos_token_ids
+from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
+
+_CPU_KV_BUDGET = 1 << 30
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Wall time spent, for the benchmark's scheduler share."""
+    steps: int = 0
+    step_s: float = 0.0
+    scheduler_s: float = 0.0  # schedule() + update_from_output()
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig,
+                 kv_connector: tuple[KVConnectorScheduler, KVConnectorWorker] | None = None):
+        """`kv_connector`: the scheduler and worker halves of a KV connector, or None (colocated)."""
+        self.config = config
+        config.resolve_device()
+        args = ModelArgs.from_hf_config(read_config(config.model))
+        config.resolve_model_len(args.max_position_embeddings)
+        self.eos_token_ids = eos_token_ids(config.model)
+        torch.manual_seed(config.seed)
+        on_gpu = config.device.startswith("cuda")
+        free_at_start, total = memory_before_loading(config.device) if on_gpu else (0, 0)
+        dtype = config.torch_dtype(args.torch_dtype)
+        model = load_model(config.model, dtype, config.device)
+        self.loras, lora_slots = self._start_lora(args, model, dtype)
+        if on_gpu and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
+            config.kv_cache_memory_bytes = measure_kv_cache_bytes(model, config, free_at_start, total)
+            if config.enable_lora:  # the device slots fill later: their room is kept now
+                reserve = config.max_loras * adapter_bytes(args, config.max_lora_rank, dtype.itemsize)
+                check(config.kv_cache_memory_bytes > reserve, "max_loras",
+                      f"{config.max_loras} adapters of rank {config.max_lora_rank} need {reserve / 2**30:.2f} GiB, "
+                      f"more than the KV cache's {config.kv_cache_memory_bytes / 2**30:.2f} GiB")
+                config.kv_cache_memory_bytes -= reserve
+        block_bytes = (args.num_layers * 2 * config.block_size * args.num_kv_heads * args.head_dim
+                       * model.embed_tokens.weight.element_size())  # one block: every layer's K and V
+        self.num_kv_blocks = self._num_kv_blocks(block_bytes)
+        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.num_host_blocks = self._num_host_blocks(block_bytes)
+        self.host = (HostKVTier(self.num_host_blocks, self.kv, config.preemption_mode, config.max_num_batched_tokens)
+                     if self.num_host_blocks else None)
+        connector_scheduler, connector_worker = kv_connector or (None, None)
+        self.scheduler = Scheduler(config, self.kv, connector_scheduler, self.host)
+        self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker, lora_slots,
+                                  self.num_host_blocks)
+        self.connector = connector_worker
+        self.vocab_size = args.vocab_size
+        self.grammars = self.runner.grammars = Grammars(config.model, args.vocab_size, self.eos_token_ids)
+        self.awaiting_grammar: list[Request] = []  # WAITING_FOR_FSM: held back until their grammar compiled
+        self.failures: list[CoreFailure] = []  # requests refused after add (a grammar that does not compile)
+        self.times = StepTimes()
+        self.num_taken = 0  # requests taken in since start
+        self._step_tokens: list[int] | None = None  # per step, while events are recorded
+
+    def _start_lora(self, args: ModelArgs, model, dtype) -> tuple[LoRARegistry | None, LoRASlots | None]:
+        """With LoRA on: the adapter registry (lora_modules loaded) and the device slots, the
+        model's projections wrapped to add the step's adapters' deltas."""
+        c = self.config
+        if not c.enable_lora:
+            return None, None
+        registry = LoRARegistry(args, c.max_loras, c.max_lora_rank, c.max_cpu_loras or c.max_loras)
+        for name, path in c.lora_modules.items():
+            try:
+                registry.load(name, path)
+            except InvalidArgument as e:
+                raise InvalidArgument(f"lora_modules.{name}.{e.field}", e.reason) from None
+        slots = LoRASlots(c.max_loras, registry.host_weights, torch.device(c.device), dtype)
+        slots.attach(model)
+        return registry, slots
+
+    def _num_kv_blocks(self, block_bytes: int) -> int:
+        c = self.config
+        if c.num_kv_blocks is None:
+            budget = _CPU_KV_BUDGET if c.kv_cache_memory_bytes is None else c.kv_cache_memory_bytes
+            # Never more than every sequence slot at full length needs (plus prefix-cache slack).
+            most = 2 * c.max_num_seqs * -(-c.max_model_len // c.block_size)
+            c.num_kv_blocks = min(budget // block_bytes, most)
+        check(c.num_kv_blocks * c.block_size >= c.max_model_len, "num_kv_blocks",
+              f"{c.num_kv_blocks} blocks of {c.block_size} tokens cannot hold one request of max_model_len "
+              f"{c.max_model_len}; raise num_kv_blocks (or kv_cache_memory_bytes) or lower max_model_len")
+        return c.num_kv_blocks
+
+    def _num_host_blocks(self, block_bytes: int) -> int:
+        c = self.config
+        num = int(c.kv_offloading_size * (1 << 30)) // block_bytes
+        check(num > 0 or c.kv_offloading_size == 0, "kv_offloading_size",
+              f"{c.kv_offloading_size:g} GiB is less than one KV block ({block_bytes} bytes)")
+        return num
+
+    def facts(self) -> EngineFacts:
+        return EngineFacts(self.config.max_model_len, self.vocab_size, sorted(self.eos_token_ids),
+                           self.config.block_size, self.num_kv_blocks,
+                           str(self.runner.kv_cache.dtype).removeprefix("torch."), self.config.device, os.getpid(),
+                           self.connector.layout if self.connector is not None else None, self.config.enable_lora,
+                           self.list_adapters())
+
+    # ---- events -----------------------------------------------------------------------------
+    def record_events(self) -> None:
+        """From now on keep each request's events (for spans and metrics) until `take_events`."""
+        self.scheduler.events = []
+        self._step_tokens = []
+
+    def take_events(self) -> StepEvents:
+        """The events and step sizes recorded since the last call."""
+        taken = StepEvents(self.scheduler.events, self._step_tokens, self.scheduler.last_step_time)
+        self.scheduler.events, self._step_tokens = [], []
+        return taken
+
+    def record_kv_events(self) -> KVEventLog:
+        """From now on record the KV cache's events (blocks stored, removed): the log to take them from."""
+        self.kv.events = KVEventLog()
+        return self.kv.events
+
+    def kv_block_hashes(self) -> list[int]:
+        """The hashes of the blocks the prefix cache holds now (what its KV events describe)."""
+        return list(self.kv.cached)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add(self, msg: CoreRequest) -> Request:
+        """Queue a request (validated by its front already)."""
+        check(msg.request_id not in self.scheduler.requests, "request_id", f"{msg.request_id!r} is already running")
+        request = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params, self.eos_token_ids,
+                          msg.priority, msg.arrival_time, msg.key)
+        request.hold_for_remote, request.remote_kv = msg.hold_for_remote, msg.remote_kv
+        for token in msg.output_token_ids:
+            request.append_output_token(token)
+        if msg.lora_name:
+            info = self._registry("adapter").get(msg.lora_name, "adapter")
+            request.lora_id, request.hash_root = info.adapter_id, info.hash_root
+        so = msg.sampling_params.structured_output
+        if so is not None:
+            request.grammar = self.grammars.compile(so)
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.awaiting_grammar.append(request)
+        else:
+            self.scheduler.add_request(request)
+        self.num_taken += 1
+        return request
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled go to the scheduler; those whose grammar failed are
+        refused (a CoreFailure naming the field)."""
+        waiting = []
+        for request in self.awaiting_grammar:
+            e = request.grammar.exception() if request.grammar.done() else None
+            if not request.grammar.done():
+                waiting.append(request)
+            elif e is not None:  # Grammars names the field; anything else (the tokenizer) is the constraint's
+                field, reason = (e.field, e.reason) if isinstance(e, InvalidArgument) else ("structured_output", str(e))
+                self.failures.append(CoreFailure(request.key, CallError("invalid_argument", reason, field)))
+            else:
+                request.status = RequestStatus.WAITING
+                self.scheduler.record(request, EventType.GRAMMAR_READY, time.monotonic(),
+                                      detail=request.sampling_params.structured_output.kind)
+                self.scheduler.add_request(request)
+        self.awaiting_grammar = waiting
+
+    def take_failures(self) -> list[CoreFailure]:
+        failures, self.failures = self.failures, []
+        return failures
+
+    def abort(self, request_ids) -> list[CoreOutput]:
+        """End live requests (their last outputs, finish reason "abort"), and let go of blocks
+        that finished ones hold for a decode peer that will not come now."""
+        ids = set(request_ids)
+        dropped = [r for r in self.awaiting_grammar if r.request_id in ids]
+        self.awaiting_grammar = [r for r in self.awaiting_grammar if r.request_id not in ids]
+        for request in dropped:
+            request.status = RequestStatus.FINISHED_ABORTED
+        ended = self.scheduler.finish_requests(request_ids) + dropped
+        for req_id in set(request_ids) - {r.request_id for r in ended}:
+            self.release_hold(req_id)
+        return [CoreOutput(r.key, [], r.status.finish_reason, num_cached_tokens=max(r.num_cached_tokens, 0))
+                for r in ended]
+
+    def release_hold(self, request_id: str) -> bool:
+        """Let go of the blocks a finished prefill request holds for a decode peer; false when it
+        holds none."""
+        held = self.scheduler.held.get(request_id)
+        if held is None or held.kv_handle is None:  # (a decode aborted mid-load holds until it lands)
+            return False
+        self.connector.release(request_id)
+        return True
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    def _registry(self, field: str) -> LoRARegistry:
+        check(self.loras is not None, field, "LoRA is not enabled on this engine (start it with enable_lora)")
+        return self.loras
+
+    def load_adapter(self, msg: LoadAdapter) -> AdapterInfo:
+        return self._registry("lora_name").load(msg.name, msg.path)
+
+    def unload_adapter(self, name: str) -> AdapterInfo:
+        """Forget an adapter; refused (InUse) while requests use it."""
+        loras = self._registry("lora_name")
+        adapter_id = loras.get(name, "lora_name").adapter_id
+        live = list(self.scheduler.requests.values()) + self.awaiting_grammar
+        info = loras.unload(name, sum(1 for r in live if r.lora_id == adapter_id))
+        self.runner.lora.forget(info.adapter_id)
+        return info
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return list(self.loras.adapters.values()) if self.loras is not None else []
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block, in both tiers."""
+        self.kv.reset_prefix_cache()
+        if self.host is not None:
+            self.host.reset_prefix_cache()
+
+    def add_peer(self, layout) -> None:
+        """Learn a KV peer's layout (the KV handshake); raises KVFormatMismatch naming what differs."""
+        self.connector.add_peer(layout)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self.awaiting_grammar) or self.host_copies_pending
+
+    @property
+    def host_copies_pending(self) -> bool:
+        """Copies to or from the host KV tier not settled yet (the loop steps until they are)."""
+        return self.host is not None and self.host.has_pending
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running yet: queued, or waiting for their grammar."""
+        return len(self.scheduler.waiting) + len(self.awaiting_grammar)
+
+    @property
+    def num_held_requests(self) -> int:
+        """Finished requests whose blocks wait for a transfer (the loop keeps stepping)."""
+        return len(self.scheduler.held)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Load and running totals."""
+        sched, kv = self.scheduler, self.kv
+        return EngineSnapshot(
+            num_running=len(sched.running), num_waiting=self.num_waiting,
+            num_waiting_for_kvs=sum(1 for r in sched.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS),
+            num_held_requests=len(sched.held),
+            num_held_blocks=sum(len(kv.req_blocks.get(req_id, ())) for req_id in sched.held),
+            num_kv_blocks=self.num_kv_blocks, num_free_kv_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
+            num_preemptions=sched.num_preemptions, num_failed_loads=sched.num_failed_loads,
+            num_prompt_tokens=sched.num_prompt_tokens, num_prompt_tokens_cached=sched.num_prompt_tokens_cached,
+            num_prompt_tokens_external=sched.num_prompt_tokens_external,
+            num_generation_tokens=sched.num_generation_tokens, **self._host_figures(), **self._lora_figures())
+
+    def _lora_figures(self) -> dict[str, int]:
+        if self.loras is None:
+            return {}
+        return {"num_loras": len(self.loras.adapters), "num_lora_device_loads": self.runner.lora.num_loads,
+                "num_running_loras": len({r.lora_id for r in self.scheduler.running} - {0})}
+
+    def _host_figures(self) -> dict[str, int]:
+        h = self.host
+        if h is None:
+            return {}
+        return {"num_host_kv_blocks": h.num_blocks, "num_empty_host_kv_blocks": h.num_empty_blocks,
+                "num_cached_host_kv_blocks": len(h.cached), "host_kv_cache_hits": h.num_hits,
+                "num_host_kv_stored_blocks": h.num_stored_blocks, "num_host_kv_loaded_blocks": h.num_loaded_blocks,
+                "num_swapped": len(h.swapped), "num_swap_preemptions": h.num_swapped_out,
+                "num_host_hand_offs": h.num_handed_off, "num_free_host_kv_blocks": h.num_free_blocks}
+
+    def stats(self) -> CoreStats:
+        worker = self.connector
+        if worker is None:
+            return CoreStats(self.snapshot(), "", 0, 0, self.num_taken)
+        return CoreStats(self.snapshot(), worker.engine_id, worker.num_expired_holds, worker.num_blocks_pulled,
+                         self.num_taken)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[CoreOutput]:
+        if self.awaiting_grammar:
+            self._admit_compiled()
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        result = self.runner.execute_model(sched)
+        t2 = time.perf_counter()
+        updates = self.scheduler.update_from_output(sched, result)
+        t3 = time.perf_counter()
+        if self._step_tokens is not None and sched.total_num_scheduled_tokens:
+            self._step_tokens.append(sched.total_num_scheduled_tokens)
+        self.times.steps += 1
+        self.times.step_s += t3 - t0
+        self.times.scheduler_s += (t1 - t0) + (t3 - t2)
+        logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
+        outputs = []
+        for u in updates:
+            req = u.request
+            lp = logprobs.get(req.request_id) if logprobs else None
+            first = req.first_token_time == self.scheduler.last_step_time  # its first token sampled here
+            out = CoreOutput(req.key, u.new_token_ids, num_cached_tokens=max(req.num_cached_tokens, 0),
+                             logprobs=None if lp is None else [lp],
+                             prompt_logprobs=prompt_logprobs.get(req.request_id) if prompt_logprobs else None,
+                             ready_time=(req.kv_ready_time or req.scheduled_time) if first else None)
+            if u.finished:
+                out.finish_reason, out.stop_token_id, out.kv_handle = (req.status.finish_reason, req.stop_token_id,
+                                                                       req.kv_handle)
+            outputs.append(out)
+        return outputs

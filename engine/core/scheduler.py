@@ -1,0 +1,391 @@
+"""vLLM v1's token-centric scheduler: every request catches up on `num_tokens - num_computed_tokens`.
+
+A step: (1) running requests get their tokens first, preempting (by recompute, or by swapping
+their blocks to the host KV tier: preemption_mode) when the pool is full; (2) waiting requests
+are admitted (with prefix-cache and remote KV lookups) only when nothing was preempted; (3) one
+plain SchedulerOutput goes to the model runner. After the model runs, `update_from_output`
+appends tokens, applies stop conditions and frees finished requests.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import msgspec
+
+from baton.engine.common.config import EngineConfig
+from baton.engine.core.host_kv_tier import HostKVTier
+from baton.engine.core.kv_cache_manager import KVCacheManager
+from baton.engine.core.request import Request, RequestStatus
+from baton.engine.common.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                                  SchedulerOutput)
+from baton.engine.common.stats import EventType, RequestEvent
+from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler, KVTier
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """One request's progress in one step, for the engine's callers."""
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, connector: KVConnectorScheduler | None = None,
+                 host: HostKVTier | None = None):
+        self.config = config
+        self.kv = kv
+        self.connector = connector
+        self.host = host  # the host KV tier, when kv_offloading_size > 0
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.by_priority = config.scheduling_policy == "priority"
+        self._finished_ids: set[str] = set()  # finished since the last schedule()
+        # Finished, but their blocks wait for a transfer: a remote reader (prefill side), or a
+        # load still landing in them (a decode request aborted in WAITING_FOR_REMOTE_KVS).
+        self.held: dict[str, Request] = {}
+        # Held prefill requests whose blocks are being copied to the host tier (request id -> the
+        # request and the host block ids): their outputs, which carry the handle, wait for the copy.
+        self.handing_off: dict[str, tuple[Request, list[int]]] = {}
+        self.num_failed_loads = 0
+        self.num_preemptions = 0
+        # Prompts of requests that got their first token here, by where their KV came from
+        # (vLLM's prompt_tokens[_by_source]), and tokens sampled.
+        self.num_prompt_tokens = self.num_prompt_tokens_cached = self.num_prompt_tokens_external = 0
+        self.num_generation_tokens = 0
+        self.events: list[RequestEvent] | None = None  # recorded when a list is set (LLMEngine.record_events)
+        self._chunks: list[tuple[Request, int]] = []  # prompt chunks scheduled this step (when recording)
+        self._now = 0.0  # this step's schedule() time
+        self.last_step_time = 0.0  # when the last step's tokens were sampled
+
+    def record(self, request: Request | None, kind: EventType, when: float, **fields) -> None:
+        if self.events is not None and request is not None:
+            self.events.append(RequestEvent(request.request_id, request.key, kind, when, **fields))
+
+    def _live_or_held(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id) or self.held.get(request_id)
+
+    # ---- requests in and out --------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if self.by_priority:  # waiting stays sorted by (priority, arrival)
+            keys = [r.priority_key() for r in self.waiting]
+            self.waiting.insert(bisect.bisect(keys, request.priority_key()), request)
+        elif front:  # behind requests whose blocks are in place (landed loads): they can run, it may not
+            i = 0
+            while i < len(self.waiting) and self.waiting[i].request_id in self.kv.req_blocks:
+                i += 1
+            self.waiting.insert(i, request)
+        else:
+            self.waiting.append(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+        """Abort (or fail) requests wherever they are; returns those that were still live."""
+        done = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            done.append(request)
+        return done
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.status = status
+        request.finished_time = time.monotonic()
+        self._finished_ids.add(request.request_id)
+        del self.requests[request.request_id]
+        hold = was_loading  # freed when the worker reports the load over, not before
+        if not was_loading and self.connector is not None:
+            hold, request.kv_handle = self.connector.request_finished(request, self.kv.block_ids(request.request_id))
+        if hold:
+            self.held[request.request_id] = request
+            if self.host is not None and request.kv_handle is not None and self._device_short():
+                host_ids = self.host.hand_off(request, len(request.kv_handle.block_ids))
+                if host_ids is not None:
+                    self.handing_off[request.request_id] = (request, host_ids)
+        else:
+            self._free(request)
+        if self.events is not None:
+            self.record(request, EventType.FINISHED, request.finished_time, stats=request.stats())
+
+    def _device_short(self) -> bool:
+        """Whether the device pool lacks the blocks that the requests here still need for their
+        tokens: blocks held for a decode peer would then keep prompts waiting."""
+        need, free, size = 0, self.kv.num_free_blocks, self.kv.block_size
+        for r in itertools.chain(self.running, self.waiting):
+            need += -(-r.num_tokens // size) - len(self.kv.req_blocks.get(r.request_id, ()))
+            if need > free:
+                return True
+        return False
+
+    def _handed_off(self, req_id: str) -> RequestUpdate:
+        """A held request's blocks landed on the host tier: its device blocks go, and its output
+        (held back until now) carries a handle naming the host's."""
+        request, host_ids = self.handing_off.pop(req_id)
+        if self.held.get(req_id) is request:
+            self.kv.free(request)
+            request.kv_handle = msgspec.structs.replace(request.kv_handle, block_ids=host_ids, tier=KVTier.HOST)
+        else:  # let go meanwhile (its caller left): nothing to pull, and its blocks were freed
+            request.kv_handle = None
+        return RequestUpdate(request, [request.output_token_ids[-1]], True)
+
+    def _free(self, request: Request) -> None:
+        if self.host is not None:  # its cached blocks written back, host blocks it owns (swapped, or held) let go
+            self.host.store_freed(request)
+            self.host.release_owned(request)
+        self.kv.free(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = set()
+        self._now = time.monotonic()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_req_ids:
+            budget = self._schedule_waiting(out, budget)
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        chunks = self._chunks if self.events is not None else None
+        for req_id, n in out.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if chunks is not None and request.num_computed_tokens < request.num_prompt_tokens:
+                chunks.append((request, n))
+            request.num_computed_tokens += n
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        if self.host is not None:
+            out.host_kv_ops = self.host.build_ops()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled: list[CachedRequestData] = out.scheduled_cached_reqs
+        threshold, allocate = self.config.long_prefill_token_threshold, self.kv.allocate_slots  # hot loop
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget, threshold or budget)
+            while (new_blocks := allocate(request, n)) is None:
+                victim = self._preempt_one(out)
+                if victim is request:
+                    break
+                if victim.request_id in out.num_scheduled_tokens:  # priority policy: undo its turn
+                    budget += out.num_scheduled_tokens.pop(victim.request_id)
+                    scheduled[:] = [c for c in scheduled if c.req_id != victim.request_id]
+                    i -= 1
+            if new_blocks is None:
+                break
+            scheduled.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
+                                               request.num_computed_tokens))
+            out.num_scheduled_tokens[request.request_id] = n
+            budget -= n
+            i += 1
+        return budget
+
+    def _preempt_one(self, out: SchedulerOutput) -> Request:
+        """Free the victim's blocks (swapped to the host tier first, as preemption_mode says) and
+        send it back to waiting, to recompute or load them."""
+        if self.by_priority:
+            victim = max(self.running, key=Request.priority_key)
+            self.running.remove(victim)
+        else:
+            victim = self.running.pop()
+        if self.host is not None:
+            self.host.preempt(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.record(victim, EventType.PREEMPTED, self._now)
+        out.preempted_req_ids.add(victim.request_id)
+        self._enqueue(victim, front=True)
+        return victim
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        skipped: list[Request] = []
+        # LoRA: at most max_loras distinct adapters run at once; a request whose adapter would
+        # exceed it waits, the others pass it (vLLM's rule).
+        loras = {r.lora_id for r in self.running if r.lora_id} if self.config.enable_lora else None
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:  # its load is still under way
+                skipped.append(self.waiting.popleft())
+                continue
+            if (loras is not None and request.lora_id and request.lora_id not in loras
+                    and len(loras) >= self.config.max_loras):
+                skipped.append(self.waiting.popleft())
+                continue
+            computed, num_external, load_async = self._lookup(request)
+            num_computed = request.num_computed_tokens + len(computed) * self.kv.block_size + num_external
+            n = 0 if load_async else min(request.num_tokens - num_computed, budget,
+                                         self.config.long_prefill_token_threshold or budget)
+            # A host-tier load reserves the rest of the request too: once its blocks landed it can
+            # run, never holding blocks while it waits for more (two such would deadlock).
+            from_host = self.host is not None and self.host.has_match(request)
+            if from_host and load_async:
+                n = request.num_tokens - num_computed
+            elif not self.config.enable_chunked_prefill and num_computed + n < request.num_tokens:
+                break  # a prompt that does not fit whole waits for a step with room
+            if self.kv.allocate_slots(request, n + num_external, computed, cache=not load_async) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_computed
+            block_ids = self.kv.block_ids(request.request_id)
+            if from_host:  # the host tier is a local cache: its tokens count as cached, not external
+                self.host.load_after_alloc(request, block_ids, len(computed))
+                num_external = 0
+            elif self.connector is not None:
+                self.connector.update_state_after_alloc(request, block_ids, num_external)
+            if request.num_cached_tokens < 0:  # local prefix-cache hits at first admission
+                request.num_cached_tokens = num_computed - num_external
+                request.num_external_tokens = num_external
+            if load_async:
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.record(request, EventType.KV_WAIT, self._now)
+                skipped.append(request)
+                continue
+            request.status = RequestStatus.RUNNING
+            if loras is not None and request.lora_id:
+                loras.add(request.lora_id)
+            if request.scheduled_time is None:
+                request.scheduled_time = self._now
+            self.record(request, EventType.SCHEDULED, self._now, num_tokens=num_computed)
+            self.running.append(request)
+            out.scheduled_new_reqs.append(NewRequestData(
+                request.request_id, list(request.all_token_ids), self.kv.block_ids(request.request_id),
+                num_computed, request.sampling_params, request.num_prompt_tokens, request.lora_id))
+            out.num_scheduled_tokens[request.request_id] = n
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _lookup(self, request: Request):
+        """Prefix-cache hits and remote tokens for a request being admitted."""
+        if request.request_id in self.kv.req_blocks:  # its blocks came with a remote load
+            return [], 0, False
+        if self.host is not None and request.request_id in self.host.swapped:  # swapped out: load them back
+            if num_host := self.host.match(request, 0):
+                return [], num_host, False  # copied back before this step's forward: it runs now
+            self.host.release_owned(request)  # nothing worth loading: computed again
+        # A request that wants its prompt's logprobs computes every prompt token (vLLM does so too).
+        wants_logprobs = request.sampling_params.prompt_logprobs is not None
+        computed, num_local = self.kv.get_computed_blocks(request) if not wants_logprobs else ([], 0)
+        if self.connector is not None:
+            num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+            if num_external or request.remote_kv is not None:  # a peer's KV is pulled, not the host's
+                return computed, num_external, load_async
+        if self.host is not None and not wants_logprobs:
+            num_host = self.host.match(request, len(computed))
+            return computed, num_host, num_host > 0
+        return computed, 0, False
+
+    # ---- after the model ran ----------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+        updates = []
+        now = self.last_step_time = time.monotonic()
+        for request, n in self._chunks:
+            self.record(request, EventType.PREFILL_CHUNK, now, num_tokens=n)
+        self._chunks.clear()
+        for req_id, token_id in result.sampled_token_ids.items():
+            request = self.requests.get(req_id)
+            if request is None:  # aborted while the step ran
+                continue
+            request.append_output_token(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self.num_prompt_tokens += request.num_prompt_tokens
+                self.num_prompt_tokens_cached += request.num_cached_tokens
+                self.num_prompt_tokens_external += request.num_external_tokens
+            request.last_token_time = now
+            self.num_generation_tokens += 1
+            status = self._stop_status(request, token_id)
+            if status is None and req_id in result.grammar_ended:  # ignore_eos cannot go past the grammar's end
+                status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                if req_id in self.handing_off:  # its output goes out with the handle, once the copy landed
+                    continue
+            updates.append(RequestUpdate(request, [token_id], status is not None))
+        if result.kv_connector_output is not None:
+            self._update_from_connector(result.kv_connector_output)
+        if self.host is not None and result.host_kv_finished:
+            loaded, handed_off = self.host.finished(result.host_kv_finished)
+            for req_id in loaded:
+                self._host_loaded(req_id)
+            updates += map(self._handed_off, handed_off)
+        return updates
+
+    def _host_loaded(self, req_id: str) -> None:
+        """A request's blocks came back from the host tier: it may run (or, aborted meanwhile, free them)."""
+        request = self.requests.get(req_id)
+        if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            request.status = RequestStatus.WAITING
+            self.host.release_owned(request)
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            # First in line: it holds every block it needs now, and a request ahead of it that
+            # waits for blocks must not wait on these.
+            self.waiting.remove(request)
+            self.waiting.appendleft(request)
+        elif (held := self.held.pop(req_id, None)) is not None:
+            self._free(held)
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params, n = request.sampling_params, request.num_output_tokens
+        if n > params.min_tokens:  # the first min_tokens outputs cannot stop (the runner masks them too)
+            if token_id in request.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_token_id = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if n >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _update_from_connector(self, kv_out: KVConnectorOutput) -> None:
+        for transfer in kv_out.transfers_started:
+            self.record(self._live_or_held(transfer.request_id), EventType.KV_LOAD_START, transfer.start_time,
+                         transfer=transfer)
+        for req_id in kv_out.finished_recving:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            request.remote_kv = None  # loaded or failed: never pulled twice
+            request.kv_ready_time = self.last_step_time
+            blocks = self.kv.block_ids(req_id)
+            bad = next((i for i, b in enumerate(blocks) if b in kv_out.invalid_block_ids), None)
+            if bad is not None:  # recompute from the last valid block (vLLM: _handle_invalid_blocks)
+                request.num_computed_tokens = min(request.num_computed_tokens, bad * self.kv.block_size)
+                request.num_external_tokens = max(0, request.num_computed_tokens - request.num_cached_tokens)
+                self.num_failed_loads += 1
+                if req_id in kv_out.transfers_ended:
+                    kv_out.transfers_ended[req_id].recompute_from_block = bad
+            request.status = RequestStatus.WAITING
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+        for req_id, transfer in kv_out.transfers_ended.items():
+            r = self._live_or_held(req_id)
+            recompute = r.num_prompt_tokens - max(r.num_cached_tokens, 0) - r.num_external_tokens if r else 0
+            self.record(r, EventType.KV_LOAD_END, transfer.end_time, transfer=transfer, num_tokens=recompute)
+        for end in kv_out.holds_ended:
+            self.record(self.held.get(end.request_id), EventType.HOLD_END, end.time, detail=end.outcome.value)
+        for req_id in kv_out.finished_sending | kv_out.finished_recving:
+            request = self.held.pop(req_id, None)
+            if request is not None:
+                self._free(request)

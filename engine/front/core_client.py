@@ -1,0 +1,327 @@
+"""A front's handle on its engine core process, from asyncio: requests go out as they come,
+each step's outputs come back as one message, are detokenized here (the output processor) and
+fanned out to per-request streams. The front never waits on a step, and the core never
+detokenizes or encodes an RPC.
+
+The core process is a fresh interpreter (`python -m baton.engine.core.process`: nothing of
+the front's threads, sockets or main module is inherited), watched through a pidfd: when it
+exits, every stream fails with EngineDead at once, pending
+calls too, and `on_dead` tells the server (which reports NOT_SERVING and exits, so that its
+supervisor restarts the pair). The core dies with the front (core_process.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from baton.engine.common.config import EngineConfig
+from baton.engine.common.messages import (Call, CallResult, CoreAbort, CoreOptions, CoreCall, CoreFailed, CoreMessage,
+                                        CoreReady, CoreRequest, CoreShutdown, CoreStep, EngineFacts, error_from)
+from baton.engine.common.errors import StartupError
+from baton.engine.front.input_processor import InputProcessor
+from baton.engine.common.kv_events import KVEvent
+from baton.engine.front.output_processor import OutputProcessor, StepOutput
+from baton.engine.common.stats import StepEvents
+from baton.engine.common.tokenizer import load_tokenizer
+
+log = logging.getLogger("baton.engine")
+_STOP_WAIT_S = 10.0  # a core told to stop gets this long before it is killed
+
+
+class EngineDead(RuntimeError):
+    """The engine core is gone (it died, or the server stops): the request cannot go on here."""
+
+
+class DuplicateRequest(KeyError):
+    pass
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+def merge_queued(out: StepOutput | BaseException, outputs: asyncio.Queue) -> StepOutput:
+    """When the caller fell behind the engine (a slow client, a busy event loop), fold
+    everything queued into one output: one message per read instead of one per step, as
+    vLLM's output collector does."""
+    if isinstance(out, BaseException):
+        raise out
+    while not out.finished and not outputs.empty():
+        more = outputs.get_nowait()
+        if isinstance(more, BaseException):
+            raise more
+        out = dataclasses.replace(more, new_token_ids=out.new_token_ids + more.new_token_ids,
+                                  text=out.text + more.text,
+                                  prompt_logprobs=out.prompt_logprobs or more.prompt_logprobs,
+                                  logprobs=None if out.logprobs is None and more.logprobs is None
+                                  else (out.logprobs or []) + (more.logprobs or []),
+                                  ready_time=out.ready_time or more.ready_time)
+    return out
+
+
+class CoreClient:
+    def __init__(self, config: EngineConfig, engine_id: str, hold_timeout_s: float,
+                 max_waiting_requests: int | None = None, on_dead: Callable[[BaseException], None] | None = None,
+                 on_step: Callable[[StepEvents, list[StepOutput]], None] | None = None,
+                 on_kv_events: Callable[[list[KVEvent]], None] | None = None):
+        """`engine_id`: the core's NIXL agent name. `on_step`: given each step's request events and
+        outputs, before the outputs reach their streams (telemetry); without it the core records
+        no events. `on_kv_events`: given the KV cache's events (kv_events.py) in the order they
+        happened, from the core's start on; without it the core records none."""
+        self.config = config
+        self.engine_id = engine_id
+        self.hold_timeout_s = hold_timeout_s
+        self.max_waiting_requests = max_waiting_requests
+        self.on_dead = on_dead
+        self.on_step = on_step
+        self.on_kv_events = on_kv_events
+        self.facts: EngineFacts | None = None
+        self.tokenizer = None  # the front's own, loaded while the core loads
+        self.inputs: InputProcessor | None = None
+        self.outputs: OutputProcessor | None = None
+        self.num_requests = 0  # admitted since start
+        self._streams: dict[int, asyncio.Queue] = {}  # request key -> its outputs
+        self._live: dict[str, int] = {}  # request id -> key, while its stream is open
+        self._calls: dict[int, tuple[asyncio.Future, object]] = {}  # id -> (its future, its result type)
+        self._call_ids = itertools.count()
+        self._num_sent = 0  # requests sent to the core
+        self._num_received = 0  # ... that it said it received (as of its last step)
+        self._core_waiting = 0
+        self._dead: EngineDead | None = None
+        self._failure: str | None = None  # what the core said before it went, if anything
+        self._stopping = False
+        self._proc = None
+        self._receiver: asyncio.Task | None = None
+        self._exited: asyncio.Future | None = None
+        self._ctx = zmq.asyncio.Context()
+        name = f"baton-core-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # abstract namespace: no file to clean up
+        self._addresses = (f"ipc://@{name}-in", f"ipc://@{name}-out")
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(self._addresses[0])
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(self._addresses[1])
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreMessage)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    async def start(self) -> EngineFacts:
+        """Start the core and wait until it has loaded; raises InvalidArgument or StartupError (in
+        one sentence) when it cannot start."""
+        loop = asyncio.get_running_loop()
+        options = CoreOptions(self.engine_id, self.hold_timeout_s, self.on_step is not None, *self._addresses,
+                              kv_events=self.on_kv_events is not None)
+        self._proc = subprocess.Popen([sys.executable, "-m", "baton.engine.core.process"], stdin=subprocess.PIPE)
+        self._proc.stdin.write(pickle.dumps((self.config, options, os.getpid())))
+        self._proc.stdin.close()
+        self._exited = loop.create_future()
+        self._pidfd = os.pidfd_open(self._proc.pid)  # readable once it exits
+        loop.add_reader(self._pidfd, self._on_exit)
+        first = asyncio.ensure_future(self._pull.recv(copy=False))
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
+        self.outputs = OutputProcessor(self.tokenizer)
+        await asyncio.wait([first, self._exited], return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            first.cancel()
+            raise StartupError(f"the engine core exited with status {self._proc.returncode} while loading "
+                               "(see its log)")
+        msg = self._decoder.decode(first.result().buffer)
+        if isinstance(msg, CoreFailed):
+            raise error_from(msg.error)
+        assert isinstance(msg, CoreReady), msg
+        self.facts = msg.facts
+        self.inputs = InputProcessor(self.tokenizer, self.facts)
+        self._receiver = asyncio.ensure_future(self._receive())
+        return self.facts
+
+    def _on_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._proc.wait()  # reaped: no zombie
+        if not self._exited.done():
+            self._exited.set_result(self._proc.returncode)
+        if self.facts is not None and not self._stopping:
+            asyncio.ensure_future(self._died())
+
+    async def _died(self) -> None:
+        """Read what the core sent before it went, then fail everything that waits on it."""
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+        while await self._pull.poll(timeout=0):
+            self._dispatch(self._decoder.decode((await self._pull.recv(copy=False)).buffer))
+        why = f": {self._failure}" if self._failure else ""
+        log.error("the engine core (pid %s) exited with status %s%s", self._proc.pid, self._proc.returncode, why)
+        self._fail_all(EngineDead(f"the engine core exited with status {self._proc.returncode}{why}"))
+        if self.on_dead is not None:
+            self.on_dead(self._dead)
+
+    def _fail_all(self, error: EngineDead) -> None:
+        self._dead = error
+        for stream in self._streams.values():
+            stream.put_nowait(error)
+        for future, _ in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+
+    async def stop(self) -> None:
+        """Stop the core (it ends its requests where they are) and close the sockets."""
+        self._stopping = True
+        if self._proc is not None and self._proc.returncode is None:
+            self._send(CoreShutdown())
+            try:
+                await asyncio.wait_for(asyncio.shield(self._exited), _STOP_WAIT_S)
+            except TimeoutError:
+                log.warning("the engine core did not stop within %gs; killing it", _STOP_WAIT_S)
+                self._proc.kill()
+                await self._exited
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+        if self._dead is None:
+            self._fail_all(EngineDead("the server stopped"))
+        self._push.close()
+        self._pull.close()
+        self._ctx.term()
+
+    # ---- requests -----------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to run: the core's queue, and those on their way to it."""
+        return self._core_waiting + self._num_sent - self._num_received
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def _send(self, msg) -> None:
+        self._push.send(self._encoder.encode(msg), copy=False)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self.facts is None:
+            raise EngineDead("the engine core is not running")
+
+    async def generate(self, request: CoreRequest, detokenize: bool = True,
+                       min_tokens: int | None = None) -> AsyncIterator[StepOutput]:
+        """Run a request made by `inputs.make_request`; yields its outputs as steps produce them.
+        Leaving the iteration early (cancellation included) aborts it in the core.
+        `min_tokens`: OutputProcessor.add's."""
+        self._check_alive()
+        if request.request_id in self._live:
+            raise DuplicateRequest(request.request_id)
+        bound = self.max_waiting_requests
+        if bound is not None and self.num_waiting >= bound:
+            raise QueueFull(f"{self.num_waiting} requests are waiting, the bound (max_waiting_requests) is {bound}")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request.key] = stream
+        self._live[request.request_id] = request.key
+        self.outputs.add(request, detokenize, min_tokens)
+        self._send(request)
+        self._num_sent += 1
+        self.num_requests += 1
+        finished = False
+        try:
+            while not finished:
+                out = merge_queued(await stream.get(), stream)
+                finished = out.finished
+                yield out
+        finally:
+            del self._streams[request.key]
+            if self._live.get(request.request_id) == request.key:
+                del self._live[request.request_id]
+            if not finished:
+                self.outputs.drop(request.key)
+                if self._dead is None:  # sent before any later request under this id: the core sees it first
+                    self._send(CoreAbort([request.request_id]))
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests by id (the Abort API): each stream gets a last output, finish reason
+        "abort"; ids the core does not run are ignored (a held prefill's blocks are let go)."""
+        self._check_alive()
+        self._send(CoreAbort(list(request_ids)))
+
+    async def call(self, call: Call):
+        """Run a call in the core between two steps: its result (of the type `call.result`
+        names), or its error raised."""
+        self._check_alive()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = (future, type(call).result)
+        self._send(CoreCall(call_id, msgspec.Raw(msgspec.msgpack.encode(call))))
+        try:
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
+    # ---- what the core sends ------------------------------------------------------------------
+    async def _receive(self) -> None:
+        while True:
+            frame = await self._pull.recv(copy=False)
+            try:
+                self._dispatch(self._decoder.decode(frame.buffer))
+            except Exception:  # one bad message must not stop every stream
+                log.exception("a message from the engine core could not be handled")
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, CoreStep):
+            self._on_step(msg)
+        elif isinstance(msg, CallResult):
+            self._on_result(msg)
+        elif isinstance(msg, CoreFailed):
+            self._failure = msg.error.message
+
+    def _on_step(self, msg: CoreStep) -> None:
+        self._core_waiting, self._num_received = msg.num_waiting, msg.num_received
+        if msg.kv_events:  # (only sent to a client with on_kv_events)
+            try:
+                self.on_kv_events(msg.kv_events)
+            except Exception:  # publishing must never cost a request
+                log.exception("the KV cache's events could not be published")
+        outputs, stopped = self.outputs.process(msg.outputs, msg.time)
+        if stopped:  # ended here by a stop string: the core still runs them (or holds their blocks)
+            self._send(CoreAbort(stopped))
+        if self.on_step is not None and msg.events is not None:
+            try:
+                self.on_step(msg.events, outputs)
+            except Exception:  # telemetry must never cost a request
+                log.exception("telemetry failed on a step's events")
+        for failure in msg.failures:
+            stream = self._streams.get(failure.key)
+            if stream is not None:
+                self.outputs.drop(failure.key)
+                stream.put_nowait(error_from(failure.error))
+        for out in outputs:
+            stream = self._streams.get(out.key)
+            if stream is not None:  # else the caller left already; its abort is on its way
+                stream.put_nowait(out)
+
+    def _on_result(self, msg: CallResult) -> None:
+        entry = self._calls.get(msg.call_id)
+        if entry is None or entry[0].done():  # its caller was cancelled
+            return
+        future, result_type = entry
+        if msg.error is not None:
+            future.set_exception(error_from(msg.error))
+            return
+        future.set_result(msgspec.msgpack.decode(msg.result, type=result_type))

@@ -1,0 +1,99 @@
+"""A front's second half: an engine core's token outputs turned into what callers stream. Text
+is detokenized incrementally and cut at the first stop string; a request a stop string ends
+is finished here and aborted in the core, as vLLM v1's output processor does (the core may
+run it a step or two more meanwhile: those tokens are dropped). Torch-free, like the input
+processor."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton.engine.common.messages import CoreOutput, CoreRequest, TokenLogprobs
+from baton.engine.front.detokenizer import TextStream
+from baton.kv_transfer.base import KVHandle
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One request's progress in one step, as callers see it."""
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # the text that became complete this step
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    kv_handle: KVHandle | None = None  # when a prefill's request finished: where its blocks wait
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
+    prompt_logprobs: list | None = None  # with the first token, when asked for: None, then one per prompt token
+    stop_reason: str | int | None = None  # when finished by a stop string or stop token id
+    key: int = 0  # the request's key (CoreRequest.key)
+    time: float = 0.0  # when the step sampled these tokens (time.monotonic())
+    ready_time: float | None = None  # with a request's first sampled token: when it could run
+
+
+class _Tracked:
+    __slots__ = ("request_id", "num_prompt_tokens", "num_output_tokens", "min_tokens", "stream", "hands_over")
+
+    def __init__(self, request: CoreRequest, stream: TextStream | None, min_tokens: int):
+        self.request_id = request.request_id
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_output_tokens = len(request.output_token_ids)
+        self.min_tokens = min_tokens
+        self.stream = stream
+        # A prefill's request ends at its first token and goes on at a decode: its text is not final.
+        self.hands_over = request.hold_for_remote
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[int, _Tracked] = {}  # by key
+
+    def add(self, request: CoreRequest, detokenize: bool = True, min_tokens: int | None = None) -> None:
+        """Track a request sent to the core. `min_tokens`: the request's own, where the core was
+        given less (a prefill runs one token); no stop string ends it before that many."""
+        p = request.sampling_params
+        stream = None
+        if detokenize or p.stop:
+            stream = TextStream(self.tokenizer, request.prompt_token_ids, p.stop, p.include_stop_str_in_output,
+                                p.skip_special_tokens)
+            # Outputs sampled elsewhere (a prefill peer, a failed instance) and sent already: replayed
+            # silently, a token at a time as they were streamed there (the detokenizer holds back
+            # partial characters, so chunking changes what it has emitted). No stop string ended
+            # the request there, so none is looked for: an earlier one, before min_tokens, must not
+            # drop the text held back at the end.
+            for token in request.output_token_ids:
+                stream.push([token], look_for_stops=False)
+        self.requests[request.key] = _Tracked(request, stream, p.min_tokens if min_tokens is None else min_tokens)
+
+    def drop(self, key: int) -> None:
+        """Forget a request whose caller left."""
+        self.requests.pop(key, None)
+
+    def process(self, outputs: list[CoreOutput], step_time: float) -> tuple[list[StepOutput], list[str]]:
+        """The step's outputs for callers, and the ids of requests a stop string ended that the
+        core must abort (it still runs them, or holds their blocks for a decode peer)."""
+        steps, stopped = [], []
+        for out in outputs:
+            tracked = self.requests.get(out.key)
+            if tracked is None:  # its caller left, or a stop string ended it a step ago
+                continue
+            tracked.num_output_tokens += len(out.new_token_ids)
+            finish, stop_reason, handle = out.finish_reason, out.stop_token_id, out.kv_handle
+            text = ""
+            if tracked.stream is not None:
+                final = finish is not None and not (tracked.hands_over and finish == "length")
+                text, stop = tracked.stream.push(out.new_token_ids, final,
+                                                 tracked.num_output_tokens >= tracked.min_tokens)
+                if stop is not None:
+                    if finish is None or handle is not None:
+                        stopped.append(tracked.request_id)
+                    finish, stop_reason, handle = "stop", stop, None
+            if finish is not None:
+                del self.requests[out.key]
+            steps.append(StepOutput(tracked.request_id, out.new_token_ids, text, finish is not None, finish,
+                                    tracked.num_prompt_tokens, tracked.num_output_tokens, out.num_cached_tokens,
+                                    handle, out.logprobs, out.prompt_logprobs, stop_reason, out.key, step_time,
+                                    out.ready_time))
+        return steps, stopped

@@ -1,0 +1,1 @@
+"""The offline engine: `LLM`, with front, core and worker in one process (no IPC)."""

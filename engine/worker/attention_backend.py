@@ -1,0 +1,37 @@
+"""Which attention kernel family runs an engine's cache: the worker's choice, from what the
+kernels (kernels/) can run here."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+from baton.engine.common.errors import check
+from baton.kernels import cpu_kernels
+
+log = logging.getLogger(__name__)
+
+
+def choose_backend(asked: str, dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> str:
+    """The attention backend for a cache: "cpu" (the C++ kernel), "triton" or "torch" (the
+    reference). "auto": the C++ kernel on CPU where it builds and fits the model, Triton on
+    CUDA where it is installed, else the reference. An explicit choice that cannot run here is
+    an error naming attention_backend."""
+    if asked == "cpu" or (asked == "auto" and device.type == "cpu"):
+        if cpu_kernels.supports(dtype, device, num_heads, num_kv_heads, head_dim):
+            return "cpu"
+        check(asked == "auto", "attention_backend", f"the CPU kernel cannot run {dtype} on {device} with "
+              f"{num_heads} query / {num_kv_heads} KV heads of {head_dim} (or it did not build; see the log)")
+        return "torch"
+    if asked in ("triton", "auto"):
+        if importlib.util.find_spec("triton") is None:
+            check(asked == "auto", "attention_backend", "triton is not installed")
+            log.warning("triton is not installed: attention on %s uses the PyTorch reference", device)
+            return "torch"
+        check(device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1", "attention_backend",
+              f"triton runs on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1); the device is {device}")
+        return "triton"
+    return "torch"

@@ -1,0 +1,121 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors, sharded or not)."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from baton.engine.common.config import read_config
+from baton.engine.common.errors import InvalidArgument
+from baton.engine.worker.model import CausalLM, ModelArgs
+
+# checkpoint name -> (our parameter, index of the slice in a merged projection)
+_MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def _safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, s) for s in shards]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise InvalidArgument("model", f"{model_dir!r} has no model.safetensors or model.safetensors.index.json")
+
+
+def checkpoint_fingerprint(model_dir: str) -> str:
+    """A short digest of a checkpoint's contents: its config.json, and each weight file's size
+    and ranges spread over it. The same checkpoint gives the same digest wherever it is
+    mounted; fine-tunes of one base (equal configs and shapes) differ in their weights."""
+    return files_fingerprint(os.path.join(model_dir, "config.json"), _safetensors_files(model_dir))
+
+
+def files_fingerprint(config_path: str, weight_paths: list[str], samples: int = 8, sample_bytes: int = 1 << 16) -> str:
+    """A digest of a config file (whole) and weight files (each one's size and `samples` ranges
+    spread over it): under a MiB read per file, milliseconds however large the weights."""
+    digest = hashlib.sha256()
+    with open(config_path, "rb") as f:
+        digest.update(f.read())
+    for path in weight_paths:
+        size = os.path.getsize(path)
+        digest.update(size.to_bytes(8, "little"))
+        with open(path, "rb") as f:
+            for i in range(samples):
+                f.seek(size * i // samples)
+                digest.update(f.read(sample_bytes))
+    return digest.hexdigest()[:32]
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
+    args = ModelArgs.from_hf_config(read_config(model_dir))
+    # Allocated in place, in the target dtype, and left uninitialized (see model.Linear): the
+    # checkpoint fills it. Built in float32 and cast, a bf16 model would peak at three times
+    # its size. (The meta device + to_empty would make torch import sympy: seconds of start-up.)
+    with torch.device(device), _default_dtype(dtype):
+        model = CausalLM(args)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for path in _safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if "rotary_emb" in name:
+                    continue
+                target, rows = _target(model, params, name)
+                if target is None:
+                    raise InvalidArgument("model", f"unexpected weight {name!r} in {os.path.basename(path)}")
+                tensor = f.get_tensor(name)
+                with torch.no_grad():
+                    (params[target] if rows is None else params[target][rows]).copy_(tensor)
+                loaded.add(name)
+    _check_complete(model, args, loaded)
+    model.eval()
+    return model
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _target(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice | None]:
+    """Map a checkpoint tensor name to our parameter name and row slice."""
+    key = name.removeprefix("model.")
+    parts = key.split(".")
+    if len(parts) >= 2 and parts[-2] in _MERGED:
+        merged, index = _MERGED[parts[-2]]
+        prefix = ".".join(parts[:-2])
+        module = model.get_submodule(prefix)
+        if merged == "qkv_proj":
+            sizes = [module.q_size, module.kv_size, module.kv_size]
+        else:
+            sizes = [model.args.intermediate_size] * 2
+        start = sum(sizes[:index])
+        return f"{prefix}.{merged}.{parts[-1]}", slice(start, start + sizes[index])
+    if key in params:
+        return key, None
+    return None, None
+
+
+def _check_complete(model: CausalLM, args: ModelArgs, loaded: set[str]) -> None:
+    have = {n.removeprefix("model.") for n in loaded}
+    if "lm_head.weight" not in have and not args.tie_word_embeddings:
+        raise InvalidArgument("model", "checkpoint has no lm_head.weight and does not tie embeddings")
+    for i in range(args.num_layers):
+        for part in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                     "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+            if f"layers.{i}.{part}" not in have:
+                raise InvalidArgument("model", f"checkpoint lacks weight layers.{i}.{part}")

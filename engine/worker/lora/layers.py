@@ -1,0 +1,121 @@
+"""Batched LoRA in the forward pass: requests of different adapters and of the base model
+share one step. Each merged projection of the model is wrapped: it runs the base matmul over
+all rows, then, per adapter present in the step, one shrink (x @ A) and one expand (@ B)
+matmul over that adapter's rows, added in place (SGMV's segmentation, done with torch ops).
+
+The runner orders rows by adapter (within decodes, and within prompt chunks), so each adapter's
+rows are at most two ranges of the batch, taken as views; the PyTorch reference attention keeps
+its own order (longest context first), and there scattered rows are gathered by index.
+
+Why per adapter and not per row (BGMV's gather of each row's A and B): on a CPU the gather
+copies in*rank + rank*out values per row per projection, more memory traffic than the base
+matmul's compute at small models; per-adapter matmuls read each adapter's weights once per
+step. The rows are never split into forward passes: attention, norms and the base
+projections run once over the whole batch.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from baton.engine.worker.lora.adapter import PROJECTIONS, LoRAWeights
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """The step's adapters: each one's rows, as ranges of the batch (the runner puts an adapter's
+    rows together) or as an index tensor where they are scattered, and its weights."""
+    groups: list[tuple[list[tuple[int, int]] | torch.Tensor, LoRAWeights]] = field(default_factory=list)
+
+
+_MAX_RANGES = 2  # an adapter's decode rows and its prompt rows; more scattered ranges: one gather instead
+
+
+class LoRALinear(nn.Module):
+    """A projection plus the deltas of the step's adapters."""
+
+    def __init__(self, base: nn.Linear, layer: int, name: str, state: LoRASlots):
+        super().__init__()
+        self.base, self.layer, self.name, self.state = base, layer, name, state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        batch = self.state.batch
+        if batch is None:
+            return y
+        for rows, weights in batch.groups:
+            ab = weights.layers[self.layer].get(self.name)
+            if ab is None:  # this adapter leaves this projection alone
+                continue
+            a, b = ab
+            if isinstance(rows, list):  # views: no copy in or out
+                for start, end in rows:
+                    y[start:end].addmm_(x[start:end] @ a, b, alpha=weights.scaling)
+            else:
+                y.index_add_(0, rows, x.index_select(0, rows) @ a @ b, alpha=weights.scaling)
+        return y
+
+
+class LoRASlots:
+    """The adapters on the engine's device: at most `max_loras` (the scheduler never puts more in
+    one step), the least recently used idle one replaced when another is needed. Host copies
+    come from `host_weights(adapter_id)` (the registry's, bounded by max_cpu_loras)."""
+
+    def __init__(self, max_loras: int, host_weights: Callable[[int], LoRAWeights], device: torch.device,
+                 dtype: torch.dtype):
+        self.max_loras = max_loras
+        self.host_weights = host_weights
+        self.device, self.dtype = device, dtype
+        self.resident: OrderedDict[int, LoRAWeights] = OrderedDict()  # adapter id -> device weights, LRU first
+        self.batch: LoRABatch | None = None  # this step's, while the model runs
+        self.num_loads = 0
+
+    def attach(self, model: nn.Module) -> None:
+        """Wrap every merged projection of the model."""
+        for i, layer in enumerate(model.layers):
+            for name in PROJECTIONS:
+                parent = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
+                setattr(parent, name, LoRALinear(getattr(parent, name), i, name, self))
+
+    def prepare(self, spans: list[tuple[int, int, int]]) -> None:
+        """Set the step's batch from its rows' adapters: (adapter id, first row, end row) spans, in
+        row order (0: the base model)."""
+        runs: dict[int, list[tuple[int, int]]] = {}  # adapter id -> its rows' ranges, consecutive ones joined
+        for adapter_id, start, end in spans:
+            if adapter_id:
+                ranges = runs.setdefault(adapter_id, [])
+                if ranges and ranges[-1][1] == start:
+                    ranges[-1] = (ranges[-1][0], end)
+                else:
+                    ranges.append((start, end))
+        if not runs:
+            self.batch = None
+            return
+        if len(runs) > self.max_loras:
+            raise RuntimeError(f"{len(runs)} adapters in one step, max_loras is {self.max_loras}")
+        batch = LoRABatch()
+        for adapter_id, ranges in runs.items():
+            rows = ranges if len(ranges) <= _MAX_RANGES else torch.cat(
+                [torch.arange(s, e) for s, e in ranges]).to(self.device)
+            batch.groups.append((rows, self._resident(adapter_id, runs)))
+        self.batch = batch
+
+    def _resident(self, adapter_id: int, in_step) -> LoRAWeights:
+        weights = self.resident.get(adapter_id)
+        if weights is not None:
+            self.resident.move_to_end(adapter_id)
+            return weights
+        if len(self.resident) >= self.max_loras:
+            idle = next(i for i in self.resident if i not in in_step)
+            del self.resident[idle]
+        weights = self.resident[adapter_id] = self.host_weights(adapter_id).to(self.device, self.dtype)
+        self.num_loads += 1
+        return weights
+
+    def forget(self, adapter_id: int) -> None:
+        """An unloaded adapter's device copy goes (ids are never reused)."""
+        self.resident.pop(adapter_id, None)

@@ -1,0 +1,289 @@
+"""Runs one SchedulerOutput through the model: builds the flat batch, samples the next tokens.
+
+The runner keeps its own per-request state (token ids, block ids, RNG), updated from each
+step's plain output, as vLLM v1's does; it never decides what to run.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from itertools import accumulate
+
+import numpy as np
+import torch
+
+from baton.engine.worker import block_tables
+from baton.engine.common.config import EngineConfig
+from baton.engine.worker.host_kv_copier import HostKVCopier
+from baton.engine.worker.loader import checkpoint_fingerprint
+from baton.engine.worker.lora.layers import LoRASlots
+from baton.engine.worker.model import CausalLM
+from baton.engine.worker.sampler import apply_processors, sample, skip_draws, token_logprobs
+from baton.engine.common.sampling_params import SamplingParams
+from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from baton.engine.worker.grammar import mask_logits
+from baton.engine.worker.attention_backend import choose_backend
+from baton.kernels.attention import (DECODE_PADDING_ELEMS, AttentionMetadata, DecodeGroup, KernelBatch, PrefillSeq,
+                                     TritonBatch, group_decodes)
+from baton.kv_transfer.base import KVConnectorWorker, KVFormat
+
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are materialized at once
+_IDLE_WAIT_S = 0.002  # a step with nothing to compute waits this long for host-tier copies rather than spin
+
+
+class RequestState:
+    __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens", "prompt_logprobs",
+                 "matcher", "lora_id")
+
+    def __init__(self, token_ids, block_ids, sampling_params: SamplingParams, generator, num_prompt_tokens,
+                 prompt_logprobs: list | None, lora_id: int = 0):
+        self.token_ids = token_ids
+        self.block_ids = block_ids
+        self.sampling_params = sampling_params
+        self.generator = generator
+        self.num_prompt_tokens = num_prompt_tokens
+        self.prompt_logprobs = prompt_logprobs  # accumulating over chunks; None: not asked, or sent
+        self.matcher = None  # structured output: where the request is in its grammar
+        self.lora_id = lora_id
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, eos_token_ids: frozenset[int],
+                 connector: KVConnectorWorker | None = None, lora: LoRASlots | None = None,
+                 num_host_blocks: int = 0):
+        """`lora`: the adapters on the device (attached to the model already), when LoRA is on;
+        `num_host_blocks`: the host KV tier's size (0: none)."""
+        self.model = model
+        self.lora = lora
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.eos_token_ids = eos_token_ids
+        args = model.args
+        self.kv_cache = torch.zeros(num_blocks, args.num_layers, 2, config.block_size, args.num_kv_heads,
+                                    args.head_dim, dtype=model.embed_tokens.weight.dtype, device=self.device)
+        model.init_rope(config.max_model_len + 1)
+        self.host_kv = HostKVCopier(self.kv_cache, num_host_blocks) if num_host_blocks else None
+        self.states: dict[str, RequestState] = {}
+        self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.staging = block_tables.Staging(self.device)  # the step's metadata on its way to the device
+        self.grammars = None  # structured_output.Grammars, set by the engine core
+        self.connector = connector
+        self.decode_padding_elems = DECODE_PADDING_ELEMS  # per decode group; tests shrink it
+        # "cpu" (the C++ kernel), "triton" or "torch" (the reference); tests switch it.
+        self.attention_backend = choose_backend(config.attention_backend, self.kv_cache.dtype, self.device,
+                                                args.num_heads, args.num_kv_heads, args.head_dim)
+        if connector is not None:
+            connector.register_kv_caches(self.kv_cache, KVFormat(
+                checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,
+                args.num_kv_heads, args.head_dim, config.block_size, self.attention_backend),
+                host_cache=self.host_kv.host_cache if self.host_kv is not None else None)
+
+    def _add_request(self, new) -> None:
+        params = new.sampling_params
+        generator = self.default_generator
+        old = self.states.get(new.req_id)  # resumed after preemption
+        # Prompt logprobs from the first prompt token (prefix-cache hits are not taken for such a
+        # request), once: not again after a preemption that came once they were sent.
+        prompt_logprobs = ([None] if params.prompt_logprobs is not None and new.num_computed_tokens == 0
+                           and (old is None or old.prompt_logprobs is not None) else None)
+        if params.seed is not None:
+            if old is not None:  # resumed after preemption: keep the stream where it was
+                generator = old.generator
+            else:
+                generator = torch.Generator(self.device).manual_seed(params.seed)
+                if not params.greedy:  # outputs sampled elsewhere (a prefill peer) used their draws
+                    skip_draws(generator, len(new.token_ids) - new.num_prompt_tokens, self.model.args.vocab_size,
+                               self.device)
+        state = self.states[new.req_id] = RequestState(list(new.token_ids), np.asarray(new.block_ids, dtype=np.int32),
+                                                       params, generator, new.num_prompt_tokens, prompt_logprobs,
+                                                       new.lora_id)
+        if params.structured_output is not None:  # resumed: where it was; else past outputs made elsewhere
+            state.matcher = old.matcher if old is not None else self.grammars.matcher(
+                params.structured_output, new.token_ids[new.num_prompt_tokens:])
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        # Triton launches on the calling thread's current CUDA device, whatever the tensors':
+        # make it this engine's (cuda:1 stepped from a thread whose current device is 0).
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+            return self._execute(sched)
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in sched.finished_req_ids:
+            self.states.pop(req_id, None)
+        for new in sched.scheduled_new_reqs:
+            self._add_request(new)
+        for cached in sched.scheduled_cached_reqs:
+            state = self.states[cached.req_id]
+            state.block_ids = block_tables.grow(state.block_ids, cached.new_block_ids)
+        if sched.host_kv_ops is not None:  # before the forward: a swap-out's device blocks are reused in it
+            self.host_kv.submit(sched.host_kv_ops)
+        if self.connector is not None:
+            self.connector.start_load_kv(sched.kv_connector_metadata)
+        out = self._run(sched) if sched.total_num_scheduled_tokens else ModelRunnerOutput({})
+        if self.connector is not None:
+            out.kv_connector_output = self.connector.get_finished()
+        if self.host_kv is not None:
+            out.host_kv_finished = self.host_kv.poll(0.0 if sched.total_num_scheduled_tokens else _IDLE_WAIT_S)
+        return out
+
+    def _run(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self._build_batch(sched)
+        if self.lora is not None:
+            self.lora.prepare(batch["adapter_spans"])
+        hidden = self.model(batch["input_ids"], batch["positions"], self.kv_cache, batch["meta"])
+        out = ModelRunnerOutput({})
+        if batch["prompt_rows"]:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, batch["prompt_rows"])
+        sampled_ids = batch["sample_req_ids"]
+        if not sampled_ids:
+            return out
+        logits = self.model.compute_logits(hidden[batch["sample_rows"]])
+        states = [self.states[r] for r in sampled_ids]
+        params = [s.sampling_params for s in states]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = logits[want].float().log_softmax(dim=-1) if want else None  # before any processing
+        self._suppress_stops_before_min_tokens(logits, states)
+        processed = [i for i, p in enumerate(params) if p.penalized]
+        if processed:
+            apply_processors(logits, processed, params, [s.token_ids for s in states],
+                             [s.num_prompt_tokens for s in states])
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        if constrained:
+            mask_logits(logits, constrained, [states[i].matcher for i in constrained])
+        tokens = sample(logits, params, [s.generator for s in states])
+        for state, token in zip(states, tokens):
+            state.token_ids.append(token)
+        for i in constrained:
+            matcher = states[i].matcher.grammar
+            matcher.accept_token(tokens[i])
+            if matcher.is_terminated():
+                out.grammar_ended.add(sampled_ids[i])
+        out.sampled_token_ids = dict(zip(sampled_ids, tokens))
+        if want:
+            k = max(params[i].logprobs for i in want)
+            for i, lp in zip(want, token_logprobs(raw, [tokens[i] for i in want], k)):
+                n = params[i].logprobs
+                lp.top_token_ids, lp.top_logprobs = lp.top_token_ids[:n], lp.top_logprobs[:n]
+                out.logprobs[sampled_ids[i]] = lp
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list[tuple[str, int, int, int]]) -> dict[str, list]:
+        """Each prompt token's logprob given the tokens before it, from the rows of this step's
+        chunk (position p predicts token p + 1); a request's list goes out once complete."""
+        done = {}
+        for req_id, row0, start, end in prompt_rows:
+            state = self.states[req_id]
+            end = min(end, state.num_prompt_tokens - 1)  # the last prompt position predicts an output
+            for a in range(start, end, PROMPT_LOGPROB_ROWS):
+                b = min(a + PROMPT_LOGPROB_ROWS, end)
+                logprobs = self.model.compute_logits(hidden[row0 + a - start:row0 + b - start]).float().log_softmax(-1)
+                state.prompt_logprobs += token_logprobs(logprobs, state.token_ids[a + 1:b + 1],
+                                                        state.sampling_params.prompt_logprobs)
+            if len(state.prompt_logprobs) == state.num_prompt_tokens:
+                done[req_id], state.prompt_logprobs = state.prompt_logprobs, None
+        return done
+
+    def _build_batch(self, sched: SchedulerOutput) -> dict:
+        starts = {c.req_id: c.num_computed_tokens for c in sched.scheduled_cached_reqs}
+        starts.update((n.req_id, n.num_computed_tokens) for n in sched.scheduled_new_reqs)
+        # One-token decodes first, longest context first (the reference's length groups are
+        # then row ranges), then prefill chunks; with LoRA, by adapter within each (its rows then
+        # run together), except on the reference, whose groups need the length order.
+        by_lora = self.lora is not None
+        by_adapter = by_lora and self.attention_backend != "torch"
+        order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: (
+            kv[1] != 1, self.states[kv[0]].lora_id if by_adapter else 0, -starts[kv[0]]))
+        input_ids, positions, sample_rows, sample_req_ids, spans, prompt_rows = [], [], [], [], [], []
+        adapter_spans = []  # (adapter id, first row, end row) per request, with LoRA on
+        for req_id, n in order:
+            state, start = self.states[req_id], starts[req_id]
+            end = start + n
+            if state.prompt_logprobs is not None:
+                prompt_rows.append((req_id, len(input_ids), start, end))
+            if by_lora:
+                adapter_spans.append((state.lora_id, len(input_ids), len(input_ids) + n))
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            spans.append((start, end, state.block_ids))
+            if end == len(state.token_ids):  # caught up: this row's logits give the next token
+                sample_rows.append(len(input_ids) - 1)
+                sample_req_ids.append(req_id)
+        dev = self.device
+        positions_t = torch.tensor(positions, device=dev)
+        num_decodes = sum(1 for _, n in order if n == 1)  # the first spans
+        if self.attention_backend == "cpu":
+            meta = self._kernel_batch(spans, positions_t)
+        elif self.attention_backend == "triton":
+            meta = self._triton_batch(spans, num_decodes)
+        else:
+            meta = self._reference_batch(spans, num_decodes)
+        return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t, "meta": meta,
+                "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids,
+                "prompt_rows": prompt_rows, "adapter_spans": adapter_spans}
+
+    def _kernel_batch(self, spans: list[block_tables.Span], positions: torch.Tensor) -> AttentionMetadata:
+        bs, tables, counts = self.block_size, [], []
+        for start, end, blocks in spans:
+            needed = -(-end // bs)
+            if len(blocks) < needed:  # the kernel would read (and write) the next request's blocks
+                raise RuntimeError(f"a request has {len(blocks)} KV blocks for {end} tokens")
+            tables.append(blocks[:needed])
+            counts.append(end - start)
+        starts = np.cumsum([0] + [len(t) for t in tables[:-1]])
+        return AttentionMetadata(kernel=KernelBatch(torch.from_numpy(np.concatenate(tables).astype(np.int64)),
+                                                    torch.from_numpy(np.repeat(starts, counts)), positions))
+
+    def _triton_batch(self, spans: list[block_tables.Span], num_decodes: int) -> AttentionMetadata:
+        bs = self.block_size
+        decodes, prefills = spans[:num_decodes], spans[num_decodes:]
+        q_lens = [end - start for start, end, _ in prefills]
+        # One copy to the device for all of it (a copy costs more than its bytes), then views.
+        dec_tab, pre_tab = block_tables.padded_table(decodes, bs), block_tables.padded_table(prefills, bs)
+        slots, dec_tab_t, dec_lens, pre_tab_t, q_starts, q_lens_t, ctx_lens = self.staging.to_device([
+            block_tables.slots(spans, bs), dec_tab, np.array([end for _, end, _ in decodes], np.int32), pre_tab,
+            np.array(list(accumulate(q_lens, initial=num_decodes))[:-1], np.int32), np.array(q_lens, np.int32),
+            np.array([end for _, end, _ in prefills], np.int32)])
+        return AttentionMetadata(triton=TritonBatch(
+            slot_mapping=slots, decode_tables=dec_tab_t.view(dec_tab.shape), decode_lens=dec_lens,
+            prefill_tables=pre_tab_t.view(pre_tab.shape), q_starts=q_starts, q_lens=q_lens_t, ctx_lens=ctx_lens,
+            max_q_len=max(q_lens, default=0)))
+
+    def _reference_batch(self, spans: list[tuple[int, int, list[int]]], num_decodes: int) -> AttentionMetadata:
+        bs, dev = self.block_size, self.device
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(block_tables.slots(spans, bs)).to(dev))
+        meta.decodes = self._decode_groups([blocks[:-(-end // bs)] for _, end, blocks in spans[:num_decodes]],
+                                           [end for _, end, _ in spans[:num_decodes]])
+        row = num_decodes
+        for start, end, blocks in spans[num_decodes:]:
+            meta.prefills.append(PrefillSeq(row, end - start, end,
+                                            torch.from_numpy(blocks[:-(-end // bs)].astype(np.int64)).to(dev)))
+            row += end - start
+        return meta
+
+    def _decode_groups(self, tables: list[np.ndarray], lens: list[int]) -> list[DecodeGroup]:
+        groups, start, bs, dev = [], 0, self.block_size, self.device
+        args = self.model.args
+        for size in group_decodes(lens, 2 * args.num_kv_heads * args.head_dim, self.decode_padding_elems):
+            rows = slice(start, start + size)
+            width = len(tables[start])  # the group's longest context comes first
+            table = torch.from_numpy(block_tables.padded_table(
+                [(0, len(t) * bs, t) for t in tables[rows]], bs).astype(np.int64)).to(dev)
+            past_end = torch.arange(width * bs, device=dev)[None, :] >= torch.tensor(lens[rows], device=dev)[:, None]
+            # An additive mask: SDPA's CPU kernel runs ~1.5x faster with it than with a boolean one.
+            mask = (torch.zeros(past_end.shape, dtype=self.kv_cache.dtype, device=dev)
+                    .masked_fill_(past_end, float("-inf")))
+            groups.append(DecodeGroup(start, table, mask[:, None, None, :]))
+            start += size
+        return groups
+
+    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, states: list[RequestState]) -> None:
+        for row, state in enumerate(states):
+            params = state.sampling_params
+            if len(state.token_ids) - state.num_prompt_tokens < params.min_tokens:
+                stops = list(params.stop_token_ids)
+                if not params.ignore_eos:
+                    stops.extend(self.eos_token_ids)
+                if stops:
+                    logits[row, stops] = float("-inf")

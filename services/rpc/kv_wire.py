@@ -1,0 +1,43 @@
+"""The KV seam's types on the wire, each conversion with its inverse beside it: tiers, handles
+(a prefill gives one out in its PrefillResponse; a decode takes it in its GenerateRequest) and
+layouts (traded at the KV handshake)."""
+from __future__ import annotations
+
+from baton.kv_transfer.base import KVFormat, KVHandle, KVLayout, KVTier
+from baton.v1 import generate_pb2 as pb
+from baton.v1 import internal_pb2
+
+TIER_TO_WIRE = {KVTier.DEVICE: pb.KV_TIER_DEVICE, KVTier.HOST: pb.KV_TIER_HOST}
+TIER_FROM_WIRE = {wire: tier for tier, wire in TIER_TO_WIRE.items()}
+
+
+def handle_to_proto(handle: KVHandle, address: str, trace_context: dict[str, str]) -> pb.KVHandle:
+    """`address`: the prefill server's, where a router releases the hold; `trace_context`: the
+    hold's span, which the decode's transfer span follows."""
+    return pb.KVHandle(engine_id=handle.engine_id, address=address, request_id=handle.request_id,
+                       block_ids=handle.block_ids, num_tokens=handle.num_tokens, first_token=handle.first_token,
+                       hold_seconds=handle.hold_s, tier=TIER_TO_WIRE[handle.tier], trace_context=trace_context)
+
+
+def handle_from_proto(h: pb.KVHandle) -> KVHandle:
+    return KVHandle(h.engine_id, h.request_id, list(h.block_ids), h.num_tokens, h.first_token, h.hold_seconds,
+                    TIER_FROM_WIRE.get(h.tier, KVTier.DEVICE))
+
+
+def layout_to_proto(layout: KVLayout) -> internal_pb2.KVLayout:
+    f = layout.format
+    return internal_pb2.KVLayout(
+        engine_id=layout.engine_id, agent_metadata=layout.agent_metadata, base_addr=layout.base_addr,
+        block_bytes=layout.block_bytes, num_blocks=layout.num_blocks, mem_type=layout.mem_type, dev_id=layout.dev_id,
+        host_base_addr=layout.host_base_addr, host_num_blocks=layout.host_num_blocks,
+        format=internal_pb2.KVFormat(model=f.model, dtype=f.dtype, num_layers=f.num_layers, num_kv_heads=f.num_kv_heads,
+                                     head_size=f.head_size, block_size=f.block_size,
+                                     attention_backend=f.attention_backend))
+
+
+def layout_from_proto(msg: internal_pb2.KVLayout) -> KVLayout:
+    f = msg.format
+    return KVLayout(msg.engine_id, msg.agent_metadata, msg.base_addr, msg.block_bytes, msg.num_blocks,
+                    msg.mem_type, msg.dev_id, KVFormat(f.model, f.dtype, f.num_layers, f.num_kv_heads, f.head_size,
+                                                       f.block_size, f.attention_backend),
+                    msg.host_base_addr, msg.host_num_blocks)
