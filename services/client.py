@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 
-from baton.services.rpc.api import FINISH_REASON_NAMES
+from baton.services.rpc.names import FINISH_REASON_NAMES
 from baton.services.rpc.tls import TLSConfig, aio_channel, sync_channel
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc

@@ -235,7 +235,8 @@ def test_a_stream_that_failed_after_its_last_message_is_not_moved():
 
     import grpc
 
-    from baton.services.router.decode_leg import Relay, decode_leg
+    from baton.services.router.backends import Lease
+    from baton.services.router.decode_leg import DecodeRoute, Relay, decode_leg
     from baton.v1 import generate_pb2 as pb
 
     class Call:
@@ -270,20 +271,17 @@ def test_a_stream_that_failed_after_its_last_message_is_not_moved():
         def settle(self, request_id):
             pass
 
-    dying = Backend(address="a", outstanding=0, script=lambda: Call(
+    dying = Backend(address="a", outstanding=0, num_routed=0, charge=lambda *a: None, script=lambda: Call(
         [pb.GenerateResponse(token_ids=[5, 6]),
          pb.GenerateResponse(token_ids=[2], finish_reason=pb.FINISH_REASON_STOP)],
         True))
-    spare = Backend(address="b", outstanding=0, script=lambda: Call(
+    spare = Backend(address="b", outstanding=0, num_routed=0, charge=lambda *a: None, script=lambda: Call(
         [pb.GenerateResponse(token_ids=[9], finish_reason=pb.FINISH_REASON_LENGTH)], False))
 
-    def pick(tier, policy, hashes, trace, request_id, tried=(), adapter=""):
-        backend = next(b for b in (dying, spare) if b not in tried)
-        backend.outstanding += 1
-        return backend
+    def pick(tried):
+        return Lease(next(b for b in (dying, spare) if b not in tried), "x", (0, 0))
 
-    router = SimpleNamespace(pick=pick, decode=None, decode_policy=None, aborted=set(), background=set(),
-                             options=SimpleNamespace(max_migrations=2))
+    route = DecodeRoute(pick, lambda: "none left", max_migrations=2, aborted=set())
     trace = SimpleNamespace(retried=lambda *a: None, client_call=lambda *a: (None, ()), first_token=lambda: None,
                             call_ended=lambda *a: None, migrated=lambda *a: None)
 
@@ -297,7 +295,7 @@ def test_a_stream_that_failed_after_its_last_message_is_not_moved():
     async def go():
         msg = pb.GenerateRequest(request_id="x", text="hi")
         return [pb.GenerateResponse.FromString(raw) async for raw in
-                decode_leg(router, msg, [], (), Context(), trace, Relay(msg))]
+                decode_leg(route, msg, (), Context(), trace, Relay(msg))]
 
     got = asyncio.run(go())
     assert [list(r.token_ids) for r in got] == [[5, 6], [2]] and got[-1].finish_reason == pb.FINISH_REASON_STOP

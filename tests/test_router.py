@@ -21,7 +21,7 @@ from baton import LLM, SamplingParams
 from baton.services.client import AsyncClient
 from baton.services.cli.launcher import free_port
 from baton.services.router.policies import PrefixAffinity
-from baton.services.rpc.api import ROUTER_LIVENESS
+from baton.services.rpc.names import ROUTER_LIVENESS
 from baton.services.rpc.health import is_serving
 
 from conftest import ServerProcess

@@ -155,7 +155,7 @@ def test_an_agents_history_of_calls_and_results_is_rendered(tiny_llama):
     template that renders no tool turns, with the arguments as an object for one that does."""
     from baton.engine.common.tokenizer import apply_chat_template, load_tokenizer
     from baton.services.openai.protocol import chat_messages_from_body
-    from baton.services.rpc.api import chat_messages
+    from baton.services.rpc.chat import chat_messages
     from baton.v1 import generate_pb2 as pb
 
     messages = chat_messages(pb.Chat(messages=chat_messages_from_body({"messages": AGENT})))

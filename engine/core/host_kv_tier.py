@@ -1,7 +1,7 @@
 """The host KV tier's bookkeeping: a second pool of blocks in host memory behind the device's
 (vLLM's `kv_offloading_size`), and swap preemption's (vLLM v0's PreemptionMode.SWAP).
 
-Three flows, all decided here and carried out by the runner's HostKVCopier (host_kv_copier.py);
+Four flows, all decided here and carried out by the runner's HostKVCopier (host_kv_copier.py);
 like the device pool's manager, only block ids live here:
 - write-back: when a finished request's full, prefix-cached blocks fall free on the device they
   are copied to the host off the step loop. Each stays pinned on the device (an extra

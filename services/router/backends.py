@@ -10,7 +10,7 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.services.rpc.api import SERVICE_NAME
+from baton.services.rpc.names import SERVICE_NAME
 from baton.services.rpc.tls import aio_channel
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
@@ -40,7 +40,8 @@ class Backend:
     def __init__(self, address: str, retry_s: float, on_health_change, tls=None):
         self.address = address
         self.channel = aio_channel(address, tls, _CHANNEL_OPTIONS)
-        # Responses stay bytes: the router forwards them without parsing them again.
+        # Responses stay bytes: the router forwards them as they came unless it must change one
+        # (Relay.forward reads each for its token ids, and re-encodes only to strip them).
         self.generate = self.channel.unary_stream(GENERATE_METHOD,
                                                   request_serializer=pb.GenerateRequest.SerializeToString,
                                                   response_deserializer=None)
@@ -122,6 +123,29 @@ class Backend:
         if self._watch is not None:
             self._watch.cancel()
         await self.channel.close(grace=None)
+
+
+class Lease:
+    """One request's claim on one backend, from the router's pick to the end of its call there:
+    counted in the backend's requests in flight (and kv_aware's ledger) until `end`, which
+    takes effect once however often it is called."""
+    __slots__ = ("backend", "request_id", "_ended")
+
+    def __init__(self, backend: Backend, request_id: str, charge: tuple[int, int]):
+        self.backend, self.request_id, self._ended = backend, request_id, False
+        backend.outstanding += 1
+        backend.num_routed += 1
+        backend.charge(request_id, charge)
+
+    def prefilled(self) -> None:
+        """Its first token came back: its prompt no longer queues there."""
+        self.backend.prefilled(self.request_id)
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self.backend.outstanding -= 1
+            self.backend.settle(self.request_id)
 
 
 class Tier:

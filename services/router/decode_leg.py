@@ -7,11 +7,13 @@ engine counts the resumed tokens as outputs, so max_tokens, penalties, stop stri
 seed's draws continue as in an uninterrupted run. At most max_migrations moves per request."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import grpc
 
-from baton.services.router.backends import Backend
+from baton.services.router.backends import Backend, Lease
 from baton.services.rpc.errors import failure_of_error, pass_on
-from baton.services.rpc.serving import in_background
 from baton.v1 import generate_pb2 as pb
 
 # The instance failed, not the request: another may serve it. CANCELLED from a backend is its
@@ -84,25 +86,40 @@ async def pass_on_or_take_out(backend: Backend, e: grpc.aio.AioRpcError, context
     backend.failed()
 
 
-def end_call(backend: Backend, call, request_id: str) -> None:
-    backend.outstanding -= 1
-    backend.settle(request_id)
+@dataclass(slots=True)
+class DecodeRoute:
+    """What the decode leg needs of the router for one request."""
+    pick: Callable[[list[Backend]], Lease | None]  # a lease on a decode instance but those tried; None: none left
+    why_none: Callable[[], str]  # why no decode instance can take it
+    max_migrations: int
+    aborted: set[str]  # request ids the Abort API ended
+
+
+@dataclass(slots=True)
+class HeldKV:
+    """A prefill's blocks held for this request's decode (msg.kv_handle names them)."""
+    handle: pb.KVHandle
+    let_go: Callable[[], None]  # tells the prefill to free them, in the background (best effort)
+
+
+def end_call(lease: Lease, call) -> None:
+    lease.end()
     if not call.done():  # the client went away (cancel, deadline): stop the backend's work too
         call.cancel()
 
 
-async def decode_leg(router, msg: pb.GenerateRequest, hashes: list[int], metadata: tuple, context, trace,
-                     relay: Relay, held: tuple[Backend, pb.KVHandle] | None = None):
-    """Stream msg from decode instances, moving it on failure. `held`: the prefill and the
-    handle of the prompt's KV blocks that msg.kv_handle names, released here if no decode
-    ever pulls them."""
-    r, tried = router, []
+async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tuple, context, trace, relay: Relay,
+                     held: HeldKV | None = None):
+    """Stream msg from decode instances, moving it on failure. `held`: let go here if no
+    decode ever pulls its blocks."""
+    tried: list[Backend] = []
     try:
         while True:
-            decode = r.pick(r.decode, r.decode_policy, hashes, trace, msg.request_id, tried, msg.adapter)
-            if decode is None:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, r.decode.why_none() + (
+            lease = route.pick(tried)
+            if lease is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, route.why_none() + (
                     f" (tried {', '.join(b.address for b in tried)})" if tried else ""))
+            decode = lease.backend
             if tried:
                 trace.retried("decode")
             tried.append(decode)
@@ -113,11 +130,11 @@ async def decode_leg(router, msg: pb.GenerateRequest, hashes: list[int], metadat
                 async for raw in call:
                     if not answered:
                         answered = True
-                        decode.prefilled(msg.request_id)
+                        lease.prefilled()
                         if msg.HasField("kv_handle"):
                             held = None  # the decode has the blocks: it, or the prefill's timeout, ends the hold
                             trace.decode_answer(await call.initial_metadata())
-                    if msg.request_id in r.aborted:  # the Abort API (it may have reached the decode too late)
+                    if msg.request_id in route.aborted:  # the Abort API (it may have reached the decode too late)
                         yield aborted_response(msg)
                         return
                     trace.first_token()  # a no-op after the first
@@ -140,14 +157,14 @@ async def decode_leg(router, msg: pb.GenerateRequest, hashes: list[int], metadat
                 error = e
                 raise
             finally:
-                end_call(decode, call, msg.request_id)
+                end_call(lease, call)
                 trace.call_ended(span, "decode", decode, error)
-            if len(tried) > r.options.max_migrations:
+            if len(tried) > route.max_migrations:
                 names = ", ".join(b.address for b in tried)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode instances {names} failed "
                                     f"({error.details()}); moved {len(tried) - 1} times, "
                                     "the most max_migrations allows")
-            if msg.request_id in r.aborted:  # the Abort API, while the request was between instances
+            if msg.request_id in route.aborted:  # the Abort API, while the request was between instances
                 yield aborted_response(msg)
                 return
             if held is None and relay.token_ids:  # else the next instance pulls the held blocks, or starts over
@@ -155,5 +172,5 @@ async def decode_leg(router, msg: pb.GenerateRequest, hashes: list[int], metadat
                 trace.migrated(decode, len(relay.token_ids))
     finally:
         if held is not None:  # the blocks may still be held for a reader that will never come
-            in_background(r.background, r.release(*held))
+            held.let_go()
 

@@ -16,7 +16,7 @@ import logging
 
 import grpc
 
-from baton.services.rpc.api import token_metadata
+from baton.services.rpc.names import token_metadata
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2 as ipb
 from baton.v1 import internal_pb2_grpc

@@ -8,8 +8,10 @@ colocated server.
 Backends (backends.py) come from addresses or DNS names, re-resolved periodically,
 each watched with the gRPC health protocol; policies (policies.py) pick among them.
 Failures before the client saw a token are retried once elsewhere; with no healthy prefill
-instance the decode computes the prompt itself; after the first token a failure is
-UNAVAILABLE. Each request's spans and metrics: telemetry.py.
+instance the decode computes the prompt itself; a decode that fails mid-stream hands the
+request to another (decode_leg.py), up to max_migrations times. Each instance a request is
+sent to is a Lease (backends.py), counted until its call there ends. Each request's spans and
+metrics: telemetry.py.
 """
 from __future__ import annotations
 
@@ -26,16 +28,18 @@ from grpc_reflection.v1alpha import reflection
 
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.common.block_hashes import ROOT_HASH, extend_block_hashes
-from baton.services.router.backends import Backend, Tier, split_host_port
-from baton.services.router.decode_leg import Relay, aborted_response, decode_leg, pass_on_or_take_out
+from baton.services.router.backends import Backend, Lease, Tier, split_host_port
+from baton.services.router.decode_leg import (DecodeRoute, HeldKV, Relay, aborted_response, decode_leg,
+                                              pass_on_or_take_out)
 from baton.services.router.kv_index import KVEventSubscription, KVIndex
 from baton.services.router.policies import POLICIES, make_policy
-from baton.services.router.runtime import RouterRuntime
+from baton.services.router.runtime_api import RouterRuntime
 from baton.services.router.telemetry import RouterTrace
-from baton.services.rpc.api import ROUTER_LIVENESS, SERVICE_NAME, TOKEN_KEY, chat_messages, chat_tools, token_metadata
+from baton.services.rpc.names import ROUTER_LIVENESS, SERVICE_NAME, TOKEN_KEY, token_metadata
+from baton.services.rpc.chat import chat_messages, chat_tools
 from baton.services.rpc.errors import abort_invalid
 from baton.services.rpc.fan_out import child_requests, merge, num_completions, retag
-from baton.services.rpc.runtime import CallRegistry
+from baton.services.rpc.calls import CallRegistry
 from baton.services.rpc.serving import drain, in_background, make_grpc_server, set_health
 from baton.services.rpc.tls import TLSConfig
 from baton.services.telemetry import tracing
@@ -162,21 +166,24 @@ class RouterService(RouterRuntime):
         prefill_tried: list[Backend] = []
         reply = None
         while reply is None and len(prefill_tried) < 2:
-            prefill = r.pick(r.prefill, r.prefill_policy, hashes, trace, msg.request_id, prefill_tried, msg.adapter)
-            if prefill is None:
+            lease = r.pick(r.prefill, r.prefill_policy, hashes, trace, msg.request_id, prefill_tried, msg.adapter)
+            if lease is None:
                 break  # no prefill instance: the decode computes the prompt itself
             if prefill_tried:
                 trace.retried("prefill")
-            prefill_tried.append(prefill)
-            reply = await self._prefill(prefill, msg, metadata, context, trace)
+            prefill_tried.append(lease.backend)
+            reply = await self._prefill(lease, msg, metadata, context, trace)
+        route = r.decode_route(msg, hashes, trace)
         if reply is None:
             trace.fallback("prefill_failed" if prefill_tried else "no_prefill")
-            async for resp in decode_leg(r, msg, hashes, metadata, context, trace, relay):
+            async for resp in decode_leg(route, msg, metadata, context, trace, relay):
                 yield resp
             return
+        held = HeldKV(reply.handle, lambda: in_background(r.background, r.release(prefill_tried[-1], reply.handle))
+                      ) if reply is not _ABORTED and reply.HasField("handle") else None
         if reply is _ABORTED or msg.request_id in r.aborted:  # by the Abort API, before the decode
-            if reply is not _ABORTED and reply.HasField("handle"):
-                in_background(r.background, r.release(prefill_tried[-1], reply.handle))
+            if held is not None:
+                held.let_go()
             yield aborted_response(msg)
             return
         trace.first_token()
@@ -185,17 +192,17 @@ class RouterService(RouterRuntime):
             yield first
             return
         msg.kv_handle.CopyFrom(reply.handle)
-        held = (prefill_tried[-1], reply.handle)
         try:
             yield first
         except BaseException:  # the client went away
-            in_background(r.background, r.release(*held))
+            held.let_go()
             raise
-        async for resp in decode_leg(r, msg, hashes, metadata, context, trace, relay, held):
+        async for resp in decode_leg(route, msg, metadata, context, trace, relay, held):
             yield resp
 
-    async def _prefill(self, prefill: Backend, msg, metadata, context, trace: RouterTrace):
+    async def _prefill(self, lease: Lease, msg, metadata, context, trace: RouterTrace):
         """The prefill's reply, or None when the instance is unreachable."""
+        prefill = lease.backend
         # Cancelled, or past the deadline, the prefill may still have answered with blocks held
         # for a reply that never arrives: let go of them by request id (a no-op when nothing is
         # held; the prefill keys its request by the id the router set).
@@ -220,8 +227,7 @@ class RouterService(RouterRuntime):
             log.warning("prefill %s failed for %s: %s", prefill.address, msg.request_id, e.details())
             return None
         finally:
-            prefill.outstanding -= 1
-            prefill.settle(msg.request_id)
+            lease.end()
             trace.call_ended(span, "prefill", prefill, error)
 
 
@@ -325,10 +331,11 @@ class Router:
         in_background(self.background, self._report(self.serving and bool(self.decode.healthy())))
 
     def pick(self, tier: Tier, policy, hashes: list[int], trace: RouterTrace, request_id: str,
-             exclude=(), adapter: str = "") -> Backend | None:
-        """A healthy instance of the tier, by the policy; for a LoRA adapter's request, among
-        those that have it loaded (a prefill must: its KV is the adapter's; with no decode
-        that has it, any decode, which answers NOT_FOUND naming the adapter)."""
+             exclude=(), adapter: str = "") -> Lease | None:
+        """A lease on a healthy instance of the tier, by the policy (None: there is none); for a
+        LoRA adapter's request, among those that have it loaded (a prefill must: its KV is the
+        adapter's; with no decode that has it, any decode, which answers NOT_FOUND naming the
+        adapter)."""
         backends = tier.healthy(tuple(exclude))
         if adapter:
             having = [b for b in backends if adapter in b.adapters]
@@ -337,12 +344,14 @@ class Router:
             return None
         choice = policy.choose(backends, hashes)
         trace.picked(tier.name, self.options.policy, backends, choice)
-        backend = choice.backend
-        backend.outstanding += 1
-        backend.num_routed += 1
-        backend.charge(request_id, choice.charge)
-        self.routed.setdefault(request_id, set()).add(backend)  # where an Abort must go
-        return backend
+        self.routed.setdefault(request_id, set()).add(choice.backend)  # where an Abort must go
+        return Lease(choice.backend, request_id, choice.charge)
+
+    def decode_route(self, msg: pb.GenerateRequest, hashes: list[int], trace: RouterTrace) -> DecodeRoute:
+        """What the decode leg needs of the router for this request."""
+        return DecodeRoute(
+            lambda tried: self.pick(self.decode, self.decode_policy, hashes, trace, msg.request_id, tried, msg.adapter),
+            self.decode.why_none, self.options.max_migrations, self.aborted)
 
     def prefix_hashes(self, msg: pb.GenerateRequest) -> list[int]:
         """Block hashes of the prompt's start (prefix affinity) or of all of it (kv_aware): of its

@@ -7,7 +7,7 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2
 
-from baton.services.rpc.api import SERVICE_NAME
+from baton.services.rpc.names import SERVICE_NAME
 
 
 def advertised_host(host: str, advertise_host: str | None) -> str:

@@ -14,15 +14,15 @@ import grpc
 from baton.engine.common.messages import CoreRequest
 from baton.engine.common.errors import InvalidArgument, check
 from baton.engine.common.sampling_params import SamplingParams
-from baton.services.rpc.api import chat_messages, chat_tools
+from baton.services.rpc.chat import chat_messages, chat_tools
 from baton.services.rpc.errors import abort, abort_invalid
 from baton.engine.common.structured_output import StructuredOutput
 from baton.services.rpc.fan_out import child_requests, merge, num_completions
 from baton.services.rpc.kv_wire import handle_from_proto
-from baton.services.rpc.runtime import CallRegistry
+from baton.services.rpc.calls import CallRegistry
 from baton.services.server.responses import (ENGINE_ERRORS, abort_for_engine_error, api_field, decode_timing,
                                               response_from_output)
-from baton.services.server.runtime import EngineRuntime
+from baton.services.server.runtime_api import EngineRuntime
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
 

@@ -12,7 +12,7 @@ import grpc
 
 from baton.engine.common.messages import AddPeer
 from baton.kv_transfer.base import KVFormatMismatch
-from baton.services.rpc.api import token_metadata
+from baton.services.rpc.names import token_metadata
 from baton.services.rpc.errors import abort, failure_of_error
 from baton.services.rpc.kv_wire import layout_from_proto, layout_to_proto
 from baton.services.rpc.tls import aio_channel

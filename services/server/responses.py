@@ -9,7 +9,7 @@ from baton.engine.common.messages import TokenLogprobs
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.front.output_processor import StepOutput
 from baton.engine.common.sampling_params import SamplingParams
-from baton.services.rpc.api import DECODE_STEP_KEY, FINISH_REASONS
+from baton.services.rpc.names import DECODE_STEP_KEY, FINISH_REASONS
 from baton.services.rpc.errors import abort, abort_invalid
 from baton.v1 import generate_pb2 as pb
 

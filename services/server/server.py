@@ -24,7 +24,7 @@ from baton.engine.common.messages import GetSnapshot, GetStats, ReleaseHold
 from baton.engine.front.core_client import CoreClient
 from baton.engine.common.errors import check
 from baton.kv_transfer.base import DEFAULT_HOLD_TIMEOUT_S
-from baton.services.rpc.api import SERVICE_NAME, TOKEN_KEY
+from baton.services.rpc.names import SERVICE_NAME, TOKEN_KEY
 from baton.services.rpc.errors import abort
 from baton.services.rpc.serving import advertised_host, drain, in_background, make_grpc_server, set_health
 from baton.services.rpc.tls import TLSConfig
@@ -32,7 +32,7 @@ from baton.services.server.generation import GenerationService
 from baton.services.server.kv_events import KVEventHub
 from baton.services.server.kv_peers import KVPeers, KVPeerService
 from baton.services.server.prefill import PrefillService
-from baton.services.server.runtime import model_info
+from baton.services.server.runtime_api import model_info
 from baton.services.server.snapshots import load_to_proto, stats_to_proto
 from baton.services.server.telemetry import EngineTelemetry
 from baton.services.telemetry import tracing

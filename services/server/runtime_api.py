@@ -10,9 +10,9 @@ import grpc
 from baton.engine.common.config import read_config
 from baton.engine.common.messages import AdapterInfo, LoadAdapter, UnloadAdapter
 from baton.engine.common.errors import InvalidArgument
-from baton.services.rpc.api import chat_messages, chat_tools
+from baton.services.rpc.chat import chat_messages, chat_tools
 from baton.services.rpc.errors import abort, abort_invalid
-from baton.services.rpc.runtime import watch
+from baton.services.rpc.calls import watch
 from baton.services.telemetry.tracing import baton_version
 from baton.v1 import generate_pb2 as pb
 

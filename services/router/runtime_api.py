@@ -6,9 +6,9 @@ import asyncio
 
 import grpc
 
-from baton.services.rpc.api import token_metadata
+from baton.services.rpc.names import token_metadata
 from baton.services.rpc.errors import pass_on
-from baton.services.rpc.runtime import watch
+from baton.services.rpc.calls import watch
 from baton.v1 import generate_pb2 as pb
 
 

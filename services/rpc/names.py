@@ -1,0 +1,19 @@
+"""Names every service uses: the API's service name, the router's liveness service, the
+stack's metadata keys, finish reasons."""
+from __future__ import annotations
+
+from baton.v1 import generate_pb2 as pb
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+# The router's health service for its own process (liveness and startup probes): SERVING while
+# its event loop answers, whether or not a decode is reachable (that is "" and SERVICE_NAME).
+ROUTER_LIVENESS = "baton.router.liveness"
+TOKEN_KEY = "x-baton-token"  # the stack's shared secret, in the metadata of internal calls
+DECODE_STEP_KEY = "x-baton-first-decode-step"  # a decode's initial metadata: seconds from KV landed to first token
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+                  "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
+FINISH_REASON_NAMES = {code: name for name, code in FINISH_REASONS.items()}
+
+
+def token_metadata(token: str | None) -> tuple:
+    return ((TOKEN_KEY, token),) if token is not None else ()
