@@ -21,7 +21,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from baton import LLM, SamplingParams
-from baton.engine.offline.llm_engine import StepTimes
+from baton.engine.core.engine_core import StepTimes
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODELS = ["models/tiny-llama", "models/smollm2-135m-instruct"]

@@ -1,21 +1,17 @@
 """Shared fixtures: real checkpoints written to disk, and transformers as the reference."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import shutil
-import signal
-import subprocess
-import threading
-import time
 
 import pytest
 import torch
 
-from baton.engine.common.messages import GetSnapshot
 from baton.services.cli.demo_models import SMOLLM2_DIR_NAME, prepare_smollm2
 from baton.testing.checkpoints import write_tiny_checkpoint
+
+from servers import ServerProcess, ServerThread
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 if not torch.cuda.is_available():  # the Triton kernels run on CPU tensors, interpreted (read at triton's import)
@@ -102,69 +98,6 @@ def hf() -> HFReference:
     return HFReference()
 
 
-class ServerThread:
-    """A real Baton server on 127.0.0.1 (a free port), its event loop on a thread of its own,
-    so that tests can be plain functions calling it with sync or asyncio clients."""
-
-    def __init__(self, model_dir: str, options: dict | None = None, **engine_args):
-        from baton.engine.common.config import EngineConfig
-        from baton.services.server.server import Server, ServerOptions
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
-        self.thread.start()
-        config = EngineConfig.from_kwargs(model_dir, dtype="float32", device="cpu", **engine_args)
-        self.server = self.call(self._make(Server, config, ServerOptions(**{"port": 0, **(options or {})})))
-        self.address = self.server.address
-
-    @staticmethod
-    async def _make(server_cls, config, options):
-        return server_cls(config, options)  # the grpc.aio server binds to the running loop
-
-    def call(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def start(self) -> ServerThread:
-        self.call(self.server.start())
-        return self
-
-    def snapshot(self):
-        """The engine core's load and totals (EngineSnapshot), asked over its IPC."""
-        return self.call(self.server.core.call(GetSnapshot()))
-
-    def wait_pool_full(self, timeout: float = 10) -> bool:
-        """Aborts land at the next step: wait (bounded) until every KV block is free again, no
-        request left in the core, none held, none streaming."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            s = self.snapshot()
-            if (s.num_free_kv_blocks == s.num_kv_blocks and s.num_running == s.num_waiting == s.num_held_requests == 0
-                    and self.server.core.num_in_flight == 0):
-                return True
-            time.sleep(0.02)
-        return False
-
-    @contextlib.contextmanager
-    def core_stopped(self):
-        """The engine core process stopped (SIGSTOP) for the block, as a stuck GPU or a long
-        step would hold it: its front must go on answering."""
-        pid = self.server.core.pid
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            yield
-        finally:
-            os.kill(pid, signal.SIGCONT)
-
-    def close(self, grace_s: float = 0) -> None:
-        if not self.thread.is_alive():  # closed already
-            return
-        try:
-            self.call(self.server.stop(grace_s))
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
-
-
 @pytest.fixture
 def serve():
     """serve(model_dir, options=None, **engine_args) -> a started ServerThread; all are
@@ -180,72 +113,6 @@ def serve():
     with contextlib.ExitStack() as stack:  # every one is closed, even when one of them fails to
         for server in servers:
             stack.callback(server.close)
-
-
-class ServerProcess:
-    """`baton serve` in a process of its own, on 127.0.0.1 and a free port. Starting returns at
-    once (so that several load side by side); `address` waits until it serves."""
-
-    def __init__(self, model_dir: str, *flags: str):
-        import subprocess
-        import sys
-
-        self.proc = subprocess.Popen([sys.executable, "-m", "baton.services.cli", "serve", "--model", model_dir,
-                                      "--port", "0", "--dtype", "float32", "--device", "cpu", *flags],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self._address: str | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read_output, daemon=True).start()  # never blocks on a full pipe
-
-    def _read_output(self) -> None:
-        for line in self.proc.stdout:  # ends at EOF when the process exits
-            self.lines.append(line)
-            if self._address is None and line.startswith("serving on "):
-                self._address = line.split()[2].rstrip(";")
-                self._ready.set()
-        self._ready.set()
-
-    @property
-    def address(self) -> str:
-        if not self._ready.wait(120) or self._address is None:
-            self.kill()
-            raise RuntimeError("baton serve did not start:\n" + "".join(self.lines))
-        return self._address
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(30)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(2)
-            try:
-                return self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.proc.returncode
-
-
-@contextlib.contextmanager
-def pd_stack(model_dir: str, num_prefill: int = 1, num_decode: int = 1, prefill: tuple = (), decode: tuple = (),
-             router: tuple = (), common: tuple = ()):
-    """Prefill and decode processes (each with the stack's token) and a router in front of
-    them: yields (prefills, decodes, router); every process is stopped on exit, also when
-    one fails to start. `prefill`, `decode`, `router`: flags of that tier; `common`: of all."""
-    from helpers import TOKEN
-
-    common = ("--internal-token", TOKEN, *common)
-    with contextlib.ExitStack() as stack:
-        def start(*flags: str) -> ServerProcess:
-            proc = ServerProcess(model_dir, *flags)
-            stack.callback(proc.stop)
-            return proc
-        prefills = [start("--role", "prefill", *common, *prefill) for _ in range(num_prefill)]
-        decodes = [start("--role", "decode", *common, *decode) for _ in range(num_decode)]
-        backends = [("--prefill", prefills), ("--decode", decodes)]
-        yield prefills, decodes, start("--role", "router", *common, *router, *(
-            arg for flag, procs in backends if procs for arg in (flag, ",".join(p.address for p in procs))))
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""Helpers the test modules share: workloads, stream collection, and waiting on a server's
-health and pools through its gRPC services (fixtures live in conftest.py)."""
+"""Helpers the test modules share: workloads, the greedy reference check, the tiny blocks' size,
+stream collection, and waiting on a server's health and pools through its gRPC services
+(servers start in servers.py, fixtures live in conftest.py)."""
 from __future__ import annotations
 
 import random
@@ -8,8 +9,26 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton import SamplingParams
 from baton.services.rpc.health import is_serving
 from baton.services.rpc.health import backend_health
+
+TINY_BLOCK_BYTES = 4 * 2 * 16 * 2 * 16 * 4  # the tiny checkpoints' float32 block: layers, K/V, 16 tokens, heads, dim
+
+
+def gib(num_blocks: int) -> float:
+    """kv_offloading_size for that many of the tiny checkpoints' blocks."""
+    return num_blocks * TINY_BLOCK_BYTES / (1 << 30)
+
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def assert_matches_hf(hf, model_dir, prompts, outputs, max_tokens=GREEDY.max_tokens):
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.token_ids == hf.greedy(model_dir, prompt, max_tokens), f"prompt of {len(prompt)} tokens"
+        assert out.finish_reason == "length"
+
 
 TOKEN = "stack-secret"  # the internal token the tests' tiers share
 AUTH = (("x-baton-token", TOKEN),)

@@ -1,4 +1,4 @@
-"""Render the Baton chart's golden value sets into tests/golden/ (tests/test_helm_chart.py
+"""Render the Baton chart's golden value sets into tests/golden/ (tests/deploy/test_helm_chart.py
 compares fresh renders with them).
 
     .venv/bin/python deploy/helm/render_golden.py

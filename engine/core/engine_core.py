@@ -14,7 +14,7 @@ import torch
 
 from baton.engine.common.config import EngineConfig, read_config
 from baton.engine.common.messages import (AdapterInfo, CallError, CoreFailure, CoreOutput, CoreRequest, CoreStats,
-                                        EngineFacts, LoadAdapter)
+                                          EngineFacts, ErrorKind, LoadAdapter)
 from baton.engine.common.errors import InvalidArgument, check
 from baton.engine.core.host_kv_tier import HostKVTier
 from baton.engine.core.kv_cache_manager import KVCacheManager
@@ -182,7 +182,7 @@ class EngineCore:
                 waiting.append(request)
             elif e is not None:  # Grammars names the field; anything else (the tokenizer) is the constraint's
                 field, reason = (e.field, e.reason) if isinstance(e, InvalidArgument) else ("structured_output", str(e))
-                self.failures.append(CoreFailure(request.key, CallError("invalid_argument", reason, field)))
+                self.failures.append(CoreFailure(request.key, CallError(ErrorKind.INVALID_ARGUMENT, reason, field)))
             else:
                 request.status = RequestStatus.WAITING
                 self.scheduler.record(request, EventType.GRAMMAR_READY, time.monotonic(),

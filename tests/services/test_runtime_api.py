@@ -18,7 +18,7 @@ from baton.services.client import AsyncClient
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
 
-from conftest import pd_stack
+from servers import pd_stack
 from helpers import pools_full, random_prompts, stats, wait_serving
 
 

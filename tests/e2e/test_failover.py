@@ -15,7 +15,7 @@ from baton import LLM, SamplingParams
 from baton.engine.common.structured_output import StructuredOutput
 from baton.services.client import AsyncClient
 
-from conftest import pd_stack
+from servers import pd_stack
 from helpers import TOKEN, collect, pools_full, random_prompts, stats, wait_serving
 
 NUM_STREAMS = 24

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # A folder -> the baton modules (prefixes) its code may import.
 ALLOWED = {
     "kv_transfer/base.py": (),

@@ -24,7 +24,7 @@ from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
 from helpers import collect, health_status, random_prompts, workload
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 256
 
 
@@ -184,7 +184,7 @@ def test_cancelled_and_timed_out_streams_free_their_blocks(serve, tiny_llama):
 
 
 def test_health_is_not_serving_while_loading_and_draining(tiny_llama):
-    from conftest import ServerThread
+    from servers import ServerThread
 
     srv = ServerThread(tiny_llama, {"grace_s": 30})
     core = None

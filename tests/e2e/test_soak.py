@@ -16,7 +16,7 @@ import pytest
 
 from baton.services.client import AsyncClient
 
-from conftest import pd_stack
+from servers import pd_stack
 from helpers import pools_full, random_prompts, stats, wait_serving
 
 pytestmark = [pytest.mark.soak,

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.container,
               pytest.mark.skipif(os.environ.get("BATON_TEST_CONTAINER") != "1",
                                  reason="builds and runs the container image (minutes): BATON_TEST_CONTAINER=1")]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PODMAN = ["podman", "--storage-driver", "vfs", "--runtime", "runc", "--cgroup-manager", "cgroupfs"]
 
 

@@ -83,7 +83,7 @@ def test_metrics_count_a_known_workload(traced_stack, trace_receiver):
 
 def test_the_grafana_dashboard_is_fresh_and_queries_what_the_services_export(traced_stack):
     import importlib.util
-    path = os.path.join(os.path.dirname(__file__), "..", "deploy", "grafana", "dashboard.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "grafana", "dashboard.py")
     spec = importlib.util.spec_from_file_location("dashboard", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -12,7 +12,7 @@ import pytest
 from baton import LLM, SamplingParams
 from baton.services.client import AsyncClient
 
-from conftest import ServerProcess, pd_stack
+from servers import ServerProcess, pd_stack
 from helpers import pools_full, random_prompts, wait_serving
 
 LOGPROB_TOL = 1e-4

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from baton import LLM, SamplingParams
 from baton.kv_transfer.base import KVTier
-from helpers import random_prompts
+from helpers import gib, random_prompts
 from nixl_engines import agent_ids, assert_pools_full, connect, disaggregated, nixl_engine
-from test_host_kv_tier import gib
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -79,7 +78,7 @@ def test_through_the_router_the_decode_reads_handed_off_blocks_from_the_prefills
     import asyncio
 
     from baton.services.client import AsyncClient
-    from conftest import pd_stack
+    from servers import pd_stack
     from helpers import collect, pools_full, stats, wait_serving
 
     prompts = random_prompts([70, 90, 60, 80, 75, 65], seed=63)

@@ -15,7 +15,7 @@ from baton.services.client import AsyncClient
 from baton.services.rpc.errors import failure_of_error
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
-from conftest import pd_stack
+from servers import pd_stack
 from helpers import AUTH, collect, pools_full, random_prompts, wait_serving
 
 MAX_TOKENS = 10

@@ -24,7 +24,7 @@ from baton.services.router.policies import PrefixAffinity
 from baton.services.rpc.names import ROUTER_LIVENESS
 from baton.services.rpc.health import is_serving
 
-from conftest import ServerProcess
+from servers import ServerProcess, baton
 from helpers import TOKEN, collect, pools_full, random_prompts, stats, wait_serving, workload
 
 
@@ -355,11 +355,6 @@ def test_cancelling_50_streams_at_the_router_frees_both_tiers(stack):
 
 
 # ---- `baton up` -------------------------------------------------------------------------------
-def baton(*argv: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "baton.services.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kwargs)
-
-
 def waterfalls(lines: list[str]) -> list[list[list[str]]]:
     """The (tier, phase) rows of each complete waterfall `baton up --trace` printed."""
     found, rows = [], None

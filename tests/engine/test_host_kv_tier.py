@@ -19,17 +19,9 @@ from baton.engine.common.config import EngineConfig
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.core.request import RequestStatus
 from baton.kv_transfer.base import KVTier
-from helpers import random_prompts
+from helpers import gib, random_prompts
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-TINY_BLOCK_BYTES = 4 * 2 * 16 * 2 * 16 * 4  # the tiny checkpoints' float32 block: layers, K/V, 16 tokens, heads, dim
-
-
-def gib(num_blocks: int) -> float:
-    """kv_offloading_size for that many of the tiny checkpoints' blocks."""
-    return num_blocks * TINY_BLOCK_BYTES / (1 << 30)
-
-
 def assert_tiers_settled(llm: LLM) -> None:
     """Every device block free, every host block free (nothing pinned, swapped or in flight)."""
     core = llm.engine.core

@@ -4,57 +4,15 @@ stack with its last output shown; --no-restart keeps the stop-at-first-death beh
 from __future__ import annotations
 
 import os
-import re
 import subprocess
-import sys
-import threading
 import time
 
 from baton.services.client import Client
 from baton.services.cli.launcher import free_port
 
-from helpers import TOKEN, stats
+from servers import Up
 
-
-class Up:
-    """`baton up` in a process, its output collected as it comes."""
-
-    def __init__(self, *argv: str):
-        # The stack's token known here, for the engines' Stats.
-        self.proc = subprocess.Popen([sys.executable, "-m", "baton.services.cli", "up", *argv],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, BATON_INTERNAL_TOKEN=TOKEN))
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
-
-    def wait_for(self, pattern: str, timeout: float = 120, after: int = 0) -> re.Match:
-        """The first line from index `after` on that matches pattern."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for line in self.lines[after:]:
-                if m := re.search(pattern, line):
-                    return m
-            assert time.monotonic() < deadline and self.proc.poll() is None, "".join(self.lines[-60:])
-            time.sleep(0.05)
-
-    def children(self) -> dict[str, tuple[int, str]]:
-        """role-index -> (pid, address), from the children's command lines."""
-        out = {}
-        for pid in subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split():
-            argv = open(f"/proc/{pid}/cmdline").read().split("\0")
-            if "serve" in argv:
-                role, port = argv[argv.index("--role") + 1], argv[argv.index("--port") + 1]
-                out.setdefault(role, []).append((int(pid), f"127.0.0.1:{port}"))
-        return out
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(2)
-            try:
-                return self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait()
+from helpers import stats
 
 
 def generate(address: str, n: int = 4) -> list[str]:

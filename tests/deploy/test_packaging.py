@@ -6,7 +6,7 @@ import subprocess
 import sys
 import zipfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_wheel_holds_only_the_baton_namespace(tmp_path):

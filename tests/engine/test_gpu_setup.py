@@ -223,7 +223,7 @@ def test_the_benchs_random_checkpoints_load_in_baton_and_transformers_alike(tmp_
 
     from baton import LLM, SamplingParams
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     try:
         from random_checkpoint import write_random_checkpoint
     finally:

@@ -26,7 +26,7 @@ ASKS = ["What is the weather in Paris?", "hi", "Tell me the time."]
 
 @pytest.fixture(scope="module")
 def front(tiny_llama):
-    from conftest import ServerThread
+    from servers import ServerThread
 
     srv = ServerThread(tiny_llama, {"http_port": 0}).start()
     try:

@@ -86,7 +86,7 @@ def metrics_address(proc) -> str:
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama, pki):
-    from conftest import ServerProcess, pd_stack
+    from servers import ServerProcess, pd_stack
 
     metrics = ("--metrics-port", "0")
     with pd_stack(tiny_llama, prefill=metrics, decode=metrics, router=("--http-port", "0"),

@@ -6,8 +6,7 @@ import torch
 
 from baton import LLM, SamplingParams
 
-from helpers import random_prompts
-from test_parity import GREEDY, assert_matches_hf
+from helpers import GREEDY, assert_matches_hf, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -7,16 +7,7 @@ import pytest
 
 from baton import LLM, SamplingParams
 from conftest import require_cpu_kernel
-from helpers import random_prompts
-
-GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-
-
-def assert_matches_hf(hf, model_dir, prompts, outputs, max_tokens=GREEDY.max_tokens):
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.token_ids == hf.greedy(model_dir, prompt, max_tokens), f"prompt of {len(prompt)} tokens"
-        assert out.finish_reason == "length"
-
+from helpers import GREEDY, assert_matches_hf, random_prompts
 
 def test_one_text_prompt(tiny_model, hf):
     llm = LLM(tiny_model, dtype="float32", device="cpu")

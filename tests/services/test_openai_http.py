@@ -16,7 +16,7 @@ import pytest
 
 from baton.services.client import AsyncClient
 
-from conftest import pd_stack
+from servers import pd_stack
 from helpers import collect, pools_full, random_prompts, wait_serving
 
 CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
