@@ -107,7 +107,7 @@ def baton_runner(model_dir: Path, workload: list[Request], args: argparse.Namesp
 
     def timed_run() -> Result:
         llm.reset_prefix_cache()  # a repeat must not hit the previous run's prompts
-        llm.engine.times = StepTimes()
+        llm.engine.core.times = StepTimes()
         preempted_before = llm.engine.scheduler.num_preemptions
         t0 = time.perf_counter()
         outs = llm.generate([r.prompt for r in workload], [greedy(r.output_len) for r in workload], use_tqdm=True)
