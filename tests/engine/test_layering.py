@@ -5,6 +5,7 @@ the tree says where code runs, and the packages depend in one direction.
                                          <-  engine.worker  <-  engine.core  <-  engine.offline
     kernels           <-  engine.worker
     kv_transfer.nixl_* (the NIXL implementation) <- engine.core (which plugs it)
+    engine.front, engine.common  <-  services (servers, router, OpenAI front; never the core or model)
 """
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ ALLOWED = {
     "engine/offline": ("baton.engine", "baton.kv_transfer.base"),
     # The router needs no engine: block hashing and tokenizer files from the contracts only.
     "services/router": ("baton.engine.common", "baton.kv_transfer.base", "baton.services", "baton.v1"),
+    # The servers' fronts: the engine's front half and contracts, never its core or model.
+    "services/server": ("baton.engine.common", "baton.engine.front", "baton.kv_transfer.base", "baton.services",
+                        "baton.v1"),
+    "services/openai": ("baton.engine.common", "baton.services", "baton.v1"),
+    "services/rpc": ("baton.engine.common", "baton.kv_transfer.base", "baton.services", "baton.v1"),
+    "services/telemetry": ("baton.engine.common", "baton.services", "baton.v1"),
 }
 
 
@@ -46,7 +53,9 @@ def rule_for(rel: str) -> tuple[str, tuple[str, ...]] | None:
     return (max(matches, key=len), ALLOWED[max(matches, key=len)]) if matches else None
 
 
-FILES = sorted(str(p.relative_to(ROOT)) for folder in ("engine", "kv_transfer", "kernels", "services/router")
+FILES = sorted(str(p.relative_to(ROOT)) for folder in ("engine", "kv_transfer", "kernels", "services/router",
+                                                          "services/server", "services/openai", "services/rpc",
+                                                          "services/telemetry")
                for p in (ROOT / folder).rglob("*.py"))
 
 
