@@ -24,7 +24,7 @@ import torch
 
 from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.common.config import read_config
-from baton.engine.worker.model import ModelArgs
+from baton.engine.worker.models import model_args
 from baton.engine.core.request import Request, RequestStatus
 from baton.engine.common.sampling_params import SamplingParams
 from baton.kv_transfer.nixl_connector import _new_agent, make_nixl_connector
@@ -54,7 +54,7 @@ def shapes(args) -> dict[str, tuple[int, int, int]]:
     out = {}
     model_dir = REPO / args.demo_model
     if (model_dir / "config.json").is_file():
-        model = ModelArgs.from_hf_config(read_config(str(model_dir)))
+        model = model_args(read_config(str(model_dir)))
         out[model_dir.name] = (model.num_layers, model.num_kv_heads, model.head_dim)
     out = {**out, **SHAPES}
     return {k: v for k, v in out.items() if args.shapes is None or k in args.shapes.split(",")}

@@ -24,13 +24,13 @@ from safetensors.torch import save_file
 from baton import LLM, SamplingParams
 from baton.engine.common.config import read_config
 from baton.engine.worker.lora.adapter import part_shapes
-from baton.engine.worker.model import ModelArgs
+from baton.engine.worker.models import model_args
 
 _PARENT = {"o_proj": "self_attn", "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"}
 
 
 def write_random_adapter(model_dir: str, out_dir: str, rank: int, seed: int) -> str:
-    args = ModelArgs.from_hf_config(read_config(model_dir))
+    args = model_args(read_config(model_dir))
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(args.num_layers):
@@ -57,7 +57,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the fastest of each is reported")
     args = p.parse_args()
     counts = [int(c) for c in args.adapters.split(",")]
-    vocab = ModelArgs.from_hf_config(read_config(args.model)).vocab_size
+    vocab = model_args(read_config(args.model)).vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)

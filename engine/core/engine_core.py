@@ -24,7 +24,7 @@ from baton.engine.worker.lora.adapter import adapter_bytes
 from baton.engine.worker.lora.layers import LoRASlots
 from baton.engine.worker.lora.registry import LoRARegistry
 from baton.engine.worker.memory import measure_kv_cache_bytes, memory_before_loading
-from baton.engine.worker.model import ModelArgs
+from baton.engine.worker.models import ModelArgs, model_args
 from baton.engine.worker.model_runner import ModelRunner
 from baton.engine.core.request import Request, RequestStatus
 from baton.engine.core.scheduler import Scheduler
@@ -50,8 +50,12 @@ class EngineCore:
         """`kv_connector`: the scheduler and worker halves of a KV connector, or None (colocated)."""
         self.config = config
         config.resolve_device()
-        args = ModelArgs.from_hf_config(read_config(config.model))
+        args = model_args(read_config(config.model))
         config.resolve_model_len(args.max_position_embeddings)
+        # Attention does not slide a window yet: exact only where the window holds every position.
+        check(args.sliding_window is None or args.sliding_window >= config.max_model_len, "sliding_window",
+              f"the model attends within {args.sliding_window} tokens, and Baton's attention does not slide a "
+              f"window yet: serve it with max_model_len {args.sliding_window} or less (it is {config.max_model_len})")
         self.eos_token_ids = eos_token_ids(config.model)
         torch.manual_seed(config.seed)
         on_gpu = config.device.startswith("cuda")

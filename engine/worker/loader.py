@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from baton.engine.common.config import read_config
 from baton.engine.common.errors import InvalidArgument
-from baton.engine.worker.model import CausalLM, ModelArgs
+from baton.engine.worker.models import CausalLM, ModelArgs, model_args
 
 # checkpoint name -> (our parameter, index of the slice in a merged projection)
 _MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -54,7 +54,7 @@ def files_fingerprint(config_path: str, weight_paths: list[str], samples: int = 
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
-    args = ModelArgs.from_hf_config(read_config(model_dir))
+    args = model_args(read_config(model_dir))
     # Allocated in place, in the target dtype, and left uninitialized (see model.Linear): the
     # checkpoint fills it. Built in float32 and cast, a bf16 model would peak at three times
     # its size. (The meta device + to_empty would make torch import sympy: seconds of start-up.)
@@ -63,7 +63,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
+    loaded: set[str] = set()  # checkpoint names
+    filled: set[str] = set()  # our parameters written (a merged one by any of its parts)
     for path in _safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
@@ -76,7 +77,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
                 with torch.no_grad():
                     (params[target] if rows is None else params[target][rows]).copy_(tensor)
                 loaded.add(name)
-    _check_complete(model, args, loaded)
+                filled.add(target)
+    _check_complete(model, args, loaded, filled, params)
     model.eval()
     return model
 
@@ -110,7 +112,7 @@ def _target(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice
     return None, None
 
 
-def _check_complete(model: CausalLM, args: ModelArgs, loaded: set[str]) -> None:
+def _check_complete(model: CausalLM, args: ModelArgs, loaded: set[str], filled: set[str], params: dict) -> None:
     have = {n.removeprefix("model.") for n in loaded}
     if "lm_head.weight" not in have and not args.tie_word_embeddings:
         raise InvalidArgument("model", "checkpoint has no lm_head.weight and does not tie embeddings")
@@ -119,3 +121,6 @@ def _check_complete(model: CausalLM, args: ModelArgs, loaded: set[str]) -> None:
                      "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
             if f"layers.{i}.{part}" not in have:
                 raise InvalidArgument("model", f"checkpoint lacks weight layers.{i}.{part}")
+    for name in params:  # the rest (norms, QK-norms, embeddings): nothing starts half-loaded
+        if name not in filled and not (name == "lm_head.weight" and args.tie_word_embeddings):
+            raise InvalidArgument("model", f"checkpoint lacks weight {name}")

@@ -166,9 +166,9 @@ def test_the_device_room_kept_for_an_adapter_is_what_one_takes(tiny_llama, adapt
     every projection at the highest rank takes exactly that."""
     from baton.engine.common.config import read_config
     from baton.engine.worker.lora.adapter import adapter_bytes, load_adapter
-    from baton.engine.worker.model import ModelArgs
+    from baton.engine.worker.models import model_args
 
-    args = ModelArgs.from_hf_config(read_config(tiny_llama))
+    args = model_args(read_config(tiny_llama))
     _, weights = load_adapter(adapters["code"], args, 16)  # rank 16 on all seven projections
     assert weights.nbytes == adapter_bytes(args, 16, 4)
     _, small = load_adapter(adapters["sql"], args, 16)

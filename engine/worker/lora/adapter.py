@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from baton.engine.common.errors import InvalidArgument, check
 from baton.engine.worker.loader import files_fingerprint
-from baton.engine.worker.model import ModelArgs
+from baton.engine.worker.models import ModelArgs
 
 # Each merged projection of a decoder layer, its parts in output order.
 PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from baton.engine.common.messages import AdapterInfo
 from baton.engine.common.errors import InUse, InvalidArgument, NotFound, check
 from baton.engine.worker.lora.adapter import LoRAWeights, adapter_fingerprint, load_adapter
-from baton.engine.worker.model import ModelArgs
+from baton.engine.worker.models import ModelArgs
 
 
 class LoRARegistry:

@@ -1,0 +1,150 @@
+"""The model families beyond Llama and Qwen2, each greedy-equal to transformers in float32 on a
+tiny random checkpoint made here from transformers' own config and model classes, with odd
+shapes on purpose: Qwen3 (QK-norm, a head size of its own, one KV head, tied head), Mistral
+(untied, GQA 3:1), Qwen2 with YaRN past its original context. One run per family batches,
+chunks, preempts and hits the prefix cache; the same prompts through a prefill and a decode
+over NIXL equal it. What Baton does not run is refused at load, naming the field."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from baton import LLM, SamplingParams
+from baton.engine.common.errors import InvalidArgument
+from baton.testing.checkpoints import train_tokenizer
+
+from helpers import assert_matches_hf, pools_full, random_prompts, stats, wait_serving
+from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
+from servers import pd_stack
+
+FAMILIES = {
+    "qwen3": ("Qwen3Config", dict(hidden_size=80, intermediate_size=144, num_attention_heads=4, num_key_value_heads=1,
+                                  head_dim=24, num_hidden_layers=3, tie_word_embeddings=True,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "mistral": ("MistralConfig", dict(hidden_size=72, intermediate_size=120, num_attention_heads=6,
+                                      num_key_value_heads=2, num_hidden_layers=2, tie_word_embeddings=False,
+                                      sliding_window=None)),
+    "qwen2-yarn": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                       num_key_value_heads=2, num_hidden_layers=2, tie_word_embeddings=True,
+                                       use_sliding_window=False, rope_parameters={
+                                           "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                           "original_max_position_embeddings": 48})),
+}
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def write_family(out_dir: str, config_class: str, **shape) -> str:
+    import transformers
+
+    tokenizer = train_tokenizer()
+    config = getattr(transformers, config_class)(
+        vocab_size=len(tokenizer), max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.2,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **shape)
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):  # q/k/v biases start at zero: give them something to do
+                p.normal_(0, 0.1)
+            elif "norm" in name:  # norms start at one: let QK-norm's weights matter
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory) -> str:
+    config_class, shape = FAMILIES[request.param]
+    return write_family(str(tmp_path_factory.mktemp(request.param)), config_class, **shape)
+
+
+def prompts() -> list[list[int]]:
+    out = random_prompts([3, 17, 40, 75, 130], seed=41)
+    return out + [out[3][:48] + out[0]]  # shares three blocks with the fourth
+
+
+def test_batched_chunked_preempted_and_prefix_cached_equal_transformers(family, hf):
+    llm = LLM(family, dtype="float32", device="cpu", max_num_batched_tokens=32, num_kv_blocks=16,
+              max_model_len=192)
+    ps = prompts()
+    outs = llm.generate(ps, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv.prefix_hits > 0
+    assert_matches_hf(hf, family, ps, outs, GREEDY.max_tokens)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_prefill_and_decode_over_nixl_equal_colocated(family):
+    ps = prompts()
+    want = [o.token_ids for o in LLM(family, dtype="float32", device="cpu").generate(ps, GREEDY)]
+    prefill, decode = nixl_engine(family, "prefill"), nixl_engine(family, "decode")
+    connect(prefill, decode)
+    assert disaggregated(prefill, decode, ps, [GREEDY] * len(ps)) == want
+    assert decode.runner.connector.num_blocks_pulled > 0
+    assert_pools_full(prefill, decode)
+
+
+def test_qwen3_through_the_router_prefill_and_decode_equals_offline(tmp_path):
+    from baton.services.client import Client
+
+    config_class, shape = FAMILIES["qwen3"]
+    model_dir = write_family(str(tmp_path / "qwen3"), config_class, **shape)
+    ps = prompts()
+    want = [o.token_ids for o in LLM(model_dir, dtype="float32", device="cpu").generate(ps, GREEDY)]
+    with pd_stack(model_dir, prefill=("--max-num-batched-tokens", "32")) as ((prefill,), (decode,), router):
+        wait_serving(router.address)
+        with Client(router.address) as client:
+            got = [[t for c in client.generate(p, max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True,
+                                               timeout=60) for t in c.token_ids] for p in ps]
+        assert got == want
+        assert stats(decode.address).num_blocks_pulled > 0
+        assert pools_full(prefill.address) and pools_full(decode.address)
+
+
+def edited(src: str, dst, **changes) -> str:
+    """A copy of a checkpoint with its config.json changed."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name != "config.json":
+            os.symlink(os.path.join(src, name), os.path.join(dst, name))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(dst)
+
+
+def test_what_baton_does_not_run_is_refused_naming_the_field(tiny_llama, tmp_path):
+    cases = [(dict(architectures=["GPT2LMHeadModel"]), "model", "architecture 'GPT2LMHeadModel' is not supported"),
+             (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}), "rope_scaling",
+              "rope_type 'dynamic' is not supported"),
+             (dict(architectures=["MistralForCausalLM"], sliding_window=64), "sliding_window",
+              "attends within 64 tokens")]
+    for i, (changes, field, message) in enumerate(cases):
+        with pytest.raises(InvalidArgument, match=message) as err:
+            LLM(edited(tiny_llama, tmp_path / str(i), **changes), dtype="float32", device="cpu")
+        assert err.value.field == field
+    # A window as long as the context is every token: served, and equal to the same model without one.
+    windowed = edited(tiny_llama, tmp_path / "window", architectures=["MistralForCausalLM"], sliding_window=64)
+    prompt = random_prompts([40], seed=42)
+    got = LLM(windowed, dtype="float32", device="cpu", max_model_len=64).generate(prompt, GREEDY)[0].token_ids
+    assert got == LLM(tiny_llama, dtype="float32", device="cpu", max_model_len=64).generate(prompt, GREEDY)[0].token_ids
+
+
+def test_a_checkpoint_missing_a_weight_is_refused_naming_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    config_class, shape = FAMILIES["qwen3"]
+    model_dir = write_family(str(tmp_path / "qwen3"), config_class, **shape)
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    del tensors["model.layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(InvalidArgument, match=r"lacks weight layers\.1\.self_attn\.k_norm\.weight") as err:
+        LLM(model_dir, dtype="float32", device="cpu")
+    assert err.value.field == "model"
