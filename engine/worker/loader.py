@@ -116,11 +116,16 @@ def _check_complete(model: CausalLM, args: ModelArgs, loaded: set[str], filled: 
     have = {n.removeprefix("model.") for n in loaded}
     if "lm_head.weight" not in have and not args.tie_word_embeddings:
         raise InvalidArgument("model", "checkpoint has no lm_head.weight and does not tie embeddings")
+    # A merged projection is whole when the checkpoint has it fused (Phi-3) or has every part.
     for i in range(args.num_layers):
-        for part in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                     "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
-            if f"layers.{i}.{part}" not in have:
-                raise InvalidArgument("model", f"checkpoint lacks weight layers.{i}.{part}")
+        for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                             ("self_attn.o_proj", ()), ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+                             ("mlp.down_proj", ())):
+            if f"layers.{i}.{fused}.weight" in have:
+                continue
+            for part in parts or (fused,):
+                if f"layers.{i}.{part}.weight" not in have:
+                    raise InvalidArgument("model", f"checkpoint lacks weight layers.{i}.{part}.weight")
     for name in params:  # the rest (norms, QK-norms, embeddings): nothing starts half-loaded
         if name not in filled and not (name == "lm_head.weight" and args.tie_word_embeddings):
             raise InvalidArgument("model", f"checkpoint lacks weight {name}")

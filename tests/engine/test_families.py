@@ -1,7 +1,9 @@
 """The model families beyond Llama and Qwen2, each greedy-equal to transformers in float32 on a
 tiny random checkpoint made here from transformers' own config and model classes, with odd
-shapes on purpose: Qwen3 (QK-norm, a head size of its own, one KV head, tied head), Mistral
-(untied, GQA 3:1), Qwen2 with YaRN past its original context. One run per family batches,
+shapes on purpose: Qwen3 (QK-norm per head, a head size of its own, one KV head, tied head),
+Mistral (untied, GQA 3:1), Phi-3 (fused q/k/v and gate/up weights, RoPE over half of each head),
+OLMo 2 (norms after each block, QK-norm over the whole projection), Qwen2 with YaRN past its
+original context. One run per family batches,
 chunks, preempts and hits the prefix cache; the same prompts through a prefill and a decode
 over NIXL equal it. What Baton does not run is refused at load, naming the field."""
 from __future__ import annotations
@@ -27,6 +29,12 @@ FAMILIES = {
     "mistral": ("MistralConfig", dict(hidden_size=72, intermediate_size=120, num_attention_heads=6,
                                       num_key_value_heads=2, num_hidden_layers=2, tie_word_embeddings=False,
                                       sliding_window=None)),
+    "phi3": ("Phi3Config", dict(hidden_size=96, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+                                num_hidden_layers=2, tie_word_embeddings=False, sliding_window=None,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.5})),
+    "olmo2": ("Olmo2Config", dict(hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2,
+                                  num_hidden_layers=2, tie_word_embeddings=False)),
     "qwen2-yarn": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                        num_key_value_heads=2, num_hidden_layers=2, tie_word_embeddings=True,
                                        use_sliding_window=False, rope_parameters={
