@@ -127,9 +127,14 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [T, q_heads, D]; k, v: this step's [T, kv_heads, D], written into the cache here.
-    Rows may be strided (views into the fused QKV projection). Returns [T, q_heads, D]."""
+    Rows may be strided (views into the fused QKV projection). Returns [T, q_heads, D].
+    `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2); only
+    the reference below does it (the engine picks it for such models)."""
+    if softcap is not None and (meta.kernel is not None or meta.triton is not None):
+        raise ValueError("attention soft-capping runs on the PyTorch reference only")
     if meta.kernel is not None:
         kb = meta.kernel
         return cpu_kernels.paged_attention(q, k, v, k_cache, v_cache, kb.block_ids, kb.row_block_start, kb.positions,
@@ -148,7 +153,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         qd = q[rows].view(-1, num_kv_heads, group, head_dim)
         kd = gather_blocks(k_cache, dec.block_tables).flatten(1, 2).transpose(1, 2)
         vd = gather_blocks(v_cache, dec.block_tables).flatten(1, 2).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask, scale=scale)
+        if softcap is None:
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask, scale=scale)
+        else:
+            scores = _capped(torch.matmul(qd, kd.transpose(-1, -2)) * scale, softcap) + dec.mask
+            od = torch.matmul(scores.softmax(-1, dtype=torch.float32).to(vd.dtype), vd)
         out[rows] = od.reshape(-1, num_q_heads, head_dim)
     for seq in meta.prefills:
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
@@ -162,7 +171,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             vp = gather_blocks(v_cache, seq.block_table).flatten(0, 1)[:seq.ctx_len].transpose(0, 1)
         if seq.mask is None:  # the same for every layer: built once per step
             seq.mask = causal_mask(seq.q_len, seq.ctx_len, group, q.dtype, q.device)
-        if q.device.type == "cpu" and num_kv_heads * seq.mask.numel() <= _MAX_CPU_SCORES:
+        if softcap is not None:  # capped before the mask, as Gemma 2's eager attention does
+            scores = _capped(torch.bmm(qp, kp.transpose(1, 2)) * scale, softcap) + seq.mask
+            op = torch.bmm(scores.softmax(-1, dtype=torch.float32).to(vp.dtype), vp)
+        elif q.device.type == "cpu" and num_kv_heads * seq.mask.numel() <= _MAX_CPU_SCORES:
             # Scores materialized: on CPU 2-4x faster than SDPA's flash kernel at these sizes.
             scores = torch.baddbmm(seq.mask, qp, kp.transpose(1, 2), alpha=scale)
             op = torch.bmm(scores.softmax(-1, dtype=torch.float32).to(vp.dtype), vp)
@@ -171,3 +183,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[rows] = op.view(num_kv_heads, group, seq.q_len, head_dim).permute(2, 0, 1, 3).reshape(
             seq.q_len, num_q_heads, head_dim)
     return out
+
+
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return torch.tanh(scores / softcap) * softcap

@@ -2,8 +2,10 @@
 tiny random checkpoint made here from transformers' own config and model classes, with odd
 shapes on purpose: Qwen3 (QK-norm per head, a head size of its own, one KV head, tied head),
 Mistral (untied, GQA 3:1), Phi-3 (fused q/k/v and gate/up weights, RoPE over half of each head),
-OLMo 2 (norms after each block, QK-norm over the whole projection), Qwen2 with YaRN past its
-original context. One run per family batches,
+OLMo 2 (norms after each block, QK-norm over the whole projection), Gemma 2 (soft-capped scores
+and logits, GeGLU, (1 + w) norms around both blocks), Gemma 3 (QK-norm, sliding layers with a
+RoPE base of their own, linear scaling on the global ones), Qwen2 with YaRN past its original
+context. One run per family batches,
 chunks, preempts and hits the prefix cache; the same prompts through a prefill and a decode
 over NIXL equal it. What Baton does not run is refused at load, naming the field."""
 from __future__ import annotations
@@ -35,6 +37,18 @@ FAMILIES = {
                                                  "partial_rotary_factor": 0.5})),
     "olmo2": ("Olmo2Config", dict(hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2,
                                   num_hidden_layers=2, tie_word_embeddings=False)),
+    "gemma2": ("Gemma2Config", dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=24, num_hidden_layers=3, query_pre_attn_scalar=32,
+                                    attn_logit_softcapping=4.0, final_logit_softcapping=5.0,
+                                    layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "gemma3": ("Gemma3TextConfig", dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                        num_key_value_heads=1, head_dim=32, num_hidden_layers=3,
+                                        query_pre_attn_scalar=24,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                        rope_parameters={
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
+                                                               "factor": 8.0}})),
     "qwen2-yarn": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                        num_key_value_heads=2, num_hidden_layers=2, tie_word_embeddings=True,
                                        use_sliding_window=False, rope_parameters={
@@ -156,3 +170,20 @@ def test_a_checkpoint_missing_a_weight_is_refused_naming_it(tmp_path):
     with pytest.raises(InvalidArgument, match=r"lacks weight layers\.1\.self_attn\.k_norm\.weight") as err:
         LLM(model_dir, dtype="float32", device="cpu")
     assert err.value.field == "model"
+
+
+def test_gemma2_logprobs_follow_its_capped_logits(tmp_path, hf):
+    """The final soft-cap never changes a greedy token (tanh keeps the order): logprobs show it."""
+    config_class, shape = FAMILIES["gemma2"]
+    model_dir = write_family(str(tmp_path / "gemma2"), config_class, **shape)
+    prompt = random_prompts([30], seed=43)[0]
+    out = LLM(model_dir, dtype="float32", device="cpu").generate(
+        [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1))[0]
+    with torch.inference_mode():
+        ref = hf.model(model_dir)(torch.tensor([prompt + out.token_ids])).logits[0].float().log_softmax(-1)
+    for i, lp in enumerate(out.outputs[0].logprobs):
+        assert abs(lp.logprob - ref[len(prompt) - 1 + i, lp.token_id].item()) < 1e-4
+    # Only the PyTorch reference caps attention scores: asking for the C++ kernel is refused.
+    with pytest.raises(InvalidArgument, match="only the PyTorch reference caps attention scores") as err:
+        LLM(model_dir, dtype="float32", device="cpu", attention_backend="cpu")
+    assert err.value.field == "attention_backend"
