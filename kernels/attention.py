@@ -35,6 +35,7 @@ class PrefillSeq:
     ctx_len: int  # tokens of context after this chunk (cached prefix + chunk)
     block_table: torch.Tensor  # [ceil(ctx_len / block_size)] block ids
     mask: torch.Tensor | None = None  # filled on first use, see causal_mask
+    windowed: dict = field(default_factory=dict)  # sliding window -> its mask, filled on first use
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class DecodeGroup:
     start: int  # first row of the group in the flat batch; its rows are consecutive
     block_tables: torch.Tensor  # [n, max_blocks] block ids, padded with 0
     mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size]: additive (-inf past the end) or True = attend
+    windowed: dict = field(default_factory=dict)  # sliding window -> its additive mask, filled on first use
 
 
 @dataclass(slots=True)
@@ -82,12 +84,29 @@ class AttentionMetadata:
 _MAX_CPU_SCORES = 1 << 24  # score elements (64 MiB in float32) a prefill may materialize on CPU
 
 
-def causal_mask(q_len: int, ctx_len: int, group: int, dtype: torch.dtype, device) -> torch.Tensor:
+def causal_mask(q_len: int, ctx_len: int, group: int, dtype: torch.dtype, device,
+                window: int | None = None) -> torch.Tensor:
     """Additive mask [group * q_len, ctx_len] for a chunk that ends the context: query i
-    (at position ctx_len - q_len + i) sees positions up to its own; rows repeat per query head."""
+    (at position ctx_len - q_len + i) sees positions up to its own (and, with a sliding
+    `window`, fewer than `window` behind it); rows repeat per query head."""
     q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
-    future = torch.arange(ctx_len, device=device)[None, :] > q_pos[:, None]
-    return torch.zeros(future.shape, dtype=dtype, device=device).masked_fill_(future, float("-inf")).repeat(group, 1)
+    kv_pos = torch.arange(ctx_len, device=device)[None, :]
+    hidden = kv_pos > q_pos[:, None]
+    if window is not None:
+        hidden |= kv_pos <= q_pos[:, None] - window
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf")).repeat(group, 1)
+
+
+def _decode_window_mask(dec: DecodeGroup, window: int) -> torch.Tensor:
+    """The group's mask with keys `window` or more positions behind each row's query hidden too
+    (a row's query sits at its context length - 1: the count of keys its mask leaves open)."""
+    mask = dec.windowed.get(window)
+    if mask is None:
+        lens = (dec.mask[:, 0, 0, :] == 0).sum(-1) if dec.mask.dtype != torch.bool else dec.mask[:, 0, 0, :].sum(-1)
+        old = torch.arange(dec.mask.shape[-1], device=dec.mask.device)[None, :] <= (lens - 1 - window)[:, None]
+        hide = False if dec.mask.dtype == torch.bool else float("-inf")
+        mask = dec.windowed[window] = dec.mask.masked_fill(old[:, None, None, :], hide)
+    return mask
 
 
 DECODE_PADDING_ELEMS = 1 << 18  # cache elements a decode group may waste on padding (~1 MiB in float32)
@@ -128,13 +147,14 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, window: int | None = None) -> torch.Tensor:
     """q: [T, q_heads, D]; k, v: this step's [T, kv_heads, D], written into the cache here.
     Rows may be strided (views into the fused QKV projection). Returns [T, q_heads, D].
-    `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2); only
-    the reference below does it (the engine picks it for such models)."""
-    if softcap is not None and (meta.kernel is not None or meta.triton is not None):
-        raise ValueError("attention soft-capping runs on the PyTorch reference only")
+    `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2);
+    `window`: a query sees only keys fewer than `window` positions behind it (sliding-window
+    layers). Only the reference below does either (the engine picks it for such models)."""
+    if (softcap is not None or window is not None) and (meta.kernel is not None or meta.triton is not None):
+        raise ValueError("attention soft-capping and sliding windows run on the PyTorch reference only")
     if meta.kernel is not None:
         kb = meta.kernel
         return cpu_kernels.paged_attention(q, k, v, k_cache, v_cache, kb.block_ids, kb.row_block_start, kb.positions,
@@ -153,10 +173,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         qd = q[rows].view(-1, num_kv_heads, group, head_dim)
         kd = gather_blocks(k_cache, dec.block_tables).flatten(1, 2).transpose(1, 2)
         vd = gather_blocks(v_cache, dec.block_tables).flatten(1, 2).transpose(1, 2)
+        mask = dec.mask if window is None else _decode_window_mask(dec, window)
         if softcap is None:
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec.mask, scale=scale)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
         else:
-            scores = _capped(torch.matmul(qd, kd.transpose(-1, -2)) * scale, softcap) + dec.mask
+            scores = _capped(torch.matmul(qd, kd.transpose(-1, -2)) * scale, softcap) + mask
             od = torch.matmul(scores.softmax(-1, dtype=torch.float32).to(vd.dtype), vd)
         out[rows] = od.reshape(-1, num_q_heads, head_dim)
     for seq in meta.prefills:
@@ -171,15 +192,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             vp = gather_blocks(v_cache, seq.block_table).flatten(0, 1)[:seq.ctx_len].transpose(0, 1)
         if seq.mask is None:  # the same for every layer: built once per step
             seq.mask = causal_mask(seq.q_len, seq.ctx_len, group, q.dtype, q.device)
+        mask = seq.mask
+        if window is not None:  # per window, once per step
+            mask = seq.windowed.get(window)
+            if mask is None:
+                mask = seq.windowed[window] = causal_mask(seq.q_len, seq.ctx_len, group, q.dtype, q.device, window)
         if softcap is not None:  # capped before the mask, as Gemma 2's eager attention does
-            scores = _capped(torch.bmm(qp, kp.transpose(1, 2)) * scale, softcap) + seq.mask
+            scores = _capped(torch.bmm(qp, kp.transpose(1, 2)) * scale, softcap) + mask
             op = torch.bmm(scores.softmax(-1, dtype=torch.float32).to(vp.dtype), vp)
-        elif q.device.type == "cpu" and num_kv_heads * seq.mask.numel() <= _MAX_CPU_SCORES:
+        elif q.device.type == "cpu" and num_kv_heads * mask.numel() <= _MAX_CPU_SCORES:
             # Scores materialized: on CPU 2-4x faster than SDPA's flash kernel at these sizes.
-            scores = torch.baddbmm(seq.mask, qp, kp.transpose(1, 2), alpha=scale)
+            scores = torch.baddbmm(mask, qp, kp.transpose(1, 2), alpha=scale)
             op = torch.bmm(scores.softmax(-1, dtype=torch.float32).to(vp.dtype), vp)
         else:  # SDPA never holds the whole score matrix
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=seq.mask, scale=scale)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
         out[rows] = op.view(num_kv_heads, group, seq.q_len, head_dim).permute(2, 0, 1, 3).reshape(
             seq.q_len, num_q_heads, head_dim)
     return out

@@ -52,10 +52,6 @@ class EngineCore:
         config.resolve_device()
         args = model_args(read_config(config.model))
         config.resolve_model_len(args.max_position_embeddings)
-        # Attention does not slide a window yet: exact only where the window holds every position.
-        check(args.sliding_window is None or args.sliding_window >= config.max_model_len, "sliding_window",
-              f"the model attends within {args.sliding_window} tokens, and Baton's attention does not slide a "
-              f"window yet: serve it with max_model_len {args.sliding_window} or less (it is {config.max_model_len})")
         self.eos_token_ids = eos_token_ids(config.model)
         torch.manual_seed(config.seed)
         on_gpu = config.device.startswith("cuda")

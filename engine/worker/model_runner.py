@@ -16,7 +16,7 @@ from baton.engine.common.config import EngineConfig
 from baton.engine.worker.host_kv_copier import HostKVCopier
 from baton.engine.worker.loader import checkpoint_fingerprint
 from baton.engine.worker.lora.layers import LoRASlots
-from baton.engine.worker.models import CausalLM
+from baton.engine.worker.models import CausalLM, reference_only
 from baton.engine.worker.sampler import apply_processors, sample, skip_draws, token_logprobs
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -62,7 +62,7 @@ class ModelRunner:
         args = model.args
         self.kv_cache = torch.zeros(num_blocks, args.num_layers, 2, config.block_size, args.num_kv_heads,
                                     args.head_dim, dtype=model.embed_tokens.weight.dtype, device=self.device)
-        model.init_rope(config.max_model_len + 1)
+        model.prepare(config.max_model_len)
         self.host_kv = HostKVCopier(self.kv_cache, num_host_blocks) if num_host_blocks else None
         self.states: dict[str, RequestState] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
@@ -72,7 +72,8 @@ class ModelRunner:
         self.decode_padding_elems = DECODE_PADDING_ELEMS  # per decode group; tests shrink it
         # "cpu" (the C++ kernel), "triton" or "torch" (the reference); tests switch it.
         self.attention_backend = choose_backend(config.attention_backend, self.kv_cache.dtype, self.device,
-                                                args.num_heads, args.num_kv_heads, args.head_dim, args.attn_softcap)
+                                                args.num_heads, args.num_kv_heads, args.head_dim,
+                                                reference_only(args, config.max_model_len))
         if connector is not None:
             connector.register_kv_caches(self.kv_cache, KVFormat(
                 checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,

@@ -1,11 +1,12 @@
 """The model families beyond Llama and Qwen2, each greedy-equal to transformers in float32 on a
 tiny random checkpoint made here from transformers' own config and model classes, with odd
 shapes on purpose: Qwen3 (QK-norm per head, a head size of its own, one KV head, tied head),
-Mistral (untied, GQA 3:1), Phi-3 (fused q/k/v and gate/up weights, RoPE over half of each head),
+Mistral (untied, GQA 3:1, a 24-token sliding window), Phi-3 (fused q/k/v and gate/up weights,
+RoPE over half of each head, a 40-token window),
 OLMo 2 (norms after each block, QK-norm over the whole projection), Gemma 2 (soft-capped scores
-and logits, GeGLU, (1 + w) norms around both blocks), Gemma 3 (QK-norm, sliding layers with a
-RoPE base of their own, linear scaling on the global ones), Qwen2 with YaRN past its original
-context. One run per family batches,
+and logits, GeGLU, (1 + w) norms around both blocks, 20-token windows on alternate layers), Gemma 3
+(QK-norm, sliding layers with a RoPE base of their own and 28-token windows, linear scaling on
+the global ones), Qwen2 with YaRN past its original context. Prompts run past every window. One run per family batches,
 chunks, preempts and hits the prefix cache; the same prompts through a prefill and a decode
 over NIXL equal it. What Baton does not run is refused at load, naming the field."""
 from __future__ import annotations
@@ -30,20 +31,20 @@ FAMILIES = {
                                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     "mistral": ("MistralConfig", dict(hidden_size=72, intermediate_size=120, num_attention_heads=6,
                                       num_key_value_heads=2, num_hidden_layers=2, tie_word_embeddings=False,
-                                      sliding_window=None)),
+                                      sliding_window=24)),
     "phi3": ("Phi3Config", dict(hidden_size=96, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
-                                num_hidden_layers=2, tie_word_embeddings=False, sliding_window=None,
+                                num_hidden_layers=2, tie_word_embeddings=False, sliding_window=40,
                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                  "partial_rotary_factor": 0.5})),
     "olmo2": ("Olmo2Config", dict(hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2,
                                   num_hidden_layers=2, tie_word_embeddings=False)),
     "gemma2": ("Gemma2Config", dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                                     head_dim=24, num_hidden_layers=3, query_pre_attn_scalar=32,
-                                    attn_logit_softcapping=4.0, final_logit_softcapping=5.0,
+                                    attn_logit_softcapping=4.0, final_logit_softcapping=5.0, sliding_window=20,
                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     "gemma3": ("Gemma3TextConfig", dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                                         num_key_value_heads=1, head_dim=32, num_hidden_layers=3,
-                                        query_pre_attn_scalar=24,
+                                        query_pre_attn_scalar=24, sliding_window=28,
                                         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                         rope_parameters={
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -144,17 +145,21 @@ def edited(src: str, dst, **changes) -> str:
 def test_what_baton_does_not_run_is_refused_naming_the_field(tiny_llama, tmp_path):
     cases = [(dict(architectures=["GPT2LMHeadModel"]), "model", "architecture 'GPT2LMHeadModel' is not supported"),
              (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}), "rope_scaling",
-              "rope_type 'dynamic' is not supported"),
-             (dict(architectures=["MistralForCausalLM"], sliding_window=64), "sliding_window",
-              "attends within 64 tokens")]
+              "rope_type 'dynamic' is not supported")]
     for i, (changes, field, message) in enumerate(cases):
         with pytest.raises(InvalidArgument, match=message) as err:
             LLM(edited(tiny_llama, tmp_path / str(i), **changes), dtype="float32", device="cpu")
         assert err.value.field == field
-    # A window as long as the context is every token: served, and equal to the same model without one.
     windowed = edited(tiny_llama, tmp_path / "window", architectures=["MistralForCausalLM"], sliding_window=64)
+    # A window shorter than the context runs on the reference only: a kernel asked for is refused.
+    with pytest.raises(InvalidArgument, match=r"only the PyTorch reference runs a sliding window") as err:
+        LLM(windowed, dtype="float32", device="cpu", attention_backend="cpu")
+    assert err.value.field == "attention_backend"
+    # A window as long as the context is every token: served on any kernel, equal to no window.
     prompt = random_prompts([40], seed=42)
-    got = LLM(windowed, dtype="float32", device="cpu", max_model_len=64).generate(prompt, GREEDY)[0].token_ids
+    llm = LLM(windowed, dtype="float32", device="cpu", max_model_len=64)
+    assert llm.engine.runner.attention_backend != "torch" or not llm.engine.runner.model.layers[0].self_attn.window
+    got = llm.generate(prompt, GREEDY)[0].token_ids
     assert got == LLM(tiny_llama, dtype="float32", device="cpu", max_model_len=64).generate(prompt, GREEDY)[0].token_ids
 
 
@@ -184,6 +189,6 @@ def test_gemma2_logprobs_follow_its_capped_logits(tmp_path, hf):
     for i, lp in enumerate(out.outputs[0].logprobs):
         assert abs(lp.logprob - ref[len(prompt) - 1 + i, lp.token_id].item()) < 1e-4
     # Only the PyTorch reference caps attention scores: asking for the C++ kernel is refused.
-    with pytest.raises(InvalidArgument, match="only the PyTorch reference caps attention scores") as err:
+    with pytest.raises(InvalidArgument, match="only the PyTorch reference runs soft-capped scores") as err:
         LLM(model_dir, dtype="float32", device="cpu", attention_backend="cpu")
     assert err.value.field == "attention_backend"
