@@ -192,3 +192,38 @@ def test_gemma2_logprobs_follow_its_capped_logits(tmp_path, hf):
     with pytest.raises(InvalidArgument, match="only the PyTorch reference runs soft-capped scores") as err:
         LLM(model_dir, dtype="float32", device="cpu", attention_backend="cpu")
     assert err.value.field == "attention_backend"
+
+
+def test_a_sharded_bf16_checkpoint_loads_into_float32(tmp_path, hf):
+    """As users have them: bf16 weights in several shards with an index, served in float32."""
+    import transformers
+
+    config_class, shape = FAMILIES["gemma3"]
+    source = write_family(str(tmp_path / "source"), config_class, **shape)
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    sharded = str(tmp_path / "sharded")
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    transformers.AutoTokenizer.from_pretrained(source).save_pretrained(sharded)
+    assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+    assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 1
+    ps = prompts()[:3]
+    outs = LLM(sharded, dtype="float32", device="cpu").generate(ps, GREEDY)
+    assert_matches_hf(hf, sharded, ps, outs, GREEDY.max_tokens)  # transformers in float32 on the same weights
+
+
+def test_lora_on_phi3s_fused_projections_equals_peft(tmp_path):
+    """A PEFT adapter of Phi-3 targets its fused qkv_proj and gate_up_proj (one A and one B each)."""
+    from lora_adapters import PeftReference, write_adapter
+
+    config_class, shape = FAMILIES["phi3"]
+    base = write_family(str(tmp_path / "phi3"), config_class, **shape)
+    adapter = write_adapter(base, str(tmp_path / "fused"), 8, 16, False,
+                            ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], seed=5)
+    llm = LLM(base, dtype="float32", device="cpu", enable_lora=True, max_num_batched_tokens=32)
+    llm.load_adapter("fused", adapter)
+    ps = prompts()[:4]
+    outs = llm.generate(ps, GREEDY, lora_request=["fused", None, "fused", None])
+    ref = PeftReference(base)
+    assert [o.token_ids for o in outs] == [ref.greedy(adapter if i % 2 == 0 else None, p, GREEDY.max_tokens)
+                                           for i, p in enumerate(ps)]
+    assert outs[0].token_ids != ref.greedy(None, ps[0], GREEDY.max_tokens)  # the adapter changes the output

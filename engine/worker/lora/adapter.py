@@ -27,7 +27,10 @@ from baton.engine.worker.models import ModelArgs
 # Each merged projection of a decoder layer, its parts in output order.
 PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-MODULES = {part for parts in PROJECTIONS.values() for part in parts}
+# Fused in the checkpoint (Phi-3): an adapter of the fused projection is one A and one B
+# spanning its parts, which the merged layout takes as they are.
+FUSED = {"qkv_proj", "gate_up_proj"}
+MODULES = {part for parts in PROJECTIONS.values() for part in parts} | FUSED
 _TENSOR = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 # PEFT options that change what an adapter computes beyond plain LoRA: refused, not ignored.
 _UNSUPPORTED = ("use_dora", "modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern",
@@ -39,7 +42,8 @@ def part_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
     q, kv, h, i = (args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.hidden_size,
                    args.intermediate_size)
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), "qkv_proj": (h, q + 2 * kv),
+            "gate_up_proj": (h, 2 * i)}
 
 
 def adapter_bytes(args: ModelArgs, rank: int, element_size: int) -> int:
@@ -158,6 +162,10 @@ def _merge_layer(parts, layer: int, shapes, rank: int) -> dict[str, tuple[torch.
     merged = {}
     for proj, names in PROJECTIONS.items():
         present = [(i, n) for i, n in enumerate(names) if (layer, n) in parts]
+        if proj in FUSED and (layer, proj) in parts:
+            check(not present, "target_modules", f"the adapter has both {proj} and its parts {names} in layer {layer}")
+            merged[proj] = (parts[layer, proj]["A"].T.contiguous(), parts[layer, proj]["B"].T.contiguous())
+            continue
         if not present:
             continue
         in_features = shapes[names[0]][0]
