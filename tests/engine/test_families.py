@@ -6,7 +6,8 @@ RoPE over half of each head, a 40-token window),
 OLMo 2 (norms after each block, QK-norm over the whole projection), Gemma 2 (soft-capped scores
 and logits, GeGLU, (1 + w) norms around both blocks, 20-token windows on alternate layers), Gemma 3
 (QK-norm, sliding layers with a RoPE base of their own and 28-token windows, linear scaling on
-the global ones), Qwen2 with YaRN past its original context. Prompts run past every window. One run per family batches,
+the global ones), Qwen3 with use_sliding_window (layers from max_window_layers on slide), Qwen2
+with YaRN past its original context. Prompts run past every window. One run per family batches,
 chunks, preempts and hits the prefix cache; the same prompts through a prefill and a decode
 over NIXL equal it. What Baton does not run is refused at load, naming the field."""
 from __future__ import annotations
@@ -50,6 +51,9 @@ FAMILIES = {
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
                                                                "factor": 8.0}})),
+    "qwen3-window": ("Qwen3Config", dict(hidden_size=64, intermediate_size=112, num_attention_heads=4,
+                                         num_key_value_heads=2, num_hidden_layers=3, use_sliding_window=True,
+                                         sliding_window=24, max_window_layers=1)),
     "qwen2-yarn": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                        num_key_value_heads=2, num_hidden_layers=2, tie_word_embeddings=True,
                                        use_sliding_window=False, rope_parameters={
