@@ -1,0 +1,33 @@
+"""The model families Baton runs, chosen by the `architectures` name in config.json. A family is
+a small module that reads its config into ModelArgs (args.py); the layers (layers.py, rope.py)
+are shared."""
+from __future__ import annotations
+
+from baton.engine.common.errors import InvalidArgument
+from baton.engine.worker.models import gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3
+from baton.engine.worker.models.args import ModelArgs
+from baton.engine.worker.models.layers import CausalLM
+
+FAMILIES = {"Gemma2ForCausalLM": gemma2, "Gemma3ForCausalLM": gemma3, "LlamaForCausalLM": llama,
+            "MistralForCausalLM": mistral, "Olmo2ForCausalLM": olmo2, "Phi3ForCausalLM": phi3, "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3}
+
+__all__ = ["FAMILIES", "CausalLM", "ModelArgs", "model_args", "reference_only"]
+
+
+def model_args(cfg: dict) -> ModelArgs:
+    """The model a config.json describes; InvalidArgument naming the field for what Baton does not run."""
+    arch = (cfg.get("architectures") or [""])[0]
+    family = FAMILIES.get(arch)
+    if family is None:
+        raise InvalidArgument("model", f"architecture {arch!r} is not supported (supported: {', '.join(FAMILIES)})")
+    return family.args(cfg)
+
+
+def reference_only(args: ModelArgs, max_model_len: int) -> str:
+    """What the model needs of attention that only the PyTorch reference does ("": nothing)."""
+    needs = []
+    if args.attn_softcap is not None:
+        needs.append(f"soft-capped scores (attn_logit_softcapping {args.attn_softcap:g})")
+    if args.sliding_window is not None and args.sliding_window < max_model_len:
+        needs.append(f"a sliding window shorter than the context (sliding_window {args.sliding_window})")
+    return " and ".join(needs)

@@ -1,0 +1,76 @@
+"""What a model is, read from its config.json: the shape and the switches the shared layers
+take. Each family (llama.py, qwen2.py, ...) reads its own config into one of these."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from baton.engine.common.errors import InvalidArgument
+from baton.engine.worker.models.rope import rope_settings
+
+
+@dataclass(slots=True)
+class ModelArgs:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # may differ from hidden_size // num_heads (Qwen3)
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # rope_type and its parameters; None: plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    torch_dtype: str | None
+    # RMSNorm over q and k before RoPE: "head" over each head's dims (Qwen3), "whole" over the whole
+    # projection (OLMo 2); "" none.
+    qk_norm: str = ""
+    # "pre": each block's input normed (Llama); "post": each block's output normed before the
+    # residual add (OLMo 2: post_attention_layernorm, post_feedforward_layernorm).
+    norm_placement: str = "pre"
+    rotary_dim: int = 0  # the head dims RoPE turns (partial_rotary_factor); 0: all of them
+    sliding_window: int | None = None  # sliding layers attend to at most this many tokens (None: all)
+    # Each layer's kind, "full_attention" or "sliding_attention" (empty: every layer full, unless a
+    # sliding_window is set, then every layer slides).
+    layer_types: list[str] = field(default_factory=list)
+    local_rope_theta: float | None = None  # sliding layers' own RoPE base (Gemma 3); None: the same
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma's norms store weight - 1
+    activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: float = 1.0  # embeddings multiplied by it (Gemma: sqrt(hidden_size))
+    attn_scale: float | None = None  # attention's score scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits likewise
+
+
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def decoder_args(cfg: dict, *, qkv_bias: bool | None = None, o_bias: bool | None = None, qk_norm: str = "",
+                 norm_placement: str = "pre", sliding_window: int | None = None, rope: dict | None = None,
+                 **switches) -> ModelArgs:
+    """The Llama-shaped decoder's args from a config (the families set what differs; `rope`:
+    the rope parameters of full layers when the config keeps one set per layer type)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise InvalidArgument("model", f"hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})")
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    theta, scaling, partial = rope_settings(cfg if rope is None else {**cfg, "rope_parameters": rope})
+    bias = cfg.get("attention_bias", False)
+    return ModelArgs(
+        architecture=(cfg.get("architectures") or [""])[0], vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta, rope_scaling=scaling, max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        qkv_bias=bias if qkv_bias is None else qkv_bias, o_bias=bias if o_bias is None else o_bias,
+        mlp_bias=cfg.get("mlp_bias", False),
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "") or None,
+        qk_norm=qk_norm, norm_placement=norm_placement, rotary_dim=int(head_dim * partial),
+        sliding_window=sliding_window, activation=ACTIVATIONS[act], **switches)

@@ -1,0 +1,195 @@
+"""The shared layers every family is made of, in plain PyTorch, running on a flat token batch:
+RMSNorm (Gemma's offset form too), attention over the paged KV cache (GQA, QK-norm, partial
+rotary, soft-capping), the SwiGLU or GeGLU MLP, the decoder layer with its norms where the
+family puts them, and the causal LM around them (per-layer RoPE bases, logit soft-capping).
+q/k/v and gate/up projections are merged into one matmul each when weights are loaded
+(loader.py)."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.engine.worker.models.args import ModelArgs
+from baton.engine.worker.models.rope import inv_freq
+from baton.kernels.attention import AttentionMetadata, paged_attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        """`offset`: Gemma's norms scale by (1 + weight), in float32."""
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32, as transformers does, whatever the weights' dtype.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+def norm(args: ModelArgs, dim: int | None = None) -> RMSNorm:
+    return RMSNorm(dim or args.hidden_size, args.rms_norm_eps, args.norm_offset)
+
+
+class Linear(nn.Linear):
+    def reset_parameters(self) -> None:
+        """No random init: every weight comes from the checkpoint (and initializing, even on
+        the meta device, makes torch import its compiler: seconds of start-up)."""
+
+
+class Embedding(nn.Embedding):
+    reset_parameters = Linear.reset_parameters
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, half-split layout; x: [T, heads, D], cos/sin: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, sliding: bool = False):
+        super().__init__()
+        # Keys fewer than this many positions behind a query (None: all); set by CausalLM.prepare,
+        # None where the window holds the whole context anyway.
+        self.window = args.sliding_window if sliding else None
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        if args.qk_norm:  # its own weights for q and for k, over each head or over the whole projection
+            whole = args.qk_norm == "whole"
+            self.q_norm = norm(args, self.q_size if whole else args.head_dim)
+            self.k_norm = norm(args, self.kv_size if whole else args.head_dim)
+        self.qk_norm = args.qk_norm
+        self.rotary_dim = args.rotary_dim or args.head_dim
+        self.scale = args.attn_scale or args.head_dim ** -0.5
+        self.softcap = args.attn_softcap
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)
+        # q and k side by side in each row: one RoPE over both heads' sets.
+        if self.qk_norm == "whole":
+            q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1).view(-1, self.num_heads + self.num_kv_heads,
+                                                                          self.head_dim)
+        else:
+            qk = qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
+        if self.rotary_dim == self.head_dim:
+            qk = rotate(qk, cos, sin)
+        else:  # partial rotary: the first rotary_dim dims of each head turn, the rest pass
+            qk = torch.cat((rotate(qk[..., :self.rotary_dim], cos, sin), qk[..., self.rotary_dim:]), dim=-1)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.softcap, self.window)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.act = F.silu if args.activation == "silu" else partial(F.gelu, approximate="tanh")
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Where the norms sit, by norm_placement; the names are the checkpoints':
+    - "pre" (Llama): input_layernorm before attention, post_attention_layernorm before the MLP;
+    - "post" (OLMo 2): post_attention_layernorm and post_feedforward_layernorm on each block's
+      output, before its residual add;
+    - "sandwich" (Gemma 2, 3): both, input_layernorm / post_attention_layernorm around attention
+      and pre_ / post_feedforward_layernorm around the MLP."""
+
+    def __init__(self, args: ModelArgs, sliding: bool = False):
+        super().__init__()
+        self.placement = placement = args.norm_placement
+        self.self_attn = Attention(args, sliding)
+        self.mlp = MLP(args)
+        self.post_attention_layernorm = norm(args)
+        if placement in ("pre", "sandwich"):
+            self.input_layernorm = norm(args)
+        if placement in ("post", "sandwich"):
+            self.post_feedforward_layernorm = norm(args)
+        if placement == "sandwich":
+            self.pre_feedforward_layernorm = norm(args)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):
+        if self.placement == "pre":
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        if self.placement == "post":
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, k_cache, v_cache, meta))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
+        # Sliding layers: as layer_types says, else every layer when the model has a window.
+        sliding = [kind == "sliding_attention" for kind in args.layer_types] or (
+            [args.sliding_window is not None] * args.num_layers)
+        self.layers = nn.ModuleList(DecoderLayer(args, s) for s in sliding)
+        self.norm = norm(args)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # Each layer's RoPE table: sliding layers have their own where local_rope_theta is set.
+        self.layer_rope = [1 if s and args.local_rope_theta is not None else 0 for s in sliding]
+        self.rope: list[tuple[torch.Tensor, torch.Tensor]] = []  # ([max positions, D] cos, sin), by prepare()
+
+    def prepare(self, max_model_len: int) -> None:
+        """RoPE tables for every position of a context of max_model_len (and one past it), and
+        each layer's window for such contexts."""
+        for layer in self.layers:
+            attn = layer.self_attn
+            if attn.window is not None and attn.window >= max_model_len:
+                attn.window = None  # it holds every position: full attention, any kernel
+        max_len = max_model_len + 1
+        a = self.args
+        dim = a.rotary_dim or a.head_dim
+        bases = [(a.rope_theta, a.rope_scaling)] + ([(a.local_rope_theta, None)] if max(self.layer_rope) else [])
+        self.rope = []
+        for theta, scaling in bases:
+            inv, factor = inv_freq(dim, theta, scaling)
+            inv = inv.to(self.embed_tokens.weight.device)
+            freqs = torch.outer(torch.arange(max_len, device=inv.device).float(), inv)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            dtype = self.embed_tokens.weight.dtype
+            self.rope.append(((emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, D].
+        Returns the final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        if self.args.embed_scale != 1.0:  # a float32 scalar cast to the weights' dtype, as Gemma's
+            x = x * torch.tensor(self.args.embed_scale).to(x.dtype)
+        tables = [(cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for cos, sin in self.rope]
+        for i, layer in enumerate(self.layers):
+            cos, sin = tables[self.layer_rope[i]]
+            x = layer(x, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if self.args.final_softcap is not None:
+            logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
+        return logits
