@@ -9,7 +9,8 @@ from baton.engine.worker.models.args import ModelArgs
 from baton.engine.worker.models.layers import CausalLM
 
 FAMILIES = {"Gemma2ForCausalLM": gemma2, "Gemma3ForCausalLM": gemma3, "LlamaForCausalLM": llama,
-            "MistralForCausalLM": mistral, "Olmo2ForCausalLM": olmo2, "Phi3ForCausalLM": phi3, "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3}
+            "MistralForCausalLM": mistral, "Olmo2ForCausalLM": olmo2, "Phi3ForCausalLM": phi3,
+            "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3}
 
 __all__ = ["FAMILIES", "CausalLM", "ModelArgs", "model_args", "reference_only"]
 
