@@ -33,7 +33,7 @@ def run(args, hand_off: bool) -> str:
     while eng.has_unfinished_requests() and time.monotonic() < t0 + args.limit_s:
         for out in eng.step():
             if out.finished:
-                delays[out.kv_handle.tier].append(time.monotonic() - reqs[out.request_id].finished_time)
+                delays[out.kv_handle.tier.value].append(time.monotonic() - reqs[out.request_id].finished_time)
     n = sum(map(len, delays.values()))
     ms = {tier: f"{1000 * statistics.mean(d):.2f} ms" if d else "-" for tier, d in delays.items()}
     return (f"{'on' if hand_off else 'off':>4} | {n:>3}/{len(reqs)} in {time.monotonic() - t0:5.2f} s | "

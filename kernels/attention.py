@@ -174,6 +174,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         kd = gather_blocks(k_cache, dec.block_tables).flatten(1, 2).transpose(1, 2)
         vd = gather_blocks(v_cache, dec.block_tables).flatten(1, 2).transpose(1, 2)
         mask = dec.mask if window is None else _decode_window_mask(dec, window)
+        if softcap is not None and mask.dtype == torch.bool:  # added to capped scores: additive
+            mask = torch.zeros(mask.shape, dtype=qd.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         if softcap is None:
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
         else:

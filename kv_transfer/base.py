@@ -133,7 +133,7 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """The per-step instructions for the worker half (which loads to start, into which
-        blocks), from the step's SchedulerOutput (engine/core/scheduler_output.py)."""
+        blocks), from the step's SchedulerOutput (engine/common/scheduler_output.py)."""
 
     @abstractmethod
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, KVHandle | None]:

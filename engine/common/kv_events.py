@@ -47,7 +47,7 @@ class NoKVEvents:
     def removed(self, block_hash: int, tier: KVTier = KVTier.DEVICE) -> None:
         pass
 
-    def moved(self, block_hash: int, tier: str) -> None:
+    def moved(self, block_hash: int, tier: KVTier) -> None:
         pass
 
     def cleared(self) -> None:
@@ -65,7 +65,7 @@ class KVEventLog(NoKVEvents):
     def __init__(self):
         self.events: list[KVEvent] = []
 
-    def _joins(self, kind: KVEventKind, tier: str) -> KVEvent | None:
+    def _joins(self, kind: KVEventKind, tier: KVTier) -> KVEvent | None:
         last = self.events[-1] if self.events else None
         return last if last is not None and last.kind is kind and last.tier == tier else None
 
@@ -79,10 +79,10 @@ class KVEventLog(NoKVEvents):
     def removed(self, block_hash: int, tier: KVTier = KVTier.DEVICE) -> None:
         self._append(KVEventKind.REMOVED, block_hash, tier)
 
-    def moved(self, block_hash: int, tier: str) -> None:
+    def moved(self, block_hash: int, tier: KVTier) -> None:
         self._append(KVEventKind.TIER_MOVED, block_hash, tier)
 
-    def _append(self, kind: KVEventKind, block_hash: int, tier: str) -> None:
+    def _append(self, kind: KVEventKind, block_hash: int, tier: KVTier) -> None:
         last = self._joins(kind, tier)
         if last is not None:
             last.block_hashes.append(block_hash)

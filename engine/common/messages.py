@@ -37,7 +37,7 @@ class AdapterInfo(msgspec.Struct, array_like=True):
     path: str
     rank: int
     adapter_id: int  # the core's number for it, never reused
-    hash_root: int  # its block-hash chains start here (engine/lora/adapter.py: adapter_fingerprint)
+    hash_root: int  # its block-hash chains start here (engine/worker/lora/adapter.py: adapter_fingerprint)
 
 
 class CoreOptions(msgspec.Struct):

@@ -1,6 +1,6 @@
 """What one scheduler step hands the model runner and what the runner hands back: plain data,
-no tensors. The core's scheduler makes them and the worker half consumes them (in the core's
-process with one device; sent to each worker process under tensor parallelism)."""
+no tensors. The core's scheduler makes them and the worker half consumes them (today in the
+core's own process)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -2,7 +2,7 @@
 scheduler, the KV cache, and the KV connector's worker half (its NIXL agent lives with the
 cache). It takes validated, tokenized requests (CoreRequest) and gives token ids back
 (CoreOutput); text, stop strings and every RPC are its front's. In a server it runs in a
-process of its own (core_process.py); the offline engine (llm_engine.py) holds it in-process.
+process of its own (process.py); the offline engine (engine/offline/llm_engine.py) holds it in-process.
 """
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ from baton.engine.common.messages import (AddPeer, Call, CallResult, CoreAbort, 
                                           GetKVBlockHashes, GetSnapshot, GetStats, ListAdapters, LoadAdapter,
                                           ReleaseHold, UnloadAdapter, error_of)
 from baton.engine.common.errors import InvalidArgument, StartupError
+from baton.kv_transfer.base import KVUnreachable
 from baton.kv_transfer.nixl_connector import make_nixl_connector
 
 log = logging.getLogger("baton.core")
@@ -85,7 +86,7 @@ def run_engine_core(config: EngineConfig, options: CoreOptions, parent: int) -> 
         connector = make_nixl_connector(options.engine_id, config.block_size, options.hold_timeout_s)
         core = EngineCore(config, connector)
     except Exception as e:  # told to the front in one sentence, then the process ends
-        if not isinstance(e, (InvalidArgument, StartupError)):
+        if not isinstance(e, (InvalidArgument, StartupError, KVUnreachable)):
             log.exception("the engine core could not start")
         out.send(msgspec.msgpack.encode(CoreFailed(error_of(e))))
         _close(out)

@@ -7,7 +7,7 @@ The core process is a fresh interpreter (`python -m baton.engine.core.process`: 
 the front's threads, sockets or main module is inherited), watched through a pidfd: when it
 exits, every stream fails with EngineDead at once, pending
 calls too, and `on_dead` tells the server (which reports NOT_SERVING and exits, so that its
-supervisor restarts the pair). The core dies with the front (core_process.py).
+supervisor restarts the pair). The core dies with the front (engine/core/process.py).
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def files_fingerprint(config_path: str, weight_paths: list[str], samples: int = 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
     args = model_args(read_config(model_dir))
-    # Allocated in place, in the target dtype, and left uninitialized (see model.Linear): the
+    # Allocated in place, in the target dtype, and left uninitialized (see models/layers.Linear): the
     # checkpoint fills it. Built in float32 and cast, a bf16 model would peak at three times
     # its size. (The meta device + to_empty would make torch import sympy: seconds of start-up.)
     with torch.device(device), _default_dtype(dtype):
@@ -121,11 +121,13 @@ def _check_complete(model: CausalLM, args: ModelArgs, loaded: set[str], filled: 
         for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
                              ("self_attn.o_proj", ()), ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
                              ("mlp.down_proj", ())):
-            if f"layers.{i}.{fused}.weight" in have:
-                continue
-            for part in parts or (fused,):
-                if f"layers.{i}.{part}.weight" not in have:
-                    raise InvalidArgument("model", f"checkpoint lacks weight layers.{i}.{part}.weight")
+            has_bias = model.get_submodule(f"layers.{i}.{fused}").bias is not None
+            for kind in ("weight", "bias") if has_bias else ("weight",):
+                if f"layers.{i}.{fused}.{kind}" in have:
+                    continue
+                for part in parts or (fused,):
+                    if f"layers.{i}.{part}.{kind}" not in have:
+                        raise InvalidArgument("model", f"checkpoint lacks weight layers.{i}.{part}.{kind}")
     for name in params:  # the rest (norms, QK-norms, embeddings): nothing starts half-loaded
         if name not in filled and not (name == "lm_head.weight" and args.tie_word_embeddings):
             raise InvalidArgument("model", f"checkpoint lacks weight {name}")

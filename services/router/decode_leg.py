@@ -95,13 +95,6 @@ class DecodeRoute:
     aborted: set[str]  # request ids the Abort API ended
 
 
-@dataclass(slots=True)
-class HeldKV:
-    """A prefill's blocks held for this request's decode (msg.kv_handle names them)."""
-    handle: pb.KVHandle
-    let_go: Callable[[], None]  # tells the prefill to free them, in the background (best effort)
-
-
 def end_call(lease: Lease, call) -> None:
     lease.end()
     if not call.done():  # the client went away (cancel, deadline): stop the backend's work too
@@ -109,9 +102,9 @@ def end_call(lease: Lease, call) -> None:
 
 
 async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tuple, context, trace, relay: Relay,
-                     held: HeldKV | None = None):
-    """Stream msg from decode instances, moving it on failure. `held`: let go here if no
-    decode ever pulls its blocks."""
+                     let_go: Callable[[], None] | None = None):
+    """Stream msg from decode instances, moving it on failure. `let_go`: tells the prefill holding
+    the blocks msg.kv_handle names to free them, called here if no decode ever pulls them."""
     tried: list[Backend] = []
     try:
         while True:
@@ -132,7 +125,7 @@ async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tupl
                         answered = True
                         lease.prefilled()
                         if msg.HasField("kv_handle"):
-                            held = None  # the decode has the blocks: it, or the prefill's timeout, ends the hold
+                            let_go = None  # the decode has the blocks: it, or the prefill's timeout, ends the hold
                             trace.decode_answer(await call.initial_metadata())
                     if msg.request_id in route.aborted:  # the Abort API (it may have reached the decode too late)
                         yield aborted_response(msg)
@@ -148,7 +141,7 @@ async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tupl
                     return
                 if prefill_gone(e) and msg.HasField("kv_handle"):
                     # This decode is fine: it computes the prompt itself, from the first token on.
-                    held, msg = None, resumed(msg, relay.token_ids)
+                    let_go, msg = None, resumed(msg, relay.token_ids)
                     tried.pop()
                     trace.fallback("prefill_gone")
                     continue
@@ -167,10 +160,10 @@ async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tupl
             if msg.request_id in route.aborted:  # the Abort API, while the request was between instances
                 yield aborted_response(msg)
                 return
-            if held is None and relay.token_ids:  # else the next instance pulls the held blocks, or starts over
+            if let_go is None and relay.token_ids:  # else the next instance pulls the held blocks, or starts over
                 msg = resumed(msg, relay.token_ids)
                 trace.migrated(decode, len(relay.token_ids))
     finally:
-        if held is not None:  # the blocks may still be held for a reader that will never come
-            held.let_go()
+        if let_go is not None:  # the blocks may still be held for a reader that will never come
+            let_go()
 

@@ -29,8 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.common.block_hashes import ROOT_HASH, extend_block_hashes
 from baton.services.router.backends import Backend, Lease, Tier, split_host_port
-from baton.services.router.decode_leg import (DecodeRoute, HeldKV, Relay, aborted_response, decode_leg,
-                                              pass_on_or_take_out)
+from baton.services.router.decode_leg import DecodeRoute, Relay, aborted_response, decode_leg, pass_on_or_take_out
 from baton.services.router.kv_index import KVEventSubscription, KVIndex
 from baton.services.router.policies import POLICIES, make_policy
 from baton.services.router.runtime_api import RouterRuntime
@@ -109,7 +108,7 @@ class RouterOptions:
 
 class RouterService(RouterRuntime):
     """baton.v1.TextGeneration: Generate's responses passed through as serialized bytes, and
-    the runtime API (runtime.py)."""
+    the runtime API (runtime_api.py)."""
 
     def __init__(self, router: Router):
         self.router = router
@@ -179,11 +178,9 @@ class RouterService(RouterRuntime):
             async for resp in decode_leg(route, msg, metadata, context, trace, relay):
                 yield resp
             return
-        held = HeldKV(reply.handle, lambda: in_background(r.background, r.release(prefill_tried[-1], reply.handle))
-                      ) if reply is not _ABORTED and reply.HasField("handle") else None
         if reply is _ABORTED or msg.request_id in r.aborted:  # by the Abort API, before the decode
-            if held is not None:
-                held.let_go()
+            if reply is not _ABORTED and reply.HasField("handle"):
+                in_background(r.background, r.release(prefill_tried[-1], reply.handle))
             yield aborted_response(msg)
             return
         trace.first_token()
@@ -192,12 +189,15 @@ class RouterService(RouterRuntime):
             yield first
             return
         msg.kv_handle.CopyFrom(reply.handle)
+
+        def let_go() -> None:  # no decode will pull the prefill's blocks: tell it (best effort)
+            in_background(r.background, r.release(prefill_tried[-1], reply.handle))
         try:
             yield first
         except BaseException:  # the client went away
-            held.let_go()
+            let_go()
             raise
-        async for resp in decode_leg(route, msg, metadata, context, trace, relay, held):
+        async for resp in decode_leg(route, msg, metadata, context, trace, relay, let_go):
             yield resp
 
     async def _prefill(self, lease: Lease, msg, metadata, context, trace: RouterTrace):

@@ -114,6 +114,7 @@ class RouterRuntime:
 
     async def _ask(self, method: str, request, context):
         """A runtime call answered by a healthy backend (the decode tier first: it is always there)."""
+        tried = []
         for tier in (self.router.decode, self.router.prefill):
             for backend in tier.healthy():
                 try:
@@ -121,7 +122,9 @@ class RouterRuntime:
                 except grpc.aio.AioRpcError as e:
                     if e.code() != grpc.StatusCode.UNAVAILABLE:
                         await pass_on(context, e)
-        await context.abort(grpc.StatusCode.UNAVAILABLE, self.router.decode.why_none())
+                    tried.append(backend.address)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"no backend answered (tried {', '.join(tried)})" if tried
+                            else self.router.decode.why_none())
 
 
 def _where(adapter: pb.Adapter) -> pb.Adapter:

@@ -44,7 +44,7 @@ async def abort(context, code: grpc.StatusCode, message: str, reason: int = pb.F
 
 
 async def abort_invalid(context, e: InvalidArgument) -> None:
-    """An InvalidArgument (engine/errors.py) naming its field: INVALID_ARGUMENT, or NOT_FOUND for
+    """An InvalidArgument (engine/common/errors.py) naming its field: INVALID_ARGUMENT, or NOT_FOUND for
     a NotFound, FAILED_PRECONDITION for an InUse."""
     code = (grpc.StatusCode.NOT_FOUND if isinstance(e, NotFound) else
             grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, InUse) else grpc.StatusCode.INVALID_ARGUMENT)

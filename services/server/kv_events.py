@@ -1,5 +1,5 @@
 """An engine server's KV cache events (internal Admin.SubscribeKVEvents): its engine core's
-events (engine/kv_events.py), numbered and fanned out to subscribers, a router's index above all.
+events (engine/common/kv_events.py), numbered and fanned out to subscribers, a router's index above all.
 
 The hub keeps a mirror of what the core holds, built from the same events from the core's start
 on, so that a subscriber joining at any time gets a snapshot first: ALL_CLEARED, then STORED for

@@ -1,6 +1,6 @@
 """A Baton engine server: the front process of one engine, behind the public `Generate` API,
 with the standard gRPC health and reflection services and a graceful drain. Its engine core
-(scheduler, model, KV cache, NIXL agent) runs in a process of its own (engine/core_client.py):
+(scheduler, model, KV cache, NIXL agent) runs in a process of its own (engine/front/core_client.py starts it):
 this process tokenizes, detokenizes, serves gRPC and HTTP and turns the core's events into
 spans and metrics, and never waits on a step. As a prefill or decode tier it also serves the
 internal calls of prefill.py and kv_peers.py. When the core dies the server reports

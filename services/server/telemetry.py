@@ -1,5 +1,5 @@
 """Live spans and per-request metrics of one engine server, made from the engine's plain events
-(engine/stats.py) as each step reports them.
+(engine/common/stats.py) as each step reports them.
 
 Under the RPC's SERVER span, each request gets a span per phase, started and ended as the
 engine reports it (with the engine's own timestamps):

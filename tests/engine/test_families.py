@@ -231,3 +231,24 @@ def test_lora_on_phi3s_fused_projections_equals_peft(tmp_path):
     assert [o.token_ids for o in outs] == [ref.greedy(adapter if i % 2 == 0 else None, p, GREEDY.max_tokens)
                                            for i, p in enumerate(ps)]
     assert outs[0].token_ids != ref.greedy(None, ps[0], GREEDY.max_tokens)  # the adapter changes the output
+
+
+def test_gemma_configs_written_by_older_transformers_read_the_same(tmp_path):
+    """Hub checkpoints predate layer_types and per-layer-type rope parameters: the layer kinds come
+    from sliding_window_pattern (Gemma 3) or alternate (Gemma 2), as transformers derives them."""
+    from baton.engine.common.config import read_config
+    from baton.engine.worker.models import model_args
+
+    config_class, shape = FAMILIES["gemma3"]
+    modern = read_config(write_family(str(tmp_path / "gemma3"), config_class, **shape))
+    legacy = {k: v for k, v in modern.items() if k not in ("layer_types", "rope_parameters")}
+    legacy.update(sliding_window_pattern=3, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                  rope_scaling={"rope_type": "linear", "factor": 8.0})
+    fields = ("layer_types", "rope_theta", "rope_scaling", "local_rope_theta", "sliding_window")
+    got, want = model_args(legacy), model_args(modern)
+    assert [getattr(got, f) for f in fields] == [getattr(want, f) for f in fields]
+    absent = ("layer_types", "attn_logit_softcapping", "final_logit_softcapping")
+    gemma2 = model_args({**{k: v for k, v in modern.items() if k not in absent},
+                         "architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 4})
+    assert gemma2.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (50.0, 30.0)  # transformers' defaults

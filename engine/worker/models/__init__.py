@@ -29,6 +29,7 @@ def reference_only(args: ModelArgs, max_model_len: int) -> str:
     needs = []
     if args.attn_softcap is not None:
         needs.append(f"soft-capped scores (attn_logit_softcapping {args.attn_softcap:g})")
-    if args.sliding_window is not None and args.sliding_window < max_model_len:
+    slides = not args.layer_types or "sliding_attention" in args.layer_types
+    if args.sliding_window is not None and args.sliding_window < max_model_len and slides:
         needs.append(f"a sliding window shorter than the context (sliding_window {args.sliding_window})")
     return " and ".join(needs)

@@ -57,8 +57,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, sliding: bool = False):
         super().__init__()
-        # Keys fewer than this many positions behind a query (None: all); set by CausalLM.prepare,
-        # None where the window holds the whole context anyway.
+        # Keys fewer than this many positions behind a query (None: all); CausalLM.prepare drops it
+        # where the window holds the whole context anyway.
         self.window = args.sliding_window if sliding else None
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
