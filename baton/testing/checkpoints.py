@@ -1,4 +1,4 @@
-"""Tiny random Llama and Qwen2 checkpoints, written to disk for tests and benchmarks.
+"""Tiny random checkpoints of any transformers family, written to disk for tests and benchmarks.
 
 Nothing is downloaded from a hub: each gets a byte-level BPE tokenizer trained here with
 `tokenizers` on a small built-in corpus, and random weights from transformers' own classes.
@@ -50,39 +50,51 @@ def train_tokenizer(vocab_size: int = 512):
     return fast
 
 
-def _tiny_config(arch: str, tokenizer):
-    from transformers import LlamaConfig, Qwen2Config
-
-    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id,
-                  initializer_range=0.2)  # wide enough that greedy argmax has clear margins
-    if arch == "llama":  # untied head, Llama 3 RoPE scaling
-        return LlamaConfig(num_hidden_layers=4, tie_word_embeddings=False, rope_parameters={
+# The two tiny checkpoints `baton prepare-models` writes: (transformers config class, shape).
+TINY = {
+    "llama": ("LlamaConfig", dict(  # untied head, Llama 3 RoPE scaling
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+        tie_word_embeddings=False, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}, **common)
-    if arch == "qwen2":  # tied head, q/k/v bias
-        return Qwen2Config(num_hidden_layers=3, tie_word_embeddings=True, use_sliding_window=False,
-                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **common)
-    raise ValueError(f"arch: unknown tiny architecture {arch!r} (llama, qwen2)")
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256})),
+    "qwen2": ("Qwen2Config", dict(  # tied head, q/k/v bias
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+        tie_word_embeddings=True, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+}
 
 
 def write_tiny_checkpoint(out_dir: str, arch: str = "llama", seed: int = 0, max_shard_size: str | None = None) -> str:
-    """Random weights + a locally trained tokenizer, loadable by transformers offline."""
+    """One of the TINY checkpoints, loadable by transformers offline."""
+    if arch not in TINY:
+        raise ValueError(f"arch: unknown tiny architecture {arch!r} ({', '.join(TINY)})")
+    config_class, shape = TINY[arch]
+    return write_random_checkpoint(out_dir, config_class, seed=seed, max_shard_size=max_shard_size, **shape)
+
+
+def write_random_checkpoint(out_dir: str, config_class: str, *, seed: int = 0, spread_norms: bool = False,
+                            max_shard_size: str | None = None, **shape) -> str:
+    """Random weights of a transformers config class (its name, e.g. "Qwen3Config") in `shape`,
+    and a locally trained tokenizer. Biases (zero at init) are drawn too; `spread_norms` draws
+    the norms' weights (one at init) so that a QK-norm's weights matter."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    import transformers
 
     tokenizer = train_tokenizer()
+    config = getattr(transformers, config_class)(
+        vocab_size=len(tokenizer), max_position_embeddings=1024, rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.2, **shape)  # wide enough that greedy argmax has clear margins
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_tiny_config(arch, tokenizer), dtype=torch.float32)
-    if arch == "qwen2":  # give the q/k/v biases something to do (they start at zero)
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.1)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif spread_norms and "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.generation_config = transformers.GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size or "50GB")
     tokenizer.save_pretrained(out_dir)

@@ -3,6 +3,7 @@ went, the rest answered by a healthy backend."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 
@@ -17,7 +18,7 @@ class RouterRuntime:
     backends, Abort wherever a call went, the rest answered by a healthy backend."""
 
     async def GetModelInfo(self, msg: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
-        info = await self._ask("GetModelInfo", msg, context)
+        info = await self._ask(lambda api: api.GetModelInfo, msg, context)
         info.role, info.model_name = "router", self.router.model_name
         return info
 
@@ -29,10 +30,10 @@ class RouterRuntime:
             yield load
 
     async def Tokenize(self, msg: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        return await self._ask("Tokenize", msg, context)
+        return await self._ask(lambda api: api.Tokenize, msg, context)
 
     async def Detokenize(self, msg: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
-        return await self._ask("Detokenize", msg, context)
+        return await self._ask(lambda api: api.Detokenize, msg, context)
 
     async def Abort(self, msg: pb.AbortRequest, context) -> pb.AbortResponse:
         """Abort calls through the router at every backend they reached (a prefill lets go of
@@ -53,10 +54,10 @@ class RouterRuntime:
 
     # ---- LoRA adapters: every instance loads and unloads alike --------------------------------
     async def LoadAdapter(self, msg: pb.LoadAdapterRequest, context) -> pb.Adapter:
-        return await self._everywhere("LoadAdapter", msg, context)
+        return await self._everywhere(msg, context)
 
     async def UnloadAdapter(self, msg: pb.UnloadAdapterRequest, context) -> pb.Adapter:
-        return await self._everywhere("UnloadAdapter", msg, context)
+        return await self._everywhere(msg, context)
 
     async def ListAdapters(self, msg: pb.ListAdaptersRequest, context) -> pb.ListAdaptersResponse:
         """Each adapter the instances have loaded (as of their last refresh), with where."""
@@ -66,25 +67,27 @@ class RouterRuntime:
                 merged.setdefault(name, _where(adapter)).instances.append(b.address)
         return pb.ListAdaptersResponse(adapters=list(merged.values()))
 
-    async def _everywhere(self, method: str, msg, context) -> pb.Adapter:
-        """Load or unload on every healthy instance of both tiers; the instances that did it are
-        the answer's. An instance's refusal (a bad adapter, one in use) is the answer when no
-        instance did it; instances that lack an adapter being unloaded are skipped."""
+    async def _everywhere(self, msg: pb.LoadAdapterRequest | pb.UnloadAdapterRequest, context) -> pb.Adapter:
+        """Load or unload (by the message's type) on every healthy instance of both tiers; the
+        instances that did it are the answer's. An instance's refusal (a bad adapter, one in
+        use) is the answer when no instance did it; instances that lack an adapter being
+        unloaded are skipped."""
+        loading = isinstance(msg, pb.LoadAdapterRequest)
         backends = [b for b in self.router.backends() if b.healthy]
         md = token_metadata(self.router.options.internal_token)
-        results = await asyncio.gather(*(getattr(b.api, method)(msg, metadata=md, timeout=30) for b in backends),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*((b.api.LoadAdapter if loading else b.api.UnloadAdapter)(
+            msg, metadata=md, timeout=30) for b in backends), return_exceptions=True)
         done, refusal = None, None
         for backend, result in zip(backends, results):
             if isinstance(result, pb.Adapter):
                 done = done or _where(result)
                 done.instances.append(backend.address)
-                if method == "LoadAdapter":
+                if loading:
                     backend.adapters[result.name] = result
                 else:
                     backend.adapters.pop(result.name, None)
             elif isinstance(result, grpc.aio.AioRpcError):
-                not_lacking = method == "LoadAdapter" or result.code() != grpc.StatusCode.NOT_FOUND
+                not_lacking = loading or result.code() != grpc.StatusCode.NOT_FOUND
                 if refusal is None or (not_lacking and refusal.code() == grpc.StatusCode.NOT_FOUND):
                     refusal = result
             else:
@@ -112,13 +115,14 @@ class RouterRuntime:
             pb.BackendLoad(address=b.address, tier=tier, healthy=b.healthy, outstanding=b.outstanding, load=load)
             for (tier, b), load in zip(backends, loads)])
 
-    async def _ask(self, method: str, request, context):
-        """A runtime call answered by a healthy backend (the decode tier first: it is always there)."""
+    async def _ask(self, rpc: Callable, request, context):
+        """A runtime call answered by a healthy backend (the decode tier first: it is always
+        there); `rpc` picks the stub's method, e.g. `lambda api: api.Tokenize`."""
         tried = []
         for tier in (self.router.decode, self.router.prefill):
             for backend in tier.healthy():
                 try:
-                    return await getattr(backend.api, method)(request, timeout=context.time_remaining() or 10)
+                    return await rpc(backend.api)(request, timeout=context.time_remaining() or 10)
                 except grpc.aio.AioRpcError as e:
                     if e.code() != grpc.StatusCode.UNAVAILABLE:
                         await pass_on(context, e)

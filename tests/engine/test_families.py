@@ -20,7 +20,7 @@ import torch
 
 from baton import LLM, SamplingParams
 from baton.engine.common.errors import InvalidArgument
-from baton.testing.checkpoints import train_tokenizer
+from baton.testing.checkpoints import write_random_checkpoint
 
 from helpers import assert_matches_hf, pools_full, random_prompts, stats, wait_serving
 from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
@@ -64,24 +64,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 def write_family(out_dir: str, config_class: str, **shape) -> str:
-    import transformers
-
-    tokenizer = train_tokenizer()
-    config = getattr(transformers, config_class)(
-        vocab_size=len(tokenizer), max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.2,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **shape)
-    torch.manual_seed(7)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):  # q/k/v biases start at zero: give them something to do
-                p.normal_(0, 0.1)
-            elif "norm" in name:  # norms start at one: let QK-norm's weights matter
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return write_random_checkpoint(out_dir, config_class, seed=7, spread_norms=True, **shape)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
