@@ -27,6 +27,20 @@ if TYPE_CHECKING:
 DEFAULT_HOLD_TIMEOUT_S = 120.0  # how long a prefill holds a request's blocks for a reader that has not come
 
 
+def first_needed_block(num_tokens: int, window: int | None, block_size: int) -> int:
+    """The first block that a query at position `num_tokens` (the next one computed after
+    `num_tokens` tokens) reads in a layer group with a sliding `window` (None: every block).
+    A query sees the `window` positions ending at its own; earlier blocks are never read again."""
+    return max(0, num_tokens - window + 1) // block_size if window else 0
+
+
+def handle_block_counts(num_tokens: int, windows: tuple[int | None, ...], block_size: int) -> list[int]:
+    """How many of a handle's block ids belong to each KV cache group: a group's blocks from its
+    first needed one (a sliding group's window) through the prompt's last, in group order."""
+    end = -(-num_tokens // block_size)
+    return [end - first_needed_block(num_tokens, w, block_size) for w in windows]
+
+
 class KVTier(enum.Enum):
     """Which pool of an engine a block lives in."""
     DEVICE = "device"  # the engine's KV pool (GPU memory, or the CPU pool of a CPU engine)
@@ -38,7 +52,9 @@ class KVHandle(msgspec.Struct, frozen=True):
     request gives out, and what the decode's request for the same prompt comes with."""
     engine_id: str  # the prefill engine holding the blocks
     request_id: str  # the prefill's request, whose blocks they are
-    block_ids: list[int]  # the prompt's blocks there, in order
+    # The prompt's blocks there, in order: each KV cache group's (KVFormat.kv_groups) in turn, a
+    # sliding-window group's from the first a next query reads (handle_block_counts).
+    block_ids: list[int]
     num_tokens: int  # the prompt's tokens they hold
     first_token: int  # sampled by the prefill: the decode's first output
     hold_s: float = 0.0  # how long the prefill holds the blocks from when it gave the handle out (0: unknown)
@@ -64,6 +80,12 @@ class KVFormat(msgspec.Struct, frozen=True):
     head_size: int
     block_size: int
     attention_backend: str  # the kernel family that reads the cache
+    # Which layers share a block (one tuple per KV cache group; a block holds one group's
+    # layers) and each group's sliding window (0: full attention): blocks and handles mean
+    # different things under another grouping.
+    kv_groups: tuple[tuple[int, ...], ...] = ()
+    kv_windows: tuple[int, ...] = ()
+    attention: str = "mha"  # the attention's cache kind: per-head K and V ("mha", GQA included)
 
     def check_peer(self, theirs: KVFormat) -> None:
         """Raises KVFormatMismatch naming the first field that differs."""
@@ -71,8 +93,9 @@ class KVFormat(msgspec.Struct, frozen=True):
             mine, other = getattr(self, name), getattr(theirs, name)
             if mine != other:
                 raise KVFormatMismatch(name, f"the peer's KV cache has {other!r}, this engine's {mine!r}; prefill and "
-                                             f"decode must serve the same checkpoint with the same dtype, block size "
-                                             f"and attention backend")
+                                             f"decode must serve the same checkpoint with the same dtype, block size, "
+                                             f"attention backend, max_model_len (it decides which windows slide) and "
+                                             f"hybrid KV cache setting")
 
 
 @dataclass(slots=True)
@@ -120,15 +143,20 @@ class ConnectorRequest(Protocol):
 
 
 class KVConnectorScheduler(ABC):
+    # Each KV cache group's sliding window (None: full attention), as the engine's cache is
+    # grouped: the block id lists it passes in and out have one list per group. Set by the engine.
+    group_windows: tuple[int | None, ...] = (None,)
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond `num_computed_tokens` that a peer can supply, and whether they arrive
         asynchronously (the request then waits in WAITING_FOR_REMOTE_KVS)."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[list[int]],
                                  num_external_tokens: int) -> None:
-        """Local blocks now hold room for the request; remember where the external tokens go."""
+        """Local blocks (per group; -1 where a sliding group keeps none) now hold room for the
+        request; remember where the external tokens go."""
 
     @abstractmethod
     def build_connector_meta(self, scheduler_output: Any) -> Any:
@@ -136,8 +164,10 @@ class KVConnectorScheduler(ABC):
         blocks), from the step's SchedulerOutput (engine/common/scheduler_output.py)."""
 
     @abstractmethod
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, KVHandle | None]:
-        """Called once a request ends. Returns (hold_blocks, handle): when hold_blocks is true
+    def request_finished(self, request: ConnectorRequest, block_ids: list[list[int]]
+                         ) -> tuple[bool, KVHandle | None]:
+        """Called once a request ends (`block_ids`: its blocks per group, -1 where none).
+        Returns (hold_blocks, handle): when hold_blocks is true
         the scheduler keeps the blocks until the worker reports the send done, and the handle
         tells a decode peer where they are."""
 
@@ -193,8 +223,9 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def register_kv_caches(self, kv_cache: torch.Tensor, kv_format: KVFormat,
                            host_cache: torch.Tensor | None = None) -> None:
-        """Register the engine's KV cache ([num_blocks, num_layers, 2, block_size, kv_heads, head_dim])
-        and what its blocks hold (peers compare it before reading); `host_cache`, the host KV
+        """Register the engine's KV cache ([num_blocks, layers per block, 2, block_size, kv_heads,
+        head_dim]: a block holds one KV cache group's layers, every layer without groups) and
+        what its blocks hold (peers compare it before reading); `host_cache`, the host KV
         tier's pool of the same block shape, where a handle may name blocks moved there.
         Raises KVUnreachable when a peer could not read it."""
 

@@ -8,7 +8,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from baton.kv_transfer.base import DEFAULT_HOLD_TIMEOUT_S, ConnectorRequest, KVConnectorScheduler, KVHandle, KVTier
+from baton.kv_transfer.base import (DEFAULT_HOLD_TIMEOUT_S, ConnectorRequest, KVConnectorScheduler, KVHandle, KVTier,
+                                    first_needed_block, handle_block_counts)
 
 log = logging.getLogger("baton.kv_transfer")
 
@@ -65,17 +66,28 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         deadline = request.arrival_time + handle.hold_s * (1 - _HANDOFF_SLACK) - self.load_timeout_s
         return time.monotonic() >= deadline
 
-    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[list[int]],
                                  num_external_tokens: int) -> None:
         handle = request.remote_kv
         if handle is None:
             return
         # Local hits are whole blocks, so the pulled range starts on a block boundary. When
         # they cover everything the load is empty: it only tells the prefill side to let go.
-        first = (handle.num_tokens - num_external_tokens) // self.block_size
-        end = math.ceil(handle.num_tokens / self.block_size) if num_external_tokens else first
-        self._meta.loads.append(LoadSpec(request.request_id, block_ids[first:end], handle.engine_id,
-                                         handle.block_ids[first:end], handle.request_id, handle.tier))
+        n, bs = handle.num_tokens, self.block_size
+        first = (n - num_external_tokens) // bs
+        end = math.ceil(n / bs) if num_external_tokens else first
+        local, remote, at = [], [], 0
+        # The handle lists each group's blocks from its window's first (handle_block_counts; the
+        # server checked its length). Block lists of other lengths fail this request's load only.
+        for blocks, window, count in zip(block_ids, self.group_windows,
+                                         handle_block_counts(n, self.group_windows, bs), strict=True):
+            start = first_needed_block(n, window, bs)
+            lo = max(first, start)
+            local += blocks[lo:end]
+            remote += handle.block_ids[at + lo - start:at + end - start]
+            at += count
+        self._meta.loads.append(LoadSpec(request.request_id, local, handle.engine_id, remote, handle.request_id,
+                                         handle.tier))
         if not num_external_tokens:
             request.remote_kv = None  # nothing to wait for: never released twice
 
@@ -83,12 +95,16 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         meta, self._meta = self._meta, NixlConnectorMeta()
         return meta
 
-    def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> tuple[bool, KVHandle | None]:
+    def request_finished(self, request: ConnectorRequest, block_ids: list[list[int]]
+                         ) -> tuple[bool, KVHandle | None]:
         # Held only when the prefill ended as asked (max_tokens=1): a first token that stops the
         # request (EOS, a stop id), or an abort, leaves no decode to do.
         if not request.hold_for_remote or not request.length_capped:
             return False, None
         self._meta.holds[request.request_id] = time.monotonic() + self.hold_timeout_s
-        num_tokens = request.num_prompt_tokens
-        return True, KVHandle(self.engine_id, request.request_id, block_ids[:math.ceil(num_tokens / self.block_size)],
-                              num_tokens, request.output_token_ids[0], self.hold_timeout_s)
+        n, bs = request.num_prompt_tokens, self.block_size
+        end = math.ceil(n / bs)
+        ids = [i for blocks, window in zip(block_ids, self.group_windows, strict=True)
+               for i in blocks[first_needed_block(n, window, bs):end]]
+        return True, KVHandle(self.engine_id, request.request_id, ids, n, request.output_token_ids[0],
+                              self.hold_timeout_s)

@@ -60,7 +60,7 @@ class KVLayout(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., mem_type: _Optional[str] = ..., dev_id: _Optional[int] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., host_base_addr: _Optional[int] = ..., host_num_blocks: _Optional[int] = ...) -> None: ...
 
 class KVFormat(_message.Message):
-    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "attention_backend")
+    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "attention_backend", "kv_groups", "attention")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,8 @@ class KVFormat(_message.Message):
     HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     num_layers: int
@@ -75,7 +77,17 @@ class KVFormat(_message.Message):
     head_size: int
     block_size: int
     attention_backend: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+    kv_groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
+    attention: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., kv_groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., attention: _Optional[str] = ...) -> None: ...
+
+class KVCacheGroup(_message.Message):
+    __slots__ = ("layers", "window")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    window: int
+    def __init__(self, layers: _Optional[_Iterable[int]] = ..., window: _Optional[int] = ...) -> None: ...
 
 class SubscribeKVEventsRequest(_message.Message):
     __slots__ = ()

@@ -66,6 +66,9 @@ class EngineConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     kv_offloading_size: float = 0  # GiB of host memory for a second KV tier (0: none); pinned when on a GPU
     preemption_mode: str = "recompute"  # "recompute" | "swap" (to the host tier) | "auto" (by the request's cost)
+    # Sliding-window layers keep every block, as full-attention ones do (vLLM's flag): the hybrid
+    # KV cache manager (engine/common/kv_groups.py) is off. The host KV tier turns it off too.
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self):
         check(isinstance(self.model, (str, os.PathLike)) and os.path.isdir(self.model), "model",

@@ -152,6 +152,7 @@ class EngineFacts(msgspec.Struct):
     kv_layout: KVLayout | None = None  # where peers read its blocks (services trade it in the KV handshake)
     enable_lora: bool = False
     adapters: list[AdapterInfo] = []  # loaded at start (lora_modules)
+    kv_group_windows: list[int] = []  # each KV cache group's sliding window (0: full attention); [] as [0]
 
 
 class CoreReady(msgspec.Struct, tag=True, array_like=True):

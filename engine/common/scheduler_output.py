@@ -29,7 +29,7 @@ class NewRequestData:
     """A request the runner has not seen (or must rebuild after preemption)."""
     req_id: str
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group; -1 where a sliding group holds none
     num_computed_tokens: int
     sampling_params: SamplingParams
     num_prompt_tokens: int  # the rest of token_ids are outputs (after preemption, or from a prefill peer)
@@ -39,7 +39,7 @@ class NewRequestData:
 @dataclass(slots=True)
 class CachedRequestData:
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: list[list[int]]  # per KV cache group, as NewRequestData's
     num_computed_tokens: int
 
 

@@ -18,6 +18,7 @@ from baton.engine.common.messages import (AdapterInfo, CallError, CoreFailure, C
 from baton.engine.common.errors import InvalidArgument, check
 from baton.engine.core.host_kv_tier import HostKVTier
 from baton.engine.core.kv_cache_manager import KVCacheManager
+from baton.engine.common.kv_groups import group_layers
 from baton.engine.common.kv_events import KVEventLog
 from baton.engine.worker.loader import load_model
 from baton.engine.worker.lora.adapter import adapter_bytes
@@ -67,17 +68,23 @@ class EngineCore:
                       f"{config.max_loras} adapters of rank {config.max_lora_rank} need {reserve / 2**30:.2f} GiB, "
                       f"more than the KV cache's {config.kv_cache_memory_bytes / 2**30:.2f} GiB")
                 config.kv_cache_memory_bytes -= reserve
-        block_bytes = (args.num_layers * 2 * config.block_size * args.num_kv_heads * args.head_dim
-                       * model.embed_tokens.weight.element_size())  # one block: every layer's K and V
+        # The host tier copies a request's blocks as one list: with it, every layer keeps every block.
+        hybrid = not config.disable_hybrid_kv_cache_manager and not config.kv_offloading_size
+        self.kv_groups = group_layers(args.layer_windows(config.max_model_len), hybrid)
+        block_bytes = (self.kv_groups.layers_per_block * 2 * config.block_size * args.num_kv_heads * args.head_dim
+                       * model.embed_tokens.weight.element_size())  # one block: its group's layers' K and V
         self.num_kv_blocks = self._num_kv_blocks(block_bytes)
-        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                 self.kv_groups.windows)
         self.num_host_blocks = self._num_host_blocks(block_bytes)
         self.host = (HostKVTier(self.num_host_blocks, self.kv, config.preemption_mode, config.max_num_batched_tokens)
                      if self.num_host_blocks else None)
         connector_scheduler, connector_worker = kv_connector or (None, None)
+        if connector_scheduler is not None:
+            connector_scheduler.group_windows = self.kv_groups.windows
         self.scheduler = Scheduler(config, self.kv, connector_scheduler, self.host)
         self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker, lora_slots,
-                                  self.num_host_blocks)
+                                  self.num_host_blocks, self.kv_groups)
         self.connector = connector_worker
         self.vocab_size = args.vocab_size
         self.grammars = self.runner.grammars = Grammars(config.model, args.vocab_size, self.eos_token_ids)
@@ -108,12 +115,22 @@ class EngineCore:
         if c.num_kv_blocks is None:
             budget = _CPU_KV_BUDGET if c.kv_cache_memory_bytes is None else c.kv_cache_memory_bytes
             # Never more than every sequence slot at full length needs (plus prefix-cache slack).
-            most = 2 * c.max_num_seqs * -(-c.max_model_len // c.block_size)
+            most = 2 * c.max_num_seqs * len(self.kv_groups.windows) * -(-c.max_model_len // c.block_size)
             c.num_kv_blocks = min(budget // block_bytes, most)
-        check(c.num_kv_blocks * c.block_size >= c.max_model_len, "num_kv_blocks",
+        need = self._blocks_for_longest()
+        check(c.num_kv_blocks >= need, "num_kv_blocks",
               f"{c.num_kv_blocks} blocks of {c.block_size} tokens cannot hold one request of max_model_len "
-              f"{c.max_model_len}; raise num_kv_blocks (or kv_cache_memory_bytes) or lower max_model_len")
+              f"{c.max_model_len} ({need} blocks); raise num_kv_blocks (or kv_cache_memory_bytes) or lower "
+              f"max_model_len")
         return c.num_kv_blocks
+
+    def _blocks_for_longest(self) -> int:
+        """Blocks one request of max_model_len holds at most: a full group's for every token, a
+        sliding group's for its window and the largest step's tokens past it."""
+        c, bs = self.config, self.config.block_size
+        full = -(-c.max_model_len // bs)
+        return sum(full if w is None else min(full, -(-(w + c.max_num_batched_tokens) // bs) + 1)
+                   for w in self.kv_groups.windows)
 
     def _num_host_blocks(self, block_bytes: int) -> int:
         c = self.config
@@ -127,7 +144,7 @@ class EngineCore:
                            self.config.block_size, self.num_kv_blocks,
                            str(self.runner.kv_cache.dtype).removeprefix("torch."), self.config.device, os.getpid(),
                            self.connector.layout if self.connector is not None else None, self.config.enable_lora,
-                           self.list_adapters())
+                           self.list_adapters(), [w or 0 for w in self.kv_groups.windows])
 
     # ---- events -----------------------------------------------------------------------------
     def record_events(self) -> None:

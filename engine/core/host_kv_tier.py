@@ -19,6 +19,9 @@ like the device pool's manager, only block ids live here:
   go to host blocks the hold owns, copied in the background; its handle then names those (the
   decode reads them there) and its device blocks fall free once the copy landed.
 
+The device pool has one KV cache group here (the engine turns the hybrid manager off with this
+tier): a request's blocks are one list.
+
 LRU across both tiers: the device's free queue evicts its least recently freed block, whose copy
 stays on the host; the host's free queue evicts its least recently stored or read one. A hit
 on either tier refreshes the block there.
@@ -116,7 +119,7 @@ class HostKVTier:
     def store_freed(self, request: Request) -> None:
         """Before the device frees `request`'s blocks: those about to fall free that hold a
         computed, prefix-cached block the host lacks are written back (and pinned until then)."""
-        blocks = self.kv.req_blocks.get(request.request_id, ())
+        blocks = self.kv.request_blocks(request.request_id)
         num_valid = request.num_computed_tokens // self.block_size
         for block in blocks[:num_valid]:
             h = block.block_hash
@@ -189,7 +192,7 @@ class HostKVTier:
         """Copy a victim's computed blocks to host blocks it owns (before the device frees them);
         false, with nothing changed, when the host cannot take them all."""
         num_tokens = request.num_computed_tokens
-        blocks = self.kv.req_blocks.get(request.request_id, [])[:-(-num_tokens // self.block_size)]
+        blocks = self.kv.request_blocks(request.request_id)[:-(-num_tokens // self.block_size)]
         # Blocks past the computed ones may carry a hash already (registered when this step
         # scheduled their tokens, under the priority policy) but not their KV: copied, not named.
         num_full = num_tokens // self.block_size
@@ -232,7 +235,7 @@ class HostKVTier:
         """Copy the first `num_blocks` blocks of a finished request held for a decode peer to host
         blocks the hold owns, in the background (each device block pinned until its copy lands);
         their ids, or None, with nothing changed, when the host cannot take them all."""
-        blocks = self.kv.req_blocks[request.request_id][:num_blocks]
+        blocks = self.kv.request_blocks(request.request_id)[:num_blocks]
         num_full = request.num_computed_tokens // self.block_size
         if (shared := self._share_copies(blocks, num_full)) is None:
             return None

@@ -18,7 +18,7 @@ import msgspec
 
 from baton.engine.common.config import EngineConfig
 from baton.engine.core.host_kv_tier import HostKVTier
-from baton.engine.core.kv_cache_manager import KVCacheManager
+from baton.engine.core.kv_cache_manager import KVCacheManager, num_hits
 from baton.engine.core.request import Request, RequestStatus
 from baton.engine.common.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                                   SchedulerOutput)
@@ -125,9 +125,9 @@ class Scheduler:
     def _device_short(self) -> bool:
         """Whether the device pool lacks the blocks that the requests here still need for their
         tokens: blocks held for a decode peer would then keep prompts waiting."""
-        need, free, size = 0, self.kv.num_free_blocks, self.kv.block_size
+        need, free = 0, self.kv.num_free_blocks
         for r in itertools.chain(self.running, self.waiting):
-            need += -(-r.num_tokens // size) - len(self.kv.req_blocks.get(r.request_id, ()))
+            need += self.kv.num_blocks_missing(r)
             if need > free:
                 return True
         return False
@@ -191,8 +191,7 @@ class Scheduler:
                     i -= 1
             if new_blocks is None:
                 break
-            scheduled.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
-                                               request.num_computed_tokens))
+            scheduled.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
             out.num_scheduled_tokens[request.request_id] = n
             budget -= n
             i += 1
@@ -233,7 +232,7 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             computed, num_external, load_async = self._lookup(request)
-            num_computed = request.num_computed_tokens + len(computed) * self.kv.block_size + num_external
+            num_computed = request.num_computed_tokens + num_hits(computed) * self.kv.block_size + num_external
             n = 0 if load_async else min(request.num_tokens - num_computed, budget,
                                          self.config.long_prefill_token_threshold or budget)
             # A host-tier load reserves the rest of the request too: once its blocks landed it can
@@ -249,7 +248,7 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             block_ids = self.kv.block_ids(request.request_id)
             if from_host:  # the host tier is a local cache: its tokens count as cached, not external
-                self.host.load_after_alloc(request, block_ids, len(computed))
+                self.host.load_after_alloc(request, block_ids[0], num_hits(computed))
                 num_external = 0
             elif self.connector is not None:
                 self.connector.update_state_after_alloc(request, block_ids, num_external)
@@ -292,7 +291,7 @@ class Scheduler:
             if num_external or request.remote_kv is not None:  # a peer's KV is pulled, not the host's
                 return computed, num_external, load_async
         if self.host is not None and not wants_logprobs:
-            num_host = self.host.match(request, len(computed))
+            num_host = self.host.match(request, num_hits(computed))
             return computed, num_host, num_host > 0
         return computed, 0, False
 
@@ -369,10 +368,15 @@ class Scheduler:
                 continue
             request.remote_kv = None  # loaded or failed: never pulled twice
             request.kv_ready_time = self.last_step_time
-            blocks = self.kv.block_ids(req_id)
-            bad = next((i for i, b in enumerate(blocks) if b in kv_out.invalid_block_ids), None)
+            groups = self.kv.block_ids(req_id)
+            bad = min((i for blocks in groups for i, b in enumerate(blocks) if b in kv_out.invalid_block_ids),
+                      default=None)
             if bad is not None:  # recompute from the last valid block (vLLM: _handle_invalid_blocks)
                 request.num_computed_tokens = min(request.num_computed_tokens, bad * self.kv.block_size)
+                if self.kv.hybrid:  # a sliding group kept no blocks before the load's window: from the prompt's start
+                    bad = 0
+                    request.num_computed_tokens = 0
+                    self.kv.free(request)
                 request.num_external_tokens = max(0, request.num_computed_tokens - request.num_cached_tokens)
                 self.num_failed_loads += 1
                 if req_id in kv_out.transfers_ended:

@@ -57,7 +57,7 @@ def profile_batch(config: EngineConfig) -> tuple[SchedulerOutput, int]:
         blocks = list(range(next_block, next_block + -(-n // config.block_size)))
         next_block += len(blocks)
         p = params if i else dataclasses.replace(params, prompt_logprobs=MAX_LOGPROBS)
-        sched.scheduled_new_reqs.append(NewRequestData(f"profile-{i}", [0] * n, blocks, 0, p, n))
+        sched.scheduled_new_reqs.append(NewRequestData(f"profile-{i}", [0] * n, [blocks], 0, p, n))
         sched.num_scheduled_tokens[f"profile-{i}"] = n
     sched.total_num_scheduled_tokens = tokens
     return sched, next_block

@@ -13,6 +13,7 @@ import torch
 
 from baton.engine.worker import block_tables
 from baton.engine.common.config import EngineConfig
+from baton.engine.common.kv_groups import KVGroups, group_layers
 from baton.engine.worker.host_kv_copier import HostKVCopier
 from baton.engine.worker.loader import checkpoint_fingerprint
 from baton.engine.worker.lora.layers import LoRASlots
@@ -24,7 +25,7 @@ from baton.engine.worker.grammar import mask_logits
 from baton.engine.worker.attention_backend import choose_backend
 from baton.kernels.attention import (DECODE_PADDING_ELEMS, AttentionMetadata, DecodeGroup, KernelBatch, PrefillSeq,
                                      TritonBatch, group_decodes)
-from baton.kv_transfer.base import KVConnectorWorker, KVFormat
+from baton.kv_transfer.base import KVConnectorWorker, KVFormat, first_needed_block
 
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are materialized at once
@@ -50,9 +51,10 @@ class RequestState:
 class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, eos_token_ids: frozenset[int],
                  connector: KVConnectorWorker | None = None, lora: LoRASlots | None = None,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, kv_groups: KVGroups | None = None):
         """`lora`: the adapters on the device (attached to the model already), when LoRA is on;
-        `num_host_blocks`: the host KV tier's size (0: none)."""
+        `num_host_blocks`: the host KV tier's size (0: none); `kv_groups`: which layers share a
+        block (default: one group of every layer)."""
         self.model = model
         self.lora = lora
         self.config = config
@@ -60,8 +62,13 @@ class ModelRunner:
         self.block_size = config.block_size
         self.eos_token_ids = eos_token_ids
         args = model.args
-        self.kv_cache = torch.zeros(num_blocks, args.num_layers, 2, config.block_size, args.num_kv_heads,
+        self.kv_groups = groups = kv_groups or group_layers([None] * args.num_layers)
+        self.kv_cache = torch.zeros(num_blocks, groups.layers_per_block, 2, config.block_size, args.num_kv_heads,
                                     args.head_dim, dtype=model.embed_tokens.weight.dtype, device=self.device)
+        # Each layer's K and V cache (its slot in every block) and its group's metadata index.
+        slots = groups.slot_of()
+        self.layer_caches = [(self.kv_cache[:, slot, 0], self.kv_cache[:, slot, 1]) for _, slot in slots]
+        self.layer_group = [group for group, _ in slots]
         model.prepare(config.max_model_len)
         self.host_kv = HostKVCopier(self.kv_cache, num_host_blocks) if num_host_blocks else None
         self.states: dict[str, RequestState] = {}
@@ -77,7 +84,8 @@ class ModelRunner:
         if connector is not None:
             connector.register_kv_caches(self.kv_cache, KVFormat(
                 checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,
-                args.num_kv_heads, args.head_dim, config.block_size, self.attention_backend),
+                args.num_kv_heads, args.head_dim, config.block_size, self.attention_backend, groups.layers,
+                tuple(w or 0 for w in groups.windows)),
                 host_cache=self.host_kv.host_cache if self.host_kv is not None else None)
 
     def _add_request(self, new) -> None:
@@ -96,9 +104,10 @@ class ModelRunner:
                 if not params.greedy:  # outputs sampled elsewhere (a prefill peer) used their draws
                     skip_draws(generator, len(new.token_ids) - new.num_prompt_tokens, self.model.args.vocab_size,
                                self.device)
-        state = self.states[new.req_id] = RequestState(list(new.token_ids), np.asarray(new.block_ids, dtype=np.int32),
-                                                       params, generator, new.num_prompt_tokens, prompt_logprobs,
-                                                       new.lora_id)
+        # A sliding group's blocks out of its window (-1) read as block 0: masked, never used.
+        block_ids = [np.maximum(np.asarray(ids, dtype=np.int32), 0) for ids in new.block_ids]
+        state = self.states[new.req_id] = RequestState(list(new.token_ids), block_ids, params, generator,
+                                                       new.num_prompt_tokens, prompt_logprobs, new.lora_id)
         if params.structured_output is not None:  # resumed: where it was; else past outputs made elsewhere
             state.matcher = old.matcher if old is not None else self.grammars.matcher(
                 params.structured_output, new.token_ids[new.num_prompt_tokens:])
@@ -117,7 +126,8 @@ class ModelRunner:
             self._add_request(new)
         for cached in sched.scheduled_cached_reqs:
             state = self.states[cached.req_id]
-            state.block_ids = block_tables.grow(state.block_ids, cached.new_block_ids)
+            state.block_ids = [block_tables.grow(blocks, new) for blocks, new in zip(state.block_ids,
+                                                                                     cached.new_block_ids)]
         if sched.host_kv_ops is not None:  # before the forward: a swap-out's device blocks are reused in it
             self.host_kv.submit(sched.host_kv_ops)
         if self.connector is not None:
@@ -133,7 +143,9 @@ class ModelRunner:
         batch = self._build_batch(sched)
         if self.lora is not None:
             self.lora.prepare(batch["adapter_spans"])
-        hidden = self.model(batch["input_ids"], batch["positions"], self.kv_cache, batch["meta"])
+        metas = batch["metas"]
+        hidden = self.model(batch["input_ids"], batch["positions"], self.layer_caches,
+                            [metas[g] for g in self.layer_group])
         out = ModelRunnerOutput({})
         if batch["prompt_rows"]:
             out.prompt_logprobs = self._prompt_logprobs(hidden, batch["prompt_rows"])
@@ -196,7 +208,7 @@ class ModelRunner:
         by_adapter = by_lora and self.attention_backend != "torch"
         order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: (
             kv[1] != 1, self.states[kv[0]].lora_id if by_adapter else 0, -starts[kv[0]]))
-        input_ids, positions, sample_rows, sample_req_ids, spans, prompt_rows = [], [], [], [], [], []
+        input_ids, positions, sample_rows, sample_req_ids, rows, prompt_rows = [], [], [], [], [], []
         adapter_spans = []  # (adapter id, first row, end row) per request, with LoRA on
         for req_id, n in order:
             state, start = self.states[req_id], starts[req_id]
@@ -207,20 +219,23 @@ class ModelRunner:
                 adapter_spans.append((state.lora_id, len(input_ids), len(input_ids) + n))
             input_ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
-            spans.append((start, end, state.block_ids))
+            rows.append((start, end, state.block_ids))
             if end == len(state.token_ids):  # caught up: this row's logits give the next token
                 sample_rows.append(len(input_ids) - 1)
                 sample_req_ids.append(req_id)
         dev = self.device
         positions_t = torch.tensor(positions, device=dev)
         num_decodes = sum(1 for _, n in order if n == 1)  # the first spans
-        if self.attention_backend == "cpu":
-            meta = self._kernel_batch(spans, positions_t)
-        elif self.attention_backend == "triton":
-            meta = self._triton_batch(spans, num_decodes)
-        else:
-            meta = self._reference_batch(spans, num_decodes)
-        return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t, "meta": meta,
+        metas = []
+        for group in range(len(self.kv_groups.layers)):  # each group's blocks: its own tables and slots
+            spans = [(start, end, blocks[group]) for start, end, blocks in rows]
+            if self.attention_backend == "cpu":
+                metas.append(self._kernel_batch(spans, positions_t))
+            elif self.attention_backend == "triton":
+                metas.append(self._triton_batch(spans, num_decodes))
+            else:
+                metas.append(self._reference_batch(spans, num_decodes, self.kv_groups.windows[group]))
+        return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t, "metas": metas,
                 "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids,
                 "prompt_rows": prompt_rows, "adapter_spans": adapter_spans}
 
@@ -251,15 +266,22 @@ class ModelRunner:
             prefill_tables=pre_tab_t.view(pre_tab.shape), q_starts=q_starts, q_lens=q_lens_t, ctx_lens=ctx_lens,
             max_q_len=max(q_lens, default=0)))
 
-    def _reference_batch(self, spans: list[tuple[int, int, list[int]]], num_decodes: int) -> AttentionMetadata:
+    def _reference_batch(self, spans: list[block_tables.Span], num_decodes: int,
+                         window: int | None = None) -> AttentionMetadata:
+        """With a sliding `window`, each row's table starts at the first block its queries read
+        and its context counts from there (the masks are relative, so they hold): a long
+        request's decode gathers its window, not its whole context."""
         bs, dev = self.block_size, self.device
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(block_tables.slots(spans, bs)).to(dev))
-        meta.decodes = self._decode_groups([blocks[:-(-end // bs)] for _, end, blocks in spans[:num_decodes]],
-                                           [end for _, end, _ in spans[:num_decodes]])
+        skips = [first_needed_block(end - 1 if i < num_decodes else start, window, bs)
+                 for i, (start, end, _) in enumerate(spans)]
+        meta.decodes = self._decode_groups(
+            [blocks[skip:-(-end // bs)] for (_, end, blocks), skip in zip(spans[:num_decodes], skips)],
+            [end - skip * bs for (_, end, _), skip in zip(spans[:num_decodes], skips)])
         row = num_decodes
-        for start, end, blocks in spans[num_decodes:]:
-            meta.prefills.append(PrefillSeq(row, end - start, end,
-                                            torch.from_numpy(blocks[:-(-end // bs)].astype(np.int64)).to(dev)))
+        for (start, end, blocks), skip in zip(spans[num_decodes:], skips[num_decodes:]):
+            meta.prefills.append(PrefillSeq(row, end - start, end - skip * bs,
+                                            torch.from_numpy(blocks[skip:-(-end // bs)].astype(np.int64)).to(dev)))
             row += end - start
         return meta
 
@@ -268,7 +290,7 @@ class ModelRunner:
         args = self.model.args
         for size in group_decodes(lens, 2 * args.num_kv_heads * args.head_dim, self.decode_padding_elems):
             rows = slice(start, start + size)
-            width = len(tables[start])  # the group's longest context comes first
+            width = max(len(t) for t in tables[rows])  # (a sliding group's tables start at their windows)
             table = torch.from_numpy(block_tables.padded_table(
                 [(0, len(t) * bs, t) for t in tables[rows]], bs).astype(np.int64)).to(dev)
             past_end = torch.arange(width * bs, device=dev)[None, :] >= torch.tensor(lens[rows], device=dev)[:, None]

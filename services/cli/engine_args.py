@@ -46,6 +46,8 @@ def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
     g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
     g.add_argument("--no-chunked-prefill", action="store_true", help="run each prompt in one step")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="sliding-window layers keep every KV block, as full-attention layers do")
     g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
                    help="LoRA adapters (PEFT directories) to load at start; requests pick one by name")
 
@@ -69,6 +71,8 @@ def engine_config(args):
     return EngineConfig.from_kwargs(model, enable_prefix_caching=not args.no_prefix_caching,
                                     enable_chunked_prefill=not args.no_chunked_prefill,
                                     enable_lora=getattr(args, "enable_lora", False),
+                                    disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager",
+                                                                            False),
                                     lora_modules=dict(m.split("=", 1) for m in modules), **kwargs)
 
 
@@ -78,7 +82,8 @@ def engine_argv(args) -> list[str]:
             if getattr(args, name, None) is not None]
     argv += [flag for flag, on in (("--no-prefix-caching", args.no_prefix_caching),
                                    ("--no-chunked-prefill", args.no_chunked_prefill),
-                                   ("--enable-lora", args.enable_lora)) if on]
+                                   ("--enable-lora", args.enable_lora),
+                                   ("--disable-hybrid-kv-cache-manager", args.disable_hybrid_kv_cache_manager)) if on]
     if args.lora_modules:  # every engine of the stack serves the adapters
         argv += ["--lora-modules", *args.lora_modules]
     return argv

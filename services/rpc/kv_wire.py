@@ -32,12 +32,16 @@ def layout_to_proto(layout: KVLayout) -> internal_pb2.KVLayout:
         host_base_addr=layout.host_base_addr, host_num_blocks=layout.host_num_blocks,
         format=internal_pb2.KVFormat(model=f.model, dtype=f.dtype, num_layers=f.num_layers, num_kv_heads=f.num_kv_heads,
                                      head_size=f.head_size, block_size=f.block_size,
-                                     attention_backend=f.attention_backend))
+                                     attention_backend=f.attention_backend, attention=f.attention,
+                                     kv_groups=[internal_pb2.KVCacheGroup(layers=layers, window=window)
+                                                for layers, window in zip(f.kv_groups, f.kv_windows, strict=True)]))
 
 
 def layout_from_proto(msg: internal_pb2.KVLayout) -> KVLayout:
     f = msg.format
     return KVLayout(msg.engine_id, msg.agent_metadata, msg.base_addr, msg.block_bytes, msg.num_blocks,
                     msg.mem_type, msg.dev_id, KVFormat(f.model, f.dtype, f.num_layers, f.num_kv_heads, f.head_size,
-                                                       f.block_size, f.attention_backend),
+                                                       f.block_size, f.attention_backend,
+                                                       tuple(tuple(g.layers) for g in f.kv_groups),
+                                                       tuple(g.window for g in f.kv_groups), f.attention),
                     msg.host_base_addr, msg.host_num_blocks)

@@ -23,6 +23,7 @@ from baton.services.rpc.calls import CallRegistry
 from baton.services.server.responses import (ENGINE_ERRORS, abort_for_engine_error, api_field, decode_timing,
                                               response_from_output)
 from baton.services.server.runtime_api import EngineRuntime
+from baton.kv_transfer.base import handle_block_counts
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
 
@@ -96,11 +97,15 @@ class GenerationService(EngineRuntime, generate_pb2_grpc.TextGenerationServicer)
             raise type(e)(api_field(e.field), e.reason) from None
         num_prompt = len(request.prompt_token_ids)
         if remote_kv is not None:
-            block_size = self.server.core.facts.block_size
+            facts = self.server.core.facts
             check(remote_kv.num_tokens == num_prompt, "kv_handle.num_tokens",
                   f"is {remote_kv.num_tokens}, the prompt has {num_prompt} tokens")
-            check(len(remote_kv.block_ids) == -(-remote_kv.num_tokens // block_size), "kv_handle.block_ids",
-                  f"has {len(remote_kv.block_ids)} ids for {remote_kv.num_tokens} tokens in blocks of {block_size}")
+            windows = tuple(w or None for w in facts.kv_group_windows) or (None,)
+            expected = sum(handle_block_counts(remote_kv.num_tokens, windows, facts.block_size))
+            check(len(remote_kv.block_ids) == expected, "kv_handle.block_ids",
+                  f"has {len(remote_kv.block_ids)} ids for {remote_kv.num_tokens} tokens; this engine's KV cache "
+                  f"groups (windows {list(facts.kv_group_windows) or [0]}, blocks of {facts.block_size}) take "
+                  f"{expected}")
         limit = inputs.max_model_len
         check(num_prompt + params.max_tokens <= limit, "sampling.max_tokens",
               f"{params.max_tokens} new tokens after a prompt of {num_prompt} exceed max_model_len {limit}")

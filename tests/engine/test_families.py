@@ -61,6 +61,10 @@ FAMILIES = {
                                            "original_max_position_embeddings": 48})),
 }
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+# KV blocks for the batched run, a few past what one request of max_model_len holds, so that
+# the six prompts preempt: sliding-only families have one group keeping its window's blocks,
+# mixed ones a block per layer (three groups of one layer; the global one's keep every block).
+POOLS = {"mistral": 7, "phi3": 8, "gemma2": 24, "gemma3": 24, "qwen3-window": 24}
 
 
 def write_family(out_dir: str, config_class: str, **shape) -> str:
@@ -70,7 +74,11 @@ def write_family(out_dir: str, config_class: str, **shape) -> str:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory) -> str:
     config_class, shape = FAMILIES[request.param]
-    return write_family(str(tmp_path_factory.mktemp(request.param)), config_class, **shape)
+    return write_family(str(tmp_path_factory.mktemp(request.param) / request.param), config_class, **shape)
+
+
+def pool(family: str) -> int:
+    return POOLS.get(os.path.basename(family), 16)
 
 
 def prompts() -> list[list[int]]:
@@ -79,7 +87,7 @@ def prompts() -> list[list[int]]:
 
 
 def test_batched_chunked_preempted_and_prefix_cached_equal_transformers(family, hf):
-    llm = LLM(family, dtype="float32", device="cpu", max_num_batched_tokens=32, num_kv_blocks=16,
+    llm = LLM(family, dtype="float32", device="cpu", max_num_batched_tokens=32, num_kv_blocks=pool(family),
               max_model_len=192)
     ps = prompts()
     outs = llm.generate(ps, GREEDY)
@@ -98,11 +106,12 @@ def test_prefill_and_decode_over_nixl_equal_colocated(family):
     assert_pools_full(prefill, decode)
 
 
-def test_qwen3_through_the_router_prefill_and_decode_equals_offline(tmp_path):
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])  # gemma3: hybrid KV cache groups, handles of window blocks
+def test_through_the_router_prefill_and_decode_equals_offline(tmp_path, name):
     from baton.services.client import Client
 
-    config_class, shape = FAMILIES["qwen3"]
-    model_dir = write_family(str(tmp_path / "qwen3"), config_class, **shape)
+    config_class, shape = FAMILIES[name]
+    model_dir = write_family(str(tmp_path / name), config_class, **shape)
     ps = prompts()
     want = [o.token_ids for o in LLM(model_dir, dtype="float32", device="cpu").generate(ps, GREEDY)]
     with pd_stack(model_dir, prefill=("--max-num-batched-tokens", "32")) as ((prefill,), (decode,), router):

@@ -109,9 +109,9 @@ def test_the_profile_step_is_the_largest_the_scheduler_may_emit(tiny_llama, budg
     first, *rest = sched.scheduled_new_reqs
     assert first.sampling_params.prompt_logprobs and all(r.sampling_params.prompt_logprobs is None for r in rest)
     assert all(r.sampling_params.logprobs == 20 and r.sampling_params.min_p > 0 for r in sched.scheduled_new_reqs)
-    blocks = [b for r in sched.scheduled_new_reqs for b in r.block_ids]
+    blocks = [b for r in sched.scheduled_new_reqs for (group,) in [r.block_ids] for b in group]  # one KV cache group
     assert sorted(blocks) == list(range(num_blocks))  # each request its own blocks, none shared
-    assert all(len(r.block_ids) * config.block_size >= len(r.token_ids) for r in sched.scheduled_new_reqs)
+    assert all(len(r.block_ids[0]) * config.block_size >= len(r.token_ids) for r in sched.scheduled_new_reqs)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])

@@ -40,7 +40,7 @@ class FakeRunner:
         sampled = {}
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.sched.requests[req_id]
-            blocks, start = self.sched.kv.block_ids(req_id), req.num_computed_tokens - n
+            blocks, start = self.sched.kv.block_ids(req_id)[0], req.num_computed_tokens - n
             for pos in range(start):  # the KV this step attends to
                 assert self.device[blocks[pos // self.bs]][pos % self.bs] == req.all_token_ids[pos], (req_id, pos)
             for pos in range(start, start + n):
@@ -62,8 +62,8 @@ class FakeRunner:
 
 def check_refcounts(sched: Scheduler, kv: KVCacheManager, host: HostKVTier) -> None:
     owners: dict[int, int] = {}
-    for blocks in kv.req_blocks.values():
-        for b in blocks:
+    for groups in kv.req_blocks.values():
+        for b in groups[0]:
             owners[b.block_id] = owners.get(b.block_id, 0) + 1
     host_owners: dict[int, int] = {}
     for blocks, _ in host.swapped.values():

@@ -21,7 +21,7 @@ def test_allocate_and_free_returns_the_pool():
     a, b = make("a", list(range(10))), make("b", list(range(100, 107)))
     admit(kv, a)
     admit(kv, b)
-    assert len(kv.req_blocks["a"]) == 3 and len(kv.req_blocks["b"]) == 2
+    assert len(kv.request_blocks("a")) == 3 and len(kv.request_blocks("b")) == 2
     assert kv.num_free_blocks == 3
     assert kv.allocate_slots(make("c", list(range(20))), 20) is None  # 5 blocks > 3 free: nothing changes
     assert kv.num_free_blocks == 3 and "c" not in kv.req_blocks
@@ -36,9 +36,9 @@ def test_prefix_hits_share_blocks_and_keep_the_last_token():
     assert admit(kv, a) == 0
     b = make("b", list(range(12)))  # identical prompt: 2 full blocks hit, the last token recomputed
     hits, n = kv.get_computed_blocks(b)
-    assert n == 8 and [h.block_id for h in hits] == kv.block_ids("a")[:2]
+    assert n == 8 and [h.block_id for h in hits[0]] == kv.block_ids("a")[0][:2]
     kv.allocate_slots(b, 4, hits)
-    assert all(kv.blocks[i].ref_cnt == 2 for i in kv.block_ids("a")[:2])
+    assert all(kv.blocks[i].ref_cnt == 2 for i in kv.block_ids("a")[0][:2])
     c = make("c", list(range(8)) + [99, 98, 97, 96, 95])  # diverges in block 3
     assert kv.get_computed_blocks(c)[1] == 8
 

@@ -34,19 +34,19 @@ def check_invariants(sched, kv, out):
     assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values()) <= cfg.max_num_batched_tokens
     assert len(sched.running) <= cfg.max_num_seqs
     owners: dict[int, int] = {}
-    for req_id, blocks in kv.req_blocks.items():
-        ids = [b.block_id for b in blocks]
+    for req_id, groups in kv.req_blocks.items():
+        ids = [b.block_id for blocks in groups for b in blocks if b is not None]
         assert len(ids) == len(set(ids)), f"{req_id} holds a block twice"
         for i in ids:
             owners[i] = owners.get(i, 0) + 1
         req = sched.requests[req_id]
-        assert len(blocks) * cfg.block_size >= req.num_computed_tokens
+        assert all(len(blocks) * cfg.block_size >= req.num_computed_tokens for blocks in groups)
     for block in kv.blocks:
         assert block.ref_cnt == owners.get(block.block_id, 0)
         assert (block.ref_cnt == 0) == (block.block_id in kv.free_queue)
         if block.ref_cnt > 1:  # only prefix-cached blocks are shared
-            assert block.block_hash is not None and kv.cached[block.block_hash] is block
-    assert all(kv.cached[h].block_hash == h for h in kv.cached)
+            assert block.block_hash is not None and kv.caches[block.group][block.block_hash] is block
+    assert all(cache[h].block_hash == h for cache in kv.caches for h in cache)
     for req in sched.running:
         assert req.status == RequestStatus.RUNNING and req.num_computed_tokens <= req.num_tokens
 

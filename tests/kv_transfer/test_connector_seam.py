@@ -43,7 +43,7 @@ class CopyConnector(KVConnectorScheduler, KVConnectorWorker):
             handle = request.remote_kv
             first = (handle.num_tokens - num_external_tokens) // self.block_size
             last = -(-handle.num_tokens // self.block_size)
-            self.pending.append((request.request_id, block_ids[first:last], self.by_id[handle.engine_id],
+            self.pending.append((request.request_id, block_ids[0][first:last], self.by_id[handle.engine_id],
                                  handle.block_ids[first:last], handle.request_id))
 
     def build_connector_meta(self, scheduler_output):
@@ -53,7 +53,7 @@ class CopyConnector(KVConnectorScheduler, KVConnectorWorker):
     def request_finished(self, request, block_ids):
         if not request.hold_for_remote:
             return False, None
-        return True, KVHandle(self.engine_id, request.request_id, block_ids, request.num_prompt_tokens,
+        return True, KVHandle(self.engine_id, request.request_id, block_ids[0], request.num_prompt_tokens,
                               request.output_token_ids[0])
 
     # worker half

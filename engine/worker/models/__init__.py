@@ -29,7 +29,6 @@ def reference_only(args: ModelArgs, max_model_len: int) -> str:
     needs = []
     if args.attn_softcap is not None:
         needs.append(f"soft-capped scores (attn_logit_softcapping {args.attn_softcap:g})")
-    slides = not args.layer_types or "sliding_attention" in args.layer_types
-    if args.sliding_window is not None and args.sliding_window < max_model_len and slides:
+    if any(args.layer_windows(max_model_len)):
         needs.append(f"a sliding window shorter than the context (sliding_window {args.sliding_window})")
     return " and ".join(needs)

@@ -46,6 +46,19 @@ class ModelArgs:
     attn_softcap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
     final_softcap: float | None = None  # logits likewise
 
+    def sliding_layers(self) -> list[bool]:
+        """Which layers slide: as layer_types says, else every layer when there is a window."""
+        return [kind == "sliding_attention" for kind in self.layer_types] or (
+            [self.sliding_window is not None] * self.num_layers)
+
+    def layer_windows(self, max_model_len: int) -> list[int | None]:
+        """Each layer's sliding window in contexts of at most max_model_len (None: it sees every
+        position, as a window that holds the whole context does)."""
+        window = self.sliding_window
+        if window is not None and window >= max_model_len:
+            window = None
+        return [window if slides else None for slides in self.sliding_layers()]
+
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 

@@ -143,9 +143,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        # Sliding layers: as layer_types says, else every layer when the model has a window.
-        sliding = [kind == "sliding_attention" for kind in args.layer_types] or (
-            [args.sliding_window is not None] * args.num_layers)
+        sliding = args.sliding_layers()
         self.layers = nn.ModuleList(DecoderLayer(args, s) for s in sliding)
         self.norm = norm(args)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -158,10 +156,8 @@ class CausalLM(nn.Module):
     def prepare(self, max_model_len: int) -> None:
         """RoPE tables for every position of a context of max_model_len (and one past it), and
         each layer's window for such contexts."""
-        for layer in self.layers:
-            attn = layer.self_attn
-            if attn.window is not None and attn.window >= max_model_len:
-                attn.window = None  # it holds every position: full attention, any kernel
+        for layer, window in zip(self.layers, self.args.layer_windows(max_model_len)):
+            layer.self_attn.window = window  # one that holds every position: full attention, any kernel
         max_len = max_model_len + 1
         a = self.args
         dim = a.rotary_dim or a.head_dim
@@ -175,17 +171,18 @@ class CausalLM(nn.Module):
             dtype = self.embed_tokens.weight.dtype
             self.rope.append(((emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_cache: [num_blocks, num_layers, 2, block_size, kv_heads, D].
-        Returns the final hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata]) -> torch.Tensor:
+        """input_ids, positions: [T]; per layer, its K and V caches ([num_blocks, block_size,
+        kv_heads, D] views) and the step's attention metadata for its blocks (its KV cache
+        group's). Returns the final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         if self.args.embed_scale != 1.0:  # a float32 scalar cast to the weights' dtype, as Gemma's
             x = x * torch.tensor(self.args.embed_scale).to(x.dtype)
         tables = [(cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for cos, sin in self.rope]
         for i, layer in enumerate(self.layers):
             cos, sin = tables[self.layer_rope[i]]
-            x = layer(x, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1], meta)
+            x = layer(x, cos, sin, *caches[i], metas[i])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
