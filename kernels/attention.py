@@ -152,16 +152,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     Rows may be strided (views into the fused QKV projection). Returns [T, q_heads, D].
     `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2);
     `window`: a query sees only keys fewer than `window` positions behind it (sliding-window
-    layers). Only the reference below does either (the engine picks it for such models)."""
-    if (softcap is not None or window is not None) and (meta.kernel is not None or meta.triton is not None):
-        raise ValueError("attention soft-capping and sliding windows run on the PyTorch reference only")
+    layers). Every backend does both."""
     if meta.kernel is not None:
         kb = meta.kernel
         return cpu_kernels.paged_attention(q, k, v, k_cache, v_cache, kb.block_ids, kb.row_block_start, kb.positions,
-                                           scale)
+                                           scale, softcap, window)
     if meta.triton is not None:
         from baton.kernels import triton_attention  # imported where picked only: triton is optional
-        return triton_attention.paged_attention(q, k, v, k_cache, v_cache, meta.triton, scale)
+        return triton_attention.paged_attention(q, k, v, k_cache, v_cache, meta.triton, scale, softcap, window)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

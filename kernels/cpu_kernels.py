@@ -105,7 +105,7 @@ class Batch(ctypes.Structure):
                 ("num_rows", ctypes.c_int64), ("num_block_ids", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
                 ("num_kv_heads", ctypes.c_int32), ("group", ctypes.c_int32),
                 ("head_dim", ctypes.c_int32), ("block_size", ctypes.c_int32), ("scale", ctypes.c_float),
-                ("out", ctypes.c_void_p)]
+                ("out", ctypes.c_void_p), ("window", ctypes.c_int32), ("softcap", ctypes.c_float)]
 
 
 @functools.cache
@@ -165,10 +165,12 @@ def _check_rows(name: str, t: torch.Tensor, heads: int, head_dim: int) -> None:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_ids: torch.Tensor, row_block_start: torch.Tensor, positions: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
     """Writes this step's k, v ([rows, kv_heads, D]) into the cache, then returns attention of
     each row of q ([rows, q_heads, D]) at positions[row] over its sequence's first
-    positions[row] + 1 tokens. Row r's sequence's blocks are block_ids[row_block_start[r]:].
+    positions[row] + 1 tokens (with a sliding `window`, the last `window` of them; blocks
+    wholly before are not read), scores soft-capped (cap * tanh(s / cap)) where `softcap`.
+    Row r's sequence's blocks are block_ids[row_block_start[r]:].
     k_cache/v_cache: [num_blocks, block_size, kv_heads, D], one layer's views of the engine's
     cache. Rows of q, k, v may be strided (views into the fused QKV output); the index
     tensors are int64."""
@@ -190,7 +192,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                   k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
                   block_ids.data_ptr(), row_block_start.data_ptr(), positions.data_ptr(), num_rows, block_ids.numel(),
                   num_blocks, num_kv_heads,
-                  num_heads // num_kv_heads, head_dim, block_size, scale, out.data_ptr())
+                  num_heads // num_kv_heads, head_dim, block_size, scale, out.data_ptr(), window or 0, softcap or 0.0)
     rc = load().baton_paged_attention(DTYPES[q.dtype], ctypes.byref(batch))
     if rc == -2:
         raise ValueError("a row's position reaches past its blocks in block_ids, or a block id is outside the cache")

@@ -9,7 +9,10 @@ Decode (one query token per request): the query heads of a GQA group share each 
 combines them, so batch 1 of a 32k context keeps the GPU as busy as batch 256 of 1k. Prefill: a chunk of new tokens
 attends to its cached prefix and, causally, to itself, so chunked prefill and prefix-cache
 hits run the same kernel; a tile is BLOCK_M query tokens × the group's heads. Accumulation
-is in float32.
+is in float32. Both take a sliding window (a query sees the `window` positions ending at its
+own; tiles wholly before it are skipped, so a hybrid KV cache's dropped blocks are never read)
+and a soft-cap (scores become cap · tanh(score / cap), Gemma 2), each switched on by a
+constexpr so models without them compile the kernels as before.
 
 Runs on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set
 before triton is imported), which is how CI tests it. The PyTorch reference in
@@ -41,19 +44,33 @@ def _kv_tile(K, V, TABLE, first_key, ctx_len, kv_head, d, d_ok, stride_kb, strid
 
 # Integers that change from step to step are not specialized on: Triton would compile a new
 # variant whenever one's value class changes (equal to 1, divisible by 16), stalling the step.
+@triton.jit
+def _capped(scores, softcap, CAPPED: tl.constexpr):
+    """cap · tanh(scores / cap) where CAPPED (tanh from the sigmoid: tl has no tanh of its own)."""
+    if CAPPED:
+        scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+    return scores
+
+
 @triton.jit(do_not_specialize=["stride_tb", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh",
-                               "tiles_per_split"])
+                               "tiles_per_split", "window"])
 def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale, tiles_per_split,
+                  window, softcap,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DIRECT: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DIRECT: tl.constexpr, SLIDING: tl.constexpr,
+                  CAPPED: tl.constexpr):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b)
     # tiles_per_split is a runtime argument: it changes as contexts grow, and a constexpr
     # would compile the kernel again for each value.
     first = split * tiles_per_split
     end = tl.minimum(first + tiles_per_split, tl.cdiv(seq_len, TILE))
+    first_key = 0  # the first key the query (at seq_len - 1) sees
+    if SLIDING:
+        first_key = tl.maximum(seq_len - window, 0)
+        first = tl.maximum(first, first_key // TILE)
     g, d = tl.arange(0, GROUP_PAD), tl.arange(0, D_PAD)
     heads = kv_head * GROUP + g
     d_ok = d < HEAD_DIM
@@ -63,10 +80,11 @@ def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
     s = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     for tile in range(first, end):
-        _, in_ctx, k, v = _kv_tile(K, V, BLOCK_TABLES + b * stride_tb, tile * TILE, seq_len, kv_head, d, d_ok,
-                                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, TILE)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        scores = tl.where(in_ctx[None, :], scores, float("-inf"))
+        key, in_ctx, k, v = _kv_tile(K, V, BLOCK_TABLES + b * stride_tb, tile * TILE, seq_len, kv_head, d, d_ok,
+                                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE,
+                                     TILE)
+        scores = _capped(tl.dot(q, tl.trans(k), input_precision="ieee") * scale, softcap, CAPPED)
+        scores = tl.where((in_ctx & (key >= first_key))[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
@@ -172,12 +190,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         COLS=cols, BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t)
 
 
-@triton.jit(do_not_specialize=["stride_tb"])
+@triton.jit(do_not_specialize=["stride_tb", "window"])
 def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
              stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-             stride_ot, stride_oh, stride_tb, scale,
+             stride_ot, stride_oh, stride_tb, scale, window, softcap,
              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-             BLOCK_M: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr):
+             BLOCK_M: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr, SLIDING: tl.constexpr,
+             CAPPED: tl.constexpr):
     seq, m_tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_len = tl.load(Q_LENS + seq)
     if m_tile * BLOCK_M >= q_len:
@@ -196,11 +215,17 @@ def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
     s = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     last = tl.minimum(ctx_len, ctx_len - q_len + (m_tile + 1) * BLOCK_M)  # keys the tile's last row sees
-    for tile in range(0, tl.cdiv(last, TILE)):
+    start = 0  # the first tile any row sees
+    if SLIDING:
+        start = tl.maximum(ctx_len - q_len + m_tile * BLOCK_M - window + 1, 0) // TILE
+    for tile in range(start, tl.cdiv(last, TILE)):
         key, _, k, v = _kv_tile(K, V, BLOCK_TABLES + seq * stride_tb, tile * TILE, ctx_len, kv_head, d, d_ok,
                                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, TILE)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        scores = tl.where((key[None, :] <= pos[:, None]) & row_ok[:, None], scores, float("-inf"))
+        scores = _capped(tl.dot(q, tl.trans(k), input_precision="ieee") * scale, softcap, CAPPED)
+        seen = key[None, :] <= pos[:, None]
+        if SLIDING:
+            seen = seen & (key[None, :] > pos[:, None] - window)
+        scores = tl.where(seen & row_ok[:, None], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a padding row sees no key
         p = tl.exp(scores - m_safe[:, None])
@@ -216,15 +241,17 @@ def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                             ctx_lens: torch.Tensor, scale: float, block_m: int | None = None,
-                            max_q_len: int | None = None,
-                            out: torch.Tensor | None = None, kv_tile: int | None = None) -> torch.Tensor:
+                            max_q_len: int | None = None, out: torch.Tensor | None = None,
+                            kv_tile: int | None = None, softcap: float | None = None,
+                            window: int | None = None) -> torch.Tensor:
     """Attention of prefill chunks: sequence i's q_lens[i] rows of q [T, Hq, D], from row
     q_starts[i], are the last tokens of its ctx_lens[i]-token context (the cached prefix and
     the chunk, whose K/V are in the cache already), each seeing the keys up to its own.
     `max_q_len`: the longest chunk, when the caller knows it (else read from the device, a
     sync); `out`: where the rows go (default: a new tensor like q; other rows untouched);
     `block_m`: query tokens per program (default: as many as fill _MAX_ROWS rows with their
-    heads); `kv_tile`: keys per loop iteration (default KV_TILE)."""
+    heads); `kv_tile`: keys per loop iteration (default KV_TILE); `softcap`, `window`: see the
+    module's docstring."""
     group = _groups("paged_prefill_attention", q, k_cache, v_cache)
     head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
@@ -237,16 +264,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, out, block_tables, q_starts, q_lens, ctx_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        block_tables.stride(0), scale, GROUP=group, HEAD_DIM=head_dim,
+        block_tables.stride(0), scale, window or 0, softcap or 0.0, GROUP=group, HEAD_DIM=head_dim,
         D_PAD=_pad(head_dim), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, ROWS=_pad(block_m * group),
-        TILE=kv_tile or KV_TILE, **_launch(head_dim))
+        TILE=kv_tile or KV_TILE, SLIDING=window is not None, CAPPED=softcap is not None, **_launch(head_dim))
     return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            tiles_per_split: int | None = None, out: torch.Tensor | None = None,
-                           kv_tile: int | None = None) -> torch.Tensor:
+                           kv_tile: int | None = None, softcap: float | None = None,
+                           window: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its cached context.
 
     q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (one layer's views, any
@@ -254,7 +282,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (the context, this step's token included). `kv_tile`: keys per loop iteration (default
     KV_TILE); `tiles_per_split`: tiles one program reads (default
     `default_tiles_per_split`; one split needs no combine pass); `out`: where the B rows go (its
-    first B rows; default: a new tensor like q).
+    first B rows; default: a new tensor like q); `softcap`, `window`: see the module's docstring.
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -277,9 +305,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, seq_lens, part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        *part_strides, *lse_strides, scale, tiles_per_split,
-        GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, TILE=kv_tile, DIRECT=num_splits == 1, **_launch(head_dim))
+        *part_strides, *lse_strides, scale, tiles_per_split, window or 0, softcap or 0.0,
+        GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, TILE=kv_tile,
+        DIRECT=num_splits == 1, SLIDING=window is not None, CAPPED=softcap is not None, **_launch(head_dim))
     if num_splits > 1:
         _combine_splits[(batch, num_heads)](
             part, lse, out, num_splits, *part_strides, *lse_strides, out.stride(0), out.stride(1),
@@ -306,7 +334,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, batch, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, batch, scale: float, softcap: float | None = None,
+                    window: int | None = None) -> torch.Tensor:
     """One layer of a whole step (a kernels.attention.TritonBatch: decodes first, then prefill
     chunks): the step's K/V written to their slots, then each kind's kernel into one output."""
     write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
@@ -314,8 +343,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_decodes = batch.decode_lens.shape[0]
     if num_decodes:
         paged_decode_attention(q[:num_decodes], k_cache, v_cache, batch.decode_tables, batch.decode_lens, scale,
-                               out=out)
+                               out=out, softcap=softcap, window=window)
     if batch.q_lens.shape[0]:
         paged_prefill_attention(q, k_cache, v_cache, batch.prefill_tables, batch.q_starts, batch.q_lens,
-                                batch.ctx_lens, scale, max_q_len=batch.max_q_len, out=out)
+                                batch.ctx_lens, scale, max_q_len=batch.max_q_len, out=out, softcap=softcap,
+                                window=window)
     return out

@@ -81,10 +81,11 @@ def write_random_checkpoint(out_dir: str, config_class: str, *, seed: int = 0, s
     import transformers
 
     tokenizer = train_tokenizer()
-    config = getattr(transformers, config_class)(
-        vocab_size=len(tokenizer), max_position_embeddings=1024, rms_norm_eps=1e-6,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        initializer_range=0.2, **shape)  # wide enough that greedy argmax has clear margins
+    config = getattr(transformers, config_class)(**{
+        "vocab_size": len(tokenizer), "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "initializer_range": 0.2, **shape})  # wide enough that greedy argmax has clear margins
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -19,6 +19,7 @@ from baton.engine.common.errors import InvalidArgument, check
 from baton.engine.core.host_kv_tier import HostKVTier
 from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.common.kv_groups import group_layers
+from baton.engine.common.block_hashes import hash_block
 from baton.engine.common.kv_events import KVEventLog
 from baton.engine.worker.loader import load_model
 from baton.engine.worker.lora.adapter import adapter_bytes
@@ -86,6 +87,9 @@ class EngineCore:
         self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker, lora_slots,
                                   self.num_host_blocks, self.kv_groups)
         self.connector = connector_worker
+        if self.runner.model.rope_recompute_at is not None:  # LongRoPE: see Scheduler.recompute_at
+            self.scheduler.recompute_at = self.runner.model.rope_recompute_at
+            self.scheduler.rekey = lambda request: self._rope_rekey(request, request.num_tokens)
         self.vocab_size = args.vocab_size
         self.grammars = self.runner.grammars = Grammars(config.model, args.vocab_size, self.eos_token_ids)
         self.awaiting_grammar: list[Request] = []  # WAITING_FOR_FSM: held back until their grammar compiled
@@ -167,6 +171,13 @@ class EngineCore:
         """The hashes of the blocks the prefix cache holds now (what its KV events describe)."""
         return list(self.kv.cached)
 
+    def _rope_rekey(self, request: Request, length: int) -> None:
+        """Where a sequence's length changes its KV (dynamic NTK, LongRoPE), its block hashes start
+        from a root of that length's own, so prefix caching never shares KV turned otherwise."""
+        if rope_key := self.runner.model.prompt_rope_key(length):
+            request.hash_root = hash_block(request.hash_root, (rope_key,))
+            request.block_hashes.clear()
+
     # ---- requests ---------------------------------------------------------------------------
     def add(self, msg: CoreRequest) -> Request:
         """Queue a request (validated by its front already)."""
@@ -179,6 +190,7 @@ class EngineCore:
         if msg.lora_name:
             info = self._registry("adapter").get(msg.lora_name, "adapter")
             request.lora_id, request.hash_root = info.adapter_id, info.hash_root
+        self._rope_rekey(request, len(msg.prompt_token_ids))
         so = msg.sampling_params.structured_output
         if so is not None:
             request.grammar = self.grammars.compile(so)

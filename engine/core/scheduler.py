@@ -12,6 +12,7 @@ import bisect
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -62,6 +63,12 @@ class Scheduler:
         self._chunks: list[tuple[Request, int]] = []  # prompt chunks scheduled this step (when recording)
         self._now = 0.0  # this step's schedule() time
         self.last_step_time = 0.0  # when the last step's tokens were sampled
+        # LongRoPE (Phi-3): a request that grows past `recompute_at` tokens has its KV computed
+        # again from its first token (transformers' Phi-3 recomputes its cache there), under the
+        # block-hash root `rekey` gives it. Set by the engine for such models.
+        self.recompute_at: int | None = None
+        self.rekey: Callable[[Request], None] = lambda request: None
+        self._to_recompute: list[Request] = []
 
     def record(self, request: Request | None, kind: EventType, when: float, **fields) -> None:
         if self.events is not None and request is not None:
@@ -158,6 +165,12 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
         self._now = time.monotonic()
+        for request in self._to_recompute:
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._preempt(request, out, swap=False)
+                self.rekey(request)
+        self._to_recompute.clear()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
@@ -198,14 +211,18 @@ class Scheduler:
         return budget
 
     def _preempt_one(self, out: SchedulerOutput) -> Request:
-        """Free the victim's blocks (swapped to the host tier first, as preemption_mode says) and
-        send it back to waiting, to recompute or load them."""
+        """Preempt the lowest running request (FCFS: the latest) for room."""
         if self.by_priority:
             victim = max(self.running, key=Request.priority_key)
             self.running.remove(victim)
         else:
             victim = self.running.pop()
-        if self.host is not None:
+        return self._preempt(victim, out)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput, swap: bool = True) -> Request:
+        """Free the victim's blocks (swapped to the host tier first, as preemption_mode says, if
+        `swap`) and send it back to waiting, to recompute or load them."""
+        if self.host is not None and swap:
             self.host.preempt(victim)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
@@ -307,6 +324,8 @@ class Scheduler:
             if request is None:  # aborted while the step ran
                 continue
             request.append_output_token(token_id)
+            if request.num_tokens - 1 == self.recompute_at and request.num_prompt_tokens <= self.recompute_at:
+                self._to_recompute.append(request)  # (a prompt past it was computed long from the start)
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.num_prompt_tokens += request.num_prompt_tokens

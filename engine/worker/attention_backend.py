@@ -15,16 +15,11 @@ log = logging.getLogger(__name__)
 
 
 def choose_backend(asked: str, dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int,
-                   head_dim: int, reference_only: str = "") -> str:
+                   head_dim: int) -> str:
     """The attention backend for a cache: "cpu" (the C++ kernel), "triton" or "torch" (the
     reference). "auto": the C++ kernel on CPU where it builds and fits the model, Triton on
     CUDA where it is installed, else the reference. An explicit choice that cannot run here is
-    an error naming attention_backend. `reference_only`: what the model needs that only the
-    reference does (soft-capped scores, a sliding window shorter than the context), if anything."""
-    if reference_only:
-        check(asked in ("auto", "torch"), "attention_backend",
-              f"only the PyTorch reference runs {reference_only}; got {asked!r}")
-        return "torch"
+    an error naming attention_backend."""
     if asked == "cpu" or (asked == "auto" and device.type == "cpu"):
         if cpu_kernels.supports(dtype, device, num_heads, num_kv_heads, head_dim):
             return "cpu"

@@ -17,7 +17,7 @@ from baton.engine.common.kv_groups import KVGroups, group_layers
 from baton.engine.worker.host_kv_copier import HostKVCopier
 from baton.engine.worker.loader import checkpoint_fingerprint
 from baton.engine.worker.lora.layers import LoRASlots
-from baton.engine.worker.models import CausalLM, reference_only
+from baton.engine.worker.models import CausalLM
 from baton.engine.worker.sampler import apply_processors, sample, skip_draws, token_logprobs
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -79,8 +79,7 @@ class ModelRunner:
         self.decode_padding_elems = DECODE_PADDING_ELEMS  # per decode group; tests shrink it
         # "cpu" (the C++ kernel), "triton" or "torch" (the reference); tests switch it.
         self.attention_backend = choose_backend(config.attention_backend, self.kv_cache.dtype, self.device,
-                                                args.num_heads, args.num_kv_heads, args.head_dim,
-                                                reference_only(args, config.max_model_len))
+                                                args.num_heads, args.num_kv_heads, args.head_dim)
         if connector is not None:
             connector.register_kv_caches(self.kv_cache, KVFormat(
                 checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,
@@ -145,7 +144,7 @@ class ModelRunner:
             self.lora.prepare(batch["adapter_spans"])
         metas = batch["metas"]
         hidden = self.model(batch["input_ids"], batch["positions"], self.layer_caches,
-                            [metas[g] for g in self.layer_group])
+                            [metas[g] for g in self.layer_group], batch["rope_lengths"])
         out = ModelRunnerOutput({})
         if batch["prompt_rows"]:
             out.prompt_logprobs = self._prompt_logprobs(hidden, batch["prompt_rows"])
@@ -209,6 +208,7 @@ class ModelRunner:
         order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: (
             kv[1] != 1, self.states[kv[0]].lora_id if by_adapter else 0, -starts[kv[0]]))
         input_ids, positions, sample_rows, sample_req_ids, rows, prompt_rows = [], [], [], [], [], []
+        rope_rows = []  # (start, end, prompt length, length) per request: what the RoPE of its rows takes
         adapter_spans = []  # (adapter id, first row, end row) per request, with LoRA on
         for req_id, n in order:
             state, start = self.states[req_id], starts[req_id]
@@ -220,24 +220,30 @@ class ModelRunner:
             input_ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             rows.append((start, end, state.block_ids))
+            rope_rows.append((start, end, state.num_prompt_tokens, len(state.token_ids)))
             if end == len(state.token_ids):  # caught up: this row's logits give the next token
                 sample_rows.append(len(input_ids) - 1)
                 sample_req_ids.append(req_id)
         dev = self.device
         positions_t = torch.tensor(positions, device=dev)
+        rope_lengths = None
+        if self.model.rope_by_length:  # dynamic NTK, LongRoPE: each token's sequence length
+            rope_lengths = torch.tensor(np.concatenate([self.model.rope_lengths(*lens) for lens in rope_rows]),
+                                        device=dev)
         num_decodes = sum(1 for _, n in order if n == 1)  # the first spans
-        metas = []
-        for group in range(len(self.kv_groups.layers)):  # each group's blocks: its own tables and slots
-            spans = [(start, end, blocks[group]) for start, end, blocks in rows]
-            if self.attention_backend == "cpu":
-                metas.append(self._kernel_batch(spans, positions_t))
-            elif self.attention_backend == "triton":
-                metas.append(self._triton_batch(spans, num_decodes))
-            else:
-                metas.append(self._reference_batch(spans, num_decodes, self.kv_groups.windows[group]))
+        # Each group's blocks: its own tables and slots.
+        group_spans = [[(start, end, blocks[group]) for start, end, blocks in rows]
+                       for group in range(len(self.kv_groups.layers))]
+        if self.attention_backend == "cpu":
+            metas = [self._kernel_batch(spans, positions_t) for spans in group_spans]
+        elif self.attention_backend == "triton":
+            metas = self._triton_batches(group_spans, num_decodes)
+        else:
+            metas = [self._reference_batch(spans, num_decodes, window)
+                     for spans, window in zip(group_spans, self.kv_groups.windows)]
         return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t, "metas": metas,
                 "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids,
-                "prompt_rows": prompt_rows, "adapter_spans": adapter_spans}
+                "prompt_rows": prompt_rows, "adapter_spans": adapter_spans, "rope_lengths": rope_lengths}
 
     def _kernel_batch(self, spans: list[block_tables.Span], positions: torch.Tensor) -> AttentionMetadata:
         bs, tables, counts = self.block_size, [], []
@@ -251,20 +257,28 @@ class ModelRunner:
         return AttentionMetadata(kernel=KernelBatch(torch.from_numpy(np.concatenate(tables).astype(np.int64)),
                                                     torch.from_numpy(np.repeat(starts, counts)), positions))
 
-    def _triton_batch(self, spans: list[block_tables.Span], num_decodes: int) -> AttentionMetadata:
-        bs = self.block_size
+    def _triton_batches(self, group_spans: list[list[block_tables.Span]], num_decodes: int
+                        ) -> list[AttentionMetadata]:
+        """Each KV cache group's metadata for the Triton kernels: its slots and tables, the
+        lengths shared."""
+        bs, spans = self.block_size, group_spans[0]
         decodes, prefills = spans[:num_decodes], spans[num_decodes:]
         q_lens = [end - start for start, end, _ in prefills]
-        # One copy to the device for all of it (a copy costs more than its bytes), then views.
-        dec_tab, pre_tab = block_tables.padded_table(decodes, bs), block_tables.padded_table(prefills, bs)
-        slots, dec_tab_t, dec_lens, pre_tab_t, q_starts, q_lens_t, ctx_lens = self.staging.to_device([
-            block_tables.slots(spans, bs), dec_tab, np.array([end for _, end, _ in decodes], np.int32), pre_tab,
+        tables = [(block_tables.padded_table(g[:num_decodes], bs), block_tables.padded_table(g[num_decodes:], bs))
+                  for g in group_spans]
+        # One copy to the device for all of it (a copy costs more than its bytes; and the staging
+        # buffer is reused by the next call), then views.
+        dec_lens, q_starts, q_lens_t, ctx_lens, *per_group = self.staging.to_device([
+            np.array([end for _, end, _ in decodes], np.int32),
             np.array(list(accumulate(q_lens, initial=num_decodes))[:-1], np.int32), np.array(q_lens, np.int32),
-            np.array([end for _, end, _ in prefills], np.int32)])
-        return AttentionMetadata(triton=TritonBatch(
+            np.array([end for _, end, _ in prefills], np.int32),
+            *(part for g, (dec_tab, pre_tab) in zip(group_spans, tables)
+              for part in (block_tables.slots(g, bs), dec_tab, pre_tab))])
+        return [AttentionMetadata(triton=TritonBatch(
             slot_mapping=slots, decode_tables=dec_tab_t.view(dec_tab.shape), decode_lens=dec_lens,
             prefill_tables=pre_tab_t.view(pre_tab.shape), q_starts=q_starts, q_lens=q_lens_t, ctx_lens=ctx_lens,
             max_q_len=max(q_lens, default=0)))
+            for (slots, dec_tab_t, pre_tab_t), (dec_tab, pre_tab) in zip(zip(*[iter(per_group)] * 3), tables)]
 
     def _reference_batch(self, spans: list[block_tables.Span], num_decodes: int,
                          window: int | None = None) -> AttentionMetadata:

@@ -2,7 +2,10 @@
 // new keys and values into their cache slots, then attends: keys and values are read in
 // place from the block pool (no gather), and scores, softmax and the weighted sum are fused
 // per (tile of rows, KV head). A row at position p attends to its sequence's first p + 1
-// tokens: a decode to its whole context, a prefill row causally. Built and loaded by
+// tokens: a decode to its whole context, a prefill row causally; with a sliding window W, only
+// the last W of them (p - W + 1 onwards), and blocks wholly before a tile's window are never
+// read (a hybrid KV cache lets them go). A soft-cap turns scores into cap * tanh(s / cap)
+// before the softmax (Gemma 2). Built and loaded by
 // baton/kernels/cpu_kernels.py (plain C ABI, no torch headers, so it compiles in seconds);
 // OpenMP threads come from the libgomp torch already loaded.
 //
@@ -39,6 +42,8 @@ struct Batch {
     int32_t block_size;
     float scale;
     void* out;  // [rows, kv_heads * group, head_dim], contiguous
+    int32_t window;  // a row sees the last `window` positions up to its own (0: all)
+    float softcap;   // scores become softcap * tanh(score / softcap) (0: not capped)
 };
 
 namespace {
@@ -160,34 +165,40 @@ void score_tile16(const float* qf, int nq, int dl, const T* k_blk, int n, int64_
     }
 }
 
-// Softmax of one query's scores over its first len keys, in place; weights past len are 0.
-// Returns 1 / the sum of exponentials, applied to the output instead of the weights.
-inline float softmax(float* s, int64_t len, int64_t ctx) {
-    float m = s[0];
+// Softmax of one query's scores over keys [lo, len), in place (soft-capped first when cap > 0);
+// weights outside are 0. Returns 1 / the sum of exponentials, applied to the output instead.
+inline float softmax(float* s, int64_t lo, int64_t len, int64_t ctx, float cap) {
+    if (cap > 0.f)
+        for (int64_t t = lo; t < len; ++t) s[t] = cap * std::tanh(s[t] / cap);
+    float m = s[lo];
 #pragma omp simd reduction(max : m)
-    for (int64_t t = 1; t < len; ++t) m = s[t] > m ? s[t] : m;
+    for (int64_t t = lo + 1; t < len; ++t) m = s[t] > m ? s[t] : m;
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = lo; t < len; ++t) {
         s[t] = exp_nonpositive(s[t] - m);
         sum += s[t];
     }
+    for (int64_t t = 0; t < lo; ++t) s[t] = 0.f;
     for (int64_t t = len; t < ctx; ++t) s[t] = 0.f;
     return 1.f / sum;
 }
 
+// The first key a query at `pos` sees.
+inline int64_t first_key(int64_t pos, int window) { return window > 0 && pos >= window ? pos - window + 1 : 0; }
+
 // out[u] = inv_sum[u] * sum_t p[u][t] * V[t] for m <= kQueries queries at once, so each V row
 // is read once for all of them; D in slices that keep the accumulators in registers.
 template <typename T, int D>
-void weighted_sums(const float* p, int64_t ctx, int m, int64_t len, const T* v_cache, const int64_t* table,
-                   int64_t block_stride, int64_t token_stride, int bs, int dl, const float* inv_sum,
-                   T* const* outs) {
+void weighted_sums(const float* p, int64_t ctx, int m, int64_t lo, int64_t len, const T* v_cache,
+                   const int64_t* table, int64_t block_stride, int64_t token_stride, int bs, int dl,
+                   const float* inv_sum, T* const* outs) {
     constexpr int kSlice = D > 0 && D < 64 ? D : 64;
     constexpr int kQueries = 64 / kSlice;
     for (int c0 = 0; c0 < dl; c0 += kSlice) {
         const int cw = dl - c0 < kSlice ? dl - c0 : kSlice;
         float acc[kQueries][kSlice] = {};
-        for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
+        for (int64_t blk = lo / bs, t0 = blk * bs; t0 < len; t0 += bs, ++blk) {  // from the first block in use
             const T* v_blk = v_cache + table[blk] * block_stride + c0;
             const int n = len - t0 < bs ? int(len - t0) : bs;
             if (t0 + bs < len) prefetch_block(v_cache + table[blk + 1] * block_stride + c0, bs, token_stride, cw);
@@ -218,17 +229,21 @@ void weighted_sums(const float* p, int64_t ctx, int m, int64_t len, const T* v_c
 template <typename T, int D, int BS>
 void attend_tile(const T* q, int64_t q_row_stride, int rows, const int64_t* positions, const T* k_cache,
                  const T* v_cache, const int64_t* table, int64_t block_stride, int64_t token_stride, int block_size,
-                 int group, int head_dim, float scale, T* out, int64_t out_row_stride, const Scratch& buf) {
+                 int group, int head_dim, float scale, int window, float softcap, T* out, int64_t out_row_stride,
+                 const Scratch& buf) {
     const int dl = D > 0 ? D : head_dim;
     const int bs = BS > 0 ? BS : block_size;
     const int nq = rows * group;  // query i = row * group + g
-    int64_t ctx = 0;  // the longest context in the tile
-    for (int r = 0; r < rows; ++r) ctx = positions[r] + 1 > ctx ? positions[r] + 1 : ctx;
+    int64_t ctx = 0, lo = INT64_MAX;  // the longest context in the tile, the first key any row sees
+    for (int r = 0; r < rows; ++r) {
+        ctx = positions[r] + 1 > ctx ? positions[r] + 1 : ctx;
+        lo = first_key(positions[r], window) < lo ? first_key(positions[r], window) : lo;
+    }
     for (int i = 0; i < (nq + 3) / 4 * 4; ++i)
         for (int d = 0; d < dl; ++d)
             buf.qf[i * dl + d] = i < nq ? to_float(q[(i / group) * q_row_stride + (i % group) * dl + d]) * scale : 0.f;
 
-    for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += bs, ++blk) {
+    for (int64_t blk = lo / bs, t0 = blk * bs; t0 < ctx; t0 += bs, ++blk) {
         const T* k_blk = k_cache + table[blk] * block_stride;
         const int n = ctx - t0 < bs ? int(ctx - t0) : bs;
         if (t0 + bs < ctx) prefetch_block(k_cache + table[blk + 1] * block_stride, bs, token_stride, dl);
@@ -242,15 +257,20 @@ void attend_tile(const T* q, int64_t q_row_stride, int rows, const int64_t* posi
     float inv_sum[kMaxQueries];
     T* outs[kMaxQueries];
     for (int i = 0; i < nq; ++i) {
-        inv_sum[i] = softmax(buf.sc + i * ctx, positions[i / group] + 1, ctx);
+        const int64_t pos = positions[i / group];
+        inv_sum[i] = softmax(buf.sc + i * ctx, first_key(pos, window), pos + 1, ctx, softcap);
         outs[i] = out + (i / group) * out_row_stride + (i % group) * dl;
     }
     constexpr int kQueries = D > 0 && D < 64 ? 64 / D : 1;
     for (int i = 0; i < nq; i += kQueries) {
         const int m = nq - i < kQueries ? nq - i : kQueries;
-        int64_t len = 0;  // the longest context among these queries
-        for (int u = i; u < i + m; ++u) len = positions[u / group] + 1 > len ? positions[u / group] + 1 : len;
-        weighted_sums<T, D>(buf.sc + i * ctx, ctx, m, len, v_cache, table,
+        int64_t len = 0, first = INT64_MAX;  // the longest context among these queries, the first key they see
+        for (int u = i; u < i + m; ++u) {
+            const int64_t pos = positions[u / group];
+            len = pos + 1 > len ? pos + 1 : len;
+            first = first_key(pos, window) < first ? first_key(pos, window) : first;
+        }
+        weighted_sums<T, D>(buf.sc + i * ctx, ctx, m, first, len, v_cache, table,
                             block_stride, token_stride, bs, dl, inv_sum + i, outs + i);
     }
 }
@@ -313,8 +333,8 @@ int attend_all(const Batch& b) {
                 attend_tile<T, D, BS>(q + r * b.q_row_stride + head, b.q_row_stride, tiles[t].rows, b.positions + r,
                                       k_cache + h * b.head_dim, v_cache + h * b.head_dim,
                                       b.block_ids + b.row_block_start[r], b.block_stride, b.token_stride,
-                                      b.block_size, b.group, b.head_dim, b.scale, out + r * out_row_stride + head,
-                                      out_row_stride, buf);
+                                      b.block_size, b.group, b.head_dim, b.scale, b.window, b.softcap,
+                                      out + r * out_row_stride + head, out_row_stride, buf);
             }
     }
     std::free(scratch_all);

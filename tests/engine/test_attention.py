@@ -200,3 +200,24 @@ def test_cpu_kernel_rows_need_not_come_in_position_order():
     out = cpu_kernels.paged_attention(b.q[flip], b.k[flip], b.v[flip], k_cache, v_cache, meta.block_ids,
                                       meta.row_block_start, meta.positions[flip], b.q.shape[-1] ** -0.5)
     torch.testing.assert_close(out, b.expected_out[flip])
+
+
+@pytest.mark.parametrize("softcap,window", [(None, 6), (3.0, None), (3.0, 9)])
+def test_cpu_kernel_windows_and_soft_caps_equal_the_reference(softcap, window):
+    """Against the reference (their oracle) on one batch; the blocks wholly before every window
+    of a sequence are NaN for the kernel, which must never read them (a hybrid KV cache lets
+    them go)."""
+    require_cpu_kernel()
+    seqs = [(200, 1), (97, 1), (16, 1), (1, 1), (64, 21), (37, 37), (1, 1)]
+    b = make_batch(seqs, 2, 3, 16, 16, seed=5, fused_qkv=True)
+    scale = b.q.shape[-1] ** -0.5
+    ref_cache = b.cache.clone()
+    want = paged_attention(b.q, b.k, b.v, ref_cache[:, 1, 0], ref_cache[:, 1, 1], reference_meta(b, [4]), scale,
+                           softcap, window)
+    if window is not None:
+        for (ctx, n), table in zip(b.seqs, b.tables):
+            for blk in range(max(0, ctx - n - window + 1) // b.block_size):  # before the first row's window
+                b.cache[table[blk], 1] = float("nan")
+    k_cache, v_cache = b.caches()
+    got = paged_attention(b.q, b.k, b.v, k_cache, v_cache, kernel_meta(b), scale, softcap, window)
+    torch.testing.assert_close(got, want)

@@ -7,7 +7,9 @@ OLMo 2 (norms after each block, QK-norm over the whole projection), Gemma 2 (sof
 and logits, GeGLU, (1 + w) norms around both blocks, 20-token windows on alternate layers), Gemma 3
 (QK-norm, sliding layers with a RoPE base of their own and 28-token windows, linear scaling on
 the global ones), Qwen3 with use_sliding_window (layers from max_window_layers on slide), Qwen2
-with YaRN past its original context. Prompts run past every window. One run per family batches,
+with YaRN past its original context, Phi-3 with LongRoPE (prompts past its original context,
+and one that grows past it while it decodes: computed again, long, as transformers' Phi-3 does),
+Llama with dynamic NTK (a base per sequence length). Prompts run past every window. One run per family batches,
 chunks, preempts and hits the prefix cache; the same prompts through a prefill and a decode
 over NIXL equal it. What Baton does not run is refused at load, naming the field."""
 from __future__ import annotations
@@ -22,6 +24,7 @@ from baton import LLM, SamplingParams
 from baton.engine.common.errors import InvalidArgument
 from baton.testing.checkpoints import write_random_checkpoint
 
+from conftest import require_cpu_kernel
 from helpers import assert_matches_hf, pools_full, random_prompts, stats, wait_serving
 from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
 from servers import pd_stack
@@ -59,6 +62,20 @@ FAMILIES = {
                                        use_sliding_window=False, rope_parameters={
                                            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                            "original_max_position_embeddings": 48})),
+    # LongRoPE: short factors within the first 64 positions, long ones past them (a prompt of 75
+    # turns every token long; one of 40 crosses over while it decodes), attention factor from 256 / 64.
+    "phi3-longrope": ("Phi3Config", dict(hidden_size=96, intermediate_size=160, num_attention_heads=4,
+                                         num_key_value_heads=2, num_hidden_layers=2, tie_word_embeddings=False,
+                                         max_position_embeddings=256, original_max_position_embeddings=64,
+                                         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.5,
+                                                          "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                                          "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})),
+    # Dynamic NTK past 64 positions: a base of each sequence length's own (up to 64 x 4).
+    "llama-dynamic": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                          num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=64,
+                                          rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                           "factor": 4.0})),
 }
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # KV blocks for the batched run, a few past what one request of max_model_len holds, so that
@@ -89,6 +106,8 @@ def prompts() -> list[list[int]]:
 def test_batched_chunked_preempted_and_prefix_cached_equal_transformers(family, hf):
     llm = LLM(family, dtype="float32", device="cpu", max_num_batched_tokens=32, num_kv_blocks=pool(family),
               max_model_len=192)
+    require_cpu_kernel()
+    assert llm.engine.runner.attention_backend == "cpu"  # windows and soft-caps included
     ps = prompts()
     outs = llm.generate(ps, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv.prefix_hits > 0
@@ -104,6 +123,21 @@ def test_prefill_and_decode_over_nixl_equal_colocated(family):
     assert disaggregated(prefill, decode, ps, [GREEDY] * len(ps)) == want
     assert decode.runner.connector.num_blocks_pulled > 0
     assert_pools_full(prefill, decode)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral"])  # soft-caps and alternating windows; every layer sliding
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # (the batched run above: the C++ kernel, auto's pick)
+def test_windows_and_soft_caps_on_every_attention_backend(tmp_path, hf, name, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    config_class, shape = FAMILIES[name]
+    model_dir = write_family(str(tmp_path / name), config_class, **shape)
+    ps = prompts()[3:]  # past every window; the last hits the prefix cache
+    llm = LLM(model_dir, dtype="float32", device="cpu", attention_backend=backend, max_num_batched_tokens=32,
+              max_model_len=192)
+    assert llm.engine.runner.attention_backend == backend
+    assert_matches_hf(hf, model_dir, ps, llm.generate(ps, GREEDY), GREEDY.max_tokens)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma3"])  # gemma3: hybrid KV cache groups, handles of window blocks
@@ -140,21 +174,17 @@ def edited(src: str, dst, **changes) -> str:
 
 def test_what_baton_does_not_run_is_refused_naming_the_field(tiny_llama, tmp_path):
     cases = [(dict(architectures=["GPT2LMHeadModel"]), "model", "architecture 'GPT2LMHeadModel' is not supported"),
-             (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}), "rope_scaling",
-              "rope_type 'dynamic' is not supported")]
+             (dict(rope_parameters={"rope_type": "mrope", "rope_theta": 10000.0, "mrope_section": [2, 2]}),
+              "rope_scaling", "rope_type 'mrope' is not supported")]
     for i, (changes, field, message) in enumerate(cases):
         with pytest.raises(InvalidArgument, match=message) as err:
             LLM(edited(tiny_llama, tmp_path / str(i), **changes), dtype="float32", device="cpu")
         assert err.value.field == field
     windowed = edited(tiny_llama, tmp_path / "window", architectures=["MistralForCausalLM"], sliding_window=64)
-    # A window shorter than the context runs on the reference only: a kernel asked for is refused.
-    with pytest.raises(InvalidArgument, match=r"only the PyTorch reference runs a sliding window") as err:
-        LLM(windowed, dtype="float32", device="cpu", attention_backend="cpu")
-    assert err.value.field == "attention_backend"
-    # A window as long as the context is every token: served on any kernel, equal to no window.
+    # A window as long as the context is every token: equal to no window.
     prompt = random_prompts([40], seed=42)
     llm = LLM(windowed, dtype="float32", device="cpu", max_model_len=64)
-    assert llm.engine.runner.attention_backend != "torch" or not llm.engine.runner.model.layers[0].self_attn.window
+    assert llm.engine.runner.model.layers[0].self_attn.window is None
     got = llm.generate(prompt, GREEDY)[0].token_ids
     assert got == LLM(tiny_llama, dtype="float32", device="cpu", max_model_len=64).generate(prompt, GREEDY)[0].token_ids
 
@@ -184,10 +214,6 @@ def test_gemma2_logprobs_follow_its_capped_logits(tmp_path, hf):
         ref = hf.model(model_dir)(torch.tensor([prompt + out.token_ids])).logits[0].float().log_softmax(-1)
     for i, lp in enumerate(out.outputs[0].logprobs):
         assert abs(lp.logprob - ref[len(prompt) - 1 + i, lp.token_id].item()) < 1e-4
-    # Only the PyTorch reference caps attention scores: asking for the C++ kernel is refused.
-    with pytest.raises(InvalidArgument, match="only the PyTorch reference runs soft-capped scores") as err:
-        LLM(model_dir, dtype="float32", device="cpu", attention_backend="cpu")
-    assert err.value.field == "attention_backend"
 
 
 def test_a_sharded_bf16_checkpoint_loads_into_float32(tmp_path, hf):
@@ -244,3 +270,29 @@ def test_gemma_configs_written_by_older_transformers_read_the_same(tmp_path):
                          "architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 4})
     assert gemma2.layer_types == ["sliding_attention", "full_attention"] * 2
     assert (gemma2.attn_softcap, gemma2.final_softcap) == (50.0, 30.0)  # transformers' defaults
+
+
+def test_a_sliding_family_swaps_to_the_host_tier_and_follows_a_grammar(tmp_path, hf):
+    """Gemma 3 with a host KV tier (which keeps every layer's blocks: one KV cache group) preempts
+    by swapping, equal to transformers; with the hybrid cache, a regex constrains its output."""
+    import re
+
+    from baton.engine.common.structured_output import StructuredOutput
+
+    config_class, shape = FAMILIES["gemma3"]
+    model_dir = write_family(str(tmp_path / "gemma3"), config_class, **shape)
+    ps = prompts()
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=32, num_kv_blocks=16,
+              max_model_len=192, kv_offloading_size=0.01, preemption_mode="swap")
+    assert llm.engine.core.kv_groups.windows == (None,)
+    outs = llm.generate(ps, GREEDY)
+    assert llm.engine.core.host.num_swapped_out > 0
+    assert_matches_hf(hf, model_dir, ps, outs, GREEDY.max_tokens)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_model_len=192)
+    assert llm.engine.core.kv_groups.hybrid
+    params = SamplingParams(max_tokens=12, temperature=0.0,
+                            structured_output=StructuredOutput("regex", "[a-c]{3}-[0-9]{2,4}"))
+    for out in llm.generate(ps[3:], params):
+        assert re.fullmatch("[a-c]{3}-[0-9]{2,4}", out.text), out.text
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks

@@ -104,7 +104,8 @@ def test_uneven_heads_are_refused_naming_the_shapes():
         triton_attention.paged_decode_attention(q[:, :1].repeat(1, 3, 1), k_cache, v_cache, tables, seq_lens, 1.0)
 
 
-def prefill_reference(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens, scale):
+def prefill_reference(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens, scale, softcap=None,
+                      window=None):
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -113,7 +114,12 @@ def prefill_reference(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_l
         k = k_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, dim=1)
         v = v_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,thd->hqt", q[start:start + n].float(), k) * scale
-        visible = torch.arange(ctx)[None, :] <= (ctx - n + torch.arange(n))[:, None]  # [n, ctx]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos = (ctx - n + torch.arange(n))[:, None]
+        visible = torch.arange(ctx)[None, :] <= pos  # [n, ctx]
+        if window is not None:
+            visible &= torch.arange(ctx)[None, :] > pos - window
         p = torch.softmax(scores.masked_fill(~visible.to(scores.device), float("-inf")), dim=-1)
         out[start:start + n] = torch.einsum("hqt,thd->qhd", p, v).to(q.dtype)
     return out
@@ -183,3 +189,30 @@ def test_the_attention_bench_runs_and_checks_its_kernels():
     out = subprocess.run([sys.executable, str(bench), "--smoke"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "baton (paged)" in out.stdout and "vs gather" in out.stdout
+
+
+@pytest.mark.parametrize("softcap,window,block_size", [(None, 20, 16), (4.0, None, 16), (4.0, 33, 8),
+                                                       (None, 100, 32)])
+def test_sliding_windows_and_soft_caps_equal_the_reference(softcap, window, block_size):
+    """Decodes and prefill chunks, contexts past the window by more than a key tile (whose tiles
+    are skipped: the blocks wholly before a window hold garbage here, as a hybrid KV cache's
+    dropped blocks may) and within it."""
+    lens = [150, 21, 97]
+    q, k_cache, v_cache, tables, seq_lens = case(3, lens, 4, 64, block_size, torch.float32, seed=11)
+    if window is not None:
+        for row, n in enumerate(lens):  # garbage where no query of this test looks
+            for blk in range(max(0, n - 40 - window) // block_size):  # (the chunk below starts 40 back)
+                k_cache[tables[row, blk].long()] = 1e4
+                v_cache[tables[row, blk].long()] = -1e4
+    scale = 64 ** -0.5
+    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, tiles_per_split=1,
+                                                  softcap=softcap, window=window)
+    want = prefill_reference(q, k_cache, v_cache, tables, torch.arange(3), torch.ones(3, dtype=torch.int32),
+                             seq_lens, scale, softcap, window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    q_lens = torch.tensor([40, 21, 7], dtype=torch.int32)
+    q_starts = torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens
+    qp = torch.randn(int(q_lens.sum()), 8, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    args = (qp, k_cache, v_cache, tables, q_starts.to(DEVICE), q_lens.to(DEVICE), seq_lens, scale)
+    got = triton_attention.paged_prefill_attention(*args, block_m=16, softcap=softcap, window=window)
+    torch.testing.assert_close(got, prefill_reference(*args, softcap, window), atol=2e-5, rtol=2e-5)

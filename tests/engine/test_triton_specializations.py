@@ -96,7 +96,7 @@ def test_a_3000_step_trace_compiles_few_variants_and_all_early(monkeypatch, bloc
     for step, (decodes, prefills) in enumerate(serving_trace(3000, block_size)):
         for recorder in recorders.values():
             recorder.step = step
-        meta = ModelRunner._triton_batch(runner, decodes + prefills, len(decodes))
+        (meta,) = ModelRunner._triton_batches(runner, [decodes + prefills], len(decodes))  # one KV cache group
         num_tokens = len(decodes) + sum(end - start for start, end, _ in prefills)
         q = torch.empty(num_tokens, num_kv_heads * group, head_dim)
         kv = torch.empty(num_tokens, num_kv_heads, head_dim)

@@ -44,7 +44,7 @@ def test_the_decode_pulls_only_the_windows_blocks_and_equals_colocated(gemma3):
 def test_engines_grouping_the_cache_differently_are_refused_at_the_handshake(gemma3):
     prefill = nixl_engine(gemma3, "prefill")
     for changes in (dict(disable_hybrid_kv_cache_manager=True),  # every layer keeps every block
-                    dict(max_model_len=WINDOW, attention_backend="torch")):  # a window holding the context: not sliding
+                    dict(max_model_len=WINDOW)):  # a window that holds the whole context does not slide
         decode = nixl_engine(gemma3, "decode", **changes)
         with pytest.raises(KVFormatMismatch, match="kv_groups") as err:
             decode.runner.connector.add_peer(prefill.runner.connector.layout)

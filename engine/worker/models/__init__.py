@@ -12,7 +12,7 @@ FAMILIES = {"Gemma2ForCausalLM": gemma2, "Gemma3ForCausalLM": gemma3, "LlamaForC
             "MistralForCausalLM": mistral, "Olmo2ForCausalLM": olmo2, "Phi3ForCausalLM": phi3,
             "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3}
 
-__all__ = ["FAMILIES", "CausalLM", "ModelArgs", "model_args", "reference_only"]
+__all__ = ["FAMILIES", "CausalLM", "ModelArgs", "model_args"]
 
 
 def model_args(cfg: dict) -> ModelArgs:
@@ -23,12 +23,3 @@ def model_args(cfg: dict) -> ModelArgs:
         raise InvalidArgument("model", f"architecture {arch!r} is not supported (supported: {', '.join(FAMILIES)})")
     return family.args(cfg)
 
-
-def reference_only(args: ModelArgs, max_model_len: int) -> str:
-    """What the model needs of attention that only the PyTorch reference does ("": nothing)."""
-    needs = []
-    if args.attn_softcap is not None:
-        needs.append(f"soft-capped scores (attn_logit_softcapping {args.attn_softcap:g})")
-    if any(args.layer_windows(max_model_len)):
-        needs.append(f"a sliding window shorter than the context (sliding_window {args.sliding_window})")
-    return " and ".join(needs)

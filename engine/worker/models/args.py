@@ -80,10 +80,19 @@ def decoder_args(cfg: dict, *, qkv_bias: bool | None = None, o_bias: bool | None
         hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
         num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=head_dim, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=theta, rope_scaling=scaling, max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        rope_theta=theta, rope_scaling=scaling, max_position_embeddings=max_context(cfg, scaling),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         qkv_bias=bias if qkv_bias is None else qkv_bias, o_bias=bias if o_bias is None else o_bias,
         mlp_bias=cfg.get("mlp_bias", False),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "") or None,
         qk_norm=qk_norm, norm_placement=norm_placement, rotary_dim=int(head_dim * partial),
         sliding_window=sliding_window, activation=ACTIVATIONS[act], **switches)
+
+
+def max_context(cfg: dict, scaling: dict | None) -> int:
+    """The longest context the model takes: max_position_embeddings, times the factor for dynamic
+    NTK, whose frequencies stretch past it (vLLM derives max_model_len so too)."""
+    max_len = cfg.get("max_position_embeddings", 2048)
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "dynamic":
+        return int(max_len * scaling["factor"])
+    return max_len

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.worker.models.args import ModelArgs
-from baton.engine.worker.models.rope import inv_freq
+from baton.engine.worker.models.rope import RotaryTable
 from baton.kernels.attention import AttentionMetadata, paged_attention
 
 
@@ -151,35 +152,47 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # Each layer's RoPE table: sliding layers have their own where local_rope_theta is set.
         self.layer_rope = [1 if s and args.local_rope_theta is not None else 0 for s in sliding]
-        self.rope: list[tuple[torch.Tensor, torch.Tensor]] = []  # ([max positions, D] cos, sin), by prepare()
+        self.rope: list[RotaryTable] = []  # by prepare()
 
     def prepare(self, max_model_len: int) -> None:
         """RoPE tables for every position of a context of max_model_len (and one past it), and
         each layer's window for such contexts."""
         for layer, window in zip(self.layers, self.args.layer_windows(max_model_len)):
             layer.self_attn.window = window  # one that holds every position: full attention, any kernel
-        max_len = max_model_len + 1
-        a = self.args
-        dim = a.rotary_dim or a.head_dim
+        a, weight = self.args, self.embed_tokens.weight
         bases = [(a.rope_theta, a.rope_scaling)] + ([(a.local_rope_theta, None)] if max(self.layer_rope) else [])
-        self.rope = []
-        for theta, scaling in bases:
-            inv, factor = inv_freq(dim, theta, scaling)
-            inv = inv.to(self.embed_tokens.weight.device)
-            freqs = torch.outer(torch.arange(max_len, device=inv.device).float(), inv)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            dtype = self.embed_tokens.weight.dtype
-            self.rope.append(((emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)))
+        self.rope = [RotaryTable(a.rotary_dim or a.head_dim, theta, scaling, max_model_len + 1, weight.dtype,
+                                 weight.device) for theta, scaling in bases]
+
+    def prompt_rope_key(self, prompt_len: int) -> int:
+        """What a prompt's KV depends on beyond its tokens (0: nothing; see RotaryTable.length_key)."""
+        return self.rope[0].length_key(prompt_len)
+
+    def rope_lengths(self, start: int, end: int, prompt_len: int, total_len: int) -> np.ndarray:
+        """The sequence lengths the RoPE of positions [start, end) of a request takes (rope_by_length)."""
+        return self.rope[0].lengths(start, end, prompt_len, total_len)
+
+    @property
+    def rope_recompute_at(self) -> int | None:
+        """A request longer than this has its KV computed again (RotaryTable.recompute_at)."""
+        return self.rope[0].recompute_at
+
+    @property
+    def rope_by_length(self) -> bool:
+        """Whether forward needs each token's sequence length (dynamic NTK, LongRoPE)."""
+        return any(table.by_length for table in self.rope)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata]) -> torch.Tensor:
+                caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata],
+                rope_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; per layer, its K and V caches ([num_blocks, block_size,
         kv_heads, D] views) and the step's attention metadata for its blocks (its KV cache
-        group's). Returns the final hidden states [T, hidden]."""
+        group's); `rope_lengths`: each token's sequence length where rope_by_length (RotaryTable).
+        Returns the final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         if self.args.embed_scale != 1.0:  # a float32 scalar cast to the weights' dtype, as Gemma's
             x = x * torch.tensor(self.args.embed_scale).to(x.dtype)
-        tables = [(cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for cos, sin in self.rope]
+        tables = [table.lookup(positions, rope_lengths) for table in self.rope]
         for i, layer in enumerate(self.layers):
             cos, sin = tables[self.layer_rope[i]]
             x = layer(x, cos, sin, *caches[i], metas[i])

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from baton.engine.common.errors import InvalidArgument
 
-KINDS = ("default", "linear", "llama3", "yarn")
+KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def rope_settings(cfg: dict) -> tuple[float, dict | None, float]:
@@ -22,8 +23,14 @@ def rope_settings(cfg: dict) -> tuple[float, dict | None, float]:
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind not in KINDS:
             raise InvalidArgument("rope_scaling", f"rope_type {kind!r} is not supported ({', '.join(KINDS)})")
+        max_len = cfg.get("max_position_embeddings", 2048)
         if kind == "yarn":  # transformers' defaults, as it reads them
-            scaling = {"original_max_position_embeddings": cfg.get("max_position_embeddings", 2048), **scaling}
+            scaling = {"original_max_position_embeddings": max_len, **scaling}
+        elif kind == "longrope":  # Phi-3 keeps the original context at the top level
+            scaling = {"original_max_position_embeddings": cfg.get("original_max_position_embeddings") or max_len,
+                       **scaling, "max_position_embeddings": max_len}
+        elif kind == "dynamic":  # scaled past max_position_embeddings
+            scaling = {**scaling, "max_position_embeddings": max_len}
         if kind == "default":
             scaling = None
     return theta, scaling, partial
@@ -34,7 +41,7 @@ def inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.T
     base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
+    if kind in ("default", "dynamic"):  # dynamic: within the original context (RotaryTable scales past it)
         return base, 1.0
     if kind == "linear":
         return base / scaling["factor"], 1.0
@@ -82,3 +89,99 @@ def _yarn(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     return interpolation * (1 - keep) + extrapolation * keep, attention_factor
+
+
+class RotaryTable:
+    """cos and sin of every position up to max_len for one RoPE base and scaling. Dynamic NTK and
+    LongRoPE scale by the sequence's length, which transformers takes per forward pass, so each
+    token is looked up with a length (`lengths`), whatever the chunking or the engine (prefill,
+    decode) that computes it:
+    - dynamic NTK (Llama's generate): a prompt's tokens see the prompt's length L, each later
+      token its own position + 1: max(p + 1, L);
+    - LongRoPE (Phi-3's generate): every token the sequence's length when it is computed, and once
+      a sequence grows past the original context its KV is computed again, long, from its first
+      token (`recompute_at`)."""
+
+    def __init__(self, dim: int, theta: float, scaling: dict | None, max_len: int, dtype: torch.dtype, device):
+        self.dim, self.theta, self.scaling, self.dtype = dim, theta, scaling or {}, dtype
+        self.kind = self.scaling.get("rope_type", self.scaling.get("type", "default"))
+        # The length past which the scaling changes: LongRoPE's original context, dynamic NTK's maximum.
+        self.original = self.scaling.get("original_max_position_embeddings" if self.kind == "longrope"
+                                         else "max_position_embeddings")
+        self.positions = torch.arange(max_len, device=device).float()
+        if self.kind == "longrope":
+            self.tables = [self._table(*_longrope(dim, theta, self.scaling, long)) for long in (False, True)]
+        else:
+            self.tables = [self._table(*inv_freq(dim, theta, scaling))]
+
+    @property
+    def by_length(self) -> bool:
+        """Whether lookups need each token's sequence length."""
+        return self.kind in ("dynamic", "longrope")
+
+    @property
+    def recompute_at(self) -> int | None:
+        """A sequence longer than this has its KV computed again (LongRoPE: the long factors from
+        then on, for every token, as transformers' Phi-3 recomputes its cache)."""
+        return self.original if self.kind == "longrope" else None
+
+    def lengths(self, start: int, end: int, prompt_len: int, total_len: int) -> np.ndarray:
+        """The lengths positions [start, end) of a request are turned for (see the class)."""
+        if self.kind == "longrope":
+            return np.full(end - start, total_len)
+        return np.maximum(np.arange(start + 1, end + 1), prompt_len)
+
+    def length_key(self, prompt_len: int) -> int:
+        """What of a prompt's length its KV depends on (0: nothing): past the original context,
+        LongRoPE's long factors, or dynamic NTK's very length. Prefix caching keeps prompts that
+        differ here apart."""
+        if not self.by_length or prompt_len <= self.original:
+            return 0
+        return 1 if self.kind == "longrope" else prompt_len
+
+    def _table(self, inv: torch.Tensor, factor: float, positions: torch.Tensor | None = None):
+        freqs = torch.outer(self.positions if positions is None else positions.float(), inv.to(self.positions.device))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * factor).to(self.dtype), (emb.sin() * factor).to(self.dtype)
+
+    def lookup(self, positions: torch.Tensor, lengths: torch.Tensor | None = None):
+        """([T, 1, D] cos, sin) for `positions`; `lengths`: each token's sequence length, where
+        the scaling depends on it."""
+        cos, sin = self.tables[0]
+        cos, sin = cos[positions], sin[positions]
+        if self.by_length and lengths is not None:
+            longer = lengths > self.original
+            if self.kind == "longrope":  # the long factors past the original context
+                cos = torch.where(longer[:, None], self.tables[1][0][positions], cos)
+                sin = torch.where(longer[:, None], self.tables[1][1][positions], sin)
+            elif bool(longer.any()):  # dynamic NTK: a base of each length's own
+                cos, sin = cos.clone(), sin.clone()
+                for length in torch.unique(lengths[longer]).tolist():
+                    rows = lengths == length
+                    cos[rows], sin[rows] = self._table(_dynamic(self.dim, self.theta, self.scaling, length), 1.0,
+                                                       positions[rows])
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def _dynamic(dim: int, theta: float, s: dict, length: int) -> torch.Tensor:
+    """Dynamic NTK's frequencies for a sequence of `length` tokens (past the original context),
+    in transformers' float32 arithmetic (its length is a tensor there)."""
+    seq_len = torch.tensor(length)
+    factor, original = s["factor"], s["max_position_embeddings"]
+    base = theta * ((factor * seq_len / original) - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _longrope(dim: int, theta: float, s: dict, long: bool) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): per-pair factors, `long_factor` past the original context, else
+    `short_factor`; cos and sin scaled by the attention factor."""
+    original = s["original_max_position_embeddings"]
+    factor = s.get("factor") or s["max_position_embeddings"] / original
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
+    if ext.numel() != dim // 2:
+        raise InvalidArgument("rope_scaling", f"{'long' if long else 'short'}_factor has {ext.numel()} values; the "
+                                              f"rotary dimension {dim} takes {dim // 2}")
+    return 1.0 / (ext * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), attention_factor
