@@ -66,6 +66,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.windows = tuple(windows)
         self.hybrid = any(w is not None for w in self.windows)
+        self._nothing_new: list[list[int]] = [[] for _ in self.windows]  # (read only) most decode steps' answer
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.caches: list[dict[int, Block]] = [{} for _ in self.windows]  # per group: block hash -> block
@@ -199,7 +200,7 @@ class KVCacheManager:
         if num_required <= len(groups[0]) and not new_computed_blocks:  # most decode steps: room in the last block
             if cache:
                 self.cache_blocks(request, min(end, request.num_tokens))
-            return [[] for _ in self.windows]
+            return self._nothing_new
         # Where each group's blocks start mattering: at the first query computed here (loads: after them).
         live = num_computed if cache else end
         firsts = [first_needed_block(live, w, bs) for w in self.windows]

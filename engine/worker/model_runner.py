@@ -124,9 +124,10 @@ class ModelRunner:
         for new in sched.scheduled_new_reqs:
             self._add_request(new)
         for cached in sched.scheduled_cached_reqs:
-            state = self.states[cached.req_id]
-            state.block_ids = [block_tables.grow(blocks, new) for blocks, new in zip(state.block_ids,
-                                                                                     cached.new_block_ids)]
+            if any(cached.new_block_ids):
+                state = self.states[cached.req_id]
+                state.block_ids = [block_tables.grow(blocks, new) for blocks, new in zip(state.block_ids,
+                                                                                         cached.new_block_ids)]
         if sched.host_kv_ops is not None:  # before the forward: a swap-out's device blocks are reused in it
             self.host_kv.submit(sched.host_kv_ops)
         if self.connector is not None:
@@ -209,6 +210,7 @@ class ModelRunner:
             kv[1] != 1, self.states[kv[0]].lora_id if by_adapter else 0, -starts[kv[0]]))
         input_ids, positions, sample_rows, sample_req_ids, rows, prompt_rows = [], [], [], [], [], []
         rope_rows = []  # (start, end, prompt length, length) per request: what the RoPE of its rows takes
+        by_length = self.model.rope_by_length
         adapter_spans = []  # (adapter id, first row, end row) per request, with LoRA on
         for req_id, n in order:
             state, start = self.states[req_id], starts[req_id]
@@ -220,14 +222,15 @@ class ModelRunner:
             input_ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             rows.append((start, end, state.block_ids))
-            rope_rows.append((start, end, state.num_prompt_tokens, len(state.token_ids)))
+            if by_length:
+                rope_rows.append((start, end, state.num_prompt_tokens, len(state.token_ids)))
             if end == len(state.token_ids):  # caught up: this row's logits give the next token
                 sample_rows.append(len(input_ids) - 1)
                 sample_req_ids.append(req_id)
         dev = self.device
         positions_t = torch.tensor(positions, device=dev)
         rope_lengths = None
-        if self.model.rope_by_length:  # dynamic NTK, LongRoPE: each token's sequence length
+        if by_length:  # dynamic NTK, LongRoPE: each token's sequence length
             rope_lengths = torch.tensor(np.concatenate([self.model.rope_lengths(*lens) for lens in rope_rows]),
                                         device=dev)
         num_decodes = sum(1 for _, n in order if n == 1)  # the first spans

@@ -154,22 +154,23 @@ class RotaryTable:
             if self.kind == "longrope":  # the long factors past the original context
                 cos = torch.where(longer[:, None], self.tables[1][0][positions], cos)
                 sin = torch.where(longer[:, None], self.tables[1][1][positions], sin)
-            elif bool(longer.any()):  # dynamic NTK: a base of each length's own
+            elif bool(longer.any()):  # dynamic NTK: a base of each length's own, all lengths at once
+                lengths_seen, which = torch.unique(lengths[longer].cpu(), return_inverse=True)
+                inv = _dynamic(self.dim, self.theta, self.scaling, lengths_seen).to(positions.device)
+                freqs = positions[longer].float()[:, None] * inv[which.to(positions.device)]
+                emb = torch.cat((freqs, freqs), dim=-1)
                 cos, sin = cos.clone(), sin.clone()
-                for length in torch.unique(lengths[longer]).tolist():
-                    rows = lengths == length
-                    cos[rows], sin[rows] = self._table(_dynamic(self.dim, self.theta, self.scaling, length), 1.0,
-                                                       positions[rows])
+                cos[longer], sin[longer] = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
-def _dynamic(dim: int, theta: float, s: dict, length: int) -> torch.Tensor:
-    """Dynamic NTK's frequencies for a sequence of `length` tokens (past the original context),
-    in transformers' float32 arithmetic (its length is a tensor there)."""
-    seq_len = torch.tensor(length)
+def _dynamic(dim: int, theta: float, s: dict, lengths: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK's frequencies [len(lengths), dim / 2] for sequences of `lengths` tokens (past
+    the original context), in transformers' float32 arithmetic (its length is a tensor there),
+    element by element."""
     factor, original = s["factor"], s["max_position_embeddings"]
-    base = theta * ((factor * seq_len / original) - (factor - 1)) ** (dim / (dim - 2))
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    base = theta * ((factor * lengths / original) - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (base[:, None] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)[None, :])
 
 
 def _longrope(dim: int, theta: float, s: dict, long: bool) -> tuple[torch.Tensor, float]:
