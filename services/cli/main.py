@@ -156,6 +156,12 @@ def _up(args) -> None:
                 placements=placements))
 
 
+def _models(args) -> None:
+    from baton.services.cli.model_info import models
+
+    models(args)
+
+
 def _trace(args) -> None:
     from baton.services.telemetry.trace_view import run
 
@@ -339,6 +345,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "baton.router.liveness (a router's own process, backends or not)")
     _add_tls_flags(h, serving=False)
     h.set_defaults(func=_health)
+
+    m = sub.add_parser("models", help="list the architectures Baton serves, or check checkpoints against them",
+                       description="Without arguments, the architectures and RoPE scalings Baton serves. With "
+                                   "checkpoint directories, what Baton reads of each config.json (no weight is "
+                                   "loaded), or why it refuses one, naming the field; exit 1 if any is refused.")
+    m.add_argument("model_dirs", nargs="*", metavar="MODEL_DIR")
+    m.add_argument("--max-model-len", type=int, help="the context to plan the KV cache for (default: the model's, "
+                                                     "at most 8192)")
+    m.set_defaults(func=_models)
 
     t = sub.add_parser("trace", help="receive traces (OTLP/gRPC) and print a waterfall per request",
                        description="A small OpenTelemetry trace receiver: point services at it "

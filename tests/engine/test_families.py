@@ -296,3 +296,23 @@ def test_a_sliding_family_swaps_to_the_host_tier_and_follows_a_grammar(tmp_path,
     for out in llm.generate(ps[3:], params):
         assert re.fullmatch("[a-c]{3}-[0-9]{2,4}", out.text), out.text
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_baton_models_lists_what_it_serves_and_checks_a_checkpoint(tmp_path, capsys):
+    """`baton models`: the architectures; a checkpoint's reading (layers, windows, KV cache groups)
+    without loading it; a refusal naming the field, exit 1."""
+    from baton.services.cli.main import main
+
+    main(["models"])
+    listed = capsys.readouterr().out
+    assert all(arch in listed for arch in ("Gemma3ForCausalLM", "Phi3ForCausalLM", "Qwen3ForCausalLM", "longrope"))
+    config_class, shape = FAMILIES["gemma3"]
+    model_dir = write_family(str(tmp_path / "gemma3"), config_class, **shape)
+    main(["models", model_dir])  # no refusal: it returns
+    out = capsys.readouterr().out
+    assert "Gemma3ForCausalLM" in out and "2 sliding-window layers (window 28), 3 KV cache group(s)" in out
+    bad = edited(model_dir, tmp_path / "bad", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(SystemExit) as exit_:
+        main(["models", model_dir, bad])
+    assert exit_.value.code == 1
+    assert "refused: model: architecture 'GPT2LMHeadModel' is not supported" in capsys.readouterr().err
