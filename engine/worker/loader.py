@@ -16,6 +16,8 @@ from baton.engine.worker.models import CausalLM, ModelArgs, model_args
 # checkpoint name -> (our parameter, index of the slice in a merged projection)
 _MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# Mixtral's names for what the others call mlp and an expert's gate, up and down projections.
+_ALIASES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _safetensors_files(model_dir: str) -> list[str]:
@@ -93,10 +95,25 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(before)
 
 
-def _target(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice | None]:
-    """Map a checkpoint tensor name to our parameter name and row slice."""
-    key = name.removeprefix("model.")
+def _canonical(name: str) -> str:
+    """A checkpoint tensor's name as the Llama family spells it, without the model. prefix."""
+    parts = name.removeprefix("model.").split(".")
+    return ".".join(_ALIASES.get(p, p) if i < len(parts) - 1 else p for i, p in enumerate(parts))
+
+
+def _target(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice | tuple | None]:
+    """Map a checkpoint tensor name to our parameter name and the index of its part there."""
+    key = _canonical(name)
     parts = key.split(".")
+    if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() and parts[-1] == "weight":
+        prefix, expert = ".".join(parts[:-3]), int(parts[-3])  # layers.i.mlp.experts.j.<proj>.weight
+        size = model.get_submodule(prefix).intermediate
+        if parts[-2] == "down_proj":
+            return f"{prefix}.down", (expert,)
+        index = ("gate_proj", "up_proj").index(parts[-2]) if parts[-2] in ("gate_proj", "up_proj") else None
+        if index is None:
+            return None, None
+        return f"{prefix}.gate_up", (expert, slice(index * size, (index + 1) * size))
     if len(parts) >= 2 and parts[-2] in _MERGED:
         merged, index = _MERGED[parts[-2]]
         prefix = ".".join(parts[:-2])
@@ -104,7 +121,7 @@ def _target(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice
         if merged == "qkv_proj":
             sizes = [module.q_size, module.kv_size, module.kv_size]
         else:
-            sizes = [model.args.intermediate_size] * 2
+            sizes = [module.gate_up_proj.out_features // 2] * 2
         start = sum(sizes[:index])
         return f"{prefix}.{merged}.{parts[-1]}", slice(start, start + sizes[index])
     if key in params:
@@ -113,14 +130,21 @@ def _target(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice
 
 
 def _check_complete(model: CausalLM, args: ModelArgs, loaded: set[str], filled: set[str], params: dict) -> None:
-    have = {n.removeprefix("model.") for n in loaded}
+    have = {_canonical(n) for n in loaded}
     if "lm_head.weight" not in have and not args.tie_word_embeddings:
         raise InvalidArgument("model", "checkpoint has no lm_head.weight and does not tie embeddings")
-    # A merged projection is whole when the checkpoint has it fused (Phi-3) or has every part.
+    # A merged projection is whole when the checkpoint has it fused (Phi-3) or has every part;
+    # stacked experts when every expert's three are there.
     for i in range(args.num_layers):
+        mlp = "mlp.shared_expert" if hasattr(model.layers[i].mlp, "experts") else "mlp"
+        for j in range(args.num_experts if mlp != "mlp" else 0):
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                if f"layers.{i}.mlp.experts.{j}.{part}.weight" not in have:
+                    raise InvalidArgument("model", f"checkpoint lacks weight layers.{i}.mlp.experts.{j}.{part}.weight")
+        dense = () if mlp != "mlp" and not args.shared_expert_intermediate_size else (
+            (f"{mlp}.gate_up_proj", (f"{mlp}.gate_proj", f"{mlp}.up_proj")), (f"{mlp}.down_proj", ()))
         for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                             ("self_attn.o_proj", ()), ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
-                             ("mlp.down_proj", ())):
+                             ("self_attn.o_proj", ()), *dense):
             has_bias = model.get_submodule(f"layers.{i}.{fused}").bias is not None
             for kind in ("weight", "bias") if has_bias else ("weight",):
                 if f"layers.{i}.{fused}.{kind}" in have:

@@ -76,6 +76,19 @@ FAMILIES = {
                                           num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=64,
                                           rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
                                                            "factor": 4.0})),
+    # Mixture of experts: 6 experts, 2 per token (3 for Qwen3-MoE), renormalized (Mixtral) or not;
+    # Qwen3-MoE's first layer dense (mlp_only_layers), Qwen2-MoE's shared expert behind its gate.
+    "mixtral": ("MixtralConfig", dict(hidden_size=64, intermediate_size=72, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=2, num_local_experts=6,
+                                      num_experts_per_tok=2, tie_word_embeddings=False)),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=40,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                         num_hidden_layers=3, num_experts=6, num_experts_per_tok=3,
+                                         norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[0])),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=40,
+                                         shared_expert_intermediate_size=56, num_attention_heads=4,
+                                         num_key_value_heads=2, num_hidden_layers=2, num_experts=6,
+                                         num_experts_per_tok=2, norm_topk_prob=True, use_sliding_window=False)),
 }
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # KV blocks for the batched run, a few past what one request of max_model_len holds, so that

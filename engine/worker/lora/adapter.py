@@ -30,6 +30,7 @@ PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",)
 # Fused in the checkpoint (Phi-3): an adapter of the fused projection is one A and one B
 # spanning its parts, which the merged layout takes as they are.
 FUSED = {"qkv_proj", "gate_up_proj"}
+ATTENTION = {"qkv_proj", "o_proj", *PROJECTIONS["qkv_proj"]}  # (the rest are an MLP's)
 MODULES = {part for parts in PROJECTIONS.values() for part in parts} | FUSED
 _TENSOR = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 # PEFT options that change what an adapter computes beyond plain LoRA: refused, not ignored.
@@ -137,11 +138,15 @@ def load_adapter(path: str, args: ModelArgs, max_rank: int) -> tuple[AdapterConf
     with safe_open(weights_path, framework="pt") as f:
         for name in f.keys():
             m = _TENSOR.fullmatch(name)
+            check(".experts." not in name, "target_modules", f"the adapter has {name!r}: LoRA on a mixture of "
+                                                            f"experts' experts is not supported (on attention it is)")
             if m is None:
                 raise InvalidArgument("target_modules", f"the adapter has a tensor {name!r} that is not a LoRA A or B "
                                                         f"of a projection in {sorted(MODULES)}")
             layer, module, which = int(m[1]), m[2], m[3]
             check(module in MODULES, "target_modules", f"{module!r} is not a projection of this model")
+            check(not (args.sparse_layers and args.sparse_layers[layer] and module not in ATTENTION), "target_modules",
+                  f"layer {layer}'s MLP is a mixture of experts: LoRA on it is not supported (on attention it is)")
             check(layer < args.num_layers, "base_model_name_or_path",
                   f"the adapter has layer {layer}, the model {args.num_layers} layers: it was made for another base "
                   f"({cfg.base_model or 'unnamed'})")

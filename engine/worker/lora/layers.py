@@ -75,11 +75,12 @@ class LoRASlots:
         self.num_loads = 0
 
     def attach(self, model: nn.Module) -> None:
-        """Wrap every merged projection of the model."""
+        """Wrap every merged projection of the model (a mixture of experts' layer has none in its MLP)."""
         for i, layer in enumerate(model.layers):
             for name in PROJECTIONS:
                 parent = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
-                setattr(parent, name, LoRALinear(getattr(parent, name), i, name, self))
+                if hasattr(parent, name):
+                    setattr(parent, name, LoRALinear(getattr(parent, name), i, name, self))
 
     def prepare(self, spans: list[tuple[int, int, int]]) -> None:
         """Set the step's batch from its rows' adapters: (adapter id, first row, end row) spans, in

@@ -4,13 +4,15 @@ are shared."""
 from __future__ import annotations
 
 from baton.engine.common.errors import InvalidArgument
-from baton.engine.worker.models import gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3
+from baton.engine.worker.models import gemma2, gemma3, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen_moe
 from baton.engine.worker.models.args import ModelArgs
 from baton.engine.worker.models.layers import CausalLM
 
-FAMILIES = {"Gemma2ForCausalLM": gemma2, "Gemma3ForCausalLM": gemma3, "LlamaForCausalLM": llama,
-            "MistralForCausalLM": mistral, "Olmo2ForCausalLM": olmo2, "Phi3ForCausalLM": phi3,
-            "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3}
+# architecture name -> the function reading its config
+FAMILIES = {"Gemma2ForCausalLM": gemma2.args, "Gemma3ForCausalLM": gemma3.args, "LlamaForCausalLM": llama.args,
+            "MistralForCausalLM": mistral.args, "MixtralForCausalLM": mixtral.args, "Olmo2ForCausalLM": olmo2.args,
+            "Phi3ForCausalLM": phi3.args, "Qwen2ForCausalLM": qwen2.args, "Qwen2MoeForCausalLM": qwen_moe.qwen2_moe,
+            "Qwen3ForCausalLM": qwen3.args, "Qwen3MoeForCausalLM": qwen_moe.qwen3_moe}
 
 __all__ = ["FAMILIES", "CausalLM", "ModelArgs", "model_args"]
 
@@ -21,5 +23,5 @@ def model_args(cfg: dict) -> ModelArgs:
     family = FAMILIES.get(arch)
     if family is None:
         raise InvalidArgument("model", f"architecture {arch!r} is not supported (supported: {', '.join(FAMILIES)})")
-    return family.args(cfg)
+    return family(cfg)
 

@@ -45,6 +45,15 @@ class ModelArgs:
     attn_scale: float | None = None  # attention's score scale; None: head_dim ** -0.5
     attn_softcap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
     final_softcap: float | None = None  # logits likewise
+    # Mixture of experts (moe.py): which layers are sparse (empty: none), the experts, how many
+    # each token takes, their hidden size, whether the k weights are renormalized, and a shared
+    # expert's size (0: none).
+    sparse_layers: list[bool] = field(default_factory=list)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
 
     def sliding_layers(self) -> list[bool]:
         """Which layers slide: as layer_types says, else every layer when there is a window."""

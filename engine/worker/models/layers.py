@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.worker.models.args import ModelArgs
+from baton.engine.worker.models.moe import SparseMoE
 from baton.engine.worker.models.rope import RotaryTable
 from baton.kernels.attention import AttentionMetadata, paged_attention
 
@@ -96,10 +97,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        size = intermediate_size or args.intermediate_size
+        self.gate_up_proj = Linear(args.hidden_size, 2 * size, bias=args.mlp_bias)
+        self.down_proj = Linear(size, args.hidden_size, bias=args.mlp_bias)
         self.act = F.silu if args.activation == "silu" else partial(F.gelu, approximate="tanh")
 
     def forward(self, x):
@@ -115,11 +117,11 @@ class DecoderLayer(nn.Module):
     - "sandwich" (Gemma 2, 3): both, input_layernorm / post_attention_layernorm around attention
       and pre_ / post_feedforward_layernorm around the MLP."""
 
-    def __init__(self, args: ModelArgs, sliding: bool = False):
+    def __init__(self, args: ModelArgs, sliding: bool = False, sparse: bool = False):
         super().__init__()
         self.placement = placement = args.norm_placement
         self.self_attn = Attention(args, sliding)
-        self.mlp = MLP(args)
+        self.mlp = SparseMoE(args, MLP) if sparse else MLP(args)
         self.post_attention_layernorm = norm(args)
         if placement in ("pre", "sandwich"):
             self.input_layernorm = norm(args)
@@ -145,7 +147,8 @@ class CausalLM(nn.Module):
         self.args = args
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
         sliding = args.sliding_layers()
-        self.layers = nn.ModuleList(DecoderLayer(args, s) for s in sliding)
+        sparse = args.sparse_layers or [False] * args.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(args, s, m) for s, m in zip(sliding, sparse, strict=True))
         self.norm = norm(args)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:

@@ -1,0 +1,85 @@
+"""The mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each
+token's top-k experts, and the chosen experts' SwiGLU outputs are summed by the router's weights;
+Qwen2-MoE adds a shared expert behind a sigmoid gate.
+
+The experts run grouped: the step's (token, expert) pairs are sorted by expert, and each expert
+that has any does one matmul over its rows (the LoRA path's idea), gathered once and summed back
+with one index_add, rather than a pass over every token or every expert. Expert weights are
+stacked ([experts, 2 · intermediate, hidden] and [experts, hidden, intermediate]); the loader fills
+them from the checkpoints' per-expert tensors.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing, in float32: ([T, k] weights, [T, k] expert ids); `renormalize`:
+    the k weights rescaled to sum to 1 (Mixtral; Qwen's norm_topk_prob)."""
+    weights, ids = torch.topk(logits.float().softmax(dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, act=F.silu) -> torch.Tensor:
+    """sum_k weights[t, k] · expert_{ids[t, k]}(x[t]) for every token t: x [T, H], weights and ids
+    [T, k], gate_up [E, 2I, H], down [E, H, I]. One matmul pair per expert that has tokens."""
+    num_tokens, top_k = ids.shape
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    tokens = order // top_k  # the token of each sorted pair
+    rows = x[tokens]
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            gate, up = F.linear(rows[start:start + n], gate_up[expert]).chunk(2, dim=-1)
+            out[start:start + n] = F.linear(act(gate) * up, down[expert])
+            start += n
+    scaled = (out * weights.flatten()[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, scaled)
+
+
+def naive_experts(x, weights, ids, gate_up, down, act=F.silu) -> torch.Tensor:
+    """The same sum token by token, pair by pair: the grouped path's oracle (tests, bench)."""
+    out = torch.zeros_like(x)
+    for t in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            gate, up = F.linear(x[t], gate_up[ids[t, k]]).chunk(2, dim=-1)
+            out[t] += (F.linear(act(gate) * up, down[ids[t, k]]) * weights[t, k]).to(x.dtype)
+    return out
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.intermediate = intermediate
+
+
+class SparseMoE(nn.Module):
+    """Named as the checkpoints name its parts (`gate` the router, `experts`, `shared_expert`)."""
+
+    def __init__(self, args, mlp_class):
+        super().__init__()
+        from baton.engine.worker.models.layers import Linear
+
+        self.top_k, self.renormalize = args.num_experts_per_tok, args.norm_topk_prob
+        self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
+        self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
+        if args.shared_expert_intermediate_size:  # Qwen2-MoE: one more expert every token takes, gated
+            self.shared_expert = mlp_class(args, args.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(args.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = grouped_experts(x, weights, ids, self.experts.gate_up, self.experts.down)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
