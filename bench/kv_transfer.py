@@ -6,7 +6,9 @@ from "prefill done" (before request_finished) to the decode worker reporting the
 finished, i.e. the moment the request can take its first decode step. The raw baseline
 READs the same number of bytes in one descriptor between two fresh agents, in the same run.
 The model is not run: only the cache's shape matters, so the Llama-3-8B shape (32 layers,
-8 KV heads of 128) is measured without its weights. Both sides live in this process, each
+8 KV heads of 128) is measured without its weights, and DeepSeek-V2-Lite's (27 layers): its
+multi-head latent attention caches one 576-value latent per token and layer, against 16 K and
+V heads of 128 were its attention plain multi-head. Both sides live in this process, each
 with its own NIXL agent (UCX, CPU memory).
 
     .venv/bin/python bench/kv_transfer.py
@@ -27,11 +29,14 @@ from baton.engine.common.config import read_config
 from baton.engine.worker.models import model_args
 from baton.engine.core.request import Request, RequestStatus
 from baton.engine.common.sampling_params import SamplingParams
+from baton.kv_transfer.base import KVFormat
 from baton.kv_transfer.nixl_connector import _new_agent, make_nixl_connector
 
 REPO = Path(__file__).resolve().parent.parent
-SHAPES = {  # name: (layers, kv heads, head dim)
-    "llama-3-8b": (32, 8, 128),
+SHAPES = {  # name: (layers, kv heads, head dim, parts: K and V, or MLA's latent alone)
+    "llama-3-8b": (32, 8, 128, 2),
+    "deepseek-v2-lite-mla": (27, 1, 512 + 64, 1),
+    "deepseek-v2-lite-as-mha": (27, 16, 128, 2),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -50,12 +55,12 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def shapes(args) -> dict[str, tuple[int, int, int]]:
+def shapes(args) -> dict[str, tuple[int, int, int, int]]:
     out = {}
     model_dir = REPO / args.demo_model
     if (model_dir / "config.json").is_file():
         model = model_args(read_config(str(model_dir)))
-        out[model_dir.name] = (model.num_layers, model.num_kv_heads, model.head_dim)
+        out[model_dir.name] = (model.num_layers, model.num_kv_heads, model.head_dim, model.kv_parts)
     out = {**out, **SHAPES}
     return {k: v for k, v in out.items() if args.shapes is None or k in args.shapes.split(",")}
 
@@ -64,15 +69,16 @@ class Side:
     """One engine's KV pool, block manager and connector halves, without a model."""
 
     def __init__(self, name: str, num_blocks: int, shape, args, shuffle: bool = False):
-        layers, heads, head_dim = shape
-        self.cache = torch.zeros(num_blocks, layers, 2, args.block_size, heads, head_dim, dtype=DTYPES[args.dtype])
+        layers, heads, head_dim, parts = shape
+        self.cache = torch.zeros(num_blocks, layers, parts, args.block_size, heads, head_dim, dtype=DTYPES[args.dtype])
         self.kv = KVCacheManager(num_blocks, args.block_size, enable_caching=False)
         if shuffle:
             ids = list(self.kv.free_queue)
             random.Random(0).shuffle(ids)
             self.kv.free_queue = type(self.kv.free_queue)((i, self.kv.free_queue[i]) for i in ids)
         self.sched, self.worker = make_nixl_connector(name, args.block_size, hold_timeout_s=600)
-        self.worker.register_kv_caches(self.cache)
+        self.worker.register_kv_caches(self.cache, KVFormat("bench", args.dtype, layers, heads, head_dim,
+                                                            args.block_size, "none"))
 
     def close(self):
         self.worker.close()
@@ -82,7 +88,7 @@ def handoff(prefill: Side, decode: Side, n_tokens: int, tag: str) -> tuple[float
     """Seconds from prefill done to the load reported, and until the prefill learns it was
     read; and the READ descriptors used."""
     p_req = Request(f"p-{tag}", list(range(n_tokens)), SamplingParams(max_tokens=1))
-    p_req.kv_transfer_params = {"do_remote_decode": True}
+    p_req.hold_for_remote = True
     prefill.kv.allocate_slots(p_req, n_tokens)
     p_req.append_output_token(1)
     p_req.status = RequestStatus.FINISHED_LENGTH_CAPPED  # ended as asked: its blocks are held
@@ -94,7 +100,7 @@ def handoff(prefill: Side, decode: Side, n_tokens: int, tag: str) -> tuple[float
     if not hold:
         raise RuntimeError("the prefill side did not hold the blocks")
     prefill.worker.start_load_kv(prefill.sched.build_connector_meta(None))  # registers the hold
-    d_req.kv_transfer_params = handle
+    d_req.remote_kv = handle
     num_external, _ = decode.sched.get_num_new_matched_tokens(d_req, 0)
     decode.kv.allocate_slots(d_req, num_external, cache=False)
     decode.sched.update_state_after_alloc(d_req, decode.kv.block_ids(d_req.request_id), num_external)
@@ -143,8 +149,8 @@ def main() -> None:
     rows = [["shape", "tokens", "MiB", "descriptors", "handoff ms", "freed on prefill ms", "raw READ ms",
              "handoff GB/s", "raw GB/s", "bandwidth vs raw", "handoff - raw ms"]]
     for name, shape in shapes(args).items():
-        layers, heads, head_dim = shape
-        bytes_per_token = layers * 2 * heads * head_dim * DTYPES[args.dtype].itemsize
+        layers, heads, head_dim, parts = shape
+        bytes_per_token = layers * parts * heads * head_dim * DTYPES[args.dtype].itemsize
         num_blocks = -(-max(args.lengths) // args.block_size) + 1
         prefill = Side(f"bench-prefill-{name}", num_blocks, shape, args)
         decode = Side(f"bench-decode-{name}", num_blocks, shape, args, shuffle=args.fragmented)

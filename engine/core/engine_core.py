@@ -72,8 +72,8 @@ class EngineCore:
         # The host tier copies a request's blocks as one list: with it, every layer keeps every block.
         hybrid = not config.disable_hybrid_kv_cache_manager and not config.kv_offloading_size
         self.kv_groups = group_layers(args.layer_windows(config.max_model_len), hybrid)
-        block_bytes = (self.kv_groups.layers_per_block * 2 * config.block_size * args.num_kv_heads * args.head_dim
-                       * model.embed_tokens.weight.element_size())  # one block: its group's layers' K and V
+        block_bytes = (self.kv_groups.layers_per_block * args.kv_parts * config.block_size * args.num_kv_heads
+                       * args.head_dim * model.embed_tokens.weight.element_size())  # its group's layers' K and V
         self.num_kv_blocks = self._num_kv_blocks(block_bytes)
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                  self.kv_groups.windows)
@@ -104,6 +104,8 @@ class EngineCore:
         c = self.config
         if not c.enable_lora:
             return None, None
+        check(args.attention != "mla", "enable_lora", f"LoRA adapters on {args.architecture}'s multi-head latent "
+                                                      f"attention are not supported")
         registry = LoRARegistry(args, c.max_loras, c.max_lora_rank, c.max_cpu_loras or c.max_loras)
         for name, path in c.lora_modules.items():
             try:

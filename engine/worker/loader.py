@@ -70,7 +70,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
     for path in _safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                if "rotary_emb" in name:
+                if "rotary_emb" in name or _skipped(name, args):
                     continue
                 target, rows = _target(model, params, name)
                 if target is None:
@@ -95,6 +95,14 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(before)
 
 
+def _skipped(name: str, args: ModelArgs) -> bool:
+    """Whether a tensor belongs to a layer past the model's that Baton does not run (DeepSeek-V3's
+    multi-token-prediction layers)."""
+    parts = _canonical(name).split(".")
+    return (args.skipped_layers > 0 and len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit()
+            and args.num_layers <= int(parts[1]) < args.num_layers + args.skipped_layers)
+
+
 def _canonical(name: str) -> str:
     """A checkpoint tensor's name as the Llama family spells it, without the model. prefix."""
     parts = name.removeprefix("model.").split(".")
@@ -114,9 +122,9 @@ def _target(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice
         if index is None:
             return None, None
         return f"{prefix}.gate_up", (expert, slice(index * size, (index + 1) * size))
-    if len(parts) >= 2 and parts[-2] in _MERGED:
-        merged, index = _MERGED[parts[-2]]
-        prefix = ".".join(parts[:-2])
+    merged, index = _MERGED.get(parts[-2], (None, 0)) if len(parts) >= 2 else (None, 0)
+    prefix = ".".join(parts[:-2])
+    if merged is not None and hasattr(model.get_submodule(prefix), merged):  # (MLA's q_proj stays its own)
         module = model.get_submodule(prefix)
         if merged == "qkv_proj":
             sizes = [module.q_size, module.kv_size, module.kv_size]
@@ -136,15 +144,20 @@ def _check_complete(model: CausalLM, args: ModelArgs, loaded: set[str], filled: 
     # A merged projection is whole when the checkpoint has it fused (Phi-3) or has every part;
     # stacked experts when every expert's three are there.
     for i in range(args.num_layers):
-        mlp = "mlp.shared_expert" if hasattr(model.layers[i].mlp, "experts") else "mlp"
-        for j in range(args.num_experts if mlp != "mlp" else 0):
+        sparse = hasattr(model.layers[i].mlp, "experts")
+        for j in range(args.num_experts if sparse else 0):
             for part in ("gate_proj", "up_proj", "down_proj"):
                 if f"layers.{i}.mlp.experts.{j}.{part}.weight" not in have:
                     raise InvalidArgument("model", f"checkpoint lacks weight layers.{i}.mlp.experts.{j}.{part}.weight")
-        dense = () if mlp != "mlp" and not args.shared_expert_intermediate_size else (
-            (f"{mlp}.gate_up_proj", (f"{mlp}.gate_proj", f"{mlp}.up_proj")), (f"{mlp}.down_proj", ()))
-        for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                             ("self_attn.o_proj", ()), *dense):
+        # The MLP with merged projections: the dense one, or a sparse layer's shared expert(s).
+        mlps = ([f"mlp.{name}" for name in ("shared_expert", "shared_experts") if hasattr(model.layers[i].mlp, name)]
+                if sparse else ["mlp"])
+        dense = [(f"{m}.{fused}", tuple(f"{m}.{p}" for p in parts))
+                 for m in mlps for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ()))]
+        attention = () if args.attention == "mla" else (  # (MLA's parts: every parameter filled, below)
+            ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            ("self_attn.o_proj", ()))
+        for fused, parts in (*attention, *dense):
             has_bias = model.get_submodule(f"layers.{i}.{fused}").bias is not None
             for kind in ("weight", "bias") if has_bias else ("weight",):
                 if f"layers.{i}.{fused}.{kind}" in have:

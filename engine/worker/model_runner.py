@@ -32,6 +32,14 @@ PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are m
 _IDLE_WAIT_S = 0.002  # a step with nothing to compute waits this long for host-tier copies rather than spin
 
 
+def kv_attention(args) -> str:
+    """The attention kind a KV block holds, for KVFormat: "mha" (K and V per KV head), or MLA's
+    latent and RoPE sizes."""
+    if args.attention == "mla":
+        return f"mla(kv_lora_rank={args.kv_lora_rank}, qk_rope_head_dim={args.qk_rope_head_dim})"
+    return "mha"
+
+
 class RequestState:
     __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens", "prompt_logprobs",
                  "matcher", "lora_id")
@@ -63,11 +71,14 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         args = model.args
         self.kv_groups = groups = kv_groups or group_layers([None] * args.num_layers)
-        self.kv_cache = torch.zeros(num_blocks, groups.layers_per_block, 2, config.block_size, args.num_kv_heads,
-                                    args.head_dim, dtype=model.embed_tokens.weight.dtype, device=self.device)
-        # Each layer's K and V cache (its slot in every block) and its group's metadata index.
+        self.kv_cache = torch.zeros(num_blocks, groups.layers_per_block, args.kv_parts, config.block_size,
+                                    args.num_kv_heads, args.head_dim, dtype=model.embed_tokens.weight.dtype,
+                                    device=self.device)
+        # Each layer's K and V cache (its slot in every block; MLA's latent is both) and its group's
+        # metadata index.
         slots = groups.slot_of()
-        self.layer_caches = [(self.kv_cache[:, slot, 0], self.kv_cache[:, slot, 1]) for _, slot in slots]
+        self.layer_caches = [(self.kv_cache[:, slot, 0], self.kv_cache[:, slot, args.kv_parts - 1])
+                             for _, slot in slots]
         self.layer_group = [group for group, _ in slots]
         model.prepare(config.max_model_len)
         self.host_kv = HostKVCopier(self.kv_cache, num_host_blocks) if num_host_blocks else None
@@ -84,7 +95,7 @@ class ModelRunner:
             connector.register_kv_caches(self.kv_cache, KVFormat(
                 checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,
                 args.num_kv_heads, args.head_dim, config.block_size, self.attention_backend, groups.layers,
-                tuple(w or 0 for w in groups.windows)),
+                tuple(w or 0 for w in groups.windows), kv_attention(args)),
                 host_cache=self.host_kv.host_cache if self.host_kv is not None else None)
 
     def _add_request(self, new) -> None:

@@ -89,6 +89,29 @@ FAMILIES = {
                                          shared_expert_intermediate_size=56, num_attention_heads=4,
                                          num_key_value_heads=2, num_hidden_layers=2, num_experts=6,
                                          num_experts_per_tok=2, norm_topk_prob=True, use_sliding_window=False)),
+    # DeepSeek-V2-Lite's shape, small: MLA without a query LoRA (a latent of 32, RoPE parts of 8,
+    # heads of 16 + 8 for keys, 12 for values), the first layer dense, then 6 routed experts (2 per
+    # token, scaled by 1.5) and 2 shared; "-q" with a query LoRA and group-limited routing.
+    "deepseek-v2": ("DeepseekV2Config", dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                             num_attention_heads=4, num_hidden_layers=3, kv_lora_rank=32,
+                                             q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                             v_head_dim=12, n_routed_experts=6, num_experts_per_tok=2,
+                                             n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy",
+                                             routed_scaling_factor=1.5, tie_word_embeddings=False)),
+    "deepseek-v2-q": ("DeepseekV2Config", dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                               num_attention_heads=4, num_hidden_layers=2, kv_lora_rank=24,
+                                               q_lora_rank=40, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                               v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                                               n_shared_experts=1, first_k_dense_replace=0, n_group=4, topk_group=2,
+                                               topk_method="group_limited_greedy", tie_word_embeddings=False)),
+    # DeepSeek-V3's routing: sigmoid scores, a correction bias, the best 2 of 4 groups, renormalized, x 2.5.
+    "deepseek-v3": ("DeepseekV3Config", dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                             num_attention_heads=4, num_hidden_layers=3, kv_lora_rank=32,
+                                             q_lora_rank=40, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                             v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                                             n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                                             norm_topk_prob=True, routed_scaling_factor=2.5,
+                                             tie_word_embeddings=False)),
 }
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # KV blocks for the batched run, a few past what one request of max_model_len holds, so that
@@ -138,7 +161,8 @@ def test_prefill_and_decode_over_nixl_equal_colocated(family):
     assert_pools_full(prefill, decode)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "mistral"])  # soft-caps and alternating windows; every layer sliding
+# Soft-caps and alternating windows; every layer sliding; MLA (one latent head of 40, groups of 4).
+@pytest.mark.parametrize("name", ["gemma2", "mistral", "deepseek-v2"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])  # (the batched run above: the C++ kernel, auto's pick)
 def test_windows_and_soft_caps_on_every_attention_backend(tmp_path, hf, name, backend):
     if backend == "triton":
@@ -153,7 +177,8 @@ def test_windows_and_soft_caps_on_every_attention_backend(tmp_path, hf, name, ba
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3"])  # gemma3: hybrid KV cache groups, handles of window blocks
+# gemma3: hybrid KV cache groups, handles of window blocks; deepseek-v2: MLA's latent blocks, experts.
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "deepseek-v2"])
 def test_through_the_router_prefill_and_decode_equals_offline(tmp_path, name):
     from baton.services.client import Client
 

@@ -54,6 +54,27 @@ class ModelArgs:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    num_shared_experts: int = 0  # DeepSeek's, ungated, moe_intermediate_size each
+    routing: str = "softmax"  # moe.ROUTINGS
+    routed_scaling_factor: float = 1.0
+    num_expert_groups: int = 1
+    top_expert_groups: int = 1
+    # Multi-head latent attention (mla.py; DeepSeek): "mla", else "mha" (GQA and MQA included).
+    # With MLA the cache holds one head of kv_lora_rank + qk_rope_head_dim per token (num_kv_heads
+    # 1, head_dim that), and `q_lora_rank` (0: none) compresses the query too.
+    attention: str = "mha"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleaved: bool = True  # MLA's RoPE on adjacent pairs (DeepSeek's); else on halves
+    skipped_layers: int = 0  # layers past num_layers whose weights are not loaded (DeepSeek-V3's MTP)
+
+    @property
+    def kv_parts(self) -> int:
+        """What the cache keeps per token and head: K and V, or (MLA) the latent alone, its own values."""
+        return 1 if self.attention == "mla" else 2
 
     def sliding_layers(self) -> list[bool]:
         """Which layers slide: as layer_types says, else every layer when there is a window."""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.worker.models.args import ModelArgs
+from baton.engine.worker.models.mla import MLAttention
 from baton.engine.worker.models.moe import SparseMoE
 from baton.engine.worker.models.rope import RotaryTable
 from baton.kernels.attention import AttentionMetadata, paged_attention
@@ -120,7 +121,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, sliding: bool = False, sparse: bool = False):
         super().__init__()
         self.placement = placement = args.norm_placement
-        self.self_attn = Attention(args, sliding)
+        self.self_attn = MLAttention(args) if args.attention == "mla" else Attention(args, sliding)
         self.mlp = SparseMoE(args, MLP) if sparse else MLP(args)
         self.post_attention_layernorm = norm(args)
         if placement in ("pre", "sandwich"):

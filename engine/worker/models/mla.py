@@ -1,0 +1,89 @@
+"""Multi-head latent attention (DeepSeek-V2, V3): keys and values come from one compressed latent
+per token (kv_lora_rank values, RMS-normed) and one RoPE'd key part shared by every head
+(qk_rope_head_dim), and that is all the paged cache keeps: one "head" of
+kv_lora_rank + qk_rope_head_dim per token, in the K half of the cache only.
+
+Attention runs in the absorbed form, as one multi-query attention over the latent, so the
+existing kernels (reference, C++, Triton) serve it unchanged: each head's query is turned into
+the latent space (q_nope · W_UK, W_UK the key part of kv_b_proj), concatenated with its RoPE'd
+part, and attends to [latent, k_rope] with the latent itself as the values; the output latent is
+turned into each head's values by W_UV (the value part of kv_b_proj) before o_proj. That equals
+up-projecting every cached token's K and V (transformers' form) and never materializes them.
+(Prefill in the up-projected form, cheaper for long prompts, is not written yet.)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from baton.kernels.attention import AttentionMetadata, paged_attention
+
+
+def rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on (x[i], x[i + D / 2]) pairs (DeepSeek-V3 with rope_interleave off)."""
+    from baton.engine.worker.models.layers import rotate
+
+    return rotate(x, cos, sin)
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on adjacent pairs (x[2i], x[2i+1]), as DeepSeek's complex-number form: x [T, heads, D],
+    cos/sin [T, 1, D] of the half-split table (their first D / 2 are the pairs' angles)."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half].float(), sin[..., :half].float()
+    x0, x1 = x[..., 0::2].float(), x[..., 1::2].float()
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
+
+
+def yarn_softmax_mscale(scaling: dict | None) -> float:
+    """DeepSeek's YaRN scales the softmax by mscale(factor, mscale_all_dim) squared."""
+    if not scaling or not scaling.get("mscale_all_dim"):
+        return 1.0
+    factor = scaling["factor"]
+    mscale = 1.0 if factor <= 1 else 0.1 * scaling["mscale_all_dim"] * math.log(factor) + 1.0
+    return mscale * mscale
+
+
+class MLAttention(nn.Module):
+    """Named as DeepSeek's checkpoints name its parts."""
+
+    def __init__(self, args):
+        super().__init__()
+        from baton.engine.worker.models.layers import Linear, norm
+
+        h, self.rank = args.hidden_size, args.kv_lora_rank
+        self.num_heads, self.nope, self.rope, self.v_dim = (args.num_heads, args.qk_nope_head_dim,
+                                                            args.qk_rope_head_dim, args.v_head_dim)
+        q_out = self.num_heads * (self.nope + self.rope)
+        if args.q_lora_rank:
+            self.q_a_proj = Linear(h, args.q_lora_rank, bias=args.qkv_bias)
+            self.q_a_layernorm = norm(args, args.q_lora_rank)
+            self.q_b_proj = Linear(args.q_lora_rank, q_out, bias=False)
+        else:
+            self.q_proj = Linear(h, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(h, self.rank + self.rope, bias=args.qkv_bias)
+        self.kv_a_layernorm = norm(args, self.rank)
+        self.kv_b_proj = Linear(self.rank, self.num_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=args.o_bias)
+        self.scale = args.attn_scale
+        self.turn = rotate_interleaved if args.rope_interleaved else rotate_half_split
+        self.window = None  # (CausalLM.prepare sets every layer's; DeepSeek's never slide)
+        self.softcap = None
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(-1, self.num_heads, self.nope + self.rope)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        k_rope = self.turn(k_rope[:, None], cos, sin)
+        kv = torch.cat((self.kv_a_layernorm(latent)[:, None], k_rope), dim=-1)  # [T, 1, rank + rope]: what is cached
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        q_latent = torch.einsum("thd,hdr->thr", q[..., :self.nope], w[:, :self.nope])
+        q = torch.cat((q_latent, self.turn(q[..., self.nope:], cos, sin)), dim=-1)
+        out = paged_attention(q, kv, kv, k_cache, v_cache, meta, self.scale)  # values: the latent (and k_rope, unused)
+        out = torch.einsum("thr,hvr->thv", out[..., :self.rank], w[:, self.nope:])
+        return self.o_proj(out.flatten(1))
