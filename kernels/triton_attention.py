@@ -10,9 +10,10 @@ combines them, so batch 1 of a 32k context keeps the GPU as busy as batch 256 of
 attends to its cached prefix and, causally, to itself, so chunked prefill and prefix-cache
 hits run the same kernel; a tile is BLOCK_M query tokens × the group's heads. Accumulation
 is in float32. Both take a sliding window (a query sees the `window` positions ending at its
-own; tiles wholly before it are skipped, so a hybrid KV cache's dropped blocks are never read)
-and a soft-cap (scores become cap · tanh(score / cap), Gemma 2), each switched on by a
-constexpr so models without them compile the kernels as before.
+own; tiles wholly before it are skipped, and the first tile's keys before it are loaded but
+masked: a hybrid KV cache's dropped entries there read block 0, finite) and a soft-cap
+(scores become cap · tanh(score / cap), Gemma 2), each switched on by a constexpr so models
+without them compile the kernels as before.
 
 Runs on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set
 before triton is imported), which is how CI tests it. The PyTorch reference in

@@ -89,7 +89,7 @@ class EngineCore:
         self.connector = connector_worker
         if self.runner.model.rope_recompute_at is not None:  # LongRoPE: see Scheduler.recompute_at
             self.scheduler.recompute_at = self.runner.model.rope_recompute_at
-            self.scheduler.rekey = lambda request: self._rope_rekey(request, request.num_tokens)
+            self.scheduler.rekey = self._rope_rekey
         self.vocab_size = args.vocab_size
         self.grammars = self.runner.grammars = Grammars(config.model, args.vocab_size, self.eos_token_ids)
         self.awaiting_grammar: list[Request] = []  # WAITING_FOR_FSM: held back until their grammar compiled
@@ -173,10 +173,10 @@ class EngineCore:
         """The hashes of the blocks the prefix cache holds now (what its KV events describe)."""
         return list(self.kv.cached)
 
-    def _rope_rekey(self, request: Request, length: int) -> None:
-        """Where a sequence's length changes its KV (dynamic NTK, LongRoPE), its block hashes start
-        from a root of that length's own, so prefix caching never shares KV turned otherwise."""
-        if rope_key := self.runner.model.prompt_rope_key(length):
+    def _rope_rekey(self, request: Request) -> None:
+        """Where a sequence's lengths change its KV (dynamic NTK, LongRoPE), its block hashes start
+        from a root of their own, so prefix caching never shares KV turned otherwise."""
+        if rope_key := self.runner.model.rope_key(request.num_prompt_tokens, request.num_tokens):
             request.hash_root = hash_block(request.hash_root, (rope_key,))
             request.block_hashes.clear()
 
@@ -192,7 +192,7 @@ class EngineCore:
         if msg.lora_name:
             info = self._registry("adapter").get(msg.lora_name, "adapter")
             request.lora_id, request.hash_root = info.adapter_id, info.hash_root
-        self._rope_rekey(request, len(msg.prompt_token_ids))
+        self._rope_rekey(request)
         so = msg.sampling_params.structured_output
         if so is not None:
             request.grammar = self.grammars.compile(so)
@@ -303,7 +303,8 @@ class EngineCore:
             num_running=len(sched.running), num_waiting=self.num_waiting,
             num_waiting_for_kvs=sum(1 for r in sched.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS),
             num_held_requests=len(sched.held),
-            num_held_blocks=sum(len(kv.req_blocks.get(req_id, ())) for req_id in sched.held),
+            num_held_blocks=sum(b is not None for req_id in sched.held for blocks in kv.req_blocks.get(req_id, ())
+                                for b in blocks),
             num_kv_blocks=self.num_kv_blocks, num_free_kv_blocks=kv.num_free_blocks,
             prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
             num_preemptions=sched.num_preemptions, num_failed_loads=sched.num_failed_loads,

@@ -168,7 +168,7 @@ class Scheduler:
         for request in self._to_recompute:
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-                self._preempt(request, out, swap=False)
+                self._preempt(request, out, for_room=False)
                 self.rekey(request)
         self._to_recompute.clear()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
@@ -219,17 +219,19 @@ class Scheduler:
             victim = self.running.pop()
         return self._preempt(victim, out)
 
-    def _preempt(self, victim: Request, out: SchedulerOutput, swap: bool = True) -> Request:
-        """Free the victim's blocks (swapped to the host tier first, as preemption_mode says, if
-        `swap`) and send it back to waiting, to recompute or load them."""
-        if self.host is not None and swap:
+    def _preempt(self, victim: Request, out: SchedulerOutput, for_room: bool = True) -> Request:
+        """Free the victim's blocks (swapped to the host tier first, as preemption_mode says) and
+        send it back to waiting, to recompute or load them. Not `for_room`: its KV must be
+        computed again (LongRoPE), so nothing is swapped and no preemption counted."""
+        if self.host is not None and for_room:
             self.host.preempt(victim)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
-        self.record(victim, EventType.PREEMPTED, self._now)
+        if for_room:
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+            self.record(victim, EventType.PREEMPTED, self._now)
         out.preempted_req_ids.add(victim.request_id)
         self._enqueue(victim, front=True)
         return victim
@@ -365,6 +367,18 @@ class Scheduler:
         elif (held := self.held.pop(req_id, None)) is not None:
             self._free(held)
 
+    def _restart(self, request: Request) -> None:
+        """Its blocks go (a prefix it hit keeps its hashes) and it computes from its first token."""
+        request.num_computed_tokens = max(request.num_cached_tokens, 0)  # (those blocks' KV is sound)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+
+    def _crosses_recompute_at(self, request: Request) -> bool:
+        """A request whose prompt was computed within recompute_at tokens (by a prefill peer) but
+        that is longer now: its first token took it past."""
+        return (self.recompute_at is not None and request.num_prompt_tokens <= self.recompute_at < request.num_tokens
+                and request.num_computed_tokens > 0)
+
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params, n = request.sampling_params, request.num_output_tokens
         if n > params.min_tokens:  # the first min_tokens outputs cannot stop (the runner masks them too)
@@ -394,13 +408,15 @@ class Scheduler:
                 request.num_computed_tokens = min(request.num_computed_tokens, bad * self.kv.block_size)
                 if self.kv.hybrid:  # a sliding group kept no blocks before the load's window: from the prompt's start
                     bad = 0
-                    request.num_computed_tokens = 0
-                    self.kv.free(request)
+                    self._restart(request)
                 request.num_external_tokens = max(0, request.num_computed_tokens - request.num_cached_tokens)
                 self.num_failed_loads += 1
                 if req_id in kv_out.transfers_ended:
                     kv_out.transfers_ended[req_id].recompute_from_block = bad
             request.status = RequestStatus.WAITING
+            if self._crosses_recompute_at(request):  # its prompt's KV came short; it runs long from here
+                self._restart(request)
+                self.rekey(request)
             self.kv.cache_blocks(request, request.num_computed_tokens)
         for req_id, transfer in kv_out.transfers_ended.items():
             r = self._live_or_held(req_id)

@@ -13,6 +13,8 @@ from baton.kernels import cpu_kernels
 
 log = logging.getLogger(__name__)
 
+TRITON_MAX_HEAD_DIM = 256  # a 1024-wide padded head overflowed an H100's shared memory in every kernel
+
 
 def choose_backend(asked: str, dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int,
                    head_dim: int) -> str:
@@ -33,5 +35,10 @@ def choose_backend(asked: str, dtype: torch.dtype, device: torch.device, num_hea
             return "torch"
         check(device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1", "attention_backend",
               f"triton runs on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1); the device is {device}")
+        if head_dim > TRITON_MAX_HEAD_DIM:  # its tiles would not fit in shared memory (MLA's latent of 576, say)
+            check(asked == "auto", "attention_backend",
+                  f"the Triton kernels take heads of at most {TRITON_MAX_HEAD_DIM}, this cache's are {head_dim}")
+            log.warning("heads of %d: attention on %s uses the PyTorch reference", head_dim, device)
+            return "torch"
         return "triton"
     return "torch"

@@ -16,7 +16,7 @@ def describe(model_dir: str, max_model_len: int | None) -> list[str]:
     max_len = max_model_len or min(a.max_position_embeddings, 8192)
     check(max_len <= a.max_position_embeddings, "max_model_len",
           f"{max_len} exceeds the model's max_position_embeddings {a.max_position_embeddings}")
-    rope = (a.rope_scaling or {}).get("rope_type", "default")
+    rope = (a.rope_scaling or {}).get("rope_type", (a.rope_scaling or {}).get("type", "default"))
     windows = a.layer_windows(max_len)
     groups = group_layers(windows)
     sliding = sum(w is not None for w in windows)
@@ -48,6 +48,9 @@ def models(args) -> None:
             print("\n".join(describe(model_dir, args.max_model_len)))
         except InvalidArgument as e:
             print(f"{model_dir}: refused: {e.field}: {e.reason}", file=sys.stderr)
+            failed = True
+        except KeyError as e:  # a field the family reads is not in config.json
+            print(f"{model_dir}: refused: {e.args[0]}: config.json lacks it", file=sys.stderr)
             failed = True
     if failed:
         sys.exit(1)

@@ -354,3 +354,19 @@ def test_baton_models_lists_what_it_serves_and_checks_a_checkpoint(tmp_path, cap
         main(["models", model_dir, bad])
     assert exit_.value.code == 1
     assert "refused: model: architecture 'GPT2LMHeadModel' is not supported" in capsys.readouterr().err
+
+
+def test_a_longrope_prompt_at_the_original_context_moves_to_a_decode_and_runs_long(tmp_path, hf):
+    """Phi-3's prompt of exactly original_max_position_embeddings tokens: the prefill computes it
+    short, its first token takes the sequence past, so the decode computes it again long (as
+    transformers does when it drops its cache), equal to colocated and to transformers."""
+    config_class, shape = FAMILIES["phi3-longrope"]
+    model_dir = write_family(str(tmp_path / "phi3"), config_class, **shape)
+    ps = random_prompts([64, 63], seed=12)  # at the original context; one below, crossing while it decodes
+    want = [o.token_ids for o in LLM(model_dir, dtype="float32", device="cpu").generate(ps, GREEDY)]
+    assert want == [hf.greedy(model_dir, p, GREEDY.max_tokens) for p in ps]
+    prefill, decode = nixl_engine(model_dir, "prefill"), nixl_engine(model_dir, "decode")
+    connect(prefill, decode)
+    assert disaggregated(prefill, decode, ps, [GREEDY] * len(ps)) == want
+    assert decode.scheduler.num_preemptions == 0  # computed again, not preempted
+    assert_pools_full(prefill, decode)

@@ -251,3 +251,16 @@ def test_plain_cuda_and_auto_resolve_to_the_current_device_index(tiny_llama, mon
     with pytest.raises(InvalidArgument, match=r"^device: cuda:2 was asked for but 2 GPU\(s\) are visible") as err:
         resolved("cuda:2")
     assert err.value.field == "device"
+
+
+def test_heads_wider_than_the_triton_kernels_take_fall_back_or_are_refused():
+    """MLA's real latent (512 + 64) overflows the Triton kernels' shared memory (seen on an H100):
+    auto falls back to the reference on a GPU; asking for triton is refused, naming the field."""
+    from baton.engine.worker.attention_backend import choose_backend
+
+    pytest.importorskip("triton")
+    assert choose_backend("auto", torch.bfloat16, torch.device("cuda"), 16, 1, 576) == "torch"
+    assert choose_backend("auto", torch.bfloat16, torch.device("cuda"), 16, 1, 256) == "triton"
+    with pytest.raises(InvalidArgument, match="heads of at most 256") as err:
+        choose_backend("triton", torch.float32, torch.device("cpu"), 16, 1, 576)
+    assert err.value.field == "attention_backend"

@@ -168,9 +168,9 @@ class CausalLM(nn.Module):
         self.rope = [RotaryTable(a.rotary_dim or a.head_dim, theta, scaling, max_model_len + 1, weight.dtype,
                                  weight.device) for theta, scaling in bases]
 
-    def prompt_rope_key(self, prompt_len: int) -> int:
-        """What a prompt's KV depends on beyond its tokens (0: nothing; see RotaryTable.length_key)."""
-        return self.rope[0].length_key(prompt_len)
+    def rope_key(self, prompt_len: int, total_len: int) -> int:
+        """What a sequence's KV depends on beyond its tokens (0: nothing; RotaryTable.length_key)."""
+        return self.rope[0].length_key(prompt_len, total_len)
 
     def rope_lengths(self, start: int, end: int, prompt_len: int, total_len: int) -> np.ndarray:
         """The sequence lengths the RoPE of positions [start, end) of a request takes (rope_by_length)."""

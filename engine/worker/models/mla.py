@@ -4,7 +4,9 @@ per token (kv_lora_rank values, RMS-normed) and one RoPE'd key part shared by ev
 kv_lora_rank + qk_rope_head_dim per token, in the K half of the cache only.
 
 Attention runs in the absorbed form, as one multi-query attention over the latent, so the
-existing kernels (reference, C++, Triton) serve it unchanged: each head's query is turned into
+existing kernels serve it unchanged where they take its head size (the C++ kernel and Triton up
+to 256: small latents; DeepSeek's real 512 + 64 runs on the reference until a latent kernel
+exists): each head's query is turned into
 the latent space (q_nope · W_UK, W_UK the key part of kv_b_proj), concatenated with its RoPE'd
 part, and attends to [latent, k_rope] with the latent itself as the values; the output latent is
 turned into each head's values by W_UV (the value part of kv_b_proj) before o_proj. That equals

@@ -131,13 +131,13 @@ class RotaryTable:
             return np.full(end - start, total_len)
         return np.maximum(np.arange(start + 1, end + 1), prompt_len)
 
-    def length_key(self, prompt_len: int) -> int:
-        """What of a prompt's length its KV depends on (0: nothing): past the original context,
-        LongRoPE's long factors, or dynamic NTK's very length. Prefix caching keeps prompts that
-        differ here apart."""
-        if not self.by_length or prompt_len <= self.original:
-            return 0
-        return 1 if self.kind == "longrope" else prompt_len
+    def length_key(self, prompt_len: int, total_len: int) -> int:
+        """What of a sequence's lengths its KV depends on (0: nothing): LongRoPE's long factors
+        once the sequence is past the original context, or dynamic NTK's prompt length past it.
+        Prefix caching keeps sequences that differ here apart."""
+        if self.kind == "longrope":
+            return int(total_len > self.original)
+        return prompt_len if self.kind == "dynamic" and prompt_len > self.original else 0
 
     def _table(self, inv: torch.Tensor, factor: float, positions: torch.Tensor | None = None):
         freqs = torch.outer(self.positions if positions is None else positions.float(), inv.to(self.positions.device))
