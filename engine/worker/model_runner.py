@@ -241,9 +241,8 @@ class ModelRunner:
         dev = self.device
         positions_t = torch.tensor(positions, device=dev)
         rope_lengths = None
-        if by_length:  # dynamic NTK, LongRoPE: each token's sequence length
-            rope_lengths = torch.tensor(np.concatenate([self.model.rope_lengths(*lens) for lens in rope_rows]),
-                                        device=dev)
+        if by_length:  # dynamic NTK, LongRoPE: each token's sequence length (on the host: RotaryTable.lookup)
+            rope_lengths = torch.from_numpy(np.concatenate([self.model.rope_lengths(*lens) for lens in rope_rows]))
         num_decodes = sum(1 for _, n in order if n == 1)  # the first spans
         # Each group's blocks: its own tables and slots.
         group_spans = [[(start, end, blocks[group]) for start, end, blocks in rows]

@@ -191,7 +191,8 @@ class CausalLM(nn.Module):
                 rope_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; per layer, its K and V caches ([num_blocks, block_size,
         kv_heads, D] views) and the step's attention metadata for its blocks (its KV cache
-        group's); `rope_lengths`: each token's sequence length where rope_by_length (RotaryTable).
+        group's); `rope_lengths`: each token's sequence length where rope_by_length, on the host
+        (RotaryTable.lookup).
         Returns the final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         if self.args.embed_scale != 1.0:  # a float32 scalar cast to the weights' dtype, as Gemma's

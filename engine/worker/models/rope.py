@@ -146,21 +146,23 @@ class RotaryTable:
 
     def lookup(self, positions: torch.Tensor, lengths: torch.Tensor | None = None):
         """([T, 1, D] cos, sin) for `positions`; `lengths`: each token's sequence length, where
-        the scaling depends on it."""
+        the scaling depends on it, on the host (what to look up is decided there: no sync)."""
         cos, sin = self.tables[0]
         cos, sin = cos[positions], sin[positions]
         if self.by_length and lengths is not None:
             longer = lengths > self.original
             if self.kind == "longrope":  # the long factors past the original context
-                cos = torch.where(longer[:, None], self.tables[1][0][positions], cos)
-                sin = torch.where(longer[:, None], self.tables[1][1][positions], sin)
+                on_device = longer.to(positions.device, non_blocking=True)[:, None]
+                cos = torch.where(on_device, self.tables[1][0][positions], cos)
+                sin = torch.where(on_device, self.tables[1][1][positions], sin)
             elif bool(longer.any()):  # dynamic NTK: a base of each length's own, all lengths at once
-                lengths_seen, which = torch.unique(lengths[longer].cpu(), return_inverse=True)
+                lengths_seen, which = torch.unique(lengths[longer], return_inverse=True)
+                rows = longer.nonzero().flatten().to(positions.device, non_blocking=True)
                 inv = _dynamic(self.dim, self.theta, self.scaling, lengths_seen).to(positions.device)
-                freqs = positions[longer].float()[:, None] * inv[which.to(positions.device)]
+                freqs = positions[rows].float()[:, None] * inv[which.to(positions.device)]
                 emb = torch.cat((freqs, freqs), dim=-1)
                 cos, sin = cos.clone(), sin.clone()
-                cos[longer], sin[longer] = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+                cos[rows], sin[rows] = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
