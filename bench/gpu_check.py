@@ -52,26 +52,9 @@ FAMILIES = {  # transformers config class and a small shape, as the tests have t
 }
 
 
-def reference(q, k_cache, v_cache, tables, q_starts, q_lens, ctx_lens, scale, softcap, window):
-    out = torch.empty_like(q)
-    group, bs = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
-    for s, (start, n, ctx) in enumerate(zip(q_starts.tolist(), q_lens.tolist(), ctx_lens.tolist())):
-        blocks = tables[s, :math.ceil(ctx / bs)].long()
-        k = k_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, dim=1)
-        v = v_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,thd->hqt", q[start:start + n].float(), k) * scale
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
-        pos = (ctx - n + torch.arange(n, device=q.device))[:, None]
-        keys = torch.arange(ctx, device=q.device)[None, :]
-        seen = (keys <= pos) & ((keys > pos - window) if window is not None else True)
-        out[start:start + n] = torch.einsum("hqt,thd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1),
-                                            v).to(q.dtype)
-    return out
-
-
 def check_kernels() -> dict:
     from baton.kernels import triton_attention as ta
+    from baton.testing.attention import paged_reference as reference
 
     worst, cases = {}, 0
     gen = torch.Generator(device="cuda").manual_seed(0)

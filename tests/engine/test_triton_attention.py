@@ -13,6 +13,8 @@ import os
 import pytest
 import torch
 
+from baton.testing.attention import paged_reference
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 triton = pytest.importorskip("triton")
@@ -25,10 +27,10 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    """Each sequence's one query row against its whole context: prefill_reference with chunks
+    """Each sequence's one query row against its whole context: paged_reference with chunks
     of one token."""
     n = len(seq_lens)
-    return prefill_reference(q, k_cache, v_cache, block_tables, torch.arange(n), torch.ones(n, dtype=torch.int32),
+    return paged_reference(q, k_cache, v_cache, block_tables, torch.arange(n), torch.ones(n, dtype=torch.int32),
                              seq_lens, scale)
 
 
@@ -104,27 +106,6 @@ def test_uneven_heads_are_refused_naming_the_shapes():
         triton_attention.paged_decode_attention(q[:, :1].repeat(1, 3, 1), k_cache, v_cache, tables, seq_lens, 1.0)
 
 
-def prefill_reference(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens, scale, softcap=None,
-                      window=None):
-    out = torch.empty_like(q)
-    group = q.shape[1] // k_cache.shape[2]
-    block_size = k_cache.shape[1]
-    for s, (start, n, ctx) in enumerate(zip(q_starts.tolist(), q_lens.tolist(), ctx_lens.tolist())):
-        blocks = block_tables[s, :math.ceil(ctx / block_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, dim=1)
-        v = v_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,thd->hqt", q[start:start + n].float(), k) * scale
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
-        pos = (ctx - n + torch.arange(n))[:, None]
-        visible = torch.arange(ctx)[None, :] <= pos  # [n, ctx]
-        if window is not None:
-            visible &= torch.arange(ctx)[None, :] > pos - window
-        p = torch.softmax(scores.masked_fill(~visible.to(scores.device), float("-inf")), dim=-1)
-        out[start:start + n] = torch.einsum("hqt,thd->qhd", p, v).to(q.dtype)
-    return out
-
-
 @pytest.mark.parametrize("chunks,group,head_dim,block_size,block_m,dtype,kv_tile", [
     ([(5, 5)], 1, 64, 16, 16, torch.float32, None),  # a whole short prompt
     ([(17, 40), (16, 16), (3, 70)], 4, 64, 16, 16, torch.float32, None),  # chunks after cached prefixes
@@ -147,7 +128,7 @@ def test_prefill_kernel_equals_the_reference(chunks, group, head_dim, block_size
     args = (q, k_cache, v_cache, tables, q_starts.to(DEVICE), q_lens.to(DEVICE),
             torch.tensor(lens, dtype=torch.int32, device=DEVICE), head_dim ** -0.5)
     got = triton_attention.paged_prefill_attention(*args, block_m=block_m, kv_tile=kv_tile)
-    torch.testing.assert_close(got.float(), prefill_reference(*args).float(), atol=TOLERANCE[dtype],
+    torch.testing.assert_close(got.float(), paged_reference(*args).float(), atol=TOLERANCE[dtype],
                                rtol=TOLERANCE[dtype])
 
 
@@ -207,7 +188,7 @@ def test_sliding_windows_and_soft_caps_equal_the_reference(softcap, window, bloc
     scale = 64 ** -0.5
     got = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, tiles_per_split=1,
                                                   softcap=softcap, window=window)
-    want = prefill_reference(q, k_cache, v_cache, tables, torch.arange(3), torch.ones(3, dtype=torch.int32),
+    want = paged_reference(q, k_cache, v_cache, tables, torch.arange(3), torch.ones(3, dtype=torch.int32),
                              seq_lens, scale, softcap, window)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     q_lens = torch.tensor([40, 21, 7], dtype=torch.int32)
@@ -215,4 +196,4 @@ def test_sliding_windows_and_soft_caps_equal_the_reference(softcap, window, bloc
     qp = torch.randn(int(q_lens.sum()), 8, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     args = (qp, k_cache, v_cache, tables, q_starts.to(DEVICE), q_lens.to(DEVICE), seq_lens, scale)
     got = triton_attention.paged_prefill_attention(*args, block_m=16, softcap=softcap, window=window)
-    torch.testing.assert_close(got, prefill_reference(*args, softcap, window), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got, paged_reference(*args, softcap, window), atol=2e-5, rtol=2e-5)

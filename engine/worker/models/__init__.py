@@ -1,6 +1,6 @@
 """The model families Baton runs, chosen by the `architectures` name in config.json. A family is
-a small module that reads its config into ModelArgs (args.py); the layers (layers.py, rope.py,
-moe.py, mla.py) are shared."""
+a small module that reads its config into ModelArgs (args.py); the layers (basic.py, layers.py,
+rope.py, moe.py, mla.py) are shared."""
 from __future__ import annotations
 
 from baton.engine.common.errors import InvalidArgument

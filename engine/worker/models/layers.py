@@ -1,60 +1,21 @@
 """The shared layers every family is made of, in plain PyTorch, running on a flat token batch:
-RMSNorm (Gemma's offset form too), attention over the paged KV cache (GQA, QK-norm, partial
-rotary, soft-capping), the SwiGLU or GeGLU MLP, the decoder layer with its norms where the
-family puts them, and the causal LM around them (per-layer RoPE bases, logit soft-capping).
-q/k/v and gate/up projections are merged into one matmul each when weights are loaded
-(loader.py)."""
+attention over the paged KV cache (GQA, QK-norm, partial rotary, soft-capping, sliding
+windows; MLA in mla.py), the decoder layer with its norms where the family puts them and its
+MLP or mixture of experts (basic.py, moe.py), and the causal LM around them (per-layer RoPE
+bases, logit soft-capping). q/k/v projections are merged into one matmul when weights are
+loaded (loader.py)."""
 from __future__ import annotations
-
-from functools import partial
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.worker.models.args import ModelArgs
+from baton.engine.worker.models.basic import MLP, Embedding, Linear, norm
 from baton.engine.worker.models.mla import MLAttention
 from baton.engine.worker.models.moe import SparseMoE
-from baton.engine.worker.models.rope import RotaryTable
+from baton.engine.worker.models.rope import RotaryTable, rotate
 from baton.kernels.attention import AttentionMetadata, paged_attention
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, offset: float = 0.0):
-        """`offset`: Gemma's norms scale by (1 + weight), in float32."""
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps, self.offset = eps, offset
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In float32, as transformers does, whatever the weights' dtype.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (h * (self.offset + self.weight.float())).to(x.dtype)
-        return self.weight * h.to(x.dtype)
-
-
-def norm(args: ModelArgs, dim: int | None = None) -> RMSNorm:
-    return RMSNorm(dim or args.hidden_size, args.rms_norm_eps, args.norm_offset)
-
-
-class Linear(nn.Linear):
-    def reset_parameters(self) -> None:
-        """No random init: every weight comes from the checkpoint (and initializing, even on
-        the meta device, makes torch import its compiler: seconds of start-up)."""
-
-
-class Embedding(nn.Embedding):
-    reset_parameters = Linear.reset_parameters
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE, half-split layout; x: [T, heads, D], cos/sin: [T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -97,19 +58,6 @@ class Attention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, intermediate_size: int | None = None):
-        super().__init__()
-        size = intermediate_size or args.intermediate_size
-        self.gate_up_proj = Linear(args.hidden_size, 2 * size, bias=args.mlp_bias)
-        self.down_proj = Linear(size, args.hidden_size, bias=args.mlp_bias)
-        self.act = F.silu if args.activation == "silu" else partial(F.gelu, approximate="tanh")
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
-
-
 class DecoderLayer(nn.Module):
     """Where the norms sit, by norm_placement; the names are the checkpoints':
     - "pre" (Llama): input_layernorm before attention, post_attention_layernorm before the MLP;
@@ -122,7 +70,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.placement = placement = args.norm_placement
         self.self_attn = MLAttention(args) if args.attention == "mla" else Attention(args, sliding)
-        self.mlp = SparseMoE(args, MLP) if sparse else MLP(args)
+        self.mlp = SparseMoE(args) if sparse else MLP(args)
         self.post_attention_layernorm = norm(args)
         if placement in ("pre", "sandwich"):
             self.input_layernorm = norm(args)

@@ -20,23 +20,9 @@ import math
 import torch
 from torch import nn
 
+from baton.engine.worker.models.basic import Linear, norm
+from baton.engine.worker.models.rope import rotate, rotate_interleaved
 from baton.kernels.attention import AttentionMetadata, paged_attention
-
-
-def rotate_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on (x[i], x[i + D / 2]) pairs (DeepSeek-V3 with rope_interleave off)."""
-    from baton.engine.worker.models.layers import rotate
-
-    return rotate(x, cos, sin)
-
-
-def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on adjacent pairs (x[2i], x[2i+1]), as DeepSeek's complex-number form: x [T, heads, D],
-    cos/sin [T, 1, D] of the half-split table (their first D / 2 are the pairs' angles)."""
-    half = x.shape[-1] // 2
-    c, s = cos[..., :half].float(), sin[..., :half].float()
-    x0, x1 = x[..., 0::2].float(), x[..., 1::2].float()
-    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
 
 
 def yarn_softmax_mscale(scaling: dict | None) -> float:
@@ -53,8 +39,6 @@ class MLAttention(nn.Module):
 
     def __init__(self, args):
         super().__init__()
-        from baton.engine.worker.models.layers import Linear, norm
-
         h, self.rank = args.hidden_size, args.kv_lora_rank
         self.num_heads, self.nope, self.rope, self.v_dim = (args.num_heads, args.qk_nope_head_dim,
                                                             args.qk_rope_head_dim, args.v_head_dim)
@@ -70,7 +54,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(self.rank, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=args.o_bias)
         self.scale = args.attn_scale
-        self.turn = rotate_interleaved if args.rope_interleaved else rotate_half_split
+        self.turn = rotate_interleaved if args.rope_interleaved else rotate  # (halves: V3 without rope_interleave)
         self.window = None  # (CausalLM.prepare sets every layer's; DeepSeek's never slide)
         self.softcap = None
 

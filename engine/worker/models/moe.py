@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.engine.worker.models.basic import MLP, Linear
+
 
 ROUTINGS = ("softmax", "group_limited_greedy", "noaux_tc")
 
@@ -110,20 +112,18 @@ class Router(nn.Module):
 class SparseMoE(nn.Module):
     """Named as the checkpoints name its parts (`gate` the router, `experts`, `shared_expert`)."""
 
-    def __init__(self, args, mlp_class):
+    def __init__(self, args):
         super().__init__()
-        from baton.engine.worker.models.layers import Linear
-
         self.top_k, self.renormalize = args.num_experts_per_tok, args.norm_topk_prob
         self.routing = dict(scaling=args.routed_scaling_factor, method=args.routing, num_groups=args.num_expert_groups,
                             top_groups=args.top_expert_groups)
         self.gate = Router(args.hidden_size, args.num_experts, args.routing == "noaux_tc")
         self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
         if args.shared_expert_intermediate_size:  # Qwen2-MoE: one more expert every token takes, gated
-            self.shared_expert = mlp_class(args, args.shared_expert_intermediate_size)
+            self.shared_expert = MLP(args, args.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(args.hidden_size, 1, bias=False)
         if args.num_shared_experts:  # DeepSeek: experts every token takes, as one MLP, ungated
-            self.shared_experts = mlp_class(args, args.moe_intermediate_size * args.num_shared_experts)
+            self.shared_experts = MLP(args, args.moe_intermediate_size * args.num_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, **self.routing,

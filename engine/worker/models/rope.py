@@ -139,8 +139,8 @@ class RotaryTable:
             return int(total_len > self.original)
         return prompt_len if self.kind == "dynamic" and prompt_len > self.original else 0
 
-    def _table(self, inv: torch.Tensor, factor: float, positions: torch.Tensor | None = None):
-        freqs = torch.outer(self.positions if positions is None else positions.float(), inv.to(self.positions.device))
+    def _table(self, inv: torch.Tensor, factor: float):
+        freqs = torch.outer(self.positions, inv.to(self.positions.device))
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * factor).to(self.dtype), (emb.sin() * factor).to(self.dtype)
 
@@ -188,3 +188,19 @@ def _longrope(dim: int, theta: float, s: dict, long: bool) -> tuple[torch.Tensor
         raise InvalidArgument("rope_scaling", f"{'long' if long else 'short'}_factor has {ext.numel()} values; the "
                                               f"rotary dimension {dim} takes {dim // 2}")
     return 1.0 / (ext * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), attention_factor
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, half-split layout; x: [T, heads, D], cos/sin: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on adjacent pairs (x[2i], x[2i+1]), as DeepSeek's complex-number form: x [T, heads, D],
+    cos/sin [T, 1, D] of the half-split table (their first D / 2 are the pairs' angles)."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half].float(), sin[..., :half].float()
+    x0, x1 = x[..., 0::2].float(), x[..., 1::2].float()
+    return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
