@@ -3,11 +3,17 @@
 
 Checks now (each passes or fails on its own; the report has every figure):
 - the Triton kernels against a PyTorch reference on CUDA: decode (split and not) and prefill,
-  float32 and bfloat16, head sizes 64-256, GQA groups 1-8, with and without a sliding window
-  and a soft-cap;
+  float32 and bfloat16, head sizes 64-256, GQA groups 1-8, with and without a sliding window,
+  a soft-cap and sinks;
+- the Triton MLA latent kernel against the reference at DeepSeek's width (512 + 64, 16 and 128
+  heads; decode split and not, prefill over a cached prefix), float32 and bfloat16, and timed;
+- the Triton fused-MoE kernel against the grouped PyTorch path at Qwen3-MoE's and gpt-oss's
+  expert shapes (float32, bfloat16), and both timed at 1, 64 and 512 tokens;
 - the engine on CUDA, float32, greedy-equal to transformers on the same GPU, per family: Llama,
   Gemma 2 (soft-caps, alternating windows: hybrid KV cache groups), Mistral, Phi-3 LongRoPE,
-  Qwen3-MoE, DeepSeek-V2 (MLA) — on the auto backend (Triton) and its KV pool full afterwards;
+  Qwen3-MoE, DeepSeek-V2 (MLA, small and at V2-Lite's latent width), gpt-oss (sinks, clamped
+  experts) — on the auto backend (Triton)
+  and its KV pool full afterwards;
 - bfloat16 engine runs of the same families (outputs complete, pools full);
 - heads wider than the Triton kernels take (an MLA latent of 576) fall back to the reference.
 
@@ -22,6 +28,7 @@ import os
 import tempfile
 import time
 import traceback
+from functools import partial
 
 import torch
 
@@ -49,6 +56,17 @@ FAMILIES = {  # transformers config class and a small shape, as the tests have t
                                              q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=16,
                                              v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
                                              n_shared_experts=1, first_k_dense_replace=1)),
+    "deepseek-v2-lite-width": ("DeepseekV2Config", dict(
+        hidden_size=256, intermediate_size=384, moe_intermediate_size=64, num_attention_heads=16, num_hidden_layers=2,
+        kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1)),
+    "gpt-oss": ("GptOssConfig", dict(hidden_size=128, intermediate_size=128, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=64, num_hidden_layers=2, num_local_experts=8,
+                                     num_experts_per_tok=2, sliding_window=48, swiglu_limit=2.0,
+                                     max_position_embeddings=512,
+                                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                      "original_max_position_embeddings": 128})),
 }
 
 
@@ -58,10 +76,10 @@ def check_kernels() -> dict:
 
     worst, cases = {}, 0
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for dtype, head_dim, group, bs, softcap, window in [
-            (torch.float32, 64, 4, 16, None, None), (torch.float32, 128, 8, 16, None, 300),
-            (torch.float32, 256, 1, 32, 30.0, None), (torch.bfloat16, 64, 4, 16, 20.0, 128),
-            (torch.bfloat16, 128, 8, 64, None, 1000), (torch.float16, 96, 2, 16, 50.0, 64)]:
+    for dtype, head_dim, group, bs, softcap, window, sunk in [
+            (torch.float32, 64, 4, 16, None, None, False), (torch.float32, 128, 8, 16, None, 300, True),
+            (torch.float32, 256, 1, 32, 30.0, None, False), (torch.bfloat16, 64, 4, 16, 20.0, 128, True),
+            (torch.bfloat16, 128, 8, 64, None, 1000, False), (torch.float16, 96, 2, 16, 50.0, 64, False)]:
         lens = [3000, 517, 64, 1]
         blocks = sum(math.ceil(n / bs) for n in lens) + 4
         cache = torch.randn(2, blocks, bs, 2, head_dim, device="cuda", generator=gen).to(dtype)
@@ -75,27 +93,116 @@ def check_kernels() -> dict:
         seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         scale = head_dim ** -0.5
         q = torch.randn(len(lens), 2 * group, head_dim, device="cuda", generator=gen).to(dtype)
+        sinks = torch.randn(2 * group, device="cuda", generator=gen) * 3 if sunk else None
         ones = torch.ones(len(lens), dtype=torch.int32, device="cuda")
         want = reference(q, cache[0], cache[1], tables, torch.arange(len(lens), device="cuda"), ones, seq_lens,
-                         scale, softcap, window)
+                         scale, softcap, window, sinks)
         for split in (None, 1):
             got = ta.paged_decode_attention(q, cache[0], cache[1], tables, seq_lens, scale, tiles_per_split=split,
-                                            softcap=softcap, window=window)
-            worst[f"decode {dtype} d{head_dim} g{group} split={split} cap={softcap} w={window}"] = (
+                                            softcap=softcap, window=window, sinks=sinks)
+            worst[f"decode {dtype} d{head_dim} g{group} split={split} cap={softcap} w={window} sinks={sunk}"] = (
                 (got.float() - want.float()).abs().max().item())
             cases += 1
         q_lens = torch.tensor([200, 517, 64, 1], dtype=torch.int32, device="cuda")
         q_starts = torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens
         qp = torch.randn(int(q_lens.sum()), 2 * group, head_dim, device="cuda", generator=gen).to(dtype)
-        want = reference(qp, cache[0], cache[1], tables, q_starts, q_lens, seq_lens, scale, softcap, window)
+        want = reference(qp, cache[0], cache[1], tables, q_starts, q_lens, seq_lens, scale, softcap, window, sinks)
         got = ta.paged_prefill_attention(qp, cache[0], cache[1], tables, q_starts, q_lens, seq_lens, scale,
-                                         softcap=softcap, window=window)
-        worst[f"prefill {dtype} d{head_dim} g{group} cap={softcap} w={window}"] = (
+                                         softcap=softcap, window=window, sinks=sinks)
+        worst[f"prefill {dtype} d{head_dim} g{group} cap={softcap} w={window} sinks={sunk}"] = (
             (got.float() - want.float()).abs().max().item())
         cases += 1
     tolerance = {"float32": 2e-4, "bfloat16": 3e-2, "float16": 5e-3}
     bad = {k: v for k, v in worst.items() if v > tolerance[k.split()[1].removeprefix("torch.")]}
     return {"ok": not bad, "cases": cases, "max_abs_error": worst, "over_tolerance": bad}
+
+
+def check_mla_kernel() -> dict:
+    from baton.kernels import triton_mla
+    from baton.testing.attention import paged_reference as reference
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    worst, timings = {}, {}
+    rank, rope, bs = 512, 64, 16
+    for dtype, heads in ((torch.float32, 16), (torch.bfloat16, 16), (torch.bfloat16, 128)):
+        lens = [4100, 300, 17, 1]
+        blocks = sum(math.ceil(n / bs) for n in lens) + 2
+        cache = torch.randn(blocks, bs, 1, rank + rope, device="cuda", generator=gen).to(dtype)
+        perm = torch.randperm(blocks, device="cuda", generator=gen)
+        tables = torch.zeros(len(lens), max(math.ceil(n / bs) for n in lens), dtype=torch.int32, device="cuda")
+        at = 0
+        for i, n in enumerate(lens):
+            tables[i, :math.ceil(n / bs)] = perm[at:at + math.ceil(n / bs)].int()
+            at += math.ceil(n / bs)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        scale = 192 ** -0.5
+        q = torch.randn(len(lens), heads, rank + rope, device="cuda", generator=gen).to(dtype)
+        ones = torch.ones(len(lens), dtype=torch.int32, device="cuda")
+        want = reference(q, cache, cache, tables, torch.arange(len(lens), device="cuda"), ones, seq_lens, scale)
+        for split in (None, 1):
+            got = triton_mla.mla_decode_attention(q, cache, tables, seq_lens, scale, rank, tiles_per_split=split)
+            worst[f"decode {dtype} h{heads} split={split}"] = (
+                (got.float() - want[..., :rank].float()).abs().max().item())
+        timings[f"decode {dtype} h{heads} ms"] = _timed(
+            partial(triton_mla.mla_decode_attention, q, cache, tables, seq_lens, scale, rank))
+        q_lens = torch.tensor([256, 300, 7, 1], dtype=torch.int32, device="cuda")
+        q_starts = torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens
+        qp = torch.randn(int(q_lens.sum()), heads, rank + rope, device="cuda", generator=gen).to(dtype)
+        want = reference(qp, cache, cache, tables, q_starts, q_lens, seq_lens, scale)
+        got = triton_mla.mla_prefill_attention(qp, cache, tables, q_starts, q_lens, seq_lens, scale, rank)
+        worst[f"prefill {dtype} h{heads}"] = (got.float() - want[..., :rank].float()).abs().max().item()
+        timings[f"prefill {dtype} h{heads} ms"] = _timed(
+            partial(triton_mla.mla_prefill_attention, qp, cache, tables, q_starts, q_lens, seq_lens, scale, rank))
+    tolerance = {"float32": 2e-4, "bfloat16": 3e-2}
+    bad = {k: v for k, v in worst.items() if v > tolerance[k.split()[1].removeprefix("torch.")]}
+    return {"ok": not bad, "max_abs_error": worst, "over_tolerance": bad, "timings": timings}
+
+
+def _timed(fn, repeat: int = 20) -> float:
+    """Milliseconds per call on the GPU, after a warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - t0) * 1e3 / repeat, 3)
+
+
+def _rand(gen, dtype, *shape, std=1.0):
+    return (torch.randn(*shape, device="cuda", generator=gen) * std).to(dtype)
+
+
+def check_fused_moe() -> dict:
+    from baton.engine.worker.models.moe import GLU, SWIGLU, grouped_experts
+    from baton.kernels.triton_moe import fused_moe
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    errors, timings = {}, {}
+    # (hidden, intermediate, experts, top k, biased, activation): Qwen3-30B-A3B's and gpt-oss-20b's experts
+    for name, (hidden, inter, experts, top_k, biased, glu) in {
+            "qwen3-moe": (2048, 768, 128, 8, False, SWIGLU),
+            "gpt-oss": (2880, 2880, 32, 4, True, GLU("swiglu_oai", 1.702, 7.0))}.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            rand = partial(_rand, gen, dtype)
+            gate_up, down = rand(experts, 2 * inter, hidden, std=hidden ** -0.5), rand(experts, hidden, inter,
+                                                                                         std=inter ** -0.5)
+            biases = (rand(experts, 2 * inter, std=0.1), rand(experts, hidden, std=0.1)) if biased else (None, None)
+            for tokens in (1, 64, 512):
+                x = rand(tokens, hidden)
+                logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+                top, ids = logits.topk(top_k, dim=-1)
+                weights = top.softmax(-1)
+                want = grouped_experts(x.float(), weights, ids, gate_up.float(), down.float(), glu,
+                                       *[b.float() if b is not None else None for b in biases])
+                fused = partial(fused_moe, x, weights, ids, gate_up, down, *biases, glu.kind, glu.alpha, glu.limit)
+                key = f"{name} {dtype} t{tokens}"
+                errors[key] = ((fused().float() - want).abs().max() / want.abs().max()).item()
+                timings[key] = {"fused_ms": _timed(fused), "grouped_ms": _timed(
+                    partial(grouped_experts, x, weights, ids, gate_up, down, glu, *biases))}
+    tolerance = {"float32": 1e-4, "bfloat16": 2e-2}
+    bad = {k: v for k, v in errors.items() if v > tolerance[k.split()[1].removeprefix("torch.")]}
+    return {"ok": not bad, "relative_error": errors, "over_tolerance": bad, "timings": timings}
 
 
 def check_engine(tmp: str) -> dict:
@@ -167,7 +274,8 @@ def check_wide_heads() -> dict:
     from baton.engine.worker.attention_backend import choose_backend
 
     picked = choose_backend("auto", torch.bfloat16, torch.device("cuda"), 16, 1, 576)
-    return {"ok": picked == "torch", "auto_for_576": picked}
+    latent = choose_backend("auto", torch.bfloat16, torch.device("cuda"), 16, 1, 576, latent=True)
+    return {"ok": picked == "torch" and latent == "triton", "auto_for_576": picked, "auto_for_mla_576": latent}
 
 
 def main() -> None:
@@ -182,8 +290,9 @@ def main() -> None:
 
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, check in (("triton_kernels", check_kernels), ("wide_heads", check_wide_heads),
-                            ("engine", lambda: check_engine(tmp))):
+        for name, check in (("triton_kernels", check_kernels), ("mla_kernel", check_mla_kernel),
+                            ("fused_moe", check_fused_moe),
+                            ("wide_heads", check_wide_heads), ("engine", lambda: check_engine(tmp))):
             t0 = time.perf_counter()
             try:
                 report[name] = check()

@@ -147,19 +147,23 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    softcap: float | None = None, window: int | None = None) -> torch.Tensor:
+                    softcap: float | None = None, window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, q_heads, D]; k, v: this step's [T, kv_heads, D], written into the cache here.
     Rows may be strided (views into the fused QKV projection). Returns [T, q_heads, D].
     `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2);
     `window`: a query sees only keys fewer than `window` positions behind it (sliding-window
-    layers). Every backend does both."""
+    layers); `sinks` ([q_heads] float32, gpt-oss): each head's softmax also counts one more
+    score, its sink, whose value is zero, so a head may attend to nothing. Every backend does
+    all three."""
     if meta.kernel is not None:
         kb = meta.kernel
         return cpu_kernels.paged_attention(q, k, v, k_cache, v_cache, kb.block_ids, kb.row_block_start, kb.positions,
-                                           scale, softcap, window)
+                                           scale, softcap, window, sinks)
     if meta.triton is not None:
         from baton.kernels import triton_attention  # imported where picked only: triton is optional
-        return triton_attention.paged_attention(q, k, v, k_cache, v_cache, meta.triton, scale, softcap, window)
+        return triton_attention.paged_attention(q, k, v, k_cache, v_cache, meta.triton, scale, softcap, window,
+                                                sinks)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -172,13 +176,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         kd = gather_blocks(k_cache, dec.block_tables).flatten(1, 2).transpose(1, 2)
         vd = gather_blocks(v_cache, dec.block_tables).flatten(1, 2).transpose(1, 2)
         mask = dec.mask if window is None else _decode_window_mask(dec, window)
-        if softcap is not None and mask.dtype == torch.bool:  # added to capped scores: additive
+        explicit = softcap is not None or sinks is not None  # what SDPA does not do
+        if explicit and mask.dtype == torch.bool:  # added to the scores: additive
             mask = torch.zeros(mask.shape, dtype=qd.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        if softcap is None:
+        if not explicit:
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
         else:
             scores = _capped(torch.matmul(qd, kd.transpose(-1, -2)) * scale, softcap) + mask
-            od = torch.matmul(scores.softmax(-1, dtype=torch.float32).to(vd.dtype), vd)
+            sink = None if sinks is None else sinks.view(num_kv_heads, group, 1).expand(qd.shape[0], -1, -1, -1)
+            od = torch.matmul(_softmax(scores, sink).to(vd.dtype), vd)
         out[rows] = od.reshape(-1, num_q_heads, head_dim)
     for seq in meta.prefills:
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
@@ -197,9 +203,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             mask = seq.windowed.get(window)
             if mask is None:
                 mask = seq.windowed[window] = causal_mask(seq.q_len, seq.ctx_len, group, q.dtype, q.device, window)
-        if softcap is not None:  # capped before the mask, as Gemma 2's eager attention does
+        if softcap is not None or sinks is not None:  # capped before the mask, as Gemma 2's eager attention does
             scores = _capped(torch.bmm(qp, kp.transpose(1, 2)) * scale, softcap) + mask
-            op = torch.bmm(scores.softmax(-1, dtype=torch.float32).to(vp.dtype), vp)
+            sink = None if sinks is None else sinks.view(num_kv_heads, group, 1).repeat_interleave(seq.q_len, 1)
+            op = torch.bmm(_softmax(scores, sink).to(vp.dtype), vp)
         elif q.device.type == "cpu" and num_kv_heads * mask.numel() <= _MAX_CPU_SCORES:
             # Scores materialized: on CPU 2-4x faster than SDPA's flash kernel at these sizes.
             scores = torch.baddbmm(mask, qp, kp.transpose(1, 2), alpha=scale)
@@ -211,5 +218,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
-    return torch.tanh(scores / softcap) * softcap
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _softmax(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dimension in float32; with a `sink` (a score per row, shaped like
+    scores without its last dimension, plus 1) counted in the sum and dropped (gpt-oss's, as
+    transformers computes it)."""
+    if sink is None:
+        return scores.softmax(-1, dtype=torch.float32)
+    both = torch.cat((scores.float(), sink.float()), dim=-1)
+    return both.softmax(-1)[..., :-1]

@@ -105,7 +105,8 @@ class Batch(ctypes.Structure):
                 ("num_rows", ctypes.c_int64), ("num_block_ids", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
                 ("num_kv_heads", ctypes.c_int32), ("group", ctypes.c_int32),
                 ("head_dim", ctypes.c_int32), ("block_size", ctypes.c_int32), ("scale", ctypes.c_float),
-                ("out", ctypes.c_void_p), ("window", ctypes.c_int32), ("softcap", ctypes.c_float)]
+                ("out", ctypes.c_void_p), ("window", ctypes.c_int32), ("softcap", ctypes.c_float),
+                ("sinks", ctypes.c_void_p)]
 
 
 @functools.cache
@@ -165,11 +166,13 @@ def _check_rows(name: str, t: torch.Tensor, heads: int, head_dim: int) -> None:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_ids: torch.Tensor, row_block_start: torch.Tensor, positions: torch.Tensor,
-                    scale: float, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
+                    scale: float, softcap: float | None = None, window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Writes this step's k, v ([rows, kv_heads, D]) into the cache, then returns attention of
     each row of q ([rows, q_heads, D]) at positions[row] over its sequence's first
     positions[row] + 1 tokens (with a sliding `window`, the last `window` of them; blocks
-    wholly before are not read), scores soft-capped (cap * tanh(s / cap)) where `softcap`.
+    wholly before are not read), scores soft-capped (cap * tanh(s / cap)) where `softcap`, each
+    head's `sinks` score ([q_heads], gpt-oss) counted in its softmax's sum where given.
     Row r's sequence's blocks are block_ids[row_block_start[r]:].
     k_cache/v_cache: [num_blocks, block_size, kv_heads, D], one layer's views of the engine's
     cache. Rows of q, k, v may be strided (views into the fused QKV output); the index
@@ -187,12 +190,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         raise ValueError(f"q, k, v, row_block_start and positions must have {num_rows} rows")
     # Named, so copies made here outlive the call.
     block_ids, row_block_start, positions = block_ids.contiguous(), row_block_start.contiguous(), positions.contiguous()
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks: expected one per query head ({num_heads}), got shape {tuple(sinks.shape)}")
+        sinks = sinks.to(torch.float32).contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch = Batch(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                   k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
                   block_ids.data_ptr(), row_block_start.data_ptr(), positions.data_ptr(), num_rows, block_ids.numel(),
                   num_blocks, num_kv_heads,
-                  num_heads // num_kv_heads, head_dim, block_size, scale, out.data_ptr(), window or 0, softcap or 0.0)
+                  num_heads // num_kv_heads, head_dim, block_size, scale, out.data_ptr(), window or 0, softcap or 0.0,
+                  None if sinks is None else sinks.data_ptr())
     rc = load().baton_paged_attention(DTYPES[q.dtype], ctypes.byref(batch))
     if rc == -2:
         raise ValueError("a row's position reaches past its blocks in block_ids, or a block id is outside the cache")

@@ -12,8 +12,10 @@ hits run the same kernel; a tile is BLOCK_M query tokens × the group's heads. A
 is in float32. Both take a sliding window (a query sees the `window` positions ending at its
 own; tiles wholly before it are skipped, and the first tile's keys before it are loaded but
 masked: a hybrid KV cache's dropped entries there read block 0, finite) and a soft-cap
-(scores become cap · tanh(score / cap), Gemma 2), each switched on by a constexpr so models
-without them compile the kernels as before.
+(scores become cap · tanh(score / cap), Gemma 2) and sinks (a score per head counted in the
+softmax's sum with no value, gpt-oss: the running maximum and sum start from it, in the first
+split only), each switched on by a constexpr so models without them compile the kernels as
+before.
 
 Runs on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set
 before triton is imported), which is how CI tests it. The PyTorch reference in
@@ -53,15 +55,28 @@ def _capped(scores, softcap, CAPPED: tl.constexpr):
     return scores
 
 
+@triton.jit
+def _start(SINKS, heads, sunk, ROWS: tl.constexpr, SUNK: tl.constexpr):
+    """The online softmax's running maximum and sum before any key: -inf and 0, or where SUNK
+    the `sunk` rows' sink score and its exp(0) = 1, so each sink is counted once."""
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    s = tl.zeros([ROWS], tl.float32)
+    if SUNK:
+        sink = tl.load(SINKS + heads, mask=sunk, other=0.0).to(tl.float32)
+        m = tl.where(sunk, sink, m)
+        s = tl.where(sunk, 1.0, s)
+    return m, s
+
+
 @triton.jit(do_not_specialize=["stride_tb", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh",
                                "tiles_per_split", "window"])
-def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
+def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE, SINKS,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale, tiles_per_split,
                   window, softcap,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DIRECT: tl.constexpr, SLIDING: tl.constexpr,
-                  CAPPED: tl.constexpr):
+                  CAPPED: tl.constexpr, SUNK: tl.constexpr):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b)
     # tiles_per_split is a runtime argument: it changes as contexts grow, and a constexpr
@@ -77,8 +92,7 @@ def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
     d_ok = d < HEAD_DIM
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=(g[:, None] < GROUP) & d_ok[None, :], other=0.0)
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    s = tl.zeros([GROUP_PAD], tl.float32)
+    m, s = _start(SINKS, heads, (g < GROUP) & (g * 0 + split == 0), GROUP_PAD, SUNK)  # (a tensor mask)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     for tile in range(first, end):
         key, in_ctx, k, v = _kv_tile(K, V, BLOCK_TABLES + b * stride_tb, tile * TILE, seq_len, kv_head, d, d_ok,
@@ -92,7 +106,7 @@ def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE,
         s = s * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
-    has = s > 0  # a split past the end of this sequence holds nothing
+    has = s > 0  # a split past the end of this sequence holds nothing (nor the sinks)
     out = tl.where(has[:, None], acc / tl.where(has, s, 1.0)[:, None], 0.0)
     row_ok = g < GROUP
     out_ptrs = OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
@@ -165,6 +179,16 @@ def _pad(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+def _sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The sink scores as the kernels read them (float32, one per query head), or q as a
+    placeholder pointer where there are none (never read: SUNK is off)."""
+    if sinks is None:
+        return q
+    if sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks: expected one per query head ({q.shape[1]}), got shape {tuple(sinks.shape)}")
+    return sinks.to(torch.float32).contiguous()
+
+
 def _groups(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     """Query heads per KV head, after checking the shapes the kernels assume."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
@@ -192,12 +216,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 @triton.jit(do_not_specialize=["stride_tb", "window"])
-def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
+def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS, SINKS,
              stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
              stride_ot, stride_oh, stride_tb, scale, window, softcap,
              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
              BLOCK_M: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr, SLIDING: tl.constexpr,
-             CAPPED: tl.constexpr):
+             CAPPED: tl.constexpr, SUNK: tl.constexpr):
     seq, m_tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_len = tl.load(Q_LENS + seq)
     if m_tile * BLOCK_M >= q_len:
@@ -212,8 +236,7 @@ def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
     d_ok = d < HEAD_DIM
     q = tl.load(Q + (q_start + i)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    s = tl.zeros([ROWS], tl.float32)
+    m, s = _start(SINKS, head, row_ok, ROWS, SUNK)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     last = tl.minimum(ctx_len, ctx_len - q_len + (m_tile + 1) * BLOCK_M)  # keys the tile's last row sees
     start = 0  # the first tile any row sees
@@ -244,15 +267,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             ctx_lens: torch.Tensor, scale: float, block_m: int | None = None,
                             max_q_len: int | None = None, out: torch.Tensor | None = None,
                             kv_tile: int | None = None, softcap: float | None = None,
-                            window: int | None = None) -> torch.Tensor:
+                            window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of prefill chunks: sequence i's q_lens[i] rows of q [T, Hq, D], from row
     q_starts[i], are the last tokens of its ctx_lens[i]-token context (the cached prefix and
     the chunk, whose K/V are in the cache already), each seeing the keys up to its own.
     `max_q_len`: the longest chunk, when the caller knows it (else read from the device, a
     sync); `out`: where the rows go (default: a new tensor like q; other rows untouched);
     `block_m`: query tokens per program (default: as many as fill _MAX_ROWS rows with their
-    heads); `kv_tile`: keys per loop iteration (default KV_TILE); `softcap`, `window`: see the
-    module's docstring."""
+    heads); `kv_tile`: keys per loop iteration (default KV_TILE); `softcap`, `window`, `sinks`
+    ([Hq] float32): see the module's docstring."""
     group = _groups("paged_prefill_attention", q, k_cache, v_cache)
     head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
@@ -262,12 +285,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     max_q = int(q_lens.max()) if max_q_len is None else max_q_len
     block_m = block_m or max(1, _MAX_ROWS // group)
     _prefill[(num_seqs, -(-max_q // block_m), num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, q_starts, q_lens, ctx_lens,
+        q, k_cache, v_cache, out, block_tables, q_starts, q_lens, ctx_lens, _sinks(sinks, q),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0), scale, window or 0, softcap or 0.0, GROUP=group, HEAD_DIM=head_dim,
         D_PAD=_pad(head_dim), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, ROWS=_pad(block_m * group),
-        TILE=kv_tile or KV_TILE, SLIDING=window is not None, CAPPED=softcap is not None, **_launch(head_dim))
+        TILE=kv_tile or KV_TILE, SLIDING=window is not None, CAPPED=softcap is not None, SUNK=sinks is not None,
+        **_launch(head_dim))
     return out
 
 
@@ -275,7 +299,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            tiles_per_split: int | None = None, out: torch.Tensor | None = None,
                            kv_tile: int | None = None, softcap: float | None = None,
-                           window: int | None = None) -> torch.Tensor:
+                           window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its cached context.
 
     q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (one layer's views, any
@@ -283,7 +307,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (the context, this step's token included). `kv_tile`: keys per loop iteration (default
     KV_TILE); `tiles_per_split`: tiles one program reads (default
     `default_tiles_per_split`; one split needs no combine pass); `out`: where the B rows go (its
-    first B rows; default: a new tensor like q); `softcap`, `window`: see the module's docstring.
+    first B rows; default: a new tensor like q); `softcap`, `window`, `sinks` ([Hq] float32): see
+    the module's docstring.
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -303,12 +328,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_strides, lse_strides = part.stride()[:3], lse.stride()[:2]
     d_pad = _pad(head_dim)
     _decode_split[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part, lse,
+        q, k_cache, v_cache, block_tables, seq_lens, part, lse, _sinks(sinks, q),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         *part_strides, *lse_strides, scale, tiles_per_split, window or 0, softcap or 0.0,
         GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, TILE=kv_tile,
-        DIRECT=num_splits == 1, SLIDING=window is not None, CAPPED=softcap is not None, **_launch(head_dim))
+        DIRECT=num_splits == 1, SLIDING=window is not None, CAPPED=softcap is not None, SUNK=sinks is not None,
+        **_launch(head_dim))
     if num_splits > 1:
         _combine_splits[(batch, num_heads)](
             part, lse, out, num_splits, *part_strides, *lse_strides, out.stride(0), out.stride(1),
@@ -336,7 +362,7 @@ def _sm_count(device: torch.device) -> int:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, batch, scale: float, softcap: float | None = None,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One layer of a whole step (a kernels.attention.TritonBatch: decodes first, then prefill
     chunks): the step's K/V written to their slots, then each kind's kernel into one output."""
     write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
@@ -344,9 +370,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_decodes = batch.decode_lens.shape[0]
     if num_decodes:
         paged_decode_attention(q[:num_decodes], k_cache, v_cache, batch.decode_tables, batch.decode_lens, scale,
-                               out=out, softcap=softcap, window=window)
+                               out=out, softcap=softcap, window=window, sinks=sinks)
     if batch.q_lens.shape[0]:
         paged_prefill_attention(q, k_cache, v_cache, batch.prefill_tables, batch.q_starts, batch.q_lens,
                                 batch.ctx_lens, scale, max_q_len=batch.max_q_len, out=out, softcap=softcap,
-                                window=window)
+                                window=window, sinks=sinks)
     return out

@@ -1,6 +1,7 @@
 """Attention over a paged cache computed directly in PyTorch, the kernels' oracle in the Triton
 tests and in bench/gpu_check.py: each sequence's chunk of queries (the last of its context)
-against its blocks gathered densely, causal, with an optional sliding window and soft-cap."""
+against its blocks gathered densely, causal, with an optional sliding window, soft-cap and sinks
+(gpt-oss's: one more score per head in the softmax, dropped after it, as transformers does)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,8 @@ import math
 import torch
 
 
-def paged_reference(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens, scale, softcap=None, window=None):
+def paged_reference(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_lens, scale, softcap=None, window=None,
+                    sinks=None):
     """q [T, Hq, D]; k_cache/v_cache [blocks, block_size, Hkv, D]; per sequence its table row,
     first query row, query count and context length (the chunk's own tokens included)."""
     out = torch.empty_like(q)
@@ -26,6 +28,11 @@ def paged_reference(q, k_cache, v_cache, block_tables, q_starts, q_lens, ctx_len
         visible = keys <= pos  # [n, ctx]
         if window is not None:
             visible &= keys > pos - window
-        p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:  # [h, q, t + 1], the sink's column dropped after the softmax
+            sink = sinks.float()[:, None, None].expand(-1, n, 1)
+            p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(scores, dim=-1)
         out[start:start + n] = torch.einsum("hqt,thd->qhd", p, v).to(q.dtype)
     return out

@@ -76,7 +76,8 @@ def write_random_checkpoint(out_dir: str, config_class: str, *, seed: int = 0, s
                             max_shard_size: str | None = None, **shape) -> str:
     """Random weights of a transformers config class (its name, e.g. "Qwen3Config") in `shape`,
     and a locally trained tokenizer. Biases (zero at init) are drawn too; `spread_norms` draws
-    the norms' weights (one at init) so that a QK-norm's weights matter."""
+    the norms' weights (one at init) so that a QK-norm's weights matter, and attention sinks
+    (gpt-oss) wide."""
     import torch
     import transformers
 
@@ -94,6 +95,8 @@ def write_random_checkpoint(out_dir: str, config_class: str, *, seed: int = 0, s
                 p.normal_(0, 0.1)
             elif spread_norms and "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("sinks"):  # gpt-oss's attention sinks: wide, so that they take weight
+                p.normal_(0, 2.0)
     model.generation_config = transformers.GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
     os.makedirs(out_dir, exist_ok=True)

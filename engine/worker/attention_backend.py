@@ -17,11 +17,12 @@ TRITON_MAX_HEAD_DIM = 256  # a 1024-wide padded head overflowed an H100's shared
 
 
 def choose_backend(asked: str, dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int,
-                   head_dim: int) -> str:
+                   head_dim: int, latent: bool = False) -> str:
     """The attention backend for a cache: "cpu" (the C++ kernel), "triton" or "torch" (the
     reference). "auto": the C++ kernel on CPU where it builds and fits the model, Triton on
     CUDA where it is installed, else the reference. An explicit choice that cannot run here is
-    an error naming attention_backend."""
+    an error naming attention_backend. `latent`: MLA's cache, whose Triton kernel
+    (kernels/triton_mla.py) takes any width."""
     if asked == "cpu" or (asked == "auto" and device.type == "cpu"):
         if cpu_kernels.supports(dtype, device, num_heads, num_kv_heads, head_dim):
             return "cpu"
@@ -35,7 +36,7 @@ def choose_backend(asked: str, dtype: torch.dtype, device: torch.device, num_hea
             return "torch"
         check(device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1", "attention_backend",
               f"triton runs on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1); the device is {device}")
-        if head_dim > TRITON_MAX_HEAD_DIM:  # its tiles would not fit in shared memory (MLA's latent of 576, say)
+        if head_dim > TRITON_MAX_HEAD_DIM and not latent:  # its tiles would not fit in shared memory
             check(asked == "auto", "attention_backend",
                   f"the Triton kernels take heads of at most {TRITON_MAX_HEAD_DIM}, this cache's are {head_dim}")
             log.warning("heads of %d: attention on %s uses the PyTorch reference", head_dim, device)

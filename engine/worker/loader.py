@@ -1,4 +1,7 @@
-"""Load a Hugging Face checkpoint directory (config.json + safetensors, sharded or not)."""
+"""Load a Hugging Face checkpoint directory (config.json + safetensors, sharded or not). Experts come
+one tensor per expert and projection (Mixtral, Qwen, DeepSeek) or stacked (gpt-oss: gate and up
+interleaved, transposed, in MXFP4 for the published weights, dequantized here to the model's
+dtype)."""
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +19,11 @@ from baton.engine.worker.models import CausalLM, ModelArgs, model_args
 # checkpoint name -> (our parameter, index of the slice in a merged projection)
 _MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-# Mixtral's names for what the others call mlp and an expert's gate, up and down projections.
-_ALIASES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# Mixtral's names for what the others call mlp and an expert's gate, up and down projections;
+# gpt-oss's for the router.
+_ALIASES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "router": "gate"}
+# MXFP4's 4-bit values (E2M1), by code; a byte holds two, the low nibble first.
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def _safetensors_files(model_dir: str) -> list[str]:
@@ -67,20 +73,38 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()  # checkpoint names
     filled: set[str] = set()  # our parameters written (a merged one by any of its parts)
+    whole: set[str] = set()  # those written in one piece (stacked experts)
+    halves: dict[str, torch.Tensor] = {}  # an MXFP4 tensor's blocks or scales, until the other comes
     for path in _safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 if "rotary_emb" in name or _skipped(name, args):
                     continue
-                target, rows = _target(model, params, name)
+                if name.endswith(("_blocks", "_scales")):  # MXFP4: dequantized once both halves are read
+                    stem, _, half = name.rpartition("_")
+                    halves[name] = f.get_tensor(name)
+                    if f"{stem}_{'scales' if half == 'blocks' else 'blocks'}" not in halves:
+                        continue
+                    blocks, scales = halves.pop(f"{stem}_blocks"), halves.pop(f"{stem}_scales")
+                    loaded.update((f"{stem}_blocks", f"{stem}_scales"))
+                    # [experts, out, in], seen as the unquantized checkpoints lay it out: [experts, in, out]
+                    name, tensor = stem, dequantize_mxfp4(blocks, scales, dtype).transpose(1, 2)
+                else:
+                    tensor = f.get_tensor(name)
+                target, rows, layout = _target(model, params, name)
                 if target is None:
                     raise InvalidArgument("model", f"unexpected weight {name!r} in {os.path.basename(path)}")
-                tensor = f.get_tensor(name)
+                if layout is not None:
+                    tensor = layout(tensor)
                 with torch.no_grad():
                     (params[target] if rows is None else params[target][rows]).copy_(tensor)
                 loaded.add(name)
                 filled.add(target)
-    _check_complete(model, args, loaded, filled, params)
+                if rows is None:
+                    whole.add(target)
+    if halves:
+        raise InvalidArgument("model", f"checkpoint has {sorted(halves)[0]} without its other MXFP4 half")
+    _check_complete(model, args, loaded, filled, whole, params)
     model.eval()
     return model
 
@@ -109,8 +133,46 @@ def _canonical(name: str) -> str:
     return ".".join(_ALIASES.get(p, p) if i < len(parts) - 1 else p for i, p in enumerate(parts))
 
 
-def _target(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice | tuple | None]:
-    """Map a checkpoint tensor name to our parameter name and the index of its part there."""
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 (OCP microscaling, gpt-oss's experts): blocks [..., G, 16] bytes of two E2M1 codes
+    each, the low nibble first, scales [..., G] biased exponents (2^(s - 127)) each shared by a
+    block's 32 values. Returns [..., G * 32] in `dtype`."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise InvalidArgument("model", f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not go with scales "
+                                       f"{tuple(scales.shape)} {scales.dtype} (uint8 [..., G, 16] and [..., G])")
+    lut = torch.tensor(_FP4, dtype=torch.float32)
+    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-2)
+    values = torch.ldexp(values, (scales.to(torch.int32) - 127)[..., None].float())
+    return values.flatten(-2).to(dtype)
+
+
+def _deinterleaved(t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's fused gate/up outputs alternate (gate, up, gate, ...) on dim 1: gate's, then up's."""
+    return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
+
+
+# gpt-oss's stacked experts ([experts, in, out]) -> (our parameter, the layout change into it)
+_STACKED = {"gate_up_proj": ("gate_up", lambda t: _deinterleaved(t.transpose(1, 2))),
+            "gate_up_proj_bias": ("gate_up_bias", _deinterleaved),
+            "down_proj": ("down", lambda t: t.transpose(1, 2)), "down_proj_bias": ("down_bias", None)}
+
+
+def _target(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice | tuple | None, object]:
+    """Map a checkpoint tensor name to our parameter name, the index of its part there, and the
+    layout change (None, or a function) it takes to get there."""
+    target, rows = _part(model, params, name)
+    if target is not None:
+        return target, rows, None
+    parts = _canonical(name).split(".")
+    if len(parts) >= 2 and parts[-2] == "experts" and parts[-1] in _STACKED:
+        ours, layout = _STACKED[parts[-1]]
+        target = ".".join(parts[:-1] + [ours])
+        if target in params:
+            return target, None, layout
+    return None, None, None
+
+
+def _part(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice | tuple | None]:
     key = _canonical(name)
     parts = key.split(".")
     if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() and parts[-1] == "weight":
@@ -137,7 +199,8 @@ def _target(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice
     return None, None
 
 
-def _check_complete(model: CausalLM, args: ModelArgs, loaded: set[str], filled: set[str], params: dict) -> None:
+def _check_complete(model: CausalLM, args: ModelArgs, loaded: set[str], filled: set[str], whole: set[str],
+                    params: dict) -> None:
     have = {_canonical(n) for n in loaded}
     if "lm_head.weight" not in have and not args.tie_word_embeddings:
         raise InvalidArgument("model", "checkpoint has no lm_head.weight and does not tie embeddings")
@@ -145,7 +208,8 @@ def _check_complete(model: CausalLM, args: ModelArgs, loaded: set[str], filled: 
     # stacked experts when every expert's three are there.
     for i in range(args.num_layers):
         sparse = hasattr(model.layers[i].mlp, "experts")
-        for j in range(args.num_experts if sparse else 0):
+        stacked = {f"layers.{i}.mlp.experts.{p}" for p in ("gate_up", "down")} <= whole
+        for j in range(args.num_experts if sparse and not stacked else 0):
             for part in ("gate_proj", "up_proj", "down_proj"):
                 if f"layers.{i}.mlp.experts.{j}.{part}.weight" not in have:
                     raise InvalidArgument("model", f"checkpoint lacks weight layers.{i}.mlp.experts.{j}.{part}.weight")

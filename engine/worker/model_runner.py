@@ -90,7 +90,8 @@ class ModelRunner:
         self.decode_padding_elems = DECODE_PADDING_ELEMS  # per decode group; tests shrink it
         # "cpu" (the C++ kernel), "triton" or "torch" (the reference); tests switch it.
         self.attention_backend = choose_backend(config.attention_backend, self.kv_cache.dtype, self.device,
-                                                args.num_heads, args.num_kv_heads, args.head_dim)
+                                                args.num_heads, args.num_kv_heads, args.head_dim,
+                                                latent=args.attention == "mla")
         if connector is not None:
             connector.register_kv_caches(self.kv_cache, KVFormat(
                 checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,

@@ -5,7 +5,8 @@
 // tokens: a decode to its whole context, a prefill row causally; with a sliding window W, only
 // the last W of them (p - W + 1 onwards), and blocks wholly before a tile's window are never
 // read (a hybrid KV cache lets them go). A soft-cap turns scores into cap * tanh(s / cap)
-// before the softmax (Gemma 2). Built and loaded by
+// before the softmax (Gemma 2). A head's sink (gpt-oss) is one more score in its softmax, with no
+// value: the weights of the real keys sum to less than 1. Built and loaded by
 // baton/kernels/cpu_kernels.py (plain C ABI, no torch headers, so it compiles in seconds);
 // OpenMP threads come from the libgomp torch already loaded.
 //
@@ -44,6 +45,7 @@ struct Batch {
     void* out;  // [rows, kv_heads * group, head_dim], contiguous
     int32_t window;  // a row sees the last `window` positions up to its own (0: all)
     float softcap;   // scores become softcap * tanh(score / softcap) (0: not capped)
+    const float* sinks;  // [kv_heads * group] each query head's sink score (nullptr: none)
 };
 
 namespace {
@@ -165,15 +167,17 @@ void score_tile16(const float* qf, int nq, int dl, const T* k_blk, int n, int64_
     }
 }
 
-// Softmax of one query's scores over keys [lo, len), in place (soft-capped first when cap > 0);
-// weights outside are 0. Returns 1 / the sum of exponentials, applied to the output instead.
-inline float softmax(float* s, int64_t lo, int64_t len, int64_t ctx, float cap) {
+// Softmax of one query's scores over keys [lo, len), in place (soft-capped first when cap > 0),
+// the `sink` score counted in the sum where there is one; weights outside are 0. Returns 1 / the
+// sum of exponentials, applied to the output instead.
+inline float softmax(float* s, int64_t lo, int64_t len, int64_t ctx, float cap, const float* sink) {
     if (cap > 0.f)
         for (int64_t t = lo; t < len; ++t) s[t] = cap * std::tanh(s[t] / cap);
     float m = s[lo];
 #pragma omp simd reduction(max : m)
     for (int64_t t = lo + 1; t < len; ++t) m = s[t] > m ? s[t] : m;
-    float sum = 0.f;
+    if (sink != nullptr && *sink > m) m = *sink;
+    float sum = sink != nullptr ? exp_nonpositive(*sink - m) : 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = lo; t < len; ++t) {
         s[t] = exp_nonpositive(s[t] - m);
@@ -229,8 +233,8 @@ void weighted_sums(const float* p, int64_t ctx, int m, int64_t lo, int64_t len, 
 template <typename T, int D, int BS>
 void attend_tile(const T* q, int64_t q_row_stride, int rows, const int64_t* positions, const T* k_cache,
                  const T* v_cache, const int64_t* table, int64_t block_stride, int64_t token_stride, int block_size,
-                 int group, int head_dim, float scale, int window, float softcap, T* out, int64_t out_row_stride,
-                 const Scratch& buf) {
+                 int group, int head_dim, float scale, int window, float softcap, const float* sinks, T* out,
+                 int64_t out_row_stride, const Scratch& buf) {
     const int dl = D > 0 ? D : head_dim;
     const int bs = BS > 0 ? BS : block_size;
     const int nq = rows * group;  // query i = row * group + g
@@ -258,7 +262,8 @@ void attend_tile(const T* q, int64_t q_row_stride, int rows, const int64_t* posi
     T* outs[kMaxQueries];
     for (int i = 0; i < nq; ++i) {
         const int64_t pos = positions[i / group];
-        inv_sum[i] = softmax(buf.sc + i * ctx, first_key(pos, window), pos + 1, ctx, softcap);
+        inv_sum[i] = softmax(buf.sc + i * ctx, first_key(pos, window), pos + 1, ctx, softcap,
+                             sinks != nullptr ? sinks + i % group : nullptr);
         outs[i] = out + (i / group) * out_row_stride + (i % group) * dl;
     }
     constexpr int kQueries = D > 0 && D < 64 ? 64 / D : 1;
@@ -334,6 +339,7 @@ int attend_all(const Batch& b) {
                                       k_cache + h * b.head_dim, v_cache + h * b.head_dim,
                                       b.block_ids + b.row_block_start[r], b.block_stride, b.token_stride,
                                       b.block_size, b.group, b.head_dim, b.scale, b.window, b.softcap,
+                                      b.sinks != nullptr ? b.sinks + h * b.group : nullptr,
                                       out + r * out_row_stride + head, out_row_stride, buf);
             }
     }

@@ -202,22 +202,28 @@ def test_cpu_kernel_rows_need_not_come_in_position_order():
     torch.testing.assert_close(out, b.expected_out[flip])
 
 
-@pytest.mark.parametrize("softcap,window", [(None, 6), (3.0, None), (3.0, 9)])
-def test_cpu_kernel_windows_and_soft_caps_equal_the_reference(softcap, window):
+@pytest.mark.parametrize("softcap,window,sunk", [(None, 6, False), (3.0, None, False), (3.0, 9, False),
+                                                (None, None, True), (3.0, 9, True)])
+def test_cpu_kernel_windows_soft_caps_and_sinks_equal_the_reference(softcap, window, sunk):
     """Against the reference (their oracle) on one batch; the blocks wholly before every window
     of a sequence are NaN for the kernel, which must never read them (a hybrid KV cache lets
-    them go)."""
+    them go). Sinks large enough to take most of some heads' weight."""
     require_cpu_kernel()
     seqs = [(200, 1), (97, 1), (16, 1), (1, 1), (64, 21), (37, 37), (1, 1)]
     b = make_batch(seqs, 2, 3, 16, 16, seed=5, fused_qkv=True)
     scale = b.q.shape[-1] ** -0.5
+    sinks = torch.tensor([3.0, -1.0, 0.5, 8.0, -20.0, 1.5]) if sunk else None
     ref_cache = b.cache.clone()
     want = paged_attention(b.q, b.k, b.v, ref_cache[:, 1, 0], ref_cache[:, 1, 1], reference_meta(b, [4]), scale,
-                           softcap, window)
+                           softcap, window, sinks)
+    if sunk:  # they count: the same batch without them differs
+        without = paged_attention(b.q, b.k, b.v, ref_cache[:, 1, 0].clone(), ref_cache[:, 1, 1].clone(),
+                                  reference_meta(b, [4]), scale, softcap, window)
+        assert not torch.allclose(want, without, atol=1e-3)
     if window is not None:
         for (ctx, n), table in zip(b.seqs, b.tables):
             for blk in range(max(0, ctx - n - window + 1) // b.block_size):  # before the first row's window
                 b.cache[table[blk], 1] = float("nan")
     k_cache, v_cache = b.caches()
-    got = paged_attention(b.q, b.k, b.v, k_cache, v_cache, kernel_meta(b), scale, softcap, window)
+    got = paged_attention(b.q, b.k, b.v, k_cache, v_cache, kernel_meta(b), scale, softcap, window, sinks)
     torch.testing.assert_close(got, want)

@@ -112,12 +112,21 @@ FAMILIES = {
                                              n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
                                              norm_topk_prob=True, routed_scaling_factor=2.5,
                                              tie_word_embeddings=False)),
+    # gpt-oss: attention sinks (drawn wide), 20-token windows on alternate layers, YaRN, biased router
+    # and experts, its SwiGLU clamped at 1.0 so that the clamp bites.
+    "gpt-oss": ("GptOssConfig", dict(hidden_size=64, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=24, num_hidden_layers=3, num_local_experts=6, num_experts_per_tok=2,
+                                     sliding_window=20, swiglu_limit=1.0, max_position_embeddings=256,
+                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                      "original_max_position_embeddings": 64})),
 }
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # KV blocks for the batched run, a few past what one request of max_model_len holds, so that
 # the six prompts preempt: sliding-only families have one group keeping its window's blocks,
 # mixed ones a block per layer (three groups of one layer; the global one's keep every block).
-POOLS = {"mistral": 7, "phi3": 8, "gemma2": 24, "gemma3": 24, "qwen3-window": 24}
+POOLS = {"mistral": 7, "phi3": 8, "gemma2": 24, "gemma3": 24, "qwen3-window": 24, "gpt-oss": 24}
 
 
 def write_family(out_dir: str, config_class: str, **shape) -> str:
@@ -161,8 +170,8 @@ def test_prefill_and_decode_over_nixl_equal_colocated(family):
     assert_pools_full(prefill, decode)
 
 
-# Soft-caps and alternating windows; every layer sliding; MLA (one latent head of 40, groups of 4).
-@pytest.mark.parametrize("name", ["gemma2", "mistral", "deepseek-v2"])
+# Soft-caps and alternating windows; every layer sliding; MLA (one latent head of 40, groups of 4); sinks.
+@pytest.mark.parametrize("name", ["gemma2", "mistral", "deepseek-v2", "gpt-oss"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])  # (the batched run above: the C++ kernel, auto's pick)
 def test_windows_and_soft_caps_on_every_attention_backend(tmp_path, hf, name, backend):
     if backend == "triton":
@@ -194,6 +203,38 @@ def test_through_the_router_prefill_and_decode_equals_offline(tmp_path, name):
         assert got == want
         assert stats(decode.address).num_blocks_pulled > 0
         assert pools_full(prefill.address) and pools_full(decode.address)
+
+
+def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path, hf):
+    """The published gpt-oss weights keep the experts in MXFP4 (_blocks and _scales): Baton reads
+    them into float32 and equals transformers on the same values dequantized by its own
+    convert_moe_packed_tensors."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    config_class, shape = FAMILIES["gpt-oss"]
+    dense = write_family(str(tmp_path / "dense"), config_class, **{**shape, "intermediate_size": 32})
+    quantized = edited(dense, tmp_path / "mxfp4", quantization_config={"quant_method": "mxfp4"})
+    os.unlink(os.path.join(quantized, "model.safetensors"))
+    tensors = load_file(os.path.join(dense, "model.safetensors"))
+    packed = dict(tensors)
+    gen = torch.Generator().manual_seed(3)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, rows_in, rows_out = tensors[name].shape  # [experts, in, out]
+        blocks = torch.randint(0, 256, (experts, rows_out, rows_in // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(122, 127, (experts, rows_out, rows_in // 32), generator=gen, dtype=torch.uint8)
+        tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
+        del packed[name]
+        packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+    save_file(tensors, os.path.join(dense, "model.safetensors"), metadata={"format": "pt"})
+    save_file(packed, os.path.join(quantized, "model.safetensors"), metadata={"format": "pt"})
+    ps = prompts()[2:4]
+    outs = LLM(quantized, dtype="float32", device="cpu").generate(ps, GREEDY)
+    assert_matches_hf(hf, dense, ps, outs, GREEDY.max_tokens)
+    del packed[next(n for n in packed if n.endswith("_scales"))]
+    save_file(packed, os.path.join(quantized, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(InvalidArgument, match="without its other MXFP4 half"):
+        LLM(quantized, dtype="float32", device="cpu")
 
 
 def edited(src: str, dst, **changes) -> str:

@@ -254,8 +254,9 @@ def test_plain_cuda_and_auto_resolve_to_the_current_device_index(tiny_llama, mon
 
 
 def test_heads_wider_than_the_triton_kernels_take_fall_back_or_are_refused():
-    """MLA's real latent (512 + 64) overflows the Triton kernels' shared memory (seen on an H100):
-    auto falls back to the reference on a GPU; asking for triton is refused, naming the field."""
+    """A 576-wide head overflows the generic Triton kernels' shared memory (seen on an H100): auto
+    falls back to the reference on a GPU; asking for triton is refused, naming the field. MLA's
+    latent of that width has a kernel of its own (kernels/triton_mla.py): Triton takes it."""
     from baton.engine.worker.attention_backend import choose_backend
 
     pytest.importorskip("triton")
@@ -264,3 +265,4 @@ def test_heads_wider_than_the_triton_kernels_take_fall_back_or_are_refused():
     with pytest.raises(InvalidArgument, match="heads of at most 256") as err:
         choose_backend("triton", torch.float32, torch.device("cpu"), 16, 1, 576)
     assert err.value.field == "attention_backend"
+    assert choose_backend("auto", torch.bfloat16, torch.device("cuda"), 16, 1, 576, latent=True) == "triton"

@@ -197,3 +197,24 @@ def test_sliding_windows_and_soft_caps_equal_the_reference(softcap, window, bloc
     args = (qp, k_cache, v_cache, tables, q_starts.to(DEVICE), q_lens.to(DEVICE), seq_lens, scale)
     got = triton_attention.paged_prefill_attention(*args, block_m=16, softcap=softcap, window=window)
     torch.testing.assert_close(got, paged_reference(*args, softcap, window), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("split,window", [(None, None), (1, None), (1, 20)])
+def test_sinks_equal_the_reference(split, window):
+    """gpt-oss's sinks: counted once whatever the splits (the first only), also when the first
+    split has no key in a window; heads whose sink outweighs their keys."""
+    lens = [150, 21, 97]
+    q, k_cache, v_cache, tables, seq_lens = case(3, lens, 4, 64, 16, torch.float32, seed=12)
+    sinks = torch.tensor([4.0, -2.0, 0.0, 9.0, -30.0, 1.0, 2.5, 6.0], device=DEVICE)
+    scale = 64 ** -0.5
+    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, tiles_per_split=split,
+                                                  window=window, sinks=sinks)
+    want = paged_reference(q, k_cache, v_cache, tables, torch.arange(3), torch.ones(3, dtype=torch.int32),
+                           seq_lens, scale, None, window, sinks)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    q_lens = torch.tensor([40, 21, 7], dtype=torch.int32)
+    q_starts = torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens
+    qp = torch.randn(int(q_lens.sum()), 8, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    args = (qp, k_cache, v_cache, tables, q_starts.to(DEVICE), q_lens.to(DEVICE), seq_lens, scale)
+    got = triton_attention.paged_prefill_attention(*args, block_m=16, window=window, sinks=sinks)
+    torch.testing.assert_close(got, paged_reference(*args, None, window, sinks), atol=2e-5, rtol=2e-5)

@@ -4,17 +4,18 @@ rope.py, moe.py, mla.py) are shared."""
 from __future__ import annotations
 
 from baton.engine.common.errors import InvalidArgument
-from baton.engine.worker.models import (deepseek, gemma2, gemma3, llama, mistral, mixtral, olmo2, phi3, qwen2,
-                                        qwen3, qwen_moe)
+from baton.engine.worker.models import (deepseek, gemma2, gemma3, gpt_oss, llama, mistral, mixtral, olmo2, phi3,
+                                        qwen2, qwen3, qwen_moe)
 from baton.engine.worker.models.args import ModelArgs
 from baton.engine.worker.models.layers import CausalLM
 
 # architecture name -> the function reading its config
 FAMILIES = {"DeepseekV2ForCausalLM": deepseek.v2, "DeepseekV3ForCausalLM": deepseek.v3,
-            "Gemma2ForCausalLM": gemma2.args, "Gemma3ForCausalLM": gemma3.args, "LlamaForCausalLM": llama.args,
-            "MistralForCausalLM": mistral.args, "MixtralForCausalLM": mixtral.args, "Olmo2ForCausalLM": olmo2.args,
-            "Phi3ForCausalLM": phi3.args, "Qwen2ForCausalLM": qwen2.args, "Qwen2MoeForCausalLM": qwen_moe.qwen2_moe,
-            "Qwen3ForCausalLM": qwen3.args, "Qwen3MoeForCausalLM": qwen_moe.qwen3_moe}
+            "Gemma2ForCausalLM": gemma2.args, "Gemma3ForCausalLM": gemma3.args, "GptOssForCausalLM": gpt_oss.args,
+            "LlamaForCausalLM": llama.args, "MistralForCausalLM": mistral.args, "MixtralForCausalLM": mixtral.args,
+            "Olmo2ForCausalLM": olmo2.args, "Phi3ForCausalLM": phi3.args, "Qwen2ForCausalLM": qwen2.args,
+            "Qwen2MoeForCausalLM": qwen_moe.qwen2_moe, "Qwen3ForCausalLM": qwen3.args,
+            "Qwen3MoeForCausalLM": qwen_moe.qwen3_moe}
 
 __all__ = ["FAMILIES", "CausalLM", "ModelArgs", "model_args"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from baton.engine.common.errors import InvalidArgument
+from baton.engine.worker.models.moe import GLU, SWIGLU
 from baton.engine.worker.models.rope import rope_settings
 
 
@@ -59,6 +60,9 @@ class ModelArgs:
     routed_scaling_factor: float = 1.0
     num_expert_groups: int = 1
     top_expert_groups: int = 1
+    moe_bias: bool = False  # the router and the experts have biases (gpt-oss)
+    expert_glu: GLU = SWIGLU  # the experts' gated activation (gpt-oss: clamped)
+    attn_sinks: bool = False  # a learned sink score per query head in each softmax (gpt-oss)
     # Multi-head latent attention (mla.py; DeepSeek): "mla", else "mha" (GQA and MQA included).
     # With MLA the cache holds one head of kv_lora_rank + qk_rope_head_dim per token (num_kv_heads
     # 1, head_dim that), and `q_lora_rank` (0: none) compresses the query too.

@@ -4,12 +4,14 @@ gate and up projections merged into one matmul when weights are loaded)."""
 from __future__ import annotations
 
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.engine.worker.models.args import ModelArgs
+if TYPE_CHECKING:  # (args.py imports moe.py, which imports this)
+    from baton.engine.worker.models.args import ModelArgs
 
 
 class RMSNorm(nn.Module):

@@ -1,6 +1,6 @@
 """The shared layers every family is made of, in plain PyTorch, running on a flat token batch:
 attention over the paged KV cache (GQA, QK-norm, partial rotary, soft-capping, sliding
-windows; MLA in mla.py), the decoder layer with its norms where the family puts them and its
+windows, sinks; MLA in mla.py), the decoder layer with its norms where the family puts them and its
 MLP or mixture of experts (basic.py, moe.py), and the causal LM around them (per-layer RoPE
 bases, logit soft-capping). q/k/v projections are merged into one matmul when weights are
 loaded (loader.py)."""
@@ -36,6 +36,8 @@ class Attention(nn.Module):
         self.rotary_dim = args.rotary_dim or args.head_dim
         self.scale = args.attn_scale or args.head_dim ** -0.5
         self.softcap = args.attn_softcap
+        if args.attn_sinks:  # gpt-oss: one score per query head that takes weight and gives nothing
+            self.sinks = nn.Parameter(torch.empty(args.num_heads))
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
@@ -54,7 +56,8 @@ class Attention(nn.Module):
             qk = torch.cat((rotate(qk[..., :self.rotary_dim], cos, sin), qk[..., self.rotary_dim:]), dim=-1)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.softcap, self.window)
+        sinks = self.sinks.float() if hasattr(self, "sinks") else None
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.softcap, self.window, sinks)
         return self.o_proj(out.flatten(1))
 
 

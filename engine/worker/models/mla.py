@@ -3,10 +3,10 @@ per token (kv_lora_rank values, RMS-normed) and one RoPE'd key part shared by ev
 (qk_rope_head_dim), and that is all the paged cache keeps: one "head" of
 kv_lora_rank + qk_rope_head_dim per token, in the K half of the cache only.
 
-Attention runs in the absorbed form, as one multi-query attention over the latent, so the
-existing kernels serve it unchanged where they take its head size (the C++ kernel and Triton up
-to 256: small latents; DeepSeek's real 512 + 64 runs on the reference until a latent kernel
-exists): each head's query is turned into
+Attention runs in the absorbed form, as one multi-query attention over the latent: on CUDA
+Triton's latent kernel (kernels/triton_mla.py) at any width; on CPU the C++ kernel where it
+takes the head (up to 256: small latents; DeepSeek's real 512 + 64 runs on the reference).
+Each head's query is turned into
 the latent space (q_nope · W_UK, W_UK the key part of kv_b_proj), concatenated with its RoPE'd
 part, and attends to [latent, k_rope] with the latent itself as the values; the output latent is
 turned into each head's values by W_UV (the value part of kv_b_proj) before o_proj. That equals
@@ -70,6 +70,10 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
         q_latent = torch.einsum("thd,hdr->thr", q[..., :self.nope], w[:, :self.nope])
         q = torch.cat((q_latent, self.turn(q[..., self.nope:], cos, sin)), dim=-1)
-        out = paged_attention(q, kv, kv, k_cache, v_cache, meta, self.scale)  # values: the latent (and k_rope, unused)
-        out = torch.einsum("thr,hvr->thv", out[..., :self.rank], w[:, self.nope:])
+        if meta.triton is not None:
+            from baton.kernels import triton_mla  # imported where picked only: triton is optional
+            out = triton_mla.mla_paged_attention(q, kv, k_cache, meta.triton, self.scale, self.rank)
+        else:  # values: the latent (and k_rope, unused)
+            out = paged_attention(q, kv, kv, k_cache, v_cache, meta, self.scale)[..., :self.rank]
+        out = torch.einsum("thr,hvr->thv", out, w[:, self.nope:])
         return self.o_proj(out.flatten(1))
