@@ -71,12 +71,29 @@ class TritonBatch:
 @dataclass(slots=True)
 class AttentionMetadata:
     """Either `kernel` (the CPU kernel runs every row), `triton` (the Triton kernels do), or
-    the reference's decode groups and prefill chunks, with each row's cache slot."""
+    the reference's decode groups and prefill chunks, with each row's cache slot. MLA's cache
+    has the prefill chunks, the slots and the decode count whatever the backend (its prefill
+    attends in another form, models/mla.py)."""
     decodes: list[DecodeGroup] = field(default_factory=list)  # the one-token decode rows come first
     prefills: list[PrefillSeq] = field(default_factory=list)
     slot_mapping: torch.Tensor | None = None  # [num_tokens] flat slot (block_id * block_size + offset) of each row
     kernel: KernelBatch | None = None
     triton: TritonBatch | None = None
+    num_decodes: int = 0  # the one-token decode rows, first
+
+    def decodes_only(self) -> AttentionMetadata:
+        """The same step's metadata for its decode rows alone: the backend attends (and writes
+        the K/V of) the first num_decodes rows only."""
+        n = self.num_decodes
+        if self.kernel is not None:
+            kb = self.kernel
+            return AttentionMetadata(kernel=KernelBatch(kb.block_ids, kb.row_block_start[:n], kb.positions[:n]))
+        if self.triton is not None:
+            tb = self.triton
+            return AttentionMetadata(triton=TritonBatch(
+                tb.slot_mapping[:n], tb.decode_tables, tb.decode_lens, tb.prefill_tables[:0], tb.q_starts[:0],
+                tb.q_lens[:0], tb.ctx_lens[:0], 0))
+        return AttentionMetadata(decodes=self.decodes, slot_mapping=self.slot_mapping[:n])
 
 
 
@@ -207,15 +224,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             scores = _capped(torch.bmm(qp, kp.transpose(1, 2)) * scale, softcap) + mask
             sink = None if sinks is None else sinks.view(num_kv_heads, group, 1).repeat_interleave(seq.q_len, 1)
             op = torch.bmm(_softmax(scores, sink).to(vp.dtype), vp)
-        elif q.device.type == "cpu" and num_kv_heads * mask.numel() <= _MAX_CPU_SCORES:
-            # Scores materialized: on CPU 2-4x faster than SDPA's flash kernel at these sizes.
-            scores = torch.baddbmm(mask, qp, kp.transpose(1, 2), alpha=scale)
-            op = torch.bmm(scores.softmax(-1, dtype=torch.float32).to(vp.dtype), vp)
-        else:  # SDPA never holds the whole score matrix
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
+        else:
+            op = dense_attention(qp, kp, vp, mask, scale)
         out[rows] = op.view(num_kv_heads, group, seq.q_len, head_dim).permute(2, 0, 1, 3).reshape(
             seq.q_len, num_q_heads, head_dim)
     return out
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+                    ) -> torch.Tensor:
+    """Attention of q [H, n, E] over k [H, c, E] and v [H, c, Ev] with an additive mask [n, c] (or
+    one per head, [H, n, c]): [H, n, Ev]."""
+    if q.device.type == "cpu" and q.shape[0] * q.shape[1] * k.shape[1] <= _MAX_CPU_SCORES:
+        # Scores materialized: on CPU 2-4x faster than SDPA's flash kernel at these sizes.
+        scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scale)
+        return torch.bmm(scores.softmax(-1, dtype=torch.float32).to(v.dtype), v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # never holds every score
 
 
 def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:

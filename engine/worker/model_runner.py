@@ -255,6 +255,14 @@ class ModelRunner:
         else:
             metas = [self._reference_batch(spans, num_decodes, window)
                      for spans, window in zip(group_spans, self.kv_groups.windows)]
+        for meta, spans in zip(metas, group_spans):
+            meta.num_decodes = num_decodes
+            if self.model.args.attention == "mla" and num_decodes < len(spans) and not meta.prefills:
+                # MLA's prefill attends in a form of its own (mla.py), whatever the backend
+                meta.prefills = self._prefill_seqs(spans, num_decodes, [0] * len(spans))
+                if meta.slot_mapping is None:
+                    meta.slot_mapping = (meta.triton.slot_mapping if meta.triton is not None else
+                                         torch.from_numpy(block_tables.slots(spans, self.block_size)).to(dev))
         return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t, "metas": metas,
                 "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids,
                 "prompt_rows": prompt_rows, "adapter_spans": adapter_spans, "rope_lengths": rope_lengths}
@@ -306,12 +314,18 @@ class ModelRunner:
         meta.decodes = self._decode_groups(
             [blocks[skip:-(-end // bs)] for (_, end, blocks), skip in zip(spans[:num_decodes], skips)],
             [end - skip * bs for (_, end, _), skip in zip(spans[:num_decodes], skips)])
-        row = num_decodes
-        for (start, end, blocks), skip in zip(spans[num_decodes:], skips[num_decodes:]):
-            meta.prefills.append(PrefillSeq(row, end - start, end - skip * bs,
-                                            torch.from_numpy(blocks[skip:-(-end // bs)].astype(np.int64)).to(dev)))
-            row += end - start
+        meta.prefills = self._prefill_seqs(spans, num_decodes, skips)
         return meta
+
+    def _prefill_seqs(self, spans: list[block_tables.Span], num_decodes: int, skips: list[int]) -> list[PrefillSeq]:
+        """The prefill chunks (the spans after the decodes), each with its table from its
+        `skips` block on (a sliding group's window) and its context counted from there."""
+        bs, row, seqs = self.block_size, num_decodes, []
+        for (start, end, blocks), skip in zip(spans[num_decodes:], skips[num_decodes:]):
+            seqs.append(PrefillSeq(row, end - start, end - skip * bs,
+                                   torch.from_numpy(blocks[skip:-(-end // bs)].astype(np.int64)).to(self.device)))
+            row += end - start
+        return seqs
 
     def _decode_groups(self, tables: list[np.ndarray], lens: list[int]) -> list[DecodeGroup]:
         groups, start, bs, dev = [], 0, self.block_size, self.device

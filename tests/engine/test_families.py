@@ -205,6 +205,32 @@ def test_through_the_router_prefill_and_decode_equals_offline(tmp_path, name):
         assert pools_full(prefill.address) and pools_full(decode.address)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_mla_prefill_up_projects_and_decode_absorbs(tmp_path, hf, monkeypatch, backend):
+    """DeepSeek's prefill chunks attend up-projected (per-head K and V from the cached latents),
+    its decodes absorbed (over the latents), in the same steps, equal to transformers."""
+    from baton.engine.worker.models.mla import MLAttention
+
+    if backend == "cpu":
+        require_cpu_kernel()
+    rows = {"_up_projected": 0, "_absorbed": 0}
+    for name in rows:
+        original = getattr(MLAttention, name)
+
+        def counted(self, q, *rest, _name=name, _original=original):
+            rows[_name] += q.shape[0]
+            return _original(self, q, *rest)
+        monkeypatch.setattr(MLAttention, name, counted)
+    config_class, shape = FAMILIES["deepseek-v2"]
+    model_dir = write_family(str(tmp_path / "deepseek"), config_class, **shape)
+    ps = prompts()
+    llm = LLM(model_dir, dtype="float32", device="cpu", attention_backend=backend, max_num_batched_tokens=32)
+    assert_matches_hf(hf, model_dir, ps, llm.generate(ps, GREEDY), GREEDY.max_tokens)
+    layers = shape["num_hidden_layers"]
+    assert rows["_up_projected"] >= layers * (sum(map(len, ps)) - llm.engine.kv.prefix_hits)  # (hits: tokens)
+    assert rows["_absorbed"] >= layers * len(ps) * (GREEDY.max_tokens - 1)
+
+
 def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path, hf):
     """The published gpt-oss weights keep the experts in MXFP4 (_blocks and _scales): Baton reads
     them into float32 and equals transformers on the same values dequantized by its own
