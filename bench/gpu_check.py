@@ -300,8 +300,8 @@ def main() -> None:
                 report[name] = {"ok": False, "error": traceback.format_exc(limit=8)}
             report[name]["seconds"] = round(time.perf_counter() - t0, 1)
             print(f"{name}: {'ok' if report[name]['ok'] else 'FAILED'} ({report[name]['seconds']} s)", flush=True)
-    with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump(report, f, indent=1)
+            with open(os.path.join(args.out, "report.json"), "w") as f:  # after each check: a cut-short run keeps some
+                json.dump(report, f, indent=1)
     with open(os.path.join(args.out, "report.txt"), "w") as f:
         f.write(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
