@@ -39,9 +39,11 @@ def test_routing_equals_transformers(renormalize):
     torch.testing.assert_close(weights, want_weights)
 
 
-def test_lora_on_a_mixture_of_experts_attention_equals_peft_and_experts_are_refused(tmp_path):
-    """Qwen3-MoE (its first layer dense): a PEFT adapter on attention equals PEFT; one on the
-    MLPs (PEFT puts it on the experts' stacked weights) is refused at load, naming the field."""
+@pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])
+def test_lora_on_a_mixture_of_experts_attention_equals_peft_and_experts_are_refused(tmp_path, name):
+    """Qwen3-MoE (its first layer dense), gpt-oss (biased q/k/v/o, sinks): a PEFT adapter on
+    attention equals PEFT; one on Qwen3-MoE's MLPs (PEFT puts it on the experts' stacked weights)
+    is refused at load, naming the field."""
     from baton import LLM, SamplingParams
     from baton.engine.common.errors import InvalidArgument
     from baton.testing.checkpoints import write_random_checkpoint
@@ -49,7 +51,7 @@ def test_lora_on_a_mixture_of_experts_attention_equals_peft_and_experts_are_refu
     from lora_adapters import PeftReference, write_adapter
     from test_families import FAMILIES
 
-    config_class, shape = FAMILIES["qwen3-moe"]
+    config_class, shape = FAMILIES[name]
     base = write_random_checkpoint(str(tmp_path / "base"), config_class, seed=7, spread_norms=True, **shape)
     adapter = write_adapter(base, str(tmp_path / "attn"), 8, 16, False, ["q_proj", "v_proj", "o_proj"], seed=5)
     llm = LLM(base, dtype="float32", device="cpu", enable_lora=True)
@@ -59,13 +61,15 @@ def test_lora_on_a_mixture_of_experts_attention_equals_peft_and_experts_are_refu
     ref = PeftReference(base)
     assert [o.token_ids for o in outs] == [ref.greedy(adapter, ps[0], 12), ref.greedy(None, ps[1], 12)]
     assert outs[0].token_ids != ref.greedy(None, ps[0], 12)  # the adapter changes the output
+    if name != "qwen3-moe":
+        return
     experts = write_adapter(base, str(tmp_path / "experts"), 8, 16, False, ["down_proj"], seed=6)
     with pytest.raises(InvalidArgument, match="mixture of experts") as err:
         llm.load_adapter("experts", experts)
     assert err.value.field.endswith("target_modules")
 
 
-@pytest.mark.parametrize("name", ["deepseek-v2", "deepseek-v2-q", "deepseek-v3", "mixtral"])
+@pytest.mark.parametrize("name", ["deepseek-v2", "deepseek-v2-q", "deepseek-v3", "mixtral", "gpt-oss"])
 def test_logprobs_equal_transformers_log_softmax(tmp_path, hf, name):
     """Closer than greedy tokens: every sampled token's logprob equals transformers' (MLA's absorbed
     form and the grouped experts against its up-projected K/V and per-expert loop). DeepSeek-V3's
@@ -87,6 +91,33 @@ def test_logprobs_equal_transformers_log_softmax(tmp_path, hf, name):
         ref = hf.model(model_dir)(torch.tensor([prompt + out.token_ids])).logits[0].float().log_softmax(-1)
     for i, lp in enumerate(out.outputs[0].logprobs):
         assert abs(lp.logprob - ref[len(prompt) - 1 + i, lp.token_id].item()) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2", "gpt-oss"])
+def test_sparse_families_swap_to_the_host_tier_and_follow_a_grammar(tmp_path, hf, name):
+    """MLA's one-part cache and gpt-oss's sinks and windows (one KV cache group with the host
+    tier) preempt by swapping, equal to transformers; a regex constrains their output."""
+    import re
+
+    from baton import LLM, SamplingParams
+    from baton.engine.common.structured_output import StructuredOutput
+    from baton.testing.checkpoints import write_random_checkpoint
+    from helpers import assert_matches_hf
+    from test_families import FAMILIES, prompts
+
+    config_class, shape = FAMILIES[name]
+    model_dir = write_random_checkpoint(str(tmp_path / name), config_class, seed=7, spread_norms=True, **shape)
+    ps, greedy = prompts(), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=32, num_kv_blocks=16,
+              max_model_len=192, kv_offloading_size=0.01, preemption_mode="swap")
+    outs = llm.generate(ps, greedy)
+    assert llm.engine.core.host.num_swapped_out > 0
+    assert_matches_hf(hf, model_dir, ps, outs, greedy.max_tokens)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+    params = SamplingParams(max_tokens=12, temperature=0.0,
+                            structured_output=StructuredOutput("regex", "[a-c]{3}-[0-9]{2,4}"))
+    for out in LLM(model_dir, dtype="float32", device="cpu", max_model_len=192).generate(ps[3:], params):
+        assert re.fullmatch("[a-c]{3}-[0-9]{2,4}", out.text), out.text
 
 
 def test_mla_caches_one_latent_per_token_and_refuses_lora(tmp_path):
