@@ -51,7 +51,7 @@ def run(windows: list[int | None], hybrid: bool, args) -> dict:
         for req_id in out.num_scheduled_tokens:
             req = sched.requests[req_id]
             if req.num_computed_tokens == req.num_tokens:
-                sampled[req_id] = 0
+                sampled[req_id] = [0]
         in_decode = sum(1 for r in sched.running if r.num_output_tokens > 0)
         if in_decode:
             decode_steps += 1

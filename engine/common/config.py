@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from baton.engine.common.errors import InvalidArgument, check
+from baton.engine.common.speculative import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
@@ -69,6 +70,8 @@ class EngineConfig:
     # Sliding-window layers keep every block, as full-attention ones do (vLLM's flag): the hybrid
     # KV cache manager (engine/common/kv_groups.py) is off. The host KV tier turns it off too.
     disable_hybrid_kv_cache_manager: bool = False
+    # Speculative decoding (vLLM's --speculative-config): a SpeculativeConfig or its dict; None: off.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
         check(isinstance(self.model, (str, os.PathLike)) and os.path.isdir(self.model), "model",
@@ -101,6 +104,7 @@ class EngineConfig:
               f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         self._check_lora()
         self._check_host_tier()
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

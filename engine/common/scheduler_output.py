@@ -55,13 +55,39 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: Any = None
     host_kv_ops: HostKVOps | None = None  # copies between the device pool and the host KV tier
+    # Speculative decoding: the drafts verified this step, per request (they follow its last
+    # token; num_scheduled_tokens counts them), and whether to draft for the next step.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    propose_drafts: bool = False
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """One step's verification, vLLM's SpecDecodingStats: requests whose drafts were checked,
+    drafts, and those accepted, in all and by position."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        self.accepted_per_pos.extend([0] * (num_accepted - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
 
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]  # only requests that reached the end of their known tokens
+    # Only requests that reached the end of their known tokens: one token, or with drafts
+    # verified the accepted ones and the one sampled after them.
+    sampled_token_ids: dict[str, list[int]]
     kv_connector_output: KVConnectorOutput | None = None
-    logprobs: dict[str, Any] = field(default_factory=dict)  # request id -> the sampled token's TokenLogprobs
+    logprobs: dict[str, list] = field(default_factory=dict)  # request id -> its sampled tokens' TokenLogprobs
     prompt_logprobs: dict[str, list] = field(default_factory=dict)  # request id -> one per prompt token, when complete
     grammar_ended: set[str] = field(default_factory=set)  # requests whose grammar took its end token
     host_kv_finished: list[int] = field(default_factory=list)  # host KV tier jobs whose copies landed
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts for the next step, per request
+    spec_stats: SpecDecodeStats | None = None  # this step's verification, where drafts were checked

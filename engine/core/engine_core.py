@@ -358,7 +358,7 @@ class EngineCore:
             lp = logprobs.get(req.request_id) if logprobs else None
             first = req.first_token_time == self.scheduler.last_step_time  # its first token sampled here
             out = CoreOutput(req.key, u.new_token_ids, num_cached_tokens=max(req.num_cached_tokens, 0),
-                             logprobs=None if lp is None else [lp],
+                             logprobs=None if lp is None else lp[:len(u.new_token_ids)],
                              prompt_logprobs=prompt_logprobs.get(req.request_id) if prompt_logprobs else None,
                              ready_time=(req.kv_ready_time or req.scheduled_time) if first else None)
             if u.finished:

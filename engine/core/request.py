@@ -51,7 +51,7 @@ class Request:
                  "eos_token_ids", "priority", "arrival_time", "arrival_seq", "status", "num_computed_tokens",
                  "num_cached_tokens", "num_external_tokens", "num_preemptions", "block_hashes", "hold_for_remote",
                  "remote_kv", "kv_handle", "scheduled_time", "kv_ready_time", "first_token_time", "last_token_time",
-                 "finished_time", "stop_token_id", "grammar", "lora_id", "hash_root")
+                 "finished_time", "stop_token_id", "grammar", "lora_id", "hash_root", "spec_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, arrival_time: float | None = None,
@@ -88,6 +88,7 @@ class Request:
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
         self.stop_token_id: int | None = None  # the stop token id that ended it (stop strings are the front's)
+        self.spec_token_ids: list[int] = []  # drafts to verify with its next token (speculative decoding)
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,12 @@ their blocks to the host KV tier: preemption_mode) when the pool is full; (2) wa
 are admitted (with prefix-cache and remote KV lookups) only when nothing was preempted; (3) one
 plain SchedulerOutput goes to the model runner. After the model runs, `update_from_output`
 appends tokens, applies stop conditions and frees finished requests.
+
+Speculative decoding: a decoding request's drafts (proposed by the runner after its last step)
+are scheduled after its last token, as more tokens to compute (slots allocated, budget counted);
+the runner verifies them in the same forward and returns the accepted ones and one more, and the
+rejected drafts' positions count as not computed again (their KV is overwritten later; blocks
+are only ever hashed for a request's real tokens, so it is never cached or shipped).
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from baton.engine.core.host_kv_tier import HostKVTier
 from baton.engine.core.kv_cache_manager import KVCacheManager, num_hits
 from baton.engine.core.request import Request, RequestStatus
 from baton.engine.common.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                                  SchedulerOutput)
+                                                  SchedulerOutput, SpecDecodeStats)
 from baton.engine.common.stats import EventType, RequestEvent
 from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler, KVTier
 
@@ -69,6 +75,8 @@ class Scheduler:
         self.recompute_at: int | None = None
         self.rekey: Callable[[Request], None] = lambda request: None
         self._to_recompute: list[Request] = []
+        self.speculative = config.speculative_config
+        self.spec_stats = SpecDecodeStats()  # since start
 
     def record(self, request: Request | None, kind: EventType, when: float, **fields) -> None:
         if self.events is not None and request is not None:
@@ -175,6 +183,7 @@ class Scheduler:
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        out.propose_drafts = self._speculating()
         chunks = self._chunks if self.events is not None else None
         for req_id, n in out.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -187,25 +196,46 @@ class Scheduler:
             out.host_kv_ops = self.host.build_ops()
         return out
 
+    def _speculating(self) -> bool:
+        """Whether drafts run this step: speculation is on and the batch is below disable_by_batch_size."""
+        spec = self.speculative
+        limit = spec.disable_by_batch_size if spec is not None else None
+        return spec is not None and (limit is None or len(self.running) < limit)
+
+    def _drafts(self, request: Request) -> list[int]:
+        """The drafts to verify with a decoding request's next token: as many as fit its
+        max_tokens (one more token comes after them) and the model's length."""
+        room = min(self.config.max_model_len - request.num_tokens,
+                   request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        if room <= 0 or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        return request.spec_token_ids[:room]
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         scheduled: list[CachedRequestData] = out.scheduled_cached_reqs
         threshold, allocate = self.config.long_prefill_token_threshold, self.kv.allocate_slots  # hot loop
+        speculating = self._speculating()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget, threshold or budget)
+            drafts = self._drafts(request) if speculating and request.spec_token_ids else ()
+            n = min(request.num_tokens - request.num_computed_tokens + len(drafts), budget, threshold or budget)
             while (new_blocks := allocate(request, n)) is None:
                 victim = self._preempt_one(out)
                 if victim is request:
                     break
                 if victim.request_id in out.num_scheduled_tokens:  # priority policy: undo its turn
                     budget += out.num_scheduled_tokens.pop(victim.request_id)
+                    out.scheduled_spec_tokens.pop(victim.request_id, None)
                     scheduled[:] = [c for c in scheduled if c.req_id != victim.request_id]
                     i -= 1
             if new_blocks is None:
                 break
             scheduled.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
             out.num_scheduled_tokens[request.request_id] = n
+            if n > 1 and drafts:  # (a budget may cut them short)
+                out.scheduled_spec_tokens[request.request_id] = list(drafts[:n - 1])
+            request.spec_token_ids = []
             budget -= n
             i += 1
         return budget
@@ -228,6 +258,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         if for_room:
             victim.num_preemptions += 1
             self.num_preemptions += 1
@@ -321,21 +352,22 @@ class Scheduler:
         for request, n in self._chunks:
             self.record(request, EventType.PREFILL_CHUNK, now, num_tokens=n)
         self._chunks.clear()
-        for req_id, token_id in result.sampled_token_ids.items():
+        if result.spec_stats is not None:
+            self._add_spec_stats(result.spec_stats)
+        for req_id, token_ids in result.sampled_token_ids.items():
             request = self.requests.get(req_id)
             if request is None:  # aborted while the step ran
                 continue
-            request.append_output_token(token_id)
-            if request.num_tokens - 1 == self.recompute_at and request.num_prompt_tokens <= self.recompute_at:
-                self._to_recompute.append(request)  # (a prompt past it was computed long from the start)
+            drafts = sched.scheduled_spec_tokens.get(req_id)
+            if drafts:  # the rejected drafts' positions are computed again, with the tokens that replace them
+                request.num_computed_tokens -= len(drafts) + 1 - len(token_ids)
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.num_prompt_tokens += request.num_prompt_tokens
                 self.num_prompt_tokens_cached += request.num_cached_tokens
                 self.num_prompt_tokens_external += request.num_external_tokens
             request.last_token_time = now
-            self.num_generation_tokens += 1
-            status = self._stop_status(request, token_id)
+            new, status = self._append(request, token_ids)
             if status is None and req_id in result.grammar_ended:  # ignore_eos cannot go past the grammar's end
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
@@ -343,7 +375,9 @@ class Scheduler:
                 self._finish(request, status)
                 if req_id in self.handing_off:  # its output goes out with the handle, once the copy landed
                     continue
-            updates.append(RequestUpdate(request, [token_id], status is not None))
+            else:
+                request.spec_token_ids = result.spec_token_ids.get(req_id, [])
+            updates.append(RequestUpdate(request, new, status is not None))
         if result.kv_connector_output is not None:
             self._update_from_connector(result.kv_connector_output)
         if self.host is not None and result.host_kv_finished:
@@ -352,6 +386,26 @@ class Scheduler:
                 self._host_loaded(req_id)
             updates += map(self._handed_off, handed_off)
         return updates
+
+    def _append(self, request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """The step's tokens appended up to the first that ends the request: (those, how it ended)."""
+        for i, token_id in enumerate(token_ids):
+            request.append_output_token(token_id)
+            if request.num_tokens - 1 == self.recompute_at and request.num_prompt_tokens <= self.recompute_at:
+                self._to_recompute.append(request)  # (a prompt past it was computed long from the start)
+            self.num_generation_tokens += 1
+            if (status := self._stop_status(request, token_id)) is not None:
+                return token_ids[:i + 1], status
+        return token_ids, None
+
+    def _add_spec_stats(self, step: SpecDecodeStats) -> None:
+        total = self.spec_stats
+        total.num_drafts += step.num_drafts
+        total.num_draft_tokens += step.num_draft_tokens
+        total.num_accepted_tokens += step.num_accepted_tokens
+        total.accepted_per_pos.extend([0] * (len(step.accepted_per_pos) - len(total.accepted_per_pos)))
+        for i, n in enumerate(step.accepted_per_pos):
+            total.accepted_per_pos[i] += n
 
     def _host_loaded(self, req_id: str) -> None:
         """A request's blocks came back from the host tier: it may run (or, aborted meanwhile, free them)."""

@@ -1,4 +1,5 @@
-"""Runs one SchedulerOutput through the model: builds the flat batch, samples the next tokens.
+"""Runs one SchedulerOutput through the model: builds the flat batch, samples the next tokens
+(or, for requests with drafts, verifies them: spec_decode/), and drafts the next step's.
 
 The runner keeps its own per-request state (token ids, block ids, RNG), updated from each
 step's plain output, as vLLM v1's does; it never decides what to run.
@@ -19,8 +20,10 @@ from baton.engine.worker.loader import checkpoint_fingerprint
 from baton.engine.worker.lora.layers import LoRASlots
 from baton.engine.worker.models import CausalLM
 from baton.engine.worker.sampler import apply_processors, sample, skip_draws, token_logprobs
+from baton.engine.worker.spec_decode import make_proposer
+from baton.engine.worker.spec_decode.verify import greedy_accept, sampled_accept
 from baton.engine.common.sampling_params import SamplingParams
-from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput, SpecDecodeStats
 from baton.engine.worker.grammar import mask_logits
 from baton.engine.worker.attention_backend import choose_backend
 from baton.kernels.attention import (DECODE_PADDING_ELEMS, AttentionMetadata, DecodeGroup, KernelBatch, PrefillSeq,
@@ -86,6 +89,9 @@ class ModelRunner:
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.staging = block_tables.Staging(self.device)  # the step's metadata on its way to the device
         self.grammars = None  # structured_output.Grammars, set by the engine core
+        spec = config.speculative_config
+        self.proposer = make_proposer(spec) if spec is not None else None
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.connector = connector
         self.decode_padding_elems = DECODE_PADDING_ELEMS  # per decode group; tests shrink it
         # "cpu" (the C++ kernel), "triton" or "torch" (the reference); tests switch it.
@@ -164,7 +170,21 @@ class ModelRunner:
         sampled_ids = batch["sample_req_ids"]
         if not sampled_ids:
             return out
-        logits = self.model.compute_logits(hidden[batch["sample_rows"]])
+        all_logits = self.model.compute_logits(hidden[batch["sample_rows"]])
+        spans = batch["sample_spans"]
+        if any(n > 1 for _, n in spans):  # drafts to verify: those requests apart
+            self._verify(all_logits, spans, sampled_ids, sched.scheduled_spec_tokens, out)
+            keep = [i for i, (_, n) in enumerate(spans) if n == 1]
+            sampled_ids = [sampled_ids[i] for i in keep]
+            all_logits = all_logits[[spans[i][0] for i in keep]]
+        if sampled_ids:
+            self._sample(all_logits, sampled_ids, out)
+        if sched.propose_drafts and self.proposer is not None:
+            self._propose(batch["sample_req_ids"], out)
+        return out
+
+    def _sample(self, logits: torch.Tensor, sampled_ids: list[str], out: ModelRunnerOutput) -> None:
+        """One token for each request of sampled_ids (logits: a row each)."""
         states = [self.states[r] for r in sampled_ids]
         params = [s.sampling_params for s in states]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -185,14 +205,49 @@ class ModelRunner:
             matcher.accept_token(tokens[i])
             if matcher.is_terminated():
                 out.grammar_ended.add(sampled_ids[i])
-        out.sampled_token_ids = dict(zip(sampled_ids, tokens))
+        out.sampled_token_ids.update((r, [t]) for r, t in zip(sampled_ids, tokens))
         if want:
             k = max(params[i].logprobs for i in want)
             for i, lp in zip(want, token_logprobs(raw, [tokens[i] for i in want], k)):
                 n = params[i].logprobs
                 lp.top_token_ids, lp.top_logprobs = lp.top_token_ids[:n], lp.top_logprobs[:n]
-                out.logprobs[sampled_ids[i]] = lp
-        return out
+                out.logprobs[sampled_ids[i]] = [lp]
+
+    def _verify(self, logits: torch.Tensor, spans: list[tuple[int, int]], sampled_ids: list[str],
+                drafts_of: dict[str, list[int]], out: ModelRunnerOutput) -> None:
+        """The drafts of each request that has k > 0 (its k + 1 rows of logits): the kept ones
+        and one more, their logprobs where asked for (from the raw rows, as without drafts)."""
+        stats = out.spec_stats = SpecDecodeStats()
+        rows = [(req_id, first, n) for req_id, (first, n) in zip(sampled_ids, spans) if n > 1]
+        argmax = logits.argmax(dim=-1).tolist()
+        for req_id, first, n in rows:
+            state, drafts = self.states[req_id], drafts_of[req_id]
+            params = state.sampling_params
+            if params.greedy:
+                tokens = greedy_accept(argmax[first:first + n], drafts)
+            else:
+                tokens = sampled_accept(logits[first:first + n], drafts, params, state.generator)
+            stats.add(len(drafts), len(tokens) - 1)
+            state.token_ids.extend(tokens)
+            out.sampled_token_ids[req_id] = tokens
+            if params.logprobs is not None:
+                raw = logits[first:first + len(tokens)].float().log_softmax(dim=-1)
+                out.logprobs[req_id] = token_logprobs(raw, tokens, params.logprobs)
+
+    def _propose(self, req_ids: list[str], out: ModelRunnerOutput) -> None:
+        """Drafts for the next step, for the requests that may take them: no logits processor,
+        grammar or pending min_tokens shapes their rows (verify.py reads plain rows)."""
+        for req_id in req_ids:
+            state = self.states.get(req_id)
+            if state is None or req_id not in out.sampled_token_ids:
+                continue
+            params = state.sampling_params
+            if (params.penalized or state.matcher is not None or self.model.rope_recompute_at is not None
+                    or len(state.token_ids) - state.num_prompt_tokens < params.min_tokens):
+                continue
+            drafts = self.proposer.propose(state.token_ids, self.num_spec_tokens)
+            if drafts:
+                out.spec_token_ids[req_id] = drafts
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list[tuple[str, int, int, int]]) -> dict[str, list]:
         """Each prompt token's logprob given the tokens before it, from the rows of this step's
@@ -221,23 +276,28 @@ class ModelRunner:
         order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: (
             kv[1] != 1, self.states[kv[0]].lora_id if by_adapter else 0, -starts[kv[0]]))
         input_ids, positions, sample_rows, sample_req_ids, rows, prompt_rows = [], [], [], [], [], []
+        sample_spans = []  # per sampled request: its first row in sample_rows, and its rows (1 + drafts)
+        drafts_of = sched.scheduled_spec_tokens
         rope_rows = []  # (start, end, prompt length, length) per request: what the RoPE of its rows takes
         by_length = self.model.rope_by_length
         adapter_spans = []  # (adapter id, first row, end row) per request, with LoRA on
         for req_id, n in order:
             state, start = self.states[req_id], starts[req_id]
             end = start + n
+            drafts = drafts_of.get(req_id, ())
             if state.prompt_logprobs is not None:
                 prompt_rows.append((req_id, len(input_ids), start, end))
             if by_lora:
                 adapter_spans.append((state.lora_id, len(input_ids), len(input_ids) + n))
-            input_ids.extend(state.token_ids[start:end])
+            input_ids.extend(state.token_ids[start:end - len(drafts)])
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             rows.append((start, end, state.block_ids))
             if by_length:
                 rope_rows.append((start, end, state.num_prompt_tokens, len(state.token_ids)))
-            if end == len(state.token_ids):  # caught up: this row's logits give the next token
-                sample_rows.append(len(input_ids) - 1)
+            if end - len(drafts) == len(state.token_ids):  # caught up: the last rows' logits give the next tokens
+                sample_spans.append((len(sample_rows), 1 + len(drafts)))
+                sample_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
                 sample_req_ids.append(req_id)
         dev = self.device
         positions_t = torch.tensor(positions, device=dev)
@@ -265,6 +325,7 @@ class ModelRunner:
                                          torch.from_numpy(block_tables.slots(spans, self.block_size)).to(dev))
         return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t, "metas": metas,
                 "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids,
+                "sample_spans": sample_spans,
                 "prompt_rows": prompt_rows, "adapter_spans": adapter_spans, "rope_lengths": rope_lengths}
 
     def _kernel_batch(self, spans: list[block_tables.Span], positions: torch.Tensor) -> AttentionMetadata:

@@ -67,6 +67,21 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: [R, V] probabilities of logits [R, V] (one row
+    per entry of params, none greedy) after temperature, min-p, top-k and top-p."""
+    sub = logits / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    if any(p.min_p > 0 for p in params):  # after temperature, before top-k/top-p (vLLM's order)
+        min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+        probs = sub.softmax(dim=-1)
+        sub = sub.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=logits.device)
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        sub = _apply_top_k_top_p(sub, top_k, top_p)
+    return sub.softmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
     """logits: [B, V] float32, one row per request; generators: one per row."""
     greedy = logits.argmax(dim=-1)
@@ -74,20 +89,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if not random_rows:
         return greedy.tolist()
     rows = torch.tensor(random_rows, device=logits.device)
-    sub = logits[rows] / torch.tensor([params[i].temperature for i in random_rows], device=logits.device)[:, None]
-    if any(params[i].min_p > 0 for i in random_rows):  # after temperature, before top-k/top-p (vLLM's order)
-        min_p = torch.tensor([params[i].min_p for i in random_rows], device=logits.device)
-        probs = sub.softmax(dim=-1)
-        sub = sub.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
-    if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in random_rows):
-        top_k = torch.tensor([params[i].top_k for i in random_rows], device=logits.device)
-        top_p = torch.tensor([params[i].top_p for i in random_rows], device=logits.device)
-        sub = _apply_top_k_top_p(sub, top_k, top_p)
-    probs = sub.softmax(dim=-1)
+    probs = sampling_probs(logits[rows], [params[i] for i in random_rows])
     # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples from p;
     # each row's E from its own generator. On the device until one copy of every token to the host.
     noise = _noises(probs.shape[-1], probs.device, [generators[i] for i in random_rows])
     return greedy.index_copy(0, rows, (probs / noise).argmax(dim=-1)).tolist()
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from probabilities [V] (they need not sum to 1), from the request's generator."""
+    return int((probs / _noise(probs.shape[-1], probs.device, generator)).argmax())
 
 
 def _noises(vocab_size: int, device, generators: list[torch.Generator]) -> torch.Tensor:

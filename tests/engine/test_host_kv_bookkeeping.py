@@ -46,7 +46,7 @@ class FakeRunner:
             for pos in range(start, start + n):
                 self.device[blocks[pos // self.bs]][pos % self.bs] = req.all_token_ids[pos]
             if req.num_computed_tokens == req.num_tokens:
-                sampled[req_id] = self.rng.randrange(4)
+                sampled[req_id] = [self.rng.randrange(4)]
         result = ModelRunnerOutput(sampled)
         while self.jobs and self.jobs[0][0] <= 0:  # in order, as the copier reports them
             ops = self.jobs.pop(0)[1]

@@ -54,7 +54,7 @@ class TokenPool:
                     block = blocks[pos // self.bs]
                     assert block >= 0 and self.pool[block][pos % self.bs] == req.all_token_ids[pos], (req_id, pos)
             if req.num_computed_tokens == req.num_tokens:
-                sampled[req_id] = rng.randrange(3)
+                sampled[req_id] = [rng.randrange(3)]
         return ModelRunnerOutput(sampled)
 
 

@@ -25,7 +25,7 @@ def fake_run(sched, out, rng, vocab=4):
     for req_id in out.num_scheduled_tokens:
         req = sched.requests[req_id]
         if req.num_computed_tokens == req.num_tokens:
-            sampled[req_id] = rng.randrange(vocab)
+            sampled[req_id] = [rng.randrange(vocab)]
     return ModelRunnerOutput(sampled)
 
 
@@ -127,7 +127,7 @@ def test_stop_conditions(tmp_path):
         sched.add_request(req)
         for token in tokens:
             out = sched.schedule()
-            sched.update_from_output(out, ModelRunnerOutput({name: token}))
+            sched.update_from_output(out, ModelRunnerOutput({name: [token]}))
             if req.is_finished:
                 break
         assert (req.status, req.num_output_tokens) == (status, n_out), name

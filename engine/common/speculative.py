@@ -1,0 +1,61 @@
+"""Speculative decoding's configuration (vLLM's --speculative-config, its names): which proposer
+drafts tokens, how many per step, and when speculation stops paying. Torch-free, validated with
+errors that name the field."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from baton.engine.common.errors import InvalidArgument, check
+
+# What a proposer may be: the ones Baton runs, and the ones it knows but does not run yet.
+METHODS = ("ngram",)
+PLANNED = ("suffix", "draft_model", "eagle", "eagle3", "mtp")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # drafted per request per step
+    # ngram (prompt lookup): the longest suffix of the request's tokens, of prompt_lookup_max
+    # tokens down to prompt_lookup_min, found earlier in them proposes what followed it there.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    # Speculation is off in steps with at least this many running requests (None: always on): a
+    # full batch is bound by compute, where verifying drafts costs more than it saves.
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self):
+        field = "speculative_config."
+        if self.method in PLANNED:
+            raise InvalidArgument(field + "method", f"{self.method!r} is not implemented yet (Baton runs: "
+                                                    f"{', '.join(METHODS)})")
+        check(self.method in METHODS, field + "method",
+              f"must be one of {', '.join(METHODS)}, got {self.method!r}")
+        check(_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+              field + "num_speculative_tokens",
+              f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens!r}")
+        check(_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1, field + "prompt_lookup_min",
+              f"must be an integer >= 1, got {self.prompt_lookup_min!r}")
+        check(_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
+              field + "prompt_lookup_max",
+              f"must be an integer >= prompt_lookup_min ({self.prompt_lookup_min}), got {self.prompt_lookup_max!r}")
+        limit = self.disable_by_batch_size
+        check(limit is None or (_int(limit) and limit >= 1), field + "disable_by_batch_size",
+              f"must be an integer >= 1, got {limit!r}")
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """A SpeculativeConfig from itself, a dict (vLLM's JSON), or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        check(isinstance(value, dict), "speculative_config", f"must be an object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        check(not unknown, f"speculative_config.{unknown[0] if unknown else ''}",
+              f"is not a speculative decoding setting (known: {', '.join(sorted(known))})")
+        return cls(**value)
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

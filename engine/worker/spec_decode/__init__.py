@@ -1,0 +1,21 @@
+"""Speculative decoding's worker half. After a step, a proposer drafts each decoding request's
+next tokens (one module per proposer, behind Proposer); the scheduler sends them back with the
+request's next token, the model computes them all in one forward, and verify.py keeps the
+drafts the target model would have produced (greedy: equal to its argmax; sampled: rejection
+sampling, which keeps the target's distribution) and one token more."""
+from __future__ import annotations
+
+from typing import Protocol
+
+from baton.engine.common.speculative import SpeculativeConfig
+
+
+class Proposer(Protocol):
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to k drafts to follow a request's tokens (none: nothing worth verifying)."""
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    from baton.engine.worker.spec_decode.ngram import NgramProposer
+
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)

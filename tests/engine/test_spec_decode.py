@@ -1,0 +1,164 @@
+"""Speculative decoding: drafts verified in one forward keep the output what it is without them.
+
+Greedy output with drafts equals output without (batched, chunked, preempted, prefix-cached,
+with logprobs and stop tokens); sampled output follows the target's distribution (rejection
+sampling, checked on a tiny vocabulary) and repeats under a seed; bad configurations are
+refused naming the field. A random-weight checkpoint's greedy text rarely repeats itself, so the
+verification paths are driven by an oracle proposer (drafts from a run without speculation, some
+of them wrong on purpose); the n-gram proposer is checked on its own and end to end.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton import LLM, SamplingParams
+from baton.engine.common.errors import InvalidArgument
+from baton.engine.common.sampling_params import SamplingParams as Params
+from baton.engine.worker.spec_decode.ngram import NgramProposer
+from baton.engine.worker.spec_decode.verify import greedy_accept, sampled_accept
+
+from helpers import random_prompts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+class OracleProposer:
+    """Drafts of the continuation a run without drafts produced, every `wrong`-th one off by one:
+    accepted drafts, rejections at every position, and whole accepted runs."""
+
+    def __init__(self, sequences: list[list[int]], wrong: int = 3):
+        self.sequences, self.wrong = sequences, wrong
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        n = len(token_ids)
+        for seq in self.sequences:
+            if seq[:n] == token_ids:
+                return [t + 1 if (n + i) % self.wrong == 0 else t for i, t in enumerate(seq[n:n + k])]
+        return []
+
+
+def prompts() -> list[list[int]]:
+    out = random_prompts([5, 23, 40, 61, 90], seed=17)
+    return out + [out[3][:48] + out[0]]  # shares three blocks with the fourth
+
+
+def test_the_ngram_proposer_takes_the_latest_longest_match():
+    proposer = NgramProposer(min_n=2, max_n=3)
+    #                  0  1  2  3  4  5  6  7  8  9 10 11
+    assert proposer.propose([4, 2, 3, 9, 7, 2, 3, 8, 5, 1, 2, 3], 3) == [8, 5, 1]  # "2 3" last seen at 5
+    assert proposer.propose([4, 1, 2, 3, 6, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # "1 2 3" (3 tokens) at 5
+    assert proposer.propose([1, 2, 3, 4, 5], 4) == []  # nothing repeats
+    assert proposer.propose([5, 6, 5, 6], 4) == [5, 6]  # only what follows the match
+
+
+def test_greedy_accept_keeps_drafts_up_to_the_first_miss():
+    assert greedy_accept([7, 8, 9, 1], [7, 8, 9]) == [7, 8, 9, 1]
+    assert greedy_accept([7, 8, 9, 1], [7, 5, 9]) == [7, 8]
+    assert greedy_accept([7, 8], [3]) == [7]
+
+
+def run(model_dir, ps, params, proposer=None, **engine):
+    llm = LLM(model_dir, dtype="float32", device="cpu", **engine)
+    if proposer is not None:
+        llm.engine.runner.proposer = proposer
+    outs = llm.generate(ps, params)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks  # no block leaked, drafts or not
+    return llm, outs
+
+
+def test_greedy_with_drafts_equals_without(tiny_llama):
+    """Batched, chunked, preempted (a small pool), prefix-cached; one request stops on a token
+    its drafts run past; logprobs of the kept drafts equal those computed one by one."""
+    ps = prompts()
+    _, plain = run(tiny_llama, ps, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    stop_at = plain[2].token_ids[10]  # inside a run of drafts
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2,
+                             stop_token_ids=[stop_at] if i == 2 else []) for i in range(len(ps))]
+    _, want = run(tiny_llama, ps, params)
+    sequences = [p + o.token_ids for p, o in zip(ps, plain)]
+    llm, got = run(tiny_llama, ps, params, OracleProposer(sequences), speculative_config=NGRAM,
+                   max_num_batched_tokens=32, num_kv_blocks=14, max_model_len=192)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert got[2].token_ids[-1] == stop_at and got[2].finish_reason == "stop"
+    for g, w in zip(got, want):
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert a.token_id == b.token_id and a.top_token_ids == b.top_token_ids
+            assert abs(a.logprob - b.logprob) < 1e-4
+    scheduler = llm.engine.core.scheduler
+    stats = scheduler.spec_stats
+    assert scheduler.num_preemptions > 0 and llm.engine.kv.prefix_hits > 0
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert len(stats.accepted_per_pos) >= 2  # whole runs of drafts kept, not only the first
+
+
+def test_the_ngram_proposer_end_to_end_equals_without(tiny_qwen2):
+    ps = [p + p for p in random_prompts([9, 30], seed=3)] + random_prompts([12], seed=4)  # copies to find
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    _, want = run(tiny_qwen2, ps, params)
+    llm, got = run(tiny_qwen2, ps, params, speculative_config=NGRAM)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """A vocabulary of 5: for drafts that p likes, dislikes, and cannot produce (top-k cut), the
+    first token's frequencies over 20,000 draws match p within 4 standard errors; so does the
+    second token's, given the first draft was kept."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.0, 1.5, -0.5, 1.0, 0.2], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    params = Params(temperature=0.8, top_k=4)
+    probs = torch.softmax(logits / 0.8, dim=-1)
+    probs[0, 3] = 0.0  # top-k 4 drops each row's least likely
+    probs[1, 2] = 0.0
+    probs = probs / probs.sum(-1, keepdim=True)
+    gen = torch.Generator().manual_seed(0)
+    trials = 20_000
+    for drafts in ([0, 1], [4, 3], [3, 1]):
+        first, second = torch.zeros(5), torch.zeros(5)
+        for _ in range(trials):
+            out = sampled_accept(logits.clone(), drafts, params, gen)
+            first[out[0]] += 1
+            if out[0] == drafts[0] and len(out) > 1:
+                second[out[1]] += 1
+        for counts, p in ((first, probs[0]), (second, probs[1])):
+            n = counts.sum()
+            if n < 2000:
+                continue  # a first draft rarely kept says too little about the second position
+            error = 4 * torch.sqrt(p * (1 - p) / n) + 1e-3
+            assert torch.all((counts / n - p).abs() <= error), (drafts, counts / n, p)
+        assert first[3] == 0  # never a token the target cannot sample
+
+
+def test_seeded_sampling_with_drafts_repeats(tiny_llama):
+    ps = prompts()[:3]
+    sequences = [p + o.token_ids for p, o in zip(ps, run(tiny_llama, ps, SamplingParams(
+        max_tokens=20, temperature=0.0, ignore_eos=True))[1])]
+    params = SamplingParams(max_tokens=20, temperature=0.7, seed=11, ignore_eos=True)
+    outs = [[o.token_ids for o in run(tiny_llama, ps, params, OracleProposer(sequences, wrong=4),
+                                      speculative_config=NGRAM)[1]] for _ in range(2)]
+    assert outs[0] == outs[1]
+
+
+def test_speculation_stops_above_disable_by_batch_size(tiny_llama):
+    ps = prompts()
+    _, plain = run(tiny_llama, ps, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    sequences = [p + o.token_ids for p, o in zip(ps, plain)]
+    spec = {**NGRAM, "disable_by_batch_size": 3}
+    llm, got = run(tiny_llama, ps, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                   OracleProposer(sequences), speculative_config=spec, max_num_seqs=8)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert llm.engine.core.scheduler.spec_stats.num_drafts == 0  # six running: never under three
+
+
+@pytest.mark.parametrize("config,field", [
+    ({"method": "medusa"}, "speculative_config.method"),
+    ({"method": "eagle"}, "speculative_config.method"),
+    ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+    ({"num_speculative_tokens": 99}, "speculative_config.num_speculative_tokens"),
+    ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
+    ({"lookahead": 3}, "speculative_config.lookahead"),
+    ("ngram", "speculative_config"),
+])
+def test_a_bad_speculative_config_is_refused_naming_the_field(tiny_llama, config, field):
+    with pytest.raises(InvalidArgument) as err:
+        LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=config)
+    assert err.value.field == field
