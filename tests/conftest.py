@@ -144,7 +144,7 @@ def trace_receiver():
 @pytest.fixture(scope="module")
 def traced_stack(tiny_llama, trace_receiver):
     """Router, prefill and decode processes, every one tracing to the receiver and serving
-    metrics (the telemetry tests')."""
+    metrics (the telemetry tests'); the decode speculates (n-gram drafts)."""
     from helpers import TOKEN, wait_serving
 
     receiver = trace_receiver
@@ -152,7 +152,8 @@ def traced_stack(tiny_llama, trace_receiver):
     common = ("--internal-token", TOKEN, "--otlp-traces-endpoint", receiver.endpoint, "--metrics-port", "0",
               "--served-model-name", "tiny-llama")
     prefill = ServerProcess(tiny_llama, "--role", "prefill", "--max-num-batched-tokens", "32", *common)
-    decode = ServerProcess(tiny_llama, "--role", "decode", *common)
+    decode = ServerProcess(tiny_llama, "--role", "decode", "--speculative-config",
+                           '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}', *common)
     procs = [prefill, decode]
     try:
         router = ServerProcess(tiny_llama, "--role", "router", "--prefill", prefill.address, "--decode",

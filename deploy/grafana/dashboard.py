@@ -113,6 +113,21 @@ ROWS = [
                                (q(0.99, "baton:grammar_wait_seconds"), "p99")],
          "From a constrained request's arrival until its grammar was ready (compiled off the step loop)."),
     ]),
+    ("Speculative decoding", [
+        ("Draft acceptance", "percentunit", [
+            (f"{rate('baton:spec_decode_num_accepted_tokens_total', 'role')} / "
+             f"{rate('baton:spec_decode_num_draft_tokens_total', 'role')}", "accepted / drafted {{role}}")],
+         "The share of drafted tokens the target model kept (--speculative-config)."),
+        ("Tokens per verified draft", "short", [
+            (f"1 + {rate('baton:spec_decode_num_accepted_tokens_total', 'role')} / "
+             f"{rate('baton:spec_decode_num_drafts_total', 'role')}", "tokens per step {{role}}")],
+         "Tokens a request gets from one step that verifies its drafts: the kept drafts and one more."),
+        ("Acceptance by draft position", "percentunit", [
+            (f"{rate('baton:spec_decode_num_accepted_tokens_per_pos_total', 'role, position')} / ignoring(position) "
+             f"group_left {rate('baton:spec_decode_num_drafts_total', 'role')}", "position {{position}} {{role}}")],
+         "The share of verified drafts whose token at each position was kept (position 0: the first after the "
+         "request's last token)."),
+    ]),
 ]
 
 

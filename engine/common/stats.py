@@ -39,6 +39,8 @@ class RequestStats(msgspec.Struct, array_like=True, gc=False):
     last_token_time: float | None
     finished_time: float
     num_held_blocks: int  # blocks held for a decode peer (0: none)
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for it
+    num_accepted_tokens: int = 0  # ... and kept
 
 
 class RequestEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -92,6 +94,11 @@ class EngineSnapshot:
     num_loras: int = 0  # loaded
     num_running_loras: int = 0  # distinct among running requests (at most max_loras)
     num_lora_device_loads: int = 0  # put on the device (a slot taken by another adapter before)
+    # Speculative decoding (vLLM's SpecDecodingStats, since start; all 0 without it).
+    num_spec_drafts: int = 0  # requests' steps whose drafts were verified
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # kept drafts by their position (0: the first after a token)
 
     @property
     def kv_cache_usage(self) -> float:

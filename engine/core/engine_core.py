@@ -310,7 +310,10 @@ class EngineCore:
             num_preemptions=sched.num_preemptions, num_failed_loads=sched.num_failed_loads,
             num_prompt_tokens=sched.num_prompt_tokens, num_prompt_tokens_cached=sched.num_prompt_tokens_cached,
             num_prompt_tokens_external=sched.num_prompt_tokens_external,
-            num_generation_tokens=sched.num_generation_tokens, **self._host_figures(), **self._lora_figures())
+            num_generation_tokens=sched.num_generation_tokens, **self._host_figures(), **self._lora_figures(),
+            num_spec_drafts=sched.spec_stats.num_drafts, num_spec_draft_tokens=sched.spec_stats.num_draft_tokens,
+            num_spec_accepted_tokens=sched.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(sched.spec_stats.accepted_per_pos))
 
     def _lora_figures(self) -> dict[str, int]:
         if self.loras is None:

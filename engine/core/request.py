@@ -51,7 +51,8 @@ class Request:
                  "eos_token_ids", "priority", "arrival_time", "arrival_seq", "status", "num_computed_tokens",
                  "num_cached_tokens", "num_external_tokens", "num_preemptions", "block_hashes", "hold_for_remote",
                  "remote_kv", "kv_handle", "scheduled_time", "kv_ready_time", "first_token_time", "last_token_time",
-                 "finished_time", "stop_token_id", "grammar", "lora_id", "hash_root", "spec_token_ids")
+                 "finished_time", "stop_token_id", "grammar", "lora_id", "hash_root", "spec_token_ids",
+                 "num_draft_tokens", "num_accepted_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, arrival_time: float | None = None,
@@ -89,6 +90,7 @@ class Request:
         self.finished_time: float | None = None
         self.stop_token_id: int | None = None  # the stop token id that ended it (stop strings are the front's)
         self.spec_token_ids: list[int] = []  # drafts to verify with its next token (speculative decoding)
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # drafts verified for it, and kept
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +112,8 @@ class Request:
         """Its figures once it finished (the FINISHED event's)."""
         return RequestStats(self.status.finish_reason, self.num_output_tokens, max(self.num_cached_tokens, 0),
                             self.num_preemptions, self.scheduled_time, self.first_token_time, self.last_token_time,
-                            self.finished_time, len(self.kv_handle.block_ids) if self.kv_handle is not None else 0)
+                            self.finished_time, len(self.kv_handle.block_ids) if self.kv_handle is not None else 0,
+                            self.num_draft_tokens, self.num_accepted_tokens)
 
     @property
     def length_capped(self) -> bool:

@@ -361,6 +361,8 @@ class Scheduler:
             drafts = sched.scheduled_spec_tokens.get(req_id)
             if drafts:  # the rejected drafts' positions are computed again, with the tokens that replace them
                 request.num_computed_tokens -= len(drafts) + 1 - len(token_ids)
+                request.num_draft_tokens += len(drafts)
+                request.num_accepted_tokens += len(token_ids) - 1
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.num_prompt_tokens += request.num_prompt_tokens

@@ -29,6 +29,7 @@ class Grammars:
         self._control_tokens = None  # token ids JSON output keeps out, once the compiler is made
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
         self._compiled: dict[StructuredOutput, Future] = {}
+        self._tokenizer = None  # for forced(), loaded on first use
 
     def compile(self, so: StructuredOutput) -> Future:
         """The compiled grammar, when it is (its exception: an InvalidArgument naming the field)."""
@@ -76,6 +77,18 @@ class Grammars:
             return c.compile_grammar(so.spec)
         except Exception as e:  # noqa: BLE001 - xgrammar's errors are RuntimeErrors with its reason
             raise InvalidArgument(f"{FIELD}.{so.kind}", f"does not compile: {str(e).strip().splitlines()[0]}") from None
+
+    def forced(self, matcher: Matcher, k: int) -> list[int]:
+        """Up to k tokens of what the grammar allows next when it allows one string only (a key,
+        punctuation): free drafts for speculative decoding (the model still verifies them)."""
+        text = matcher.grammar.find_jump_forward_string()
+        if not text:
+            return []
+        if self._tokenizer is None:
+            from baton.engine.common.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self._model_dir)
+        return self._tokenizer.encode(text, add_special_tokens=False)[:k]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -223,29 +223,42 @@ class ModelRunner:
         for req_id, first, n in rows:
             state, drafts = self.states[req_id], drafts_of[req_id]
             params = state.sampling_params
+            rows_logits = logits[first:first + n]
+            raw = rows_logits.float().log_softmax(dim=-1) if params.logprobs is not None else None  # unprocessed
+            shaped = params.penalized or state.matcher is not None or params.min_tokens
+            fed = self._shape_draft_rows(rows_logits, state, drafts) if shaped else 0
             if params.greedy:
-                tokens = greedy_accept(argmax[first:first + n], drafts)
+                tokens = greedy_accept(rows_logits.argmax(dim=-1).tolist() if shaped else argmax[first:first + n],
+                                       drafts)
             else:
-                tokens = sampled_accept(logits[first:first + n], drafts, params, state.generator)
+                tokens = sampled_accept(rows_logits, drafts, params, state.generator)
             stats.add(len(drafts), len(tokens) - 1)
+            if state.matcher is not None:  # the kept tokens, from where the request was, up to the grammar's end
+                matcher = state.matcher.grammar
+                matcher.rollback(fed)
+                for i, token in enumerate(tokens):
+                    matcher.accept_token(token)
+                    if matcher.is_terminated():
+                        tokens = tokens[:i + 1]
+                        out.grammar_ended.add(req_id)
+                        break
             state.token_ids.extend(tokens)
             out.sampled_token_ids[req_id] = tokens
-            if params.logprobs is not None:
-                raw = logits[first:first + len(tokens)].float().log_softmax(dim=-1)
-                out.logprobs[req_id] = token_logprobs(raw, tokens, params.logprobs)
+            if raw is not None:
+                out.logprobs[req_id] = token_logprobs(raw[:len(tokens)], tokens, params.logprobs)
 
     def _propose(self, req_ids: list[str], out: ModelRunnerOutput) -> None:
-        """Drafts for the next step, for the requests that may take them: no logits processor,
-        grammar or pending min_tokens shapes their rows (verify.py reads plain rows)."""
+        """Drafts for the next step: the proposer's, or where a request's grammar allows one
+        continuation only, that continuation's tokens (free: no model guessed them). Not for
+        LongRoPE models, whose verify rows would need lengths of their own."""
+        if self.model.rope_recompute_at is not None:
+            return
         for req_id in req_ids:
             state = self.states.get(req_id)
-            if state is None or req_id not in out.sampled_token_ids:
+            if state is None or req_id not in out.sampled_token_ids or req_id in out.grammar_ended:
                 continue
-            params = state.sampling_params
-            if (params.penalized or state.matcher is not None or self.model.rope_recompute_at is not None
-                    or len(state.token_ids) - state.num_prompt_tokens < params.min_tokens):
-                continue
-            drafts = self.proposer.propose(state.token_ids, self.num_spec_tokens)
+            drafts = self.grammars.forced(state.matcher, self.num_spec_tokens) if state.matcher is not None else []
+            drafts = drafts or self.proposer.propose(state.token_ids, self.num_spec_tokens)
             if drafts:
                 out.spec_token_ids[req_id] = drafts
 
@@ -404,12 +417,36 @@ class ModelRunner:
             start += size
         return groups
 
-    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, states: list[RequestState]) -> None:
+    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, states: list[RequestState],
+                                          ahead: int = 0) -> None:
+        """Stop tokens out of row i's logits while the request has fewer than min_tokens outputs
+        (`ahead`: the rows are one request's, row i after i more tokens, its drafts)."""
         for row, state in enumerate(states):
             params = state.sampling_params
-            if len(state.token_ids) - state.num_prompt_tokens < params.min_tokens:
+            outputs = len(state.token_ids) - state.num_prompt_tokens + (row if ahead else 0)
+            if outputs < params.min_tokens:
                 stops = list(params.stop_token_ids)
                 if not params.ignore_eos:
                     stops.extend(self.eos_token_ids)
                 if stops:
                     logits[row, stops] = float("-inf")
+
+    def _shape_draft_rows(self, logits: torch.Tensor, state: RequestState, drafts: list[int]) -> int:
+        """A request's k + 1 rows processed as its single row would be after each draft: stop
+        tokens held back before min_tokens, penalties over the tokens before the row, the
+        grammar's mask in the state the drafts before the row lead to. Returns the drafts fed to
+        the grammar matcher (up to the first it refuses: verification stops there anyway); the
+        caller rolls them back."""
+        k, params = len(drafts), state.sampling_params
+        self._suppress_stops_before_min_tokens(logits, [state] * (k + 1), ahead=True)
+        if params.penalized:
+            apply_processors(logits, list(range(k + 1)), [params] * (k + 1),
+                             [state.token_ids + drafts[:i] for i in range(k + 1)], [state.num_prompt_tokens] * (k + 1))
+        fed = 0
+        if state.matcher is not None:
+            for i in range(k + 1):
+                mask_logits(logits, [i], [state.matcher])
+                if i == k or not state.matcher.grammar.accept_token(drafts[i]):
+                    break
+                fed += 1
+        return fed

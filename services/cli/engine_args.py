@@ -3,6 +3,7 @@ make, and the same flags again for the engines `baton up` starts."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -50,6 +51,9 @@ def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
                    help="sliding-window layers keep every KV block, as full-attention layers do")
     g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
                    help="LoRA adapters (PEFT directories) to load at start; requests pick one by name")
+    g.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding, as vLLM takes it: e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 5, "prompt_lookup_min": 2}\'')
 
 
 def model_dir(args) -> str:
@@ -68,6 +72,12 @@ def engine_config(args):
     bad = next((m for m in modules if "=" not in m or not m.split("=", 1)[0]), None)
     if bad is not None:
         sys.exit(f"baton serve: --lora-modules: expected NAME=PATH, got {bad!r}")
+    spec = getattr(args, "speculative_config", None)
+    if spec is not None:
+        try:
+            kwargs["speculative_config"] = json.loads(spec)
+        except json.JSONDecodeError as e:
+            sys.exit(f"baton serve: --speculative-config: not JSON ({e}): {spec!r}")
     return EngineConfig.from_kwargs(model, enable_prefix_caching=not args.no_prefix_caching,
                                     enable_chunked_prefill=not args.no_chunked_prefill,
                                     enable_lora=getattr(args, "enable_lora", False),
@@ -86,4 +96,6 @@ def engine_argv(args) -> list[str]:
                                    ("--disable-hybrid-kv-cache-manager", args.disable_hybrid_kv_cache_manager)) if on]
     if args.lora_modules:  # every engine of the stack serves the adapters
         argv += ["--lora-modules", *args.lora_modules]
+    if getattr(args, "speculative_config", None):
+        argv += ["--speculative-config", args.speculative_config]
     return argv

@@ -156,9 +156,13 @@ class RequestTelemetry:
         reason, num_output_tokens, _ = self.final or (stats.finish_reason, stats.num_output_tokens, None)
         when = ev.time
         self._first_token(finished=True)
+        decode = {"gen_ai.usage.output_tokens": num_output_tokens, "gen_ai.response.finish_reasons": [reason]}
+        if stats.num_draft_tokens:  # speculative decoding: how its drafts fared
+            decode.update({"baton.spec_decode.draft_tokens": stats.num_draft_tokens,
+                           "baton.spec_decode.accepted_tokens": stats.num_accepted_tokens,
+                           "baton.spec_decode.acceptance_rate": stats.num_accepted_tokens / stats.num_draft_tokens})
         for name in list(self.phases):
-            self.end_phase(name, when, {"gen_ai.usage.output_tokens": num_output_tokens,
-                                   "gen_ai.response.finish_reasons": [reason]} if name == "decode" else None)
+            self.end_phase(name, when, decode if name == "decode" else None)
         latencies = self._latencies()
         if self.span is not None and self.span.is_recording():
             self.span.set_attributes({

@@ -211,9 +211,10 @@ class _EngineLoadCollector:
         names, values = list(self.labels), list(self.labels.values())
 
         def family(kind, name: str, doc: str, value=None, by: dict | None = None, label: str = ""):
-            metric = kind(PREFIX + name, doc, labels=names + ([label] if by else []))
-            for key, v in (by or {None: value}).items():
-                metric.add_metric(values + ([key] if by else []), v)
+            """One value, or (`by`) one per `label` value; an empty `by` declares the family only."""
+            metric = kind(PREFIX + name, doc, labels=names + ([label] if by is not None else []))
+            for key, v in (by.items() if by is not None else [(None, value)]):
+                metric.add_metric(values + ([key] if by is not None else []), v)
             return metric
 
         g, c = GaugeMetricFamily, CounterMetricFamily
@@ -257,6 +258,12 @@ class _EngineLoadCollector:
                      by={"local_compute": computed, "local_cache_hit": s.num_prompt_tokens_cached,
                          "external_kv_transfer": s.num_prompt_tokens_external})
         yield family(c, "generation_tokens", "Number of generation tokens processed.", s.num_generation_tokens)
+        yield family(c, "spec_decode_num_drafts", "Number of spec decoding drafts (a request's drafts verified in "
+                     "one step).", s.num_spec_drafts)
+        yield family(c, "spec_decode_num_draft_tokens", "Number of draft tokens.", s.num_spec_draft_tokens)
+        yield family(c, "spec_decode_num_accepted_tokens", "Number of accepted tokens.", s.num_spec_accepted_tokens)
+        yield family(c, "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                     label="position", by={str(i): n for i, n in enumerate(s.spec_accepted_per_pos)})
 
 
 class RouterMetrics(_Family):

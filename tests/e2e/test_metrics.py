@@ -65,6 +65,13 @@ def test_metrics_count_a_known_workload(traced_stack, trace_receiver):
     assert delta(2, "baton:prompt_tokens_by_source_total", source="local_cache_hit") == 64
     assert delta(2, "baton:kv_transfer_outcomes_total", outcome="ok") == n
     assert delta(2, "baton:request_generation_tokens_sum") == sum(max_tokens)
+    # Its n-gram drafts (one-token matches: some are proposed even in random text): kept ones by
+    # position add up, and never outnumber those drafted.
+    drafted, kept = (delta(2, f"baton:spec_decode_num_{kind}_tokens_total") for kind in ("draft", "accepted"))
+    assert delta(2, "baton:spec_decode_num_drafts_total") > 0 and 0 <= kept <= drafted
+    positions = [dict(labels)["position"] for name, labels in after[2]
+                 if name == "baton:spec_decode_num_accepted_tokens_per_pos_total"]
+    assert kept == sum(delta(2, "baton:spec_decode_num_accepted_tokens_per_pos_total", position=p) for p in positions)
     s = stats(decode.address)
     block_bytes = after[2][("baton:nixl_bytes_transferred_sum", ())] / s.num_blocks_pulled
     assert delta(2, "baton:nixl_bytes_transferred_sum") == (4 + 1 + 3) * block_bytes

@@ -58,6 +58,7 @@ def test_one_trace_per_request_across_router_prefill_transfer_and_decode(traced_
 
     results = run(go())
     ids = [f"plain-{i}" for i in range(3)] + ["chat-0", "traced-0"]
+    speculated = 0
     for request_id, (tokens, _, last) in zip(ids, results):
         spans = request_spans(trace_receiver, request_id)
         assert len({s.trace_id for s in spans}) == 1, f"{request_id} is spread over several traces"
@@ -109,9 +110,14 @@ def test_one_trace_per_request_across_router_prefill_transfer_and_decode(traced_
         assert prefill_phase.attributes["gen_ai.usage.input_tokens"] == usage.prompt_tokens
         (decode_phase,) = [s for s in spans if s.name == "decode"]
         assert decode_phase.attributes["gen_ai.usage.output_tokens"] == usage.completion_tokens
+        drafted = decode_phase.attributes.get("baton.spec_decode.draft_tokens", 0)  # the decode speculates
+        kept = decode_phase.attributes.get("baton.spec_decode.accepted_tokens", 0)
+        speculated += drafted > 0
+        assert 0 <= kept <= drafted and kept < usage.completion_tokens
         for key in ("latency.ttft", "latency.prefill_leg", "latency.handoff", "latency.first_decode_step"):
             assert 0 <= root.attributes[f"baton.{key}"] <= (root.end_ns - root.start_ns) / 1e9, key
         assert "transfer" in waterfall(spans) and "hold" in waterfall(spans)
+    assert speculated  # some request's decode span says how its drafts fared
     # The chunked prompt (70 tokens, 32 per step) shows its chunks on the prefill span.
     (chunked,) = [s for s in request_spans(trace_receiver, "plain-2") if s.name == "prefill"]
     assert [e[2]["baton.tokens"] for e in chunked.events if e[0] == "chunk"] == [32, 32, 6]

@@ -162,3 +162,75 @@ def test_a_bad_speculative_config_is_refused_naming_the_field(tiny_llama, config
     with pytest.raises(InvalidArgument) as err:
         LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=config)
     assert err.value.field == field
+
+
+def test_penalties_min_tokens_and_logit_bias_shape_every_draft_row(tiny_llama):
+    """Each draft row is processed as the single row after the drafts before it would be:
+    penalties over those tokens, stop tokens held back until min_tokens (EOS not ignored)."""
+    ps = prompts()[:4]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.4, presence_penalty=0.5,
+                             frequency_penalty=0.3, logit_bias={7: 2.0}, min_tokens=8),
+              SamplingParams(max_tokens=20, temperature=0.0, min_tokens=12, logprobs=1)] * 2
+    _, want = run(tiny_llama, ps, params)
+    sequences = [p + o.token_ids for p, o in zip(ps, want)]
+    llm, got = run(tiny_llama, ps, params, OracleProposer(sequences), speculative_config=NGRAM)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.engine.core.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+def test_structured_output_checks_drafts_against_the_grammar(tiny_llama):
+    """Drafts the grammar refuses are rejected (never advance the matcher); output equals the
+    run without drafts."""
+    from baton.engine.common.structured_output import StructuredOutput
+
+    ps = prompts()[:3]
+    params = SamplingParams(max_tokens=16, temperature=0.0,
+                            structured_output=StructuredOutput("regex", "[a-e]{2,6}-[0-9]{3,9}"))
+    _, want = run(tiny_llama, ps, params)
+    sequences = [p + o.token_ids for p, o in zip(ps, want)]
+    llm, got = run(tiny_llama, ps, params, OracleProposer(sequences, wrong=2), speculative_config=NGRAM)
+    assert [(o.token_ids, o.text) for o in got] == [(o.token_ids, o.text) for o in want]
+    stats = llm.engine.core.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_grammar_forced_tokens_are_free_drafts(tiny_llama):
+    """Where the grammar allows one continuation only (a JSON schema's keys and punctuation),
+    its tokens are drafted with no proposer's help; output equals the run without drafts."""
+    import json
+
+    from baton.engine.common.structured_output import StructuredOutput
+
+    schema = {"type": "object", "properties": {"temperature_celsius": {"type": "integer", "minimum": -50,
+                                                                       "maximum": 60},
+                                               "condition_summary": {"enum": ["sunny", "overcast"]}},
+              "required": ["temperature_celsius", "condition_summary"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=64, temperature=0.0,
+                            structured_output=StructuredOutput("json_schema", json.dumps(schema)))
+    ps = prompts()[:2]
+    _, want = run(tiny_llama, ps, params)
+    llm, got = run(tiny_llama, ps, params, OracleProposer([]), speculative_config=NGRAM)  # the oracle knows nothing
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(json.loads(o.text).keys() == schema["properties"].keys() for o in got)
+    stats = llm.engine.core.scheduler.spec_stats
+    assert stats.num_accepted_tokens > 0  # the keys came as drafts
+
+
+def test_the_decode_tier_speculates_through_the_router(tiny_llama):
+    """Router -> prefill -> decode with n-gram drafts on the decode: output equals the offline
+    engine's without them, pools full at the end."""
+    from baton.services.client import Client
+    from helpers import pools_full, wait_serving
+    from servers import pd_stack
+
+    ps = [p + p for p in random_prompts([12, 30], seed=21)] + random_prompts([45], seed=22)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    _, want = run(tiny_llama, ps, params)
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    with pd_stack(tiny_llama, decode=("--speculative-config", spec)) as ((prefill,), (decode,), router):
+        wait_serving(router.address)
+        with Client(router.address) as client:
+            got = [[t for c in client.generate(p, max_tokens=24, temperature=0.0, ignore_eos=True, timeout=60)
+                    for t in c.token_ids] for p in ps]
+        assert got == [o.token_ids for o in want]
+        assert pools_full(prefill.address) and pools_full(decode.address)
