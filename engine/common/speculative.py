@@ -3,13 +3,14 @@ drafts tokens, how many per step, and when speculation stops paying. Torch-free,
 errors that name the field."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 from baton.engine.common.errors import InvalidArgument, check
 
 # What a proposer may be: the ones Baton runs, and the ones it knows but does not run yet.
-METHODS = ("ngram",)
-PLANNED = ("suffix", "draft_model", "eagle", "eagle3", "mtp")
+METHODS = ("ngram", "draft_model")
+PLANNED = ("suffix", "eagle", "eagle3", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -17,6 +18,7 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4  # drafted per request per step
+    model: str | None = None  # draft_model: a smaller checkpoint with the target's tokenizer
     # ngram (prompt lookup): the longest suffix of the request's tokens, of prompt_lookup_max
     # tokens down to prompt_lookup_min, found earlier in them proposes what followed it there.
     prompt_lookup_min: int = 2
@@ -42,9 +44,20 @@ class SpeculativeConfig:
         check(_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
               field + "prompt_lookup_max",
               f"must be an integer >= prompt_lookup_min ({self.prompt_lookup_min}), got {self.prompt_lookup_max!r}")
+        check((self.method == "draft_model") == (self.model is not None), field + "model",
+              "a draft checkpoint directory is what draft_model takes (and only it)"
+              if self.method == "draft_model" else f"is for draft_model, not {self.method!r}")
+        check(self.model is None or (isinstance(self.model, str) and os.path.isdir(self.model)), field + "model",
+              f"must be a checkpoint directory, got {self.model!r}")
         limit = self.disable_by_batch_size
         check(limit is None or (_int(limit) and limit >= 1), field + "disable_by_batch_size",
               f"must be an integer >= 1, got {limit!r}")
+
+    @property
+    def lookahead(self) -> int:
+        """Slots past a request's tokens its drafting writes KV into (a draft model's own KV,
+        kept in the target's blocks): allocated with them."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:

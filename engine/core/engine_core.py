@@ -32,7 +32,8 @@ from baton.engine.core.request import Request, RequestStatus
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.worker.grammar import Grammars
 from baton.engine.common.stats import EngineSnapshot, EventType, StepEvents
-from baton.engine.common.tokenizer import eos_token_ids
+from baton.engine.common.tokenizer import eos_token_ids, load_tokenizer
+from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
 from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 
 _CPU_KV_BUDGET = 1 << 30
@@ -60,6 +61,7 @@ class EngineCore:
         free_at_start, total = memory_before_loading(config.device) if on_gpu else (0, 0)
         dtype = config.torch_dtype(args.torch_dtype)
         model = load_model(config.model, dtype, config.device)
+        draft = self._load_draft(args, dtype)
         self.loras, lora_slots = self._start_lora(args, model, dtype)
         if on_gpu and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
             config.kv_cache_memory_bytes = measure_kv_cache_bytes(model, config, free_at_start, total)
@@ -72,9 +74,14 @@ class EngineCore:
         # The host tier copies a request's blocks as one list: with it, every layer keeps every block.
         hybrid = not config.disable_hybrid_kv_cache_manager and not config.kv_offloading_size
         self.kv_groups = group_layers(args.layer_windows(config.max_model_len), hybrid)
+        check(draft is None or None in self.kv_groups.windows, "speculative_config.method",
+              "draft_model keeps its KV in the blocks of a full-attention layer group, and every layer of this "
+              "model slides: set disable_hybrid_kv_cache_manager")
         block_bytes = (self.kv_groups.layers_per_block * args.kv_parts * config.block_size * args.num_kv_heads
                        * args.head_dim * model.embed_tokens.weight.element_size())  # its group's layers' K and V
-        self.num_kv_blocks = self._num_kv_blocks(block_bytes)
+        # A draft model's KV sits in a cache of its own, addressed by the same block ids.
+        draft_bytes = 0 if draft is None else DraftModelProposer.block_bytes(draft, config.block_size)
+        self.num_kv_blocks = self._num_kv_blocks(block_bytes + draft_bytes)
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                  self.kv_groups.windows)
         self.num_host_blocks = self._num_host_blocks(block_bytes)
@@ -85,7 +92,7 @@ class EngineCore:
             connector_scheduler.group_windows = self.kv_groups.windows
         self.scheduler = Scheduler(config, self.kv, connector_scheduler, self.host)
         self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker, lora_slots,
-                                  self.num_host_blocks, self.kv_groups)
+                                  self.num_host_blocks, self.kv_groups, draft)
         self.connector = connector_worker
         if self.runner.model.rope_recompute_at is not None:  # LongRoPE: see Scheduler.recompute_at
             self.scheduler.recompute_at = self.runner.model.rope_recompute_at
@@ -115,6 +122,23 @@ class EngineCore:
         slots = LoRASlots(c.max_loras, registry.host_weights, torch.device(c.device), dtype)
         slots.attach(model)
         return registry, slots
+
+    def _load_draft(self, args: ModelArgs, dtype):
+        """draft_model's checkpoint, once it is known to speak the target's tokens: the same
+        vocabulary and tokenizer, a context as long as max_model_len; refused naming the field."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        field = "speculative_config.model"
+        draft_args = model_args(read_config(spec.model))
+        check(draft_args.vocab_size == args.vocab_size, field,
+              f"its vocabulary has {draft_args.vocab_size} tokens, the target's {args.vocab_size}")
+        check(load_tokenizer(spec.model).get_vocab() == load_tokenizer(self.config.model).get_vocab(), field,
+              "its tokenizer is not the target's (the token ids would mean other things)")
+        check(draft_args.max_position_embeddings >= self.config.max_model_len, field,
+              f"its max_position_embeddings {draft_args.max_position_embeddings} is shorter than max_model_len "
+              f"{self.config.max_model_len}")
+        return load_model(spec.model, dtype, self.config.device)
 
     def _num_kv_blocks(self, block_bytes: int) -> int:
         c = self.config

@@ -77,6 +77,8 @@ class Scheduler:
         self._to_recompute: list[Request] = []
         self.speculative = config.speculative_config
         self.spec_stats = SpecDecodeStats()  # since start
+        # Slots past a caught-up request's tokens that its drafting writes (a draft model's KV).
+        self.lookahead = self.speculative.lookahead if self.speculative is not None else 0
 
     def record(self, request: Request | None, kind: EventType, when: float, **fields) -> None:
         if self.events is not None and request is not None:
@@ -220,7 +222,8 @@ class Scheduler:
             request = self.running[i]
             drafts = self._drafts(request) if speculating and request.spec_token_ids else ()
             n = min(request.num_tokens - request.num_computed_tokens + len(drafts), budget, threshold or budget)
-            while (new_blocks := allocate(request, n)) is None:
+            extra = self.lookahead if request.num_computed_tokens + n >= request.num_tokens else 0
+            while (new_blocks := allocate(request, n + extra)) is None:
                 victim = self._preempt_one(out)
                 if victim is request:
                     break
@@ -292,7 +295,8 @@ class Scheduler:
                 n = request.num_tokens - num_computed
             elif not self.config.enable_chunked_prefill and num_computed + n < request.num_tokens:
                 break  # a prompt that does not fit whole waits for a step with room
-            if self.kv.allocate_slots(request, n + num_external, computed, cache=not load_async) is None:
+            extra = self.lookahead if not load_async and num_computed + n == request.num_tokens else 0
+            if self.kv.allocate_slots(request, n + num_external + extra, computed, cache=not load_async) is None:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_computed

@@ -45,7 +45,7 @@ def kv_attention(args) -> str:
 
 class RequestState:
     __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens", "prompt_logprobs",
-                 "matcher", "lora_id")
+                 "matcher", "lora_id", "draft_computed")
 
     def __init__(self, token_ids, block_ids, sampling_params: SamplingParams, generator, num_prompt_tokens,
                  prompt_logprobs: list | None, lora_id: int = 0):
@@ -57,15 +57,17 @@ class RequestState:
         self.prompt_logprobs = prompt_logprobs  # accumulating over chunks; None: not asked, or sent
         self.matcher = None  # structured output: where the request is in its grammar
         self.lora_id = lora_id
+        self.draft_computed = 0  # a draft model's KV is right for its first this many tokens
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, eos_token_ids: frozenset[int],
                  connector: KVConnectorWorker | None = None, lora: LoRASlots | None = None,
-                 num_host_blocks: int = 0, kv_groups: KVGroups | None = None):
+                 num_host_blocks: int = 0, kv_groups: KVGroups | None = None, draft: CausalLM | None = None):
         """`lora`: the adapters on the device (attached to the model already), when LoRA is on;
         `num_host_blocks`: the host KV tier's size (0: none); `kv_groups`: which layers share a
-        block (default: one group of every layer)."""
+        block (default: one group of every layer); `draft`: the draft model, for draft_model
+        speculation."""
         self.model = model
         self.lora = lora
         self.config = config
@@ -90,7 +92,6 @@ class ModelRunner:
         self.staging = block_tables.Staging(self.device)  # the step's metadata on its way to the device
         self.grammars = None  # structured_output.Grammars, set by the engine core
         spec = config.speculative_config
-        self.proposer = make_proposer(spec) if spec is not None else None
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.connector = connector
         self.decode_padding_elems = DECODE_PADDING_ELEMS  # per decode group; tests shrink it
@@ -98,12 +99,30 @@ class ModelRunner:
         self.attention_backend = choose_backend(config.attention_backend, self.kv_cache.dtype, self.device,
                                                 args.num_heads, args.num_kv_heads, args.head_dim,
                                                 latent=args.attention == "mla")
+        self.proposer = None if spec is None else (make_proposer(spec) if draft is None else
+                                                   self._draft_proposer(draft, num_blocks))
         if connector is not None:
             connector.register_kv_caches(self.kv_cache, KVFormat(
                 checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,
                 args.num_kv_heads, args.head_dim, config.block_size, self.attention_backend, groups.layers,
                 tuple(w or 0 for w in groups.windows), kv_attention(args)),
                 host_cache=self.host_kv.host_cache if self.host_kv is not None else None)
+
+    def _draft_proposer(self, draft: CausalLM, num_blocks: int):
+        from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
+
+        a = draft.args
+        backend = choose_backend(self.config.attention_backend, self.kv_cache.dtype, self.device, a.num_heads,
+                                 a.num_kv_heads, a.head_dim, latent=a.attention == "mla")
+
+        def metadata(spans, positions, num_decodes):
+            if backend == "cpu":
+                return self._kernel_batch(spans, positions)
+            if backend == "triton":
+                return self._triton_batches([spans], num_decodes)[0]
+            return self._reference_batch(spans, num_decodes)
+        return DraftModelProposer(draft, num_blocks, self.block_size, self.config.max_model_len,
+                                  self.kv_groups.windows.index(None), metadata, self.device)
 
     def _add_request(self, new) -> None:
         params = new.sampling_params
@@ -199,6 +218,7 @@ class ModelRunner:
             mask_logits(logits, constrained, [states[i].matcher for i in constrained])
         tokens = sample(logits, params, [s.generator for s in states])
         for state, token in zip(states, tokens):
+            state.draft_computed = min(state.draft_computed, len(state.token_ids))  # a draft fed there is stale
             state.token_ids.append(token)
         for i in constrained:
             matcher = states[i].matcher.grammar
@@ -242,6 +262,8 @@ class ModelRunner:
                         tokens = tokens[:i + 1]
                         out.grammar_ended.add(req_id)
                         break
+            # A draft model saw its drafts: right up to the last one kept.
+            state.draft_computed = min(state.draft_computed, len(state.token_ids) + len(tokens) - 1)
             state.token_ids.extend(tokens)
             out.sampled_token_ids[req_id] = tokens
             if raw is not None:
@@ -253,14 +275,21 @@ class ModelRunner:
         LongRoPE models, whose verify rows would need lengths of their own."""
         if self.model.rope_recompute_at is not None:
             return
+        asking = []
         for req_id in req_ids:
             state = self.states.get(req_id)
             if state is None or req_id not in out.sampled_token_ids or req_id in out.grammar_ended:
                 continue
-            drafts = self.grammars.forced(state.matcher, self.num_spec_tokens) if state.matcher is not None else []
-            drafts = drafts or self.proposer.propose(state.token_ids, self.num_spec_tokens)
-            if drafts:
-                out.spec_token_ids[req_id] = drafts
+            forced = self.grammars.forced(state.matcher, self.num_spec_tokens) if state.matcher is not None else []
+            if forced:
+                out.spec_token_ids[req_id] = forced
+            else:
+                asking.append(req_id)
+        if asking:
+            for req_id, drafts in zip(asking, self.proposer.propose([self.states[r] for r in asking],
+                                                                    self.num_spec_tokens)):
+                if drafts:
+                    out.spec_token_ids[req_id] = drafts
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list[tuple[str, int, int, int]]) -> dict[str, list]:
         """Each prompt token's logprob given the tokens before it, from the rows of this step's

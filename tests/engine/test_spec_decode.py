@@ -30,7 +30,10 @@ class OracleProposer:
     def __init__(self, sequences: list[list[int]], wrong: int = 3):
         self.sequences, self.wrong = sequences, wrong
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, states: list, k: int) -> list[list[int]]:
+        return [self.match(s.token_ids, k) for s in states]
+
+    def match(self, token_ids: list[int], k: int) -> list[int]:
         n = len(token_ids)
         for seq in self.sequences:
             if seq[:n] == token_ids:
@@ -45,11 +48,11 @@ def prompts() -> list[list[int]]:
 
 def test_the_ngram_proposer_takes_the_latest_longest_match():
     proposer = NgramProposer(min_n=2, max_n=3)
-    #                  0  1  2  3  4  5  6  7  8  9 10 11
-    assert proposer.propose([4, 2, 3, 9, 7, 2, 3, 8, 5, 1, 2, 3], 3) == [8, 5, 1]  # "2 3" last seen at 5
-    assert proposer.propose([4, 1, 2, 3, 6, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # "1 2 3" (3 tokens) at 5
-    assert proposer.propose([1, 2, 3, 4, 5], 4) == []  # nothing repeats
-    assert proposer.propose([5, 6, 5, 6], 4) == [5, 6]  # only what follows the match
+    #                0  1  2  3  4  5  6  7  8  9 10 11
+    assert proposer.match([4, 2, 3, 9, 7, 2, 3, 8, 5, 1, 2, 3], 3) == [8, 5, 1]  # "2 3" last seen at 5
+    assert proposer.match([4, 1, 2, 3, 6, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # "1 2 3" (3 tokens) at 5
+    assert proposer.match([1, 2, 3, 4, 5], 4) == []  # nothing repeats
+    assert proposer.match([5, 6, 5, 6], 4) == [5, 6]  # only what follows the match
 
 
 def test_greedy_accept_keeps_drafts_up_to_the_first_miss():
@@ -216,9 +219,13 @@ def test_grammar_forced_tokens_are_free_drafts(tiny_llama):
     assert stats.num_accepted_tokens > 0  # the keys came as drafts
 
 
-def test_the_decode_tier_speculates_through_the_router(tiny_llama):
-    """Router -> prefill -> decode with n-gram drafts on the decode: output equals the offline
-    engine's without them, pools full at the end."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_the_decode_tier_speculates_through_the_router(tiny_llama, method):
+    """Router -> prefill -> decode with drafts on the decode (n-gram; the target as its own draft
+    model, whose KV of the prompt the decode computes, since the prefill ships the target's
+    only): output equals the offline engine's without them, pools full at the end."""
+    import json
+
     from baton.services.client import Client
     from helpers import pools_full, wait_serving
     from servers import pd_stack
@@ -226,7 +233,8 @@ def test_the_decode_tier_speculates_through_the_router(tiny_llama):
     ps = [p + p for p in random_prompts([12, 30], seed=21)] + random_prompts([45], seed=22)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     _, want = run(tiny_llama, ps, params)
-    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    spec = json.dumps({"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1} if method == "ngram"
+                      else {"method": method, "num_speculative_tokens": 3, "model": tiny_llama})
     with pd_stack(tiny_llama, decode=("--speculative-config", spec)) as ((prefill,), (decode,), router):
         wait_serving(router.address)
         with Client(router.address) as client:
@@ -234,3 +242,54 @@ def test_the_decode_tier_speculates_through_the_router(tiny_llama):
                     for t in c.token_ids] for p in ps]
         assert got == [o.token_ids for o in want]
         assert pools_full(prefill.address) and pools_full(decode.address)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory) -> str:
+    """A one-layer Llama with the tiny checkpoints' tokenizer: a draft of its own weights."""
+    from baton.testing.checkpoints import write_random_checkpoint
+
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("draft")), "LlamaConfig", seed=3, hidden_size=32,
+                                   intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                                   num_hidden_layers=1, tie_word_embeddings=True)
+
+
+def test_a_draft_model_that_is_the_target_is_always_right(tiny_llama):
+    """The target as its own draft: every draft kept (its KV, caught up lazily, in the target's
+    blocks and the lookahead slots, is right), through chunks, preemptions and prefix hits, and
+    the output equals the run without drafts."""
+    ps = prompts()
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    _, want = run(tiny_llama, ps, params)
+    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
+    llm, got = run(tiny_llama, ps, params, speculative_config=spec, max_num_batched_tokens=32, num_kv_blocks=16,
+                   max_model_len=192)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats, scheduler = llm.engine.core.scheduler.spec_stats, llm.engine.core.scheduler
+    assert scheduler.num_preemptions > 0 and llm.engine.kv.prefix_hits > 0
+    assert stats.num_draft_tokens > 50 and stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
+
+
+def test_a_small_draft_model_keeps_the_targets_output(tiny_llama, tiny_draft):
+    ps = prompts()
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)] * 3
+    _, want = run(tiny_llama, ps, params)
+    spec = {"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 4}
+    _, got = run(tiny_llama, ps, params, speculative_config=spec)
+    assert [o.token_ids for o in got][::2] == [o.token_ids for o in want][::2]  # greedy: equal
+    _, again = run(tiny_llama, ps, params, speculative_config=spec)
+    assert [o.token_ids for o in again] == [o.token_ids for o in got]  # seeded: repeatable
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_llama, tmp_path):
+    from baton.testing.checkpoints import write_random_checkpoint
+
+    other = write_random_checkpoint(str(tmp_path / "other"), "LlamaConfig", hidden_size=32, intermediate_size=64,
+                                    num_attention_heads=2, num_hidden_layers=1, vocab_size=600)
+    for spec, message in (({"method": "draft_model", "model": other}, "vocabulary"),
+                          ({"method": "draft_model"}, "draft checkpoint"),
+                          ({"method": "ngram", "model": other}, "is for draft_model")):
+        with pytest.raises(InvalidArgument, match=message) as err:
+            LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=spec)
+        assert err.value.field == "speculative_config.model"

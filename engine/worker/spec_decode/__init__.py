@@ -11,11 +11,13 @@ from baton.engine.common.speculative import SpeculativeConfig
 
 
 class Proposer(Protocol):
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to k drafts to follow a request's tokens (none: nothing worth verifying)."""
+    def propose(self, states: list, k: int) -> list[list[int]]:
+        """Up to k drafts to follow each request's tokens (its runner state: token_ids, block_ids,
+        draft_computed); none where nothing is worth verifying."""
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """A proposer that needs nothing but the tokens (draft_model's is made by the runner)."""
     from baton.engine.worker.spec_decode.ngram import NgramProposer
 
     return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)

@@ -12,7 +12,11 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, states: list, k: int) -> list[list[int]]:
+        return [self.match(s.token_ids, k) for s in states]
+
+    def match(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix."""
         tokens = np.asarray(token_ids)
         length = len(tokens)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):

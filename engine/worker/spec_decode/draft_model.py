@@ -1,0 +1,85 @@
+"""Drafts from a smaller model with the target's tokenizer ("draft_model"): its greedy tokens,
+k of them, one forward of the draft each.
+
+Its KV cache is its own tensor, laid out block for block like the target's and addressed by the
+target's block ids (those of a full-attention KV cache group), so the scheduler allocates for
+both at once (Scheduler.lookahead: the k slots past a request's tokens that drafting writes) and
+nothing else keeps books for it. The draft's KV is computed lazily, when a request drafts: each
+round first catches the draft up on the request's tokens it has not seen (the whole prompt the
+first time, then the tokens the last verification kept and the one after them), then feeds its
+own drafts back k - 1 times. So a request whose prompt's KV came from elsewhere (a prefill peer,
+the host tier, a prefix hit) costs the draft one forward over that prompt and nothing more;
+shipping the draft's KV from the prefill instead would need the prefill to load the draft and
+a second layout in every handle, for a model a tenth the target's size or less.
+
+Drafts are greedy, so the proposal distribution is one-hot and verify.py's rejection sampling
+stays exact.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from baton.engine.common.errors import check
+from baton.engine.worker.models import CausalLM
+from baton.kernels.attention import AttentionMetadata
+
+
+class DraftModelProposer:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_model_len: int, group: int,
+                 metadata: Callable[[list, torch.Tensor, int], AttentionMetadata], device: torch.device):
+        """`group`: the target's full-attention KV cache group whose block ids the draft's cache
+        takes; `metadata(spans, positions, num_decodes)`: the attention metadata of a batch of
+        (start, end, block ids) spans on the draft's backend, decodes (one row) first."""
+        args = model.args
+        model.prepare(max_model_len)
+        check(not model.rope_by_length, "speculative_config.model",
+              "a draft whose RoPE depends on the sequence's length (dynamic NTK, LongRoPE) is not supported")
+        self.model, self.group, self.metadata, self.device = model, group, metadata, device
+        self.cache = torch.zeros(num_blocks, args.num_layers, args.kv_parts, block_size, args.num_kv_heads,
+                                 args.head_dim, dtype=model.embed_tokens.weight.dtype, device=device)
+        self.layer_caches = [(self.cache[:, i, 0], self.cache[:, i, args.kv_parts - 1]) for i in range(args.num_layers)]
+        self.max_model_len = max_model_len
+
+    @staticmethod
+    def block_bytes(model: CausalLM, block_size: int) -> int:
+        a = model.args
+        return a.num_layers * a.kv_parts * block_size * a.num_kv_heads * a.head_dim * model.embed_tokens.weight.element_size()
+
+    def propose(self, states: list, k: int) -> list[list[int]]:
+        """Up to k drafts for each request state (token_ids, block_ids, draft_computed), fewer
+        where the model's length ends first; each state's draft_computed advanced."""
+        k = min(k, self.max_model_len - max(len(s.token_ids) for s in states))
+        if k <= 0:
+            return [[] for _ in states]
+        # Catch up: each request's unseen tokens, one-row requests first (the metadata's order).
+        order = sorted(range(len(states)), key=lambda i: len(states[i].token_ids) - states[i].draft_computed > 1)
+        spans, ids = [], []
+        for i in order:
+            s = states[i]
+            start = min(s.draft_computed, len(s.token_ids) - 1)
+            spans.append((start, len(s.token_ids), s.block_ids[self.group]))
+            ids += s.token_ids[start:]
+        last = self._forward(ids, spans, sum(1 for start, end, _ in spans if end - start == 1))
+        drafts = [[] for _ in states]
+        for i, token in zip(order, last):
+            drafts[i].append(token)
+        for j in range(1, k):  # one row each: the last draft, at the position after the tokens and drafts before
+            spans = [(len(states[i].token_ids) + j - 1, len(states[i].token_ids) + j, states[i].block_ids[self.group])
+                     for i in order]
+            for i, token in zip(order, self._forward([drafts[i][-1] for i in order], spans, len(spans))):
+                drafts[i].append(token)
+        for s in states:
+            s.draft_computed = len(s.token_ids) + k - 1
+        return drafts
+
+    def _forward(self, ids: list[int], spans: list, num_decodes: int) -> list[int]:
+        """The draft over a batch of spans; the argmax after each span's last row."""
+        positions = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b, _ in spans])).to(self.device)
+        meta = self.metadata(spans, positions, num_decodes)
+        hidden = self.model(torch.tensor(ids, device=self.device), positions, self.layer_caches,
+                            [meta] * len(self.layer_caches))
+        ends = np.cumsum([b - a for a, b, _ in spans]) - 1
+        return self.model.compute_logits(hidden[torch.from_numpy(ends).to(self.device)]).argmax(dim=-1).tolist()
