@@ -46,7 +46,8 @@ class DraftModelProposer:
     @staticmethod
     def block_bytes(model: CausalLM, block_size: int) -> int:
         a = model.args
-        return a.num_layers * a.kv_parts * block_size * a.num_kv_heads * a.head_dim * model.embed_tokens.weight.element_size()
+        return (a.num_layers * a.kv_parts * block_size * a.num_kv_heads * a.head_dim
+                * model.embed_tokens.weight.element_size())
 
     def propose(self, states: list, k: int) -> list[list[int]]:
         """Up to k drafts for each request state (token_ids, block_ids, draft_computed), fewer
