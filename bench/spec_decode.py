@@ -5,7 +5,9 @@ what n-gram drafts are for) and "chat" (open questions: little to copy). Each is
 at 1, 4, 16 and 64 requests in flight, greedy, so every configuration must produce the same
 tokens (checked). Reported per configuration: TPOT p50 (a request's time per output token after
 its first; a step that yields several tokens shares its time among them), output tokens/s, and
-the drafts' acceptance by position.
+the drafts' acceptance by position. Proposers: none, ngram, and with --draft a draft model: a
+random-weight two-layer model with SmolLM2's tokenizer (its drafts are wrong: what it shows is
+the draft's cost).
 
     .venv/bin/python bench/spec_decode.py
     .venv/bin/python bench/spec_decode.py --inflight 1 4 --workload copy --max-tokens 128
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +47,22 @@ def copy_prompts(n: int) -> list[list[dict]]:
 def chat_prompts(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": f"Explain {TOPICS[i % len(TOPICS)]} in a few paragraphs."}]
             for i in range(n)]
+
+
+def random_draft(model: str, out: str) -> str:
+    """A two-layer Llama of random weights with the model's tokenizer and vocabulary."""
+    import torch
+    import transformers
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    config = transformers.LlamaConfig(vocab_size=cfg["vocab_size"], hidden_size=128, intermediate_size=256,
+                                      num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                      max_position_embeddings=cfg["max_position_embeddings"], tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(model) / name, Path(out) / name)
+    return out
 
 
 def run(model: str, prompts: list[list[int]], inflight: int, max_tokens: int, spec: dict | None) -> dict:
@@ -89,11 +109,16 @@ def main() -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="speculation off from this many running requests (default: the engine's; 0: never)")
+    p.add_argument("--draft", action="store_true", help="also a random-weight draft model (its cost)")
     p.add_argument("--json", help="write the figures here too")
     args = p.parse_args()
-    ngram = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
-    if args.disable_by_batch_size is not None:  # (0: never off)
-        ngram["disable_by_batch_size"] = args.disable_by_batch_size or None
+    proposers = {"ngram": {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}}
+    if args.draft:
+        proposers["draft"] = {"method": "draft_model", "num_speculative_tokens": args.num_speculative_tokens,
+                              "model": random_draft(args.model, tempfile.mkdtemp())}
+    for spec in proposers.values():
+        if args.disable_by_batch_size is not None:  # (0: never off)
+            spec["disable_by_batch_size"] = args.disable_by_batch_size or None
     chat_template = LLMEngine(EngineConfig.from_kwargs(args.model, dtype="float32", device="cpu", num_kv_blocks=64,
                                                        max_model_len=1024))
     report = []
@@ -104,12 +129,15 @@ def main() -> None:
             n = max(4, args.requests_per_slot * inflight)
             convs = (copy_prompts if workload == "copy" else chat_prompts)(n)
             prompts = [chat_template.apply_chat_template(c) for c in convs]
-            base = run(args.model, prompts, inflight, args.max_tokens, None)
-            spec = run(args.model, prompts, inflight, args.max_tokens, ngram)
-            same = spec.pop("tokens") == base.pop("tokens")
-            for name, r in (("none", base), ("ngram", spec)):
+            results = {"none": run(args.model, prompts, inflight, args.max_tokens, None)}
+            results.update((name, run(args.model, prompts, inflight, args.max_tokens, spec))
+                           for name, spec in proposers.items())
+            base = results["none"]
+            want = base.pop("tokens")
+            for name, r in results.items():
+                same = name == "none" or r.pop("tokens") == want
                 row = {"workload": workload, "inflight": inflight, "proposer": name, **r}
-                if name == "ngram":
+                if name != "none":
                     row["tpot_ratio"] = round(base["tpot_p50_ms"] / r["tpot_p50_ms"], 2)
                     row["throughput_ratio"] = round(r["tokens_per_s"] / base["tokens_per_s"], 2)
                     row["same_tokens"] = same
