@@ -5,7 +5,7 @@ what n-gram drafts are for) and "chat" (open questions: little to copy). Each is
 at 1, 4, 16 and 64 requests in flight, greedy, so every configuration must produce the same
 tokens (checked). Reported per configuration: TPOT p50 (a request's time per output token after
 its first; a step that yields several tokens shares its time among them), output tokens/s, and
-the drafts' acceptance by position. Proposers: none, ngram, and with --draft a draft model: a
+the drafts' acceptance by position. Proposers: none, ngram, suffix, and with --draft a draft model: a
 random-weight two-layer model with SmolLM2's tokenizer (its drafts are wrong: what it shows is
 the draft's cost).
 
@@ -112,7 +112,8 @@ def main() -> None:
     p.add_argument("--draft", action="store_true", help="also a random-weight draft model (its cost)")
     p.add_argument("--json", help="write the figures here too")
     args = p.parse_args()
-    proposers = {"ngram": {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}}
+    proposers = {"ngram": {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens},
+                 "suffix": {"method": "suffix", "num_speculative_tokens": args.num_speculative_tokens}}
     if args.draft:
         proposers["draft"] = {"method": "draft_model", "num_speculative_tokens": args.num_speculative_tokens,
                               "model": random_draft(args.model, tempfile.mkdtemp())}

@@ -9,8 +9,8 @@ from dataclasses import dataclass, fields
 from baton.engine.common.errors import InvalidArgument, check
 
 # What a proposer may be: the ones Baton runs, and the ones it knows but does not run yet.
-METHODS = ("ngram", "draft_model")
-PLANNED = ("suffix", "eagle", "eagle3", "mtp")
+METHODS = ("ngram", "suffix", "draft_model")
+PLANNED = ("eagle", "eagle3", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -23,6 +23,13 @@ class SpeculativeConfig:
     # tokens down to prompt_lookup_min, found earlier in them proposes what followed it there.
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    # suffix (engine/worker/spec_decode/suffix.py): the trees' depth, finished requests whose
+    # outputs the shared tree keeps, drafts per matched token at most, and the least joint
+    # likelihood a draft may have.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     # Speculation is off in steps with at least this many running requests (None: always on): a
     # full batch is bound by compute, where verifying drafts costs more than it saves. Measured
     # (bench/spec_decode.py, SmolLM2 on 2 CPU cores, n-gram, 4 drafts): at 64 in flight a chat
@@ -49,6 +56,16 @@ class SpeculativeConfig:
               if self.method == "draft_model" else f"is for draft_model, not {self.method!r}")
         check(self.model is None or (isinstance(self.model, str) and os.path.isdir(self.model)), field + "model",
               f"must be a checkpoint directory, got {self.model!r}")
+        check(_int(self.suffix_decoding_max_tree_depth) and self.suffix_decoding_max_tree_depth >= 2,
+              field + "suffix_decoding_max_tree_depth", f"must be an integer >= 2, got "
+                                                        f"{self.suffix_decoding_max_tree_depth!r}")
+        check(_int(self.suffix_decoding_max_cached_requests) and self.suffix_decoding_max_cached_requests >= 0,
+              field + "suffix_decoding_max_cached_requests",
+              f"must be an integer >= 0, got {self.suffix_decoding_max_cached_requests!r}")
+        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, field + name,
+                  f"must be a number > 0, got {value!r}")
         limit = self.disable_by_batch_size
         check(limit is None or (_int(limit) and limit >= 1), field + "disable_by_batch_size",
               f"must be an integer >= 1, got {limit!r}")

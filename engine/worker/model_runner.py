@@ -45,7 +45,7 @@ def kv_attention(args) -> str:
 
 class RequestState:
     __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens", "prompt_logprobs",
-                 "matcher", "lora_id", "draft_computed")
+                 "matcher", "lora_id", "draft_computed", "proposer_state")
 
     def __init__(self, token_ids, block_ids, sampling_params: SamplingParams, generator, num_prompt_tokens,
                  prompt_logprobs: list | None, lora_id: int = 0):
@@ -58,6 +58,7 @@ class RequestState:
         self.matcher = None  # structured output: where the request is in its grammar
         self.lora_id = lora_id
         self.draft_computed = 0  # a draft model's KV is right for its first this many tokens
+        self.proposer_state = None  # the speculative proposer's, for this request (suffix: its tree)
 
 
 class ModelRunner:
@@ -156,8 +157,11 @@ class ModelRunner:
             return self._execute(sched)
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        finished = getattr(self.proposer, "finished", None)
         for req_id in sched.finished_req_ids:
-            self.states.pop(req_id, None)
+            state = self.states.pop(req_id, None)
+            if finished is not None and state is not None:
+                finished(state)
         for new in sched.scheduled_new_reqs:
             self._add_request(new)
         for cached in sched.scheduled_cached_reqs:

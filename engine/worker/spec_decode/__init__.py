@@ -13,11 +13,16 @@ from baton.engine.common.speculative import SpeculativeConfig
 class Proposer(Protocol):
     def propose(self, states: list, k: int) -> list[list[int]]:
         """Up to k drafts to follow each request's tokens (its runner state: token_ids, block_ids,
-        draft_computed); none where nothing is worth verifying."""
+        draft_computed, proposer_state: the proposer's own, per request); none where nothing is
+        worth verifying. A proposer may also have finished(state), called as a request ends."""
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     """A proposer that needs nothing but the tokens (draft_model's is made by the runner)."""
     from baton.engine.worker.spec_decode.ngram import NgramProposer
+    from baton.engine.worker.spec_decode.suffix import SuffixProposer
 
+    if config.method == "suffix":
+        return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                              config.suffix_decoding_min_token_prob, config.suffix_decoding_max_spec_factor)
     return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
