@@ -79,21 +79,42 @@ class OutputProcessor:
             tracked = self.requests.get(out.key)
             if tracked is None:  # its caller left, or a stop string ended it a step ago
                 continue
-            tracked.num_output_tokens += len(out.new_token_ids)
             finish, stop_reason, handle = out.finish_reason, out.stop_token_id, out.kv_handle
-            text = ""
+            tokens, logprobs, text = out.new_token_ids, out.logprobs, ""
             if tracked.stream is not None:
                 final = finish is not None and not (tracked.hands_over and finish == "length")
-                text, stop = tracked.stream.push(out.new_token_ids, final,
-                                                 tracked.num_output_tokens >= tracked.min_tokens)
+                text, stop, kept = self._push(tracked, tokens, final)
                 if stop is not None:
                     if finish is None or handle is not None:
                         stopped.append(tracked.request_id)
                     finish, stop_reason, handle = "stop", stop, None
+                    tokens, logprobs = tokens[:kept], logprobs[:kept] if logprobs is not None else None
+            else:
+                tracked.num_output_tokens += len(tokens)
             if finish is not None:
                 del self.requests[out.key]
-            steps.append(StepOutput(tracked.request_id, out.new_token_ids, text, finish is not None, finish,
+            steps.append(StepOutput(tracked.request_id, tokens, text, finish is not None, finish,
                                     tracked.num_prompt_tokens, tracked.num_output_tokens, out.num_cached_tokens,
-                                    handle, out.logprobs, out.prompt_logprobs, stop_reason, out.key, step_time,
+                                    handle, logprobs, out.prompt_logprobs, stop_reason, out.key, step_time,
                                     out.ready_time))
         return steps, stopped
+
+    @staticmethod
+    def _push(tracked: _Tracked, tokens: list[int], final: bool) -> tuple[str, str | None, int]:
+        """A step's tokens into the request's text: (the text to emit, the stop string that ended
+        it, how many of the tokens came before the end). Several tokens in one step (speculative
+        decoding's kept drafts) go in one at a time, so none past a stop string's is kept."""
+        stream = tracked.stream
+        if len(tokens) <= 1 or not stream.stops:
+            tracked.num_output_tokens += len(tokens)
+            text, stop = stream.push(tokens, final, tracked.num_output_tokens >= tracked.min_tokens)
+            return text, stop, len(tokens)
+        texts = []
+        for i, token in enumerate(tokens):
+            tracked.num_output_tokens += 1
+            text, stop = stream.push([token], final and i == len(tokens) - 1,
+                                     tracked.num_output_tokens >= tracked.min_tokens)
+            texts.append(text)
+            if stop is not None:
+                return "".join(texts), stop, i + 1
+        return "".join(texts), None, len(tokens)

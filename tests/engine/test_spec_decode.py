@@ -293,3 +293,39 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_llama, tmp_path):
         with pytest.raises(InvalidArgument, match=message) as err:
             LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=spec)
         assert err.value.field == "speculative_config.model"
+
+
+def test_lora_n_and_stop_strings_with_drafts(tiny_llama, adapters):
+    """Drafts verified under a request's LoRA adapter; n completions each speculate; a stop
+    string inside a run of kept drafts ends the text there. All as without drafts."""
+    ps = prompts()[:3]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, n=2),
+              SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)]
+
+    def go(proposer=None, spec=None):
+        llm = LLM(tiny_llama, dtype="float32", device="cpu", enable_lora=True, max_loras=2,
+                  **({"speculative_config": spec} if spec else {}))
+        llm.load_adapter("chat", adapters["chat"])
+        if proposer is not None:
+            llm.engine.runner.proposer = proposer
+        outs = llm.generate(ps, params, lora_request=["chat", None, "chat"])
+        assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+        return llm, outs
+
+    _, want = go()
+    sequences = [p + c.token_ids for p, o in zip(ps, want) for c in o.outputs]
+    llm, got = go(OracleProposer(sequences), NGRAM)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    assert llm.engine.core.scheduler.spec_stats.num_accepted_tokens > 0
+    stop = want[1].text[len(want[1].text) // 2:][:3]  # a piece of text from the middle of a completion
+    with_stop = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop])] * 3
+    plain = LLM(tiny_llama, dtype="float32", device="cpu").generate(ps, with_stop)
+    spec_llm = LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=NGRAM)
+    spec_llm.engine.runner.proposer = OracleProposer([p + o.token_ids for p, o in zip(ps, LLM(
+        tiny_llama, dtype="float32", device="cpu").generate(ps, SamplingParams(max_tokens=20, temperature=0.0,
+                                                                                ignore_eos=True)))])
+    drafted = spec_llm.generate(ps, with_stop)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in drafted] == [(o.token_ids, o.text, o.finish_reason)
+                                                                         for o in plain]
+    assert plain[1].finish_reason == "stop"
