@@ -15,9 +15,12 @@ Checks now (each passes or fails on its own; the report has every figure):
   experts) — on the auto backend (Triton)
   and its KV pool full afterwards;
 - bfloat16 engine runs of the same families (outputs complete, pools full);
+- speculative decoding on CUDA: n-gram, suffix and draft-model (the target as its own draft)
+  drafts keep the greedy output, the self-draft keeps nearly every draft, pools full;
 - heads wider than the Triton kernels take (an MLA latent of 576) fall back to the reference.
 
     python bench/gpu_check.py --out /tmp/gpu-report
+    python bench/gpu_check.py --out /tmp/gpu-report --only spec_decode engine --families gpt-oss
 """
 from __future__ import annotations
 
@@ -272,6 +275,38 @@ def check_engine(tmp: str) -> dict:
     return {"ok": all(r["ok"] for r in results.values()), "families": results}
 
 
+def check_spec_decode(tmp: str) -> dict:
+    from baton import LLM, SamplingParams
+    from baton.testing.checkpoints import write_random_checkpoint
+
+    model_dir = write_random_checkpoint(os.path.join(tmp, "spec"), "LlamaConfig", seed=7, hidden_size=128,
+                                        intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                        num_hidden_layers=2)
+    gen = torch.Generator().manual_seed(2)
+    base = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (8, 40, 90, 200)]
+    prompts = [p + p[:len(p) // 2] for p in base]  # something to look up
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(model_dir, dtype="float32", device="cuda", max_model_len=512).generate(
+        prompts, params)]
+    results = {}
+    for name, spec in {"ngram": {"method": "ngram", "prompt_lookup_min": 1},
+                       "suffix": {"method": "suffix", "suffix_decoding_min_token_prob": 0.05},
+                       "draft_model": {"method": "draft_model", "model": model_dir}}.items():
+        llm = LLM(model_dir, dtype="float32", device="cuda", max_model_len=512, max_num_batched_tokens=64,
+                  speculative_config={**spec, "num_speculative_tokens": 4})
+        t0 = time.perf_counter()
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.core.scheduler.spec_stats
+        row = results[name] = {"equal": got == want, "seconds": round(time.perf_counter() - t0, 3),
+                               "drafts": stats.num_drafts, "draft_tokens": stats.num_draft_tokens,
+                               "accepted": stats.num_accepted_tokens,
+                               "pool_full": llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks}
+        row["ok"] = row["equal"] and row["pool_full"] and (
+            name != "draft_model" or row["accepted"] >= 0.95 * max(row["draft_tokens"], 1) > 0)
+        del llm
+    return {"ok": all(r["ok"] for r in results.values()), "proposers": results}
+
+
 def check_wide_heads() -> dict:
     from baton.engine.worker.attention_backend import choose_backend
 
@@ -283,7 +318,12 @@ def check_wide_heads() -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="a folder for report.json and report.txt")
+    p.add_argument("--only", nargs="+", help="run these checks only (default: all)")
+    p.add_argument("--families", nargs="+", help="the engine check's families (default: all)")
     args = p.parse_args()
+    if args.families:
+        for name in set(FAMILIES) - set(args.families):
+            del FAMILIES[name]
     os.makedirs(args.out, exist_ok=True)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here: nothing to check")
@@ -293,8 +333,10 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         for name, check in (("triton_kernels", check_kernels), ("mla_kernel", check_mla_kernel),
-                            ("fused_moe", check_fused_moe),
-                            ("wide_heads", check_wide_heads), ("engine", lambda: check_engine(tmp))):
+                            ("fused_moe", check_fused_moe), ("wide_heads", check_wide_heads),
+                            ("spec_decode", lambda: check_spec_decode(tmp)), ("engine", lambda: check_engine(tmp))):
+            if args.only and name not in args.only:
+                continue
             t0 = time.perf_counter()
             try:
                 report[name] = check()
