@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
 
@@ -131,3 +132,11 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, "
                 f"computed={self.num_computed_tokens}/{self.num_tokens})")
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """One request's progress in one step, for the engine's callers."""
+    request: Request
+    new_token_ids: list[int]
+    finished: bool

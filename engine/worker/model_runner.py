@@ -1,5 +1,6 @@
-"""Runs one SchedulerOutput through the model: builds the flat batch, samples the next tokens
-(or, for requests with drafts, verifies them: spec_decode/), and drafts the next step's.
+"""Runs one SchedulerOutput through the model: builds the flat batch (batch_builder.py), samples
+the next tokens (or, for requests with drafts, verifies them: spec_decode/), and drafts the next
+step's.
 
 The runner keeps its own per-request state (token ids, block ids, RNG), updated from each
 step's plain output, as vLLM v1's does; it never decides what to run.
@@ -7,12 +8,12 @@ step's plain output, as vLLM v1's does; it never decides what to run.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from itertools import accumulate
 
 import numpy as np
 import torch
 
 from baton.engine.worker import block_tables
+from baton.engine.worker.batch_builder import BatchBuilder
 from baton.engine.common.config import EngineConfig
 from baton.engine.common.kv_groups import KVGroups, group_layers
 from baton.engine.worker.host_kv_copier import HostKVCopier
@@ -26,9 +27,8 @@ from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput, SpecDecodeStats
 from baton.engine.worker.grammar import mask_logits
 from baton.engine.worker.attention_backend import choose_backend
-from baton.kernels.attention import (DECODE_PADDING_ELEMS, AttentionMetadata, DecodeGroup, KernelBatch, PrefillSeq,
-                                     TritonBatch, group_decodes)
-from baton.kv_transfer.base import KVConnectorWorker, KVFormat, first_needed_block
+from baton.kernels.attention import DECODE_PADDING_ELEMS
+from baton.kv_transfer.base import KVConnectorWorker, KVFormat
 
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are materialized at once
@@ -61,7 +61,7 @@ class RequestState:
         self.proposer_state = None  # the speculative proposer's, for this request (suffix: its tree)
 
 
-class ModelRunner:
+class ModelRunner(BatchBuilder):
     def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, eos_token_ids: frozenset[int],
                  connector: KVConnectorWorker | None = None, lora: LoRASlots | None = None,
                  num_host_blocks: int = 0, kv_groups: KVGroups | None = None, draft: CausalLM | None = None):
@@ -310,145 +310,6 @@ class ModelRunner:
             if len(state.prompt_logprobs) == state.num_prompt_tokens:
                 done[req_id], state.prompt_logprobs = state.prompt_logprobs, None
         return done
-
-    def _build_batch(self, sched: SchedulerOutput) -> dict:
-        starts = {c.req_id: c.num_computed_tokens for c in sched.scheduled_cached_reqs}
-        starts.update((n.req_id, n.num_computed_tokens) for n in sched.scheduled_new_reqs)
-        # One-token decodes first, longest context first (the reference's length groups are
-        # then row ranges), then prefill chunks; with LoRA, by adapter within each (its rows then
-        # run together), except on the reference, whose groups need the length order.
-        by_lora = self.lora is not None
-        by_adapter = by_lora and self.attention_backend != "torch"
-        order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: (
-            kv[1] != 1, self.states[kv[0]].lora_id if by_adapter else 0, -starts[kv[0]]))
-        input_ids, positions, sample_rows, sample_req_ids, rows, prompt_rows = [], [], [], [], [], []
-        sample_spans = []  # per sampled request: its first row in sample_rows, and its rows (1 + drafts)
-        drafts_of = sched.scheduled_spec_tokens
-        rope_rows = []  # (start, end, prompt length, length) per request: what the RoPE of its rows takes
-        by_length = self.model.rope_by_length
-        adapter_spans = []  # (adapter id, first row, end row) per request, with LoRA on
-        for req_id, n in order:
-            state, start = self.states[req_id], starts[req_id]
-            end = start + n
-            drafts = drafts_of.get(req_id, ())
-            if state.prompt_logprobs is not None:
-                prompt_rows.append((req_id, len(input_ids), start, end))
-            if by_lora:
-                adapter_spans.append((state.lora_id, len(input_ids), len(input_ids) + n))
-            input_ids.extend(state.token_ids[start:end - len(drafts)])
-            input_ids.extend(drafts)
-            positions.extend(range(start, end))
-            rows.append((start, end, state.block_ids))
-            if by_length:
-                rope_rows.append((start, end, state.num_prompt_tokens, len(state.token_ids)))
-            if end - len(drafts) == len(state.token_ids):  # caught up: the last rows' logits give the next tokens
-                sample_spans.append((len(sample_rows), 1 + len(drafts)))
-                sample_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
-                sample_req_ids.append(req_id)
-        dev = self.device
-        positions_t = torch.tensor(positions, device=dev)
-        rope_lengths = None
-        if by_length:  # dynamic NTK, LongRoPE: each token's sequence length (on the host: RotaryTable.lookup)
-            rope_lengths = torch.from_numpy(np.concatenate([self.model.rope_lengths(*lens) for lens in rope_rows]))
-        num_decodes = sum(1 for _, n in order if n == 1)  # the first spans
-        # Each group's blocks: its own tables and slots.
-        group_spans = [[(start, end, blocks[group]) for start, end, blocks in rows]
-                       for group in range(len(self.kv_groups.layers))]
-        if self.attention_backend == "cpu":
-            metas = [self._kernel_batch(spans, positions_t) for spans in group_spans]
-        elif self.attention_backend == "triton":
-            metas = self._triton_batches(group_spans, num_decodes)
-        else:
-            metas = [self._reference_batch(spans, num_decodes, window)
-                     for spans, window in zip(group_spans, self.kv_groups.windows)]
-        for meta, spans in zip(metas, group_spans):
-            meta.num_decodes = num_decodes
-            if self.model.args.attention == "mla" and num_decodes < len(spans) and not meta.prefills:
-                # MLA's prefill attends in a form of its own (mla.py), whatever the backend
-                meta.prefills = self._prefill_seqs(spans, num_decodes, [0] * len(spans))
-                if meta.slot_mapping is None:
-                    meta.slot_mapping = (meta.triton.slot_mapping if meta.triton is not None else
-                                         torch.from_numpy(block_tables.slots(spans, self.block_size)).to(dev))
-        return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t, "metas": metas,
-                "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids,
-                "sample_spans": sample_spans,
-                "prompt_rows": prompt_rows, "adapter_spans": adapter_spans, "rope_lengths": rope_lengths}
-
-    def _kernel_batch(self, spans: list[block_tables.Span], positions: torch.Tensor) -> AttentionMetadata:
-        bs, tables, counts = self.block_size, [], []
-        for start, end, blocks in spans:
-            needed = -(-end // bs)
-            if len(blocks) < needed:  # the kernel would read (and write) the next request's blocks
-                raise RuntimeError(f"a request has {len(blocks)} KV blocks for {end} tokens")
-            tables.append(blocks[:needed])
-            counts.append(end - start)
-        starts = np.cumsum([0] + [len(t) for t in tables[:-1]])
-        return AttentionMetadata(kernel=KernelBatch(torch.from_numpy(np.concatenate(tables).astype(np.int64)),
-                                                    torch.from_numpy(np.repeat(starts, counts)), positions))
-
-    def _triton_batches(self, group_spans: list[list[block_tables.Span]], num_decodes: int
-                        ) -> list[AttentionMetadata]:
-        """Each KV cache group's metadata for the Triton kernels: its slots and tables, the
-        lengths shared."""
-        bs, spans = self.block_size, group_spans[0]
-        decodes, prefills = spans[:num_decodes], spans[num_decodes:]
-        q_lens = [end - start for start, end, _ in prefills]
-        tables = [(block_tables.padded_table(g[:num_decodes], bs), block_tables.padded_table(g[num_decodes:], bs))
-                  for g in group_spans]
-        # One copy to the device for all of it (a copy costs more than its bytes; and the staging
-        # buffer is reused by the next call), then views.
-        dec_lens, q_starts, q_lens_t, ctx_lens, *per_group = self.staging.to_device([
-            np.array([end for _, end, _ in decodes], np.int32),
-            np.array(list(accumulate(q_lens, initial=num_decodes))[:-1], np.int32), np.array(q_lens, np.int32),
-            np.array([end for _, end, _ in prefills], np.int32),
-            *(part for g, (dec_tab, pre_tab) in zip(group_spans, tables)
-              for part in (block_tables.slots(g, bs), dec_tab, pre_tab))])
-        return [AttentionMetadata(triton=TritonBatch(
-            slot_mapping=slots, decode_tables=dec_tab_t.view(dec_tab.shape), decode_lens=dec_lens,
-            prefill_tables=pre_tab_t.view(pre_tab.shape), q_starts=q_starts, q_lens=q_lens_t, ctx_lens=ctx_lens,
-            max_q_len=max(q_lens, default=0)))
-            for (slots, dec_tab_t, pre_tab_t), (dec_tab, pre_tab) in zip(zip(*[iter(per_group)] * 3), tables)]
-
-    def _reference_batch(self, spans: list[block_tables.Span], num_decodes: int,
-                         window: int | None = None) -> AttentionMetadata:
-        """With a sliding `window`, each row's table starts at the first block its queries read
-        and its context counts from there (the masks are relative, so they hold): a long
-        request's decode gathers its window, not its whole context."""
-        bs, dev = self.block_size, self.device
-        meta = AttentionMetadata(slot_mapping=torch.from_numpy(block_tables.slots(spans, bs)).to(dev))
-        skips = [first_needed_block(end - 1 if i < num_decodes else start, window, bs)
-                 for i, (start, end, _) in enumerate(spans)]
-        meta.decodes = self._decode_groups(
-            [blocks[skip:-(-end // bs)] for (_, end, blocks), skip in zip(spans[:num_decodes], skips)],
-            [end - skip * bs for (_, end, _), skip in zip(spans[:num_decodes], skips)])
-        meta.prefills = self._prefill_seqs(spans, num_decodes, skips)
-        return meta
-
-    def _prefill_seqs(self, spans: list[block_tables.Span], num_decodes: int, skips: list[int]) -> list[PrefillSeq]:
-        """The prefill chunks (the spans after the decodes), each with its table from its
-        `skips` block on (a sliding group's window) and its context counted from there."""
-        bs, row, seqs = self.block_size, num_decodes, []
-        for (start, end, blocks), skip in zip(spans[num_decodes:], skips[num_decodes:]):
-            seqs.append(PrefillSeq(row, end - start, end - skip * bs,
-                                   torch.from_numpy(blocks[skip:-(-end // bs)].astype(np.int64)).to(self.device)))
-            row += end - start
-        return seqs
-
-    def _decode_groups(self, tables: list[np.ndarray], lens: list[int]) -> list[DecodeGroup]:
-        groups, start, bs, dev = [], 0, self.block_size, self.device
-        args = self.model.args
-        for size in group_decodes(lens, 2 * args.num_kv_heads * args.head_dim, self.decode_padding_elems):
-            rows = slice(start, start + size)
-            width = max(len(t) for t in tables[rows])  # (a sliding group's tables start at their windows)
-            table = torch.from_numpy(block_tables.padded_table(
-                [(0, len(t) * bs, t) for t in tables[rows]], bs).astype(np.int64)).to(dev)
-            past_end = torch.arange(width * bs, device=dev)[None, :] >= torch.tensor(lens[rows], device=dev)[:, None]
-            # An additive mask: SDPA's CPU kernel runs ~1.5x faster with it than with a boolean one.
-            mask = (torch.zeros(past_end.shape, dtype=self.kv_cache.dtype, device=dev)
-                    .masked_fill_(past_end, float("-inf")))
-            groups.append(DecodeGroup(start, table, mask[:, None, None, :]))
-            start += size
-        return groups
 
     def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, states: list[RequestState],
                                           ahead: int = 0) -> None:
