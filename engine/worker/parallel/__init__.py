@@ -1,0 +1,1 @@
+"""Running one engine's model over several devices (tensor_parallel.py)."""
