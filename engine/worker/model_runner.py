@@ -284,6 +284,9 @@ class ModelRunner(BatchBuilder):
             state = self.states.get(req_id)
             if state is None or req_id not in out.sampled_token_ids or req_id in out.grammar_ended:
                 continue
+            left = state.sampling_params.max_tokens - (len(state.token_ids) - state.num_prompt_tokens)
+            if left <= 1:  # no room for a draft before the last token (a prefill's request: none at all)
+                continue
             forced = self.grammars.forced(state.matcher, self.num_spec_tokens) if state.matcher is not None else []
             if forced:
                 out.spec_token_ids[req_id] = forced
