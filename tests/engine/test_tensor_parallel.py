@@ -41,6 +41,20 @@ def test_two_ranks_compute_the_whole_models_logits(tiny_llama, tmp_path, name):
     assert torch.equal(want[:-1].argmax(-1), got[1][:-1].argmax(-1))
 
 
+def test_four_ranks_replicate_two_kv_heads(tiny_llama, tmp_path):
+    """More ranks than KV heads (4 over Llama's 4 query and 2 KV heads): each KV head on the two
+    ranks whose query head reads it; the logits still the whole model's."""
+    from baton.engine.worker.loader import load_model
+
+    prompt = random_prompts([21], seed=6)[0]
+    model = load_model(tiny_llama, torch.float32, "cpu")
+    model.prepare(256)
+    with torch.inference_mode():
+        want = prompt_logits(model, prompt)
+    for rank_logits in logits_over(tiny_llama, 4, prompt, tmp_path / "tp4"):
+        torch.testing.assert_close(rank_logits, want, atol=2e-5, rtol=2e-5)
+
+
 def test_a_split_the_heads_do_not_allow_is_refused(tiny_llama):
     from baton.engine.worker.loader import load_model
     from baton.engine.worker.parallel.tensor_parallel import TPGroup, shard_model

@@ -2,8 +2,10 @@
 makes it: each rank holds its share of every layer and the ranks meet twice per layer.
 
 - Attention: each rank takes num_heads / N query heads and the KV heads they read (its KV cache
-  holds only those), from the merged q/k/v projection's rows; o_proj takes the matching columns
-  and its outputs are summed over the ranks (all-reduce), its bias added once.
+  holds only those), from the merged q/k/v projection's rows; with more ranks than KV heads,
+  each KV head is replicated on the N / num_kv_heads ranks whose query heads read it. o_proj
+  takes the matching columns and its outputs are summed over the ranks (all-reduce), its bias
+  added once.
 - MLP: each rank takes a share of the intermediate size, from the gate's and up's rows; down_proj
   the matching columns, summed over the ranks.
 - Embeddings and the LM head: each rank holds a contiguous share of the vocabulary (the last may
@@ -106,8 +108,10 @@ def shard_model(model, tp: TPGroup) -> None:
     layout this slice does not split yet is refused naming tensor_parallel_size."""
     args = model.args
     field = "tensor_parallel_size"
-    check(args.num_heads % tp.size == 0 and args.num_kv_heads % tp.size == 0, field,
-          f"{tp.size} ranks do not split {args.num_heads} query and {args.num_kv_heads} KV heads evenly")
+    kv = args.num_kv_heads
+    check(args.num_heads % tp.size == 0 and (kv % tp.size == 0 or tp.size % kv == 0), field,
+          f"{tp.size} ranks do not split {args.num_heads} query and {kv} KV heads evenly (nor replicate the KV "
+          f"heads on whole groups of ranks)")
     check(args.intermediate_size % tp.size == 0, field,
           f"{tp.size} ranks do not split the intermediate size {args.intermediate_size} evenly")
     check(not any(args.sparse_layers) and args.attention == "mha" and args.qk_norm != "whole", field,
@@ -122,7 +126,12 @@ def shard_model(model, tp: TPGroup) -> None:
 
 def _shard_attention(attn: Attention, tp: TPGroup) -> None:
     d = attn.head_dim
-    q, kv = tp.share(attn.num_heads), tp.share(attn.num_kv_heads)
+    q = tp.share(attn.num_heads)
+    if attn.num_kv_heads >= tp.size:
+        kv = tp.share(attn.num_kv_heads)
+    else:  # replicated: the KV head this rank's query heads read
+        head = tp.rank * attn.num_kv_heads // tp.size
+        kv = slice(head, head + 1)
     rows = torch.cat([torch.arange(q.start * d, q.stop * d),
                       attn.q_size + torch.arange(kv.start * d, kv.stop * d),
                       attn.q_size + attn.kv_size + torch.arange(kv.start * d, kv.stop * d)])
