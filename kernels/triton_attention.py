@@ -119,7 +119,7 @@ def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE, SINKS,
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh"])
-def _combine_splits(PART, LSE, OUT, num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+def combine_splits(PART, LSE, OUT, num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                     stride_ob, stride_oh, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
     """One (sequence, head): the splits' partial outputs weighted by their log-sum-exps, a
     split at a time with a running maximum (a [splits, head_dim] tile would not fit in
@@ -336,7 +336,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         DIRECT=num_splits == 1, SLIDING=window is not None, CAPPED=softcap is not None, SUNK=sinks is not None,
         **_launch(head_dim))
     if num_splits > 1:
-        _combine_splits[(batch, num_heads)](
+        combine_splits[(batch, num_heads)](
             part, lse, out, num_splits, *part_strides, *lse_strides, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, D_PAD=d_pad, num_warps=1 if head_dim <= 64 else 2)
     return out

@@ -110,28 +110,6 @@ def _mla(Q, CACHE, OUT, LSE, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
         tl.store(LSE + tok * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh"])
-def _combine(PART, LSE, OUT, num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
-             stride_oh, RANK: tl.constexpr, R_PAD: tl.constexpr):
-    """One (sequence, head): the splits' partial latents weighted by their log-sum-exps, a split
-    at a time with a running maximum, as triton_attention's combine."""
-    b, h = tl.program_id(0), tl.program_id(1)
-    r = tl.arange(0, R_PAD)
-    m = tl.full([], float("-inf"), tl.float32)
-    w_sum = tl.zeros([], tl.float32)
-    acc = tl.zeros([R_PAD], tl.float32)
-    for sp in range(0, num_splits):
-        lse = tl.load(LSE + b * stride_lb + h * stride_lh + sp)
-        part = tl.load(PART + b * stride_pb + h * stride_ph + sp * stride_ps + r, mask=r < RANK, other=0.0)
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # every split so far empty
-        alpha, w = tl.exp(m - m_safe), tl.exp(lse - m_safe)
-        acc = acc * alpha + part * w
-        w_sum = w_sum * alpha + w
-        m = m_new
-    tl.store(OUT + b * stride_ob + h * stride_oh + r, (acc / w_sum).to(OUT.dtype.element_ty), mask=r < RANK)
-
-
 BLOCK_H = 16  # query heads per program: DeepSeek's 16-128 heads (per GPU) in 1-8 programs per sequence
 _PREFILL_ROWS = 32  # tokens × heads per prefill program (the rows of its float32 accumulator)
 _STAGE_BYTES = 40 << 10  # one key tile's rows: two pipeline stages and q stay well inside an H100's 227 KiB
@@ -207,8 +185,9 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
         BLOCK_M=1, BLOCK_H=block_h, ROWS=_pad(block_h), TILE=tile, DECODE=True, DIRECT=num_splits == 1,
         **_LAUNCH)
     if num_splits > 1:
-        _combine[(batch, num_heads)](part, lse, out, num_splits, *part_strides, *lse_strides, out.stride(0),
-                                     out.stride(1), RANK=rank, R_PAD=_pad(rank), num_warps=2 if rank > 128 else 1)
+        triton_attention.combine_splits[(batch, num_heads)](  # the latents' splits, as any head's
+            part, lse, out, num_splits, *part_strides, *lse_strides, out.stride(0), out.stride(1), HEAD_DIM=rank,
+            D_PAD=_pad(rank), num_warps=2 if rank > 128 else 1)
     return out
 
 

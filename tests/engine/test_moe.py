@@ -93,33 +93,6 @@ def test_logprobs_equal_transformers_log_softmax(tmp_path, hf, name):
         assert abs(lp.logprob - ref[len(prompt) - 1 + i, lp.token_id].item()) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["deepseek-v2", "gpt-oss"])
-def test_sparse_families_swap_to_the_host_tier_and_follow_a_grammar(tmp_path, hf, name):
-    """MLA's one-part cache and gpt-oss's sinks and windows (one KV cache group with the host
-    tier) preempt by swapping, equal to transformers; a regex constrains their output."""
-    import re
-
-    from baton import LLM, SamplingParams
-    from baton.engine.common.structured_output import StructuredOutput
-    from baton.testing.checkpoints import write_random_checkpoint
-    from helpers import assert_matches_hf
-    from test_families import FAMILIES, prompts
-
-    config_class, shape = FAMILIES[name]
-    model_dir = write_random_checkpoint(str(tmp_path / name), config_class, seed=7, spread_norms=True, **shape)
-    ps, greedy = prompts(), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=32, num_kv_blocks=16,
-              max_model_len=192, kv_offloading_size=0.01, preemption_mode="swap")
-    outs = llm.generate(ps, greedy)
-    assert llm.engine.core.host.num_swapped_out > 0
-    assert_matches_hf(hf, model_dir, ps, outs, greedy.max_tokens)
-    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
-    params = SamplingParams(max_tokens=12, temperature=0.0,
-                            structured_output=StructuredOutput("regex", "[a-c]{3}-[0-9]{2,4}"))
-    for out in LLM(model_dir, dtype="float32", device="cpu", max_model_len=192).generate(ps[3:], params):
-        assert re.fullmatch("[a-c]{3}-[0-9]{2,4}", out.text), out.text
-
-
 def test_mla_caches_one_latent_per_token_and_refuses_lora(tmp_path):
     """DeepSeek-V2's cache: one "head" of kv_lora_rank + qk_rope_head_dim per token and layer, no
     separate values: (32 + 8) x 4 bytes, against 2 x 4 heads x 24 x 4 bytes for its attention
@@ -179,7 +152,7 @@ def with_mtp_layer_and_biases(model_dir: str) -> None:
         json.dump(cfg, f)
 
 
-@pytest.mark.parametrize("name", ["deepseek-v2", "mixtral"])
+@pytest.mark.parametrize("name", ["deepseek-v2", "mixtral", "gpt-oss"])
 def test_swap_to_the_host_tier_and_a_grammar(tmp_path, hf, name):
     """MLA's latent blocks and an MoE model's go to the host tier and back when preempted (swap),
     equal to transformers; a regex constrains their output."""

@@ -22,7 +22,7 @@ from baton.engine.worker.block_tables import Staging
 from baton.engine.worker.model_runner import ModelRunner
 from baton.kernels import triton_attention
 
-KERNELS = ("_decode_split", "_combine_splits", "_write_kv", "_prefill")
+KERNELS = ("_decode_split", "combine_splits", "_write_kv", "_prefill")
 
 
 class Specializations:
