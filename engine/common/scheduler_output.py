@@ -62,24 +62,6 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
-class SpecDecodeStats:
-    """One step's verification, vLLM's SpecDecodingStats: requests whose drafts were checked,
-    drafts, and those accepted, in all and by position."""
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-    def add(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        self.accepted_per_pos.extend([0] * (num_accepted - len(self.accepted_per_pos)))
-        for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
-
-
-@dataclass(slots=True)
 class ModelRunnerOutput:
     # Only requests that reached the end of their known tokens: one token, or with drafts
     # verified the accepted ones and the one sampled after them.
@@ -90,4 +72,3 @@ class ModelRunnerOutput:
     grammar_ended: set[str] = field(default_factory=set)  # requests whose grammar took its end token
     host_kv_finished: list[int] = field(default_factory=list)  # host KV tier jobs whose copies landed
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts for the next step, per request
-    spec_stats: SpecDecodeStats | None = None  # this step's verification, where drafts were checked

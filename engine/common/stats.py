@@ -9,7 +9,7 @@ each step (`LLMEngine.take_events`); the offline API records none.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -59,6 +59,25 @@ class StepEvents(msgspec.Struct, array_like=True, gc=False):
     events: list[RequestEvent]
     step_tokens: list[int]  # tokens scheduled in each step that ran (vLLM's iteration tokens)
     time: float  # when the last of those steps' tokens were sampled
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Verification so far, vLLM's SpecDecodingStats: requests' steps whose drafts were checked,
+    drafts, and those accepted, in all and by position (the scheduler counts them as it takes
+    each step's tokens)."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        self.accepted_per_pos.extend([0] * (num_accepted - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
 
 
 @dataclass(slots=True)

@@ -27,8 +27,8 @@ from baton.engine.core.kv_cache_manager import KVCacheManager, num_hits
 from baton.engine.core.kv_arrivals import KVArrivals
 from baton.engine.core.request import Request, RequestStatus, RequestUpdate
 from baton.engine.common.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                                  SchedulerOutput, SpecDecodeStats)
-from baton.engine.common.stats import EventType, RequestEvent
+                                                  SchedulerOutput)
+from baton.engine.common.stats import EventType, RequestEvent, SpecDecodeStats
 from baton.kv_transfer.base import KVConnectorScheduler
 
 
@@ -336,8 +336,6 @@ class Scheduler(KVArrivals):
         for request, n in self._chunks:
             self.record(request, EventType.PREFILL_CHUNK, now, num_tokens=n)
         self._chunks.clear()
-        if result.spec_stats is not None:
-            self._add_spec_stats(result.spec_stats)
         for req_id, token_ids in result.sampled_token_ids.items():
             request = self.requests.get(req_id)
             if request is None:  # aborted while the step ran
@@ -347,6 +345,7 @@ class Scheduler(KVArrivals):
                 request.num_computed_tokens -= len(drafts) + 1 - len(token_ids)
                 request.num_draft_tokens += len(drafts)
                 request.num_accepted_tokens += len(token_ids) - 1
+                self.spec_stats.add(len(drafts), len(token_ids) - 1)
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.num_prompt_tokens += request.num_prompt_tokens
@@ -383,15 +382,6 @@ class Scheduler(KVArrivals):
             if (status := self._stop_status(request, token_id)) is not None:
                 return token_ids[:i + 1], status
         return token_ids, None
-
-    def _add_spec_stats(self, step: SpecDecodeStats) -> None:
-        total = self.spec_stats
-        total.num_drafts += step.num_drafts
-        total.num_draft_tokens += step.num_draft_tokens
-        total.num_accepted_tokens += step.num_accepted_tokens
-        total.accepted_per_pos.extend([0] * (len(step.accepted_per_pos) - len(total.accepted_per_pos)))
-        for i, n in enumerate(step.accepted_per_pos):
-            total.accepted_per_pos[i] += n
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params, n = request.sampling_params, request.num_output_tokens

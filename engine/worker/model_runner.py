@@ -24,7 +24,7 @@ from baton.engine.worker.sampler import apply_processors, sample, skip_draws, to
 from baton.engine.worker.spec_decode import make_proposer
 from baton.engine.worker.spec_decode.verify import greedy_accept, sampled_accept
 from baton.engine.common.sampling_params import SamplingParams
-from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput, SpecDecodeStats
+from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton.engine.worker.grammar import mask_logits
 from baton.engine.worker.attention_backend import choose_backend
 from baton.kernels.attention import DECODE_PADDING_ELEMS
@@ -241,7 +241,6 @@ class ModelRunner(BatchBuilder):
                 drafts_of: dict[str, list[int]], out: ModelRunnerOutput) -> None:
         """The drafts of each request that has k > 0 (its k + 1 rows of logits): the kept ones
         and one more, their logprobs where asked for (from the raw rows, as without drafts)."""
-        stats = out.spec_stats = SpecDecodeStats()
         rows = [(req_id, first, n) for req_id, (first, n) in zip(sampled_ids, spans) if n > 1]
         argmax = logits.argmax(dim=-1).tolist()
         for req_id, first, n in rows:
@@ -256,7 +255,6 @@ class ModelRunner(BatchBuilder):
                                        drafts)
             else:
                 tokens = sampled_accept(rows_logits, drafts, params, state.generator)
-            stats.add(len(drafts), len(tokens) - 1)
             if state.matcher is not None:  # the kept tokens, from where the request was, up to the grammar's end
                 matcher = state.matcher.grammar
                 matcher.rollback(fed)
