@@ -17,7 +17,8 @@ Checks now (each passes or fails on its own; the report has every figure):
 - bfloat16 engine runs of the same families (outputs complete, pools full);
 - speculative decoding on CUDA: n-gram, suffix and draft-model (the target as its own draft)
   drafts keep the greedy output, the self-draft keeps nearly every draft, pools full;
-- heads wider than the Triton kernels take (an MLA latent of 576) fall back to the reference.
+- heads wider than the generic Triton kernels take (576) fall back to the reference, while MLA's
+  latent of 576 runs on its own Triton kernel.
 
     python bench/gpu_check.py --out /tmp/gpu-report
     python bench/gpu_check.py --out /tmp/gpu-report --only spec_decode engine --families gpt-oss

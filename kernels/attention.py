@@ -152,14 +152,16 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, block_ids.flatten()).view(*block_ids.shape, *cache.shape[1:])
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None,
              slot_mapping: torch.Tensor) -> None:
     """Scatter the step's K/V ([T, kv_heads, head_dim]) into one layer's cache views
-    ([num_blocks, block_size, kv_heads, head_dim])."""
+    ([num_blocks, block_size, kv_heads, head_dim]); v_cache and v None: a cache of one part
+    (MLA's latent)."""
     block_size = k_cache.shape[1]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     k_cache[blocks, offsets] = k
-    v_cache[blocks, offsets] = v
+    if v is not None:
+        v_cache[blocks, offsets] = v
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -45,8 +45,6 @@ def _kv_tile(K, V, TABLE, first_key, ctx_len, kv_head, d, d_ok, stride_kb, strid
     return key, in_ctx, k, v
 
 
-# Integers that change from step to step are not specialized on: Triton would compile a new
-# variant whenever one's value class changes (equal to 1, divisible by 16), stalling the step.
 @triton.jit
 def _capped(scores, softcap, CAPPED: tl.constexpr):
     """cap · tanh(scores / cap) where CAPPED (tanh from the sigmoid: tl has no tanh of its own)."""
@@ -68,6 +66,8 @@ def _start(SINKS, heads, sunk, ROWS: tl.constexpr, SUNK: tl.constexpr):
     return m, s
 
 
+# Integers that change from step to step are not specialized on: Triton would compile a new
+# variant whenever one's value class changes (equal to 1, divisible by 16), stalling the step.
 @triton.jit(do_not_specialize=["stride_tb", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh",
                                "tiles_per_split", "window"])
 def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE, SINKS,
@@ -146,7 +146,7 @@ def combine_splits(PART, LSE, OUT, num_splits, stride_pb, stride_ph, stride_ps, 
 def _write_kv(K, V, K_CACHE, V_CACHE, SLOTS, num_tokens, stride_kt, stride_kh, stride_vt, stride_vh,
               stride_cb, stride_ct, stride_ch, stride_db, stride_dt, stride_dh, NUM_HEADS: tl.constexpr,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, COLS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-              BLOCK_T: tl.constexpr):
+              BLOCK_T: tl.constexpr, WRITE_V: tl.constexpr):
     # BLOCK_T tokens × all their KV heads: column c is head c // D_PAD, element c % D_PAD.
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.arange(0, COLS)
@@ -155,9 +155,11 @@ def _write_kv(K, V, K_CACHE, V_CACHE, SLOTS, num_tokens, stride_kt, stride_kh, s
     slot = tl.load(SLOTS + t, mask=t < num_tokens, other=0).to(tl.int64)
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     k = tl.load(K + t[:, None] * stride_kt + (h * stride_kh + d)[None, :], mask=ok)
-    v = tl.load(V + t[:, None] * stride_vt + (h * stride_vh + d)[None, :], mask=ok)
     tl.store(K_CACHE + (block * stride_cb + offset * stride_ct)[:, None] + (h * stride_ch + d)[None, :], k, mask=ok)
-    tl.store(V_CACHE + (block * stride_db + offset * stride_dt)[:, None] + (h * stride_dh + d)[None, :], v, mask=ok)
+    if WRITE_V:
+        v = tl.load(V + t[:, None] * stride_vt + (h * stride_vh + d)[None, :], mask=ok)
+        tl.store(V_CACHE + (block * stride_db + offset * stride_dt)[:, None] + (h * stride_dh + d)[None, :], v,
+                 mask=ok)
 
 
 # Keys per loop iteration, whatever the block size (a tile reads several blocks, or part of one,
@@ -198,21 +200,24 @@ def _groups(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return num_heads // num_kv_heads
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None,
              slot_mapping: torch.Tensor) -> None:
     """k, v [T, Hkv, D] into the cache at flat slots (block id × block size + offset) [T]; the
-    arguments in the order of the reference's kernels.attention.write_kv."""
+    arguments in the order of the reference's kernels.attention.write_kv (v_cache and v None:
+    a cache of one part, MLA's)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if not num_tokens:
         return
     d_pad = triton.next_power_of_2(head_dim)
     cols = triton.next_power_of_2(num_kv_heads) * d_pad
     block_t = max(1, min(64, 4096 // cols))  # tokens per program: a tile of at most 4096 elements
+    write_v = v is not None
+    v, v_cache = (v, v_cache) if write_v else (k, k_cache)  # (placeholders, never read)
     _write_kv[(-(-num_tokens // block_t),)](
         k, v, k_cache, v_cache, slot_mapping, num_tokens, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), NUM_HEADS=num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-        COLS=cols, BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t)
+        COLS=cols, BLOCK_SIZE=k_cache.shape[1], BLOCK_T=block_t, WRITE_V=write_v)
 
 
 @triton.jit(do_not_specialize=["stride_tb", "window"])

@@ -115,11 +115,6 @@ _PREFILL_ROWS = 32  # tokens × heads per prefill program (the rows of its float
 _STAGE_BYTES = 40 << 10  # one key tile's rows: two pipeline stages and q stay well inside an H100's 227 KiB
 
 
-def _pad(n: int) -> int:
-    """A tile dimension for n: a power of two, at least 16 (tl.dot's smallest)."""
-    return max(16, triton.next_power_of_2(n))
-
-
 def kv_tile(width: int, dtype: torch.dtype) -> int:
     """Keys per loop iteration for rows of `width` elements: a power of two, 16-64, whose tile
     fits _STAGE_BYTES (32 at DeepSeek's 576 in bfloat16, 16 in float32)."""
@@ -140,6 +135,9 @@ def _check(name: str, q: torch.Tensor, cache: torch.Tensor, rank: int) -> tuple[
 # faster than 8 in decode and 1.5-1.6x in prefill, though prefill's [32, 512] accumulator spills
 # a few registers there. Shared memory measured: 55 KiB decode, 74 KiB prefill.
 _LAUNCH = {"num_warps": 4, "num_stages": 2}
+
+
+_pad = triton_attention._pad  # a tile dimension: a power of two, at least 16 (tl.dot's smallest)
 
 
 def _out(q: torch.Tensor, rank: int, out: torch.Tensor | None, name: str) -> torch.Tensor:
@@ -222,11 +220,11 @@ def mla_paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, 
                         rank: int) -> torch.Tensor:
     """One MLA layer of a whole step (a kernels.attention.TritonBatch: decodes first, then
     prefill chunks): this step's rows kv [T, 1, rank + rope] written to their slots of the
-    cache (the K half of the engine's cache; the V half is never read), then each kind's
-    kernel into one output, the attended latent [T, heads, rank]."""
-    # The same tensor as both caches: each slot gets the same row twice, in one program.
-    triton_attention.write_kv(cache, cache, kv, kv, batch.slot_mapping)
-    out = torch.empty(*q.shape[:2], rank, dtype=q.dtype, device=q.device)
+    cache (one part per token: the latent is the values too), then each kind's kernel into one
+    output, the attended latent [T, heads, rank]. (The engine hands it decodes only: its MLA
+    prefill attends up-projected, models/mla.py.)"""
+    triton_attention.write_kv(cache, None, kv, None, batch.slot_mapping)
+    out = _out(q, rank, None, "mla_paged_attention")
     num_decodes = batch.decode_lens.shape[0]
     if num_decodes:
         mla_decode_attention(q[:num_decodes], cache, batch.decode_tables, batch.decode_lens, scale, rank, out=out)

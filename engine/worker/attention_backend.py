@@ -20,7 +20,8 @@ def choose_backend(asked: str, dtype: torch.dtype, device: torch.device, num_hea
                    head_dim: int, latent: bool = False) -> str:
     """The attention backend for a cache: "cpu" (the C++ kernel), "triton" or "torch" (the
     reference). "auto": the C++ kernel on CPU where it builds and fits the model, Triton on
-    CUDA where it is installed, else the reference. An explicit choice that cannot run here is
+    CUDA where it is installed and takes the heads (at most TRITON_MAX_HEAD_DIM wide, any
+    width for MLA's latent), else the reference. An explicit choice that cannot run here is
     an error naming attention_backend. `latent`: MLA's cache, whose Triton kernel
     (kernels/triton_mla.py) takes any width."""
     if asked == "cpu" or (asked == "auto" and device.type == "cpu"):

@@ -73,7 +73,6 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()  # checkpoint names
     filled: set[str] = set()  # our parameters written (a merged one by any of its parts)
-    whole: set[str] = set()  # those written in one piece (stacked experts)
     halves: dict[str, torch.Tensor] = {}  # an MXFP4 tensor's blocks or scales, until the other comes
     for path in _safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
@@ -100,11 +99,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
                     (params[target] if rows is None else params[target][rows]).copy_(tensor)
                 loaded.add(name)
                 filled.add(target)
-                if rows is None:
-                    whole.add(target)
     if halves:
         raise InvalidArgument("model", f"checkpoint has {sorted(halves)[0]} without its other MXFP4 half")
-    _check_complete(model, args, loaded, filled, whole, params)
+    _check_complete(model, args, loaded, filled, params)
     model.eval()
     return model
 
@@ -199,8 +196,7 @@ def _part(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice |
     return None, None
 
 
-def _check_complete(model: CausalLM, args: ModelArgs, loaded: set[str], filled: set[str], whole: set[str],
-                    params: dict) -> None:
+def _check_complete(model: CausalLM, args: ModelArgs, loaded: set[str], filled: set[str], params: dict) -> None:
     have = {_canonical(n) for n in loaded}
     if "lm_head.weight" not in have and not args.tie_word_embeddings:
         raise InvalidArgument("model", "checkpoint has no lm_head.weight and does not tie embeddings")
@@ -208,7 +204,7 @@ def _check_complete(model: CausalLM, args: ModelArgs, loaded: set[str], filled: 
     # stacked experts when every expert's three are there.
     for i in range(args.num_layers):
         sparse = hasattr(model.layers[i].mlp, "experts")
-        stacked = {f"layers.{i}.mlp.experts.{p}" for p in ("gate_up", "down")} <= whole
+        stacked = {f"layers.{i}.mlp.experts.{p}" for p in ("gate_up_proj", "down_proj")} <= have  # (gpt-oss's)
         for j in range(args.num_experts if sparse and not stacked else 0):
             for part in ("gate_proj", "up_proj", "down_proj"):
                 if f"layers.{i}.mlp.experts.{j}.{part}.weight" not in have:

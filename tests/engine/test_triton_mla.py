@@ -26,8 +26,8 @@ TOL = 2e-5  # float32: the same sums in another order
 
 
 def cache_case(lens, rank, rope, block_size, seed=0, layers=1):
-    """A shuffled block table per sequence and a cache that is the K half of an engine-like
-    [blocks, layers, 2, block_size, 1, rank + rope] tensor (a strided view, read in place)."""
+    """A shuffled block table per sequence and a cache that is a strided view of a larger
+    [blocks, layers, 2, block_size, 1, rank + rope] tensor (read in place, strides not assumed)."""
     gen = torch.Generator().manual_seed(seed)
     max_blocks = max(math.ceil(n / block_size) for n in lens)
     num_blocks = len(lens) * max_blocks + 3

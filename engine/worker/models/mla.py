@@ -1,7 +1,7 @@
 """Multi-head latent attention (DeepSeek-V2, V3): keys and values come from one compressed latent
 per token (kv_lora_rank values, RMS-normed) and one RoPE'd key part shared by every head
 (qk_rope_head_dim), and that is all the paged cache keeps: one "head" of
-kv_lora_rank + qk_rope_head_dim per token, in the K half of the cache only.
+kv_lora_rank + qk_rope_head_dim per token (a cache of one part: k_cache and v_cache are one view).
 
 Attention runs in the absorbed form, as one multi-query attention over the latent: on CUDA
 Triton's latent kernel (kernels/triton_mla.py) at any width; on CPU the C++ kernel where it
@@ -22,13 +22,12 @@ over c keys then costs c · rank · heads · (nope + v) for the projection and q
 """
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn
 
 from baton.engine.worker.models.basic import Linear, norm
-from baton.engine.worker.models.rope import rotate, rotate_interleaved
+from baton.engine.worker.models.rope import rotate, rotate_interleaved, yarn_mscale
 import torch.nn.functional as F
 
 from baton.kernels.attention import (AttentionMetadata, causal_mask, dense_attention, gather_blocks, paged_attention,
@@ -39,8 +38,7 @@ def yarn_softmax_mscale(scaling: dict | None) -> float:
     """DeepSeek's YaRN scales the softmax by mscale(factor, mscale_all_dim) squared."""
     if not scaling or not scaling.get("mscale_all_dim"):
         return 1.0
-    factor = scaling["factor"]
-    mscale = 1.0 if factor <= 1 else 0.1 * scaling["mscale_all_dim"] * math.log(factor) + 1.0
+    mscale = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
     return mscale * mscale
 
 
@@ -66,7 +64,6 @@ class MLAttention(nn.Module):
         self.scale = args.attn_scale
         self.turn = rotate_interleaved if args.rope_interleaved else rotate  # (halves: V3 without rope_interleave)
         self.window = None  # (CausalLM.prepare sets every layer's; DeepSeek's never slide)
-        self.softcap = None
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         if hasattr(self, "q_proj"):
@@ -81,7 +78,7 @@ class MLAttention(nn.Module):
         if not meta.prefills:
             return self.o_proj(self._absorbed(q, kv, k_cache, v_cache, meta).flatten(1))
         n = meta.num_decodes
-        write_kv(k_cache, v_cache, kv[n:], kv[n:], meta.slot_mapping[n:])  # (one view: written twice, alike)
+        write_kv(k_cache, None, kv[n:], None, meta.slot_mapping[n:])
         out = torch.empty(q.shape[0], self.num_heads, self.v_dim, dtype=q.dtype, device=q.device)
         if n:
             out[:n] = self._absorbed(q[:n], kv[:n], k_cache, v_cache, meta.decodes_only())

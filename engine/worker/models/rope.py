@@ -64,17 +64,20 @@ def _llama3(inv: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude scaling for a context stretched `scale` times."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 def _yarn(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
     """YaRN (arXiv 2309.00071): frequencies past the original context interpolated by `factor`,
     the fast ones kept, a linear ramp between; cos and sin scaled by the attention factor."""
     factor, old_len = s["factor"], s["original_max_position_embeddings"]
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
     attention_factor = s.get("attention_factor")
     if attention_factor is None:
         m, m_all = s.get("mscale"), s.get("mscale_all_dim")
-        attention_factor = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+        attention_factor = (float(yarn_mscale(factor, m) / yarn_mscale(factor, m_all)) if m and m_all
+                            else yarn_mscale(factor))
     beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:
