@@ -26,12 +26,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def reference(q, k_cache, v_cache, block_tables, seq_lens, scale, softcap=None, window=None, sinks=None):
     """Each sequence's one query row against its whole context: paged_reference with chunks
     of one token."""
     n = len(seq_lens)
     return paged_reference(q, k_cache, v_cache, block_tables, torch.arange(n), torch.ones(n, dtype=torch.int32),
-                             seq_lens, scale)
+                           seq_lens, scale, softcap, window, sinks)
 
 
 def case(batch, lens, group, head_dim, block_size, dtype, num_kv_heads=2, seed=0):
@@ -172,6 +172,15 @@ def test_the_attention_bench_runs_and_checks_its_kernels():
     assert "baton (paged)" in out.stdout and "vs gather" in out.stdout
 
 
+def chunks_ending(k_cache, v_cache, tables, seq_lens, scale, seed):
+    """The prefill kernel's arguments for chunks of 40, 21 and 7 tokens ending the three
+    sequences' contexts (8 query heads of 64), random queries from `seed`."""
+    q_lens = torch.tensor([40, 21, 7], dtype=torch.int32)
+    q_starts = torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens
+    qp = torch.randn(int(q_lens.sum()), 8, 64, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    return qp, k_cache, v_cache, tables, q_starts.to(DEVICE), q_lens.to(DEVICE), seq_lens, scale
+
+
 @pytest.mark.parametrize("softcap,window,block_size", [(None, 20, 16), (4.0, None, 16), (4.0, 33, 8),
                                                        (None, 100, 32)])
 def test_sliding_windows_and_soft_caps_equal_the_reference(softcap, window, block_size):
@@ -188,13 +197,9 @@ def test_sliding_windows_and_soft_caps_equal_the_reference(softcap, window, bloc
     scale = 64 ** -0.5
     got = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, tiles_per_split=1,
                                                   softcap=softcap, window=window)
-    want = paged_reference(q, k_cache, v_cache, tables, torch.arange(3), torch.ones(3, dtype=torch.int32),
-                             seq_lens, scale, softcap, window)
+    want = reference(q, k_cache, v_cache, tables, seq_lens, scale, softcap, window)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
-    q_lens = torch.tensor([40, 21, 7], dtype=torch.int32)
-    q_starts = torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens
-    qp = torch.randn(int(q_lens.sum()), 8, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    args = (qp, k_cache, v_cache, tables, q_starts.to(DEVICE), q_lens.to(DEVICE), seq_lens, scale)
+    args = chunks_ending(k_cache, v_cache, tables, seq_lens, scale, seed=3)
     got = triton_attention.paged_prefill_attention(*args, block_m=16, softcap=softcap, window=window)
     torch.testing.assert_close(got, paged_reference(*args, softcap, window), atol=2e-5, rtol=2e-5)
 
@@ -209,12 +214,8 @@ def test_sinks_equal_the_reference(split, window):
     scale = 64 ** -0.5
     got = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, tiles_per_split=split,
                                                   window=window, sinks=sinks)
-    want = paged_reference(q, k_cache, v_cache, tables, torch.arange(3), torch.ones(3, dtype=torch.int32),
-                           seq_lens, scale, None, window, sinks)
+    want = reference(q, k_cache, v_cache, tables, seq_lens, scale, None, window, sinks)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
-    q_lens = torch.tensor([40, 21, 7], dtype=torch.int32)
-    q_starts = torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens
-    qp = torch.randn(int(q_lens.sum()), 8, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    args = (qp, k_cache, v_cache, tables, q_starts.to(DEVICE), q_lens.to(DEVICE), seq_lens, scale)
+    args = chunks_ending(k_cache, v_cache, tables, seq_lens, scale, seed=4)
     got = triton_attention.paged_prefill_attention(*args, block_m=16, window=window, sinks=sinks)
     torch.testing.assert_close(got, paged_reference(*args, None, window, sinks), atol=2e-5, rtol=2e-5)
