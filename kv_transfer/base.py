@@ -86,9 +86,14 @@ class KVFormat(msgspec.Struct, frozen=True):
     kv_groups: tuple[tuple[int, ...], ...] = ()
     kv_windows: tuple[int, ...] = ()
     attention: str = "mha"  # the attention's cache kind: per-head K and V ("mha", GQA included)
+    tensor_parallel_size: int = 1  # the engine's ranks (num_kv_heads: each rank's share)
 
     def check_peer(self, theirs: KVFormat) -> None:
         """Raises KVFormatMismatch naming the first field that differs."""
+        if max(self.tensor_parallel_size, theirs.tensor_parallel_size) > 1:
+            raise KVFormatMismatch("tensor_parallel_size", f"KV transfer between tensor-parallel engines (this "
+                                   f"{self.tensor_parallel_size}, the peer {theirs.tensor_parallel_size}) is not "
+                                   f"supported yet: each rank's cache holds only its share of the KV heads")
         for name in self.__struct_fields__:
             mine, other = getattr(self, name), getattr(theirs, name)
             if mine != other:

@@ -1,6 +1,7 @@
 """What each rank of the tensor-parallel tests runs (imported by the processes they spawn)."""
 from __future__ import annotations
 
+import datetime
 import math
 import os
 
@@ -33,14 +34,10 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, prompt: list[int]
     from baton.engine.worker.parallel.tensor_parallel import TPGroup, shard_model
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        model = load_model(model_dir, torch.float32, "cpu")
-        model.prepare(256)
-        if world > 1:
-            shard_model(model, TPGroup(rank, world))
-        with torch.inference_mode():
-            logits = prompt_logits(model, prompt)
-        torch.save(logits, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+    model = load_model(model_dir, torch.float32, "cpu")
+    model.prepare(256)
+    shard_model(model, TPGroup.join(rank, world, store, torch.device("cpu")))
+    with torch.inference_mode():
+        logits = prompt_logits(model, prompt)
+    torch.save(logits, os.path.join(out, f"rank{rank}.pt"))

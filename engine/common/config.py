@@ -72,6 +72,9 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = False
     # Speculative decoding (vLLM's --speculative-config): a SpeculativeConfig or its dict; None: off.
     speculative_config: SpeculativeConfig | dict | None = None
+    # Tensor parallelism (vLLM's name): the model split over this many ranks, one process and
+    # device each (rank 0 in the engine core's process), meeting over torch.distributed.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         check(isinstance(self.model, (str, os.PathLike)) and os.path.isdir(self.model), "model",
@@ -105,6 +108,15 @@ class EngineConfig:
         self._check_lora()
         self._check_host_tier()
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        check(isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= 64, "tensor_parallel_size",
+              f"must be an integer in [1, 64], got {tp!r}")
+        if tp > 1:  # what the ranks do not split yet
+            for name, on in (("enable_lora", self.enable_lora), ("kv_offloading_size", self.kv_offloading_size)):
+                check(not on, name, f"is not supported with tensor_parallel_size {tp} yet")
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

@@ -34,6 +34,9 @@ from baton.engine.worker.grammar import Grammars
 from baton.engine.common.stats import EngineSnapshot, EventType, StepEvents
 from baton.engine.common.tokenizer import eos_token_ids, load_tokenizer
 from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
+from baton.engine.worker.parallel.messages import RunnerSetup
+from baton.engine.worker.parallel.tensor_parallel import check_split, shard_model
+from baton.engine.worker.parallel.workers import TPWorkers
 from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 
 _CPU_KV_BUDGET = 1 << 30
@@ -60,7 +63,26 @@ class EngineCore:
         on_gpu = config.device.startswith("cuda")
         free_at_start, total = memory_before_loading(config.device) if on_gpu else (0, 0)
         dtype = config.torch_dtype(args.torch_dtype)
+        self.workers = self._start_ranks(args)
+        try:
+            self._build(config, args, dtype, on_gpu, free_at_start, total, kv_connector)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close()
+            raise
+
+    def _start_ranks(self, args: ModelArgs) -> TPWorkers | None:
+        """Under tensor parallelism: the other ranks, started loading their shares."""
+        if self.config.tensor_parallel_size == 1:
+            return None
+        check_split(args, self.config.tensor_parallel_size)
+        return TPWorkers(self.config)
+
+    def _build(self, config: EngineConfig, args: ModelArgs, dtype, on_gpu: bool, free_at_start: int, total: int,
+               kv_connector) -> None:
         model = load_model(config.model, dtype, config.device)
+        if self.workers is not None:
+            shard_model(model, self.workers.join(torch.device(config.device)))
         draft = self._load_draft(args, dtype)
         self.loras, lora_slots = self._start_lora(args, model, dtype)
         if on_gpu and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
@@ -77,8 +99,9 @@ class EngineCore:
         check(draft is None or None in self.kv_groups.windows, "speculative_config.method",
               "draft_model keeps its KV in the blocks of a full-attention layer group, and every layer of this "
               "model slides: set disable_hybrid_kv_cache_manager")
-        block_bytes = (self.kv_groups.layers_per_block * args.kv_parts * config.block_size * args.num_kv_heads
-                       * args.head_dim * model.embed_tokens.weight.element_size())  # its group's layers' K and V
+        # Its group's layers' K and V (this rank's KV heads, under tensor parallelism).
+        block_bytes = (self.kv_groups.layers_per_block * args.kv_parts * config.block_size
+                       * model.args.num_kv_heads * args.head_dim * model.embed_tokens.weight.element_size())
         # A draft model's KV sits in a cache of its own, addressed by the same block ids.
         draft_bytes = 0 if draft is None else DraftModelProposer.block_bytes(draft, config.block_size)
         self.num_kv_blocks = self._num_kv_blocks(block_bytes + draft_bytes)
@@ -94,6 +117,8 @@ class EngineCore:
         self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker, lora_slots,
                                   self.num_host_blocks, self.kv_groups, draft)
         self.connector = connector_worker
+        if self.workers is not None:
+            self.workers.setup(RunnerSetup(config, self.num_kv_blocks, self.eos_token_ids, self.kv_groups))
         if self.runner.model.rope_recompute_at is not None:  # LongRoPE: see Scheduler.recompute_at
             self.scheduler.recompute_at = self.runner.model.rope_recompute_at
             self.scheduler.rekey = self._rope_rekey
@@ -302,6 +327,11 @@ class EngineCore:
         """Learn a KV peer's layout (the KV handshake); raises KVFormatMismatch naming what differs."""
         self.connector.add_peer(layout)
 
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one device)."""
+        if self.workers is not None:
+            self.workers.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self.awaiting_grammar) or self.host_copies_pending
 
@@ -369,7 +399,8 @@ class EngineCore:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
-        result = self.runner.execute_model(sched)
+        result = (self.runner.execute_model(sched) if self.workers is None else
+                  self.workers.execute(self.runner, sched))
         t2 = time.perf_counter()
         updates = self.scheduler.update_from_output(sched, result)
         t3 = time.perf_counter()

@@ -12,12 +12,10 @@ signal is lost when the parent died before it was set).
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import pickle
 import queue
-import signal
 import sys
 import threading
 
@@ -31,6 +29,7 @@ from baton.engine.common.messages import (AddPeer, Call, CallResult, CoreAbort, 
                                           GetKVBlockHashes, GetSnapshot, GetStats, ListAdapters, LoadAdapter,
                                           ReleaseHold, UnloadAdapter, error_of)
 from baton.engine.common.errors import InvalidArgument, StartupError
+from baton.engine.common.lifetime import die_with_parent
 from baton.kv_transfer.base import KVUnreachable
 from baton.kv_transfer.nixl_connector import make_nixl_connector
 
@@ -39,15 +38,6 @@ log = logging.getLogger("baton.core")
 # Below this a copy is cheaper than zero-copy's bookkeeping (pyzmq's own advice is ~64 KB).
 _ZERO_COPY_BYTES = 65536
 _HELD_POLL_S = 0.001  # only finished requests' blocks are held: poll the connector this often
-
-
-def _die_with_parent(parent: int) -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the parent check below still ends it
-        pass
-    if os.getppid() != parent:  # the parent died before the signal was set
-        os._exit(1)
 
 
 def main() -> None:
@@ -74,7 +64,7 @@ def _reserve_a_cpu_for_the_front(device: str) -> None:
 def run_engine_core(config: EngineConfig, options: CoreOptions, parent: int) -> None:
     """The core process: load, say ready, loop until told to stop or the front is gone. Exits
     non-zero when it cannot start or its loop fails."""
-    _die_with_parent(parent)
+    die_with_parent(parent)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # The output socket has a context of its own: terminating it waits until what was sent has
     # left, which the input socket (blocked in its thread) would never let a shared one do.
@@ -94,7 +84,11 @@ def run_engine_core(config: EngineConfig, options: CoreOptions, parent: int) -> 
     _reserve_a_cpu_for_the_front(core.config.device)
     if options.record_events:
         core.record_events()
-    code = CoreLoop(core, options, out, parent).run()
+    loop = CoreLoop(core, options, out, parent)
+    if core.workers is not None:
+        core.workers.on_dead = loop.rank_died
+    code = loop.run()
+    core.close()
     connector[1].close()
     os._exit(code)  # NIXL's and torch's threads must not hold the exit up
 
@@ -139,6 +133,14 @@ class CoreLoop:
             raw = encoder.encode(msg)
             sock.send(raw, copy=len(raw) < _ZERO_COPY_BYTES)
         _close(sock)
+
+    def rank_died(self, e: Exception) -> None:
+        """A tensor-parallel rank died (from its watcher thread): the front fails every stream
+        at once, whatever the step loop is waiting on, and the process ends non-zero."""
+        self.outputs.put(CoreFailed(error_of(e)))
+        self.outputs.put(None)
+        self._sender.join(5)
+        os._exit(1)
 
     # ---- the step loop -----------------------------------------------------------------------
     def run(self) -> int:

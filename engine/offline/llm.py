@@ -54,6 +54,17 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's other processes (its tensor-parallel ranks; they also end with this
+        process)."""
+        self.engine.core.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (the next request computes its whole prompt)."""
         self.engine.core.reset_prefix_cache()

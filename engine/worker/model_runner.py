@@ -64,12 +64,15 @@ class RequestState:
 class ModelRunner(BatchBuilder):
     def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, eos_token_ids: frozenset[int],
                  connector: KVConnectorWorker | None = None, lora: LoRASlots | None = None,
-                 num_host_blocks: int = 0, kv_groups: KVGroups | None = None, draft: CausalLM | None = None):
+                 num_host_blocks: int = 0, kv_groups: KVGroups | None = None, draft: CausalLM | None = None,
+                 driver: bool = True):
         """`lora`: the adapters on the device (attached to the model already), when LoRA is on;
         `num_host_blocks`: the host KV tier's size (0: none); `kv_groups`: which layers share a
         block (default: one group of every layer); `draft`: the draft model, for draft_model
-        speculation."""
+        speculation; `driver`: false for a tensor-parallel rank other than 0, which runs every
+        forward (and its collectives) but samples nothing: rank 0's tokens reach it (`mirror`)."""
         self.model = model
+        self.driver = driver
         self.lora = lora
         self.config = config
         self.device = torch.device(config.device)
@@ -106,7 +109,7 @@ class ModelRunner(BatchBuilder):
             connector.register_kv_caches(self.kv_cache, KVFormat(
                 checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,
                 args.num_kv_heads, args.head_dim, config.block_size, self.attention_backend, groups.layers,
-                tuple(w or 0 for w in groups.windows), kv_attention(args)),
+                tuple(w or 0 for w in groups.windows), kv_attention(args), config.tensor_parallel_size),
                 host_cache=self.host_kv.host_cache if self.host_kv is not None else None)
 
     def _draft_proposer(self, draft: CausalLM, num_blocks: int):
@@ -145,9 +148,17 @@ class ModelRunner(BatchBuilder):
         block_ids = [np.maximum(np.asarray(ids, dtype=np.int32), 0) for ids in new.block_ids]
         state = self.states[new.req_id] = RequestState(list(new.token_ids), block_ids, params, generator,
                                                        new.num_prompt_tokens, prompt_logprobs, new.lora_id)
-        if params.structured_output is not None:  # resumed: where it was; else past outputs made elsewhere
+        # The matcher (the driver's only): resumed, where it was; else after past outputs made elsewhere.
+        if params.structured_output is not None and self.driver:
             state.matcher = old.matcher if old is not None else self.grammars.matcher(
                 params.structured_output, new.token_ids[new.num_prompt_tokens:])
+
+    def mirror(self, sampled: dict[str, list[int]]) -> None:
+        """A rank that does not sample: the tokens the driver sampled (and kept) last step."""
+        for req_id, tokens in sampled.items():
+            state = self.states.get(req_id)
+            if state is not None:
+                state.token_ids.extend(tokens)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -193,7 +204,9 @@ class ModelRunner(BatchBuilder):
         sampled_ids = batch["sample_req_ids"]
         if not sampled_ids:
             return out
-        all_logits = self.model.compute_logits(hidden[batch["sample_rows"]])
+        all_logits = self.model.compute_logits(hidden[batch["sample_rows"]])  # (a collective under TP)
+        if not self.driver:
+            return out
         spans = batch["sample_spans"]
         if any(n > 1 for _, n in spans):  # drafts to verify: those requests apart
             self._verify(all_logits, spans, sampled_ids, sched.scheduled_spec_tokens, out)

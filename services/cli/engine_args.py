@@ -30,6 +30,8 @@ ENGINE_FLAGS = {
                                   "device are kept there and loaded back, not recomputed (default 0: none)"),
     "preemption_mode": (str, "recompute, swap (a preempted request's KV goes to the host tier and back) or auto "
                              "(swap when recomputing would cost more than half a step); default recompute"),
+    "tensor_parallel_size": (int, "split the model over this many ranks, one process and device each, meeting over "
+                                  "torch.distributed: gloo on CPU, NCCL on GPUs (default 1)"),
     "seed": (int, "seed for requests that sample without their own seed (default 0)"),
     "max_loras": (int, "LoRA: most distinct adapters in one step, and on the device (default 1)"),
     "max_lora_rank": (int, "LoRA: highest adapter rank accepted (default 16)"),

@@ -12,12 +12,16 @@ makes it: each rank holds its share of every layer and the ranks meet twice per 
   hold fewer); an embedding lookup outside a rank's share reads zeros and the shares are summed;
   logits are gathered from every rank's share.
 
-This first slice shards a model loaded whole on each rank (`shard_model`); the engine's
-multi-process executor, loading shards directly and the MoE/MLA layouts come with it.
+Each rank loads the whole checkpoint and keeps its share (`shard_model`); the model's `args` then
+describe the rank's share (its heads), which is what its KV cache and kernels are sized by.
+The group is a torch.distributed process group made from a TCP store (`TPGroup.join`), not the
+process's default group: two engines in one process (a test's prefill and decode) each have
+their own.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import datetime
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -33,16 +37,27 @@ class TPGroup:
     """This process's place in its engine's tensor-parallel group."""
     rank: int
     size: int
-    group: object = None  # a torch.distributed process group (None: the default one)
+    group: dist.ProcessGroup
+
+    @classmethod
+    def join(cls, rank: int, size: int, store: dist.Store, device: torch.device,
+             timeout_s: float = 600.0) -> TPGroup:
+        """The group of `size` ranks meeting at `store`: gloo on CPU, NCCL on GPUs."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            return cls(rank, size, dist.ProcessGroupNCCL(store, rank, size, options))
+        return cls(rank, size, dist.ProcessGroupGloo(store, rank, size, timeout))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x, group=self.group)
+        self.group.allreduce([x]).wait()
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x (the same shape on each), concatenated along the last dimension."""
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.group.allgather([parts], [x.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
 
     def share(self, n: int) -> slice:
@@ -103,25 +118,32 @@ def _padded_rows(weight: torch.Tensor, start: int, n: int) -> torch.Tensor:
     return out
 
 
+def check_split(args, size: int) -> None:
+    """Refuse, naming tensor_parallel_size, a model that `size` ranks cannot split."""
+    field = "tensor_parallel_size"
+    kv = args.num_kv_heads
+    check(args.num_heads % size == 0 and (kv % size == 0 or size % kv == 0), field,
+          f"{size} ranks do not split {args.num_heads} query and {kv} KV heads evenly (nor replicate the KV "
+          f"heads on whole groups of ranks)")
+    check(args.intermediate_size % size == 0, field,
+          f"{size} ranks do not split the intermediate size {args.intermediate_size} evenly")
+    check(not any(args.sparse_layers) and args.attention == "mha" and args.qk_norm != "whole", field,
+          f"{args.architecture}'s layers (experts, latent attention or a norm over every head) are not split yet")
+
+
 def shard_model(model, tp: TPGroup) -> None:
     """In place: a model loaded whole becomes this rank's share (see the module docstring). A
     layout this slice does not split yet is refused naming tensor_parallel_size."""
     args = model.args
-    field = "tensor_parallel_size"
-    kv = args.num_kv_heads
-    check(args.num_heads % tp.size == 0 and (kv % tp.size == 0 or tp.size % kv == 0), field,
-          f"{tp.size} ranks do not split {args.num_heads} query and {kv} KV heads evenly (nor replicate the KV "
-          f"heads on whole groups of ranks)")
-    check(args.intermediate_size % tp.size == 0, field,
-          f"{tp.size} ranks do not split the intermediate size {args.intermediate_size} evenly")
-    check(not any(args.sparse_layers) and args.attention == "mha" and args.qk_norm != "whole", field,
-          f"{args.architecture}'s layers (experts, latent attention or a norm over every head) are not split yet")
+    check_split(args, tp.size)
     for layer in model.layers:
         _shard_attention(layer.self_attn, tp)
         _shard_mlp(layer.mlp, tp)
     head = model.lm_head.weight.data
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, tp)
     model.lm_head = ParallelLMHead(head, args.vocab_size, tp)
+    attn = model.layers[0].self_attn
+    model.args = replace(args, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads)
 
 
 def _shard_attention(attn: Attention, tp: TPGroup) -> None:

@@ -1,0 +1,79 @@
+"""A tensor-parallel rank of an engine (ranks 1..N-1; rank 0 runs in the engine core's process):
+`python -m baton.engine.worker.parallel.rank`, its RankStart pickled on stdin. It loads the
+checkpoint, keeps its share, builds a runner like rank 0's, then runs every step the core hands
+over until told to stop. It never samples: rank 0's tokens come with the next step.
+
+Exits 0 when told to stop, 1 when it fails (the core sees that and fails the engine), and is
+killed with the core (PR_SET_PDEATHSIG, and a check of the parent while it waits)."""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import sys
+
+import torch
+import torch.distributed as dist
+
+from baton.engine.common.config import read_config
+from baton.engine.common.lifetime import die_with_parent
+from baton.engine.common.messages import error_of
+from baton.engine.worker.loader import load_model
+from baton.engine.worker.model_runner import ModelRunner
+from baton.engine.worker.models import model_args
+from baton.engine.worker.parallel.messages import RankReady, RankStart, RankStep, RankStop, RunnerSetup
+from baton.engine.worker.parallel.shm_broadcast import ShmBroadcast
+from baton.engine.worker.parallel.tensor_parallel import TPGroup, shard_model
+
+log = logging.getLogger("baton.tp")
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: the core's for rank 0, the r-th GPU after it for the others."""
+    if device == "cpu":
+        return device
+    return f"cuda:{int(device.split(':')[1]) + rank}"
+
+
+def main() -> None:
+    start: RankStart = pickle.load(sys.stdin.buffer)
+    die_with_parent(start.parent)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{start.rank} %(levelname)s %(message)s")
+    torch.set_num_threads(start.threads)
+    config = start.config
+    size = config.tensor_parallel_size
+    store = dist.TCPStore("127.0.0.1", start.store_port, size, False, timeout=datetime.timedelta(seconds=600))
+    ring = ShmBroadcast.attach(start.ring_path, size - 1, start.rank - 1)
+
+    def alive() -> bool:
+        return os.getppid() == start.parent
+
+    device = torch.device(rank_device(config.device, start.rank))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        model = load_model(config.model, config.torch_dtype(model_args(read_config(config.model)).torch_dtype),
+                           str(device))
+    except Exception as e:  # noqa: BLE001 - the core raises it as its own start-up error
+        store.set(f"ready{start.rank}", pickle.dumps(RankReady(error_of(e))))
+        sys.exit(1)
+    store.set(f"ready{start.rank}", pickle.dumps(RankReady()))
+    shard_model(model, TPGroup.join(start.rank, size, store, device))
+    setup: RunnerSetup = ring.recv(alive)
+    setup.config.device = str(device)
+    runner = ModelRunner(model, setup.config, setup.num_kv_blocks, setup.eos_token_ids, kv_groups=setup.kv_groups,
+                         driver=False)
+    try:
+        while not isinstance(msg := ring.recv(alive), RankStop):
+            step: RankStep = msg
+            runner.mirror(step.sampled)
+            runner.execute_model(step.sched)
+    except Exception:
+        log.exception("tensor-parallel rank %d failed", start.rank)
+        os._exit(1)
+    os._exit(0)  # torch's threads must not hold the exit up
+
+
+if __name__ == "__main__":
+    main()

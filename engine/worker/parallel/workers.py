@@ -1,0 +1,141 @@
+"""An engine core's tensor-parallel ranks, seen from the core: rank 0 runs in the core's own
+process (its runner is the engine's runner: the step's output never crosses a process), ranks
+1..N-1 are processes of their own (rank.py) that this class starts, feeds and watches.
+
+Each step's SchedulerOutput goes to every rank once, through a shared-memory ring
+(shm_broadcast.py), with the tokens rank 0 sampled the step before: only rank 0 samples, the
+others mirror its tokens. Then every rank runs the same forward, meeting in its collectives.
+
+A rank that dies is the engine's death: `on_dead` is called from a watcher thread at once (the
+core process exits non-zero, so its front fails every stream UNAVAILABLE), and a step waiting on
+the dead rank raises. The ranks die with the core (PR_SET_PDEATHSIG), and the ring's file is
+unlinked as soon as every rank has it mapped.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from baton.engine.common.config import EngineConfig
+from baton.engine.common.errors import StartupError
+from baton.engine.common.messages import error_from
+from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from baton.engine.worker.parallel.messages import RankReady, RankStart, RankStep, RankStop, RunnerSetup
+from baton.engine.worker.parallel.shm_broadcast import ShmBroadcast
+from baton.engine.worker.parallel.tensor_parallel import TPGroup
+
+log = logging.getLogger("baton.tp")
+
+_STORE_TIMEOUT = datetime.timedelta(seconds=600)
+_READY_POLL_S = 0.05
+_STOP_WAIT_S = 5.0
+
+
+class RankDied(RuntimeError):
+    """A tensor-parallel rank of this engine exited."""
+
+
+def threads_per_rank(size: int) -> int:
+    """Torch threads for each of `size` ranks sharing this machine's CPUs (OMP_NUM_THREADS wins)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, len(os.sched_getaffinity(0)) // size)
+
+
+class TPWorkers:
+    def __init__(self, config: EngineConfig):
+        """Start ranks 1..N-1 (they load their shares while the caller loads rank 0's)."""
+        self.size = config.tensor_parallel_size
+        self.threads = threads_per_rank(self.size)
+        self.store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=_STORE_TIMEOUT, wait_for_workers=False)
+        self.ring = ShmBroadcast.create(self.size - 1)
+        self.sampled: dict[str, list[int]] = {}  # rank 0's tokens of the last step, for the others
+        self.dead: tuple[int, int] | None = None  # (rank, exit status) of a rank that died
+        self.on_dead: Callable[[RankDied], None] | None = None
+        self.broadcast_s = 0.0  # time spent handing steps over (the benchmark's figure)
+        self._stopping = False
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(1, self.size):
+                proc = subprocess.Popen([sys.executable, "-m", "baton.engine.worker.parallel.rank"],
+                                        stdin=subprocess.PIPE)
+                self.procs.append(proc)
+                proc.stdin.write(pickle.dumps(RankStart(config, rank, self.store.port, self.ring.path, os.getpid(),
+                                                        self.threads)))
+                proc.stdin.close()
+        except BaseException:
+            self.close()
+            raise
+        torch.set_num_threads(self.threads)
+
+    def join(self, device: torch.device) -> TPGroup:
+        """Once every rank loaded its share: rank 0's place in the group. A rank that could not
+        load is this engine's error (its own, naming the field where it names one)."""
+        for rank, proc in enumerate(self.procs, start=1):
+            while not self.store.check([f"ready{rank}"]):  # still loading, unless it died
+                if proc.poll() is not None:
+                    raise StartupError(f"tensor-parallel rank {rank} exited with status {proc.returncode} while "
+                                       f"loading")
+                time.sleep(_READY_POLL_S)
+            ready: RankReady = pickle.loads(self.store.get(f"ready{rank}"))
+            if ready.error is not None:
+                raise error_from(ready.error)
+        self.ring.unlink()  # every rank has it mapped by now
+        group = TPGroup.join(0, self.size, self.store, device)
+        for rank, proc in enumerate(self.procs, start=1):
+            threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-rank{rank}-watch", daemon=True).start()
+        return group
+
+    def setup(self, setup: RunnerSetup) -> None:
+        self.ring.send(setup, self._alive)
+
+    def execute(self, runner, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on every rank: rank 0's output."""
+        if self.dead is not None:
+            raise RankDied(f"tensor-parallel rank {self.dead[0]} exited with status {self.dead[1]}")
+        t0 = time.perf_counter()
+        self.ring.send(RankStep(sched, self.sampled), self._alive)
+        self.broadcast_s += time.perf_counter() - t0
+        out = runner.execute_model(sched)
+        self.sampled = out.sampled_token_ids
+        return out
+
+    def _alive(self) -> bool:
+        return self.dead is None
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self._stopping or self.dead is not None:
+            return
+        self.dead = (rank, code)
+        log.error("tensor-parallel rank %d (pid %d) exited with status %d", rank, proc.pid, code)
+        if self.on_dead is not None:
+            self.on_dead(RankDied(f"tensor-parallel rank {rank} exited with status {code}"))
+
+    def close(self) -> None:
+        """Stop every rank (told to, then killed after a while) and let go of the ring."""
+        self._stopping = True
+        if self.dead is None and all(p.poll() is None for p in self.procs):
+            try:
+                self.ring.send(RankStop(), lambda: all(p.poll() is None for p in self.procs))
+            except RuntimeError:  # one died meanwhile: the kill below
+                pass
+        deadline = time.monotonic() + _STOP_WAIT_S
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.ring.unlink()
+        self.ring.close()
