@@ -42,6 +42,10 @@ VALUE_SETS: dict[str, dict] = {
     "colocated-no-router": {"mode": "colocated", "router": {"enabled": False},
                             "networkPolicy": {"enabled": True, "clients": [{"namespaceSelector": {
                                 "matchLabels": {"kubernetes.io/metadata.name": "apps"}}}]}},
+    # Prefills of one GPU, decodes of four (tensor parallel) with a larger /dev/shm for NCCL.
+    "tensor-parallel": {"engine": {"dtype": "bfloat16", "device": "cuda"}, "prefill": {"resources": GPU},
+                        "decode": {"tensorParallelSize": 4, "shmSizeLimit": "16Gi", "resources": {
+                            "limits": {"nvidia.com/gpu": 1}, "requests": {"nvidia.com/gpu": 1, "cpu": "4"}}}},
     "3-prefill-2-decode": {"prefill": {"replicas": 3}, "decode": {"replicas": 2},
                            "router": {"policy": "least_outstanding"},
                            "engine": {"blockSize": 16, "maxNumSeqs": 32, "kvHoldTimeout": 30.5}},

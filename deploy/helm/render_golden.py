@@ -22,14 +22,14 @@ TOKEN_PLACEHOLDER = "<random internal token>"
 
 GOLDEN_VALUE_SETS: dict[str, dict] = {
     "default": {},
-    # GPU engines, 2 prefill x 3 decode, mTLS from a cert-manager Secret, tracing, a token Secret
-    # the operator made.
+    # GPU engines, 2 prefill x 3 decode, each prefill on two GPUs (tensor parallel, a larger /dev/shm
+    # for NCCL), mTLS from a cert-manager Secret, tracing, a token Secret the operator made.
     "disaggregated-gpu-tls": {
         "model": {"pvc": {"claimName": "llm-models", "subPath": "hf"}, "servedModelName": "smollm2"},
         "engine": {"model": "smollm2-135m-instruct", "dtype": "bfloat16", "device": "cuda", "blockSize": 32,
                    "maxModelLen": 8192, "kvCacheMemoryBytes": 8589934592, "maxNumSeqs": 128},
-        "prefill": {"replicas": 2, "engine": {"maxNumBatchedTokens": 8192},
-                    "resources": {"limits": {"nvidia.com/gpu": 1}},
+        "prefill": {"replicas": 2, "engine": {"maxNumBatchedTokens": 8192}, "tensorParallelSize": 2,
+                    "resources": {"limits": {"nvidia.com/gpu": 1}}, "shmSizeLimit": "8Gi",
                     "nodeSelector": {"nvidia.com/gpu.present": "true"},
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
         "decode": {"replicas": 3, "resources": {"limits": {"nvidia.com/gpu": 1}},

@@ -105,11 +105,11 @@ class Stack:
 
     @staticmethod
     def _gpu_busy(s: Service, others: list[Service]) -> bool:
-        """Whether another engine on s's shared GPU is not started yet, or running but not
-        serving yet (loading)."""
-        gpu = s.placement.device if s.placement.shares_gpu else None
-        return gpu is not None and any(
-            o is not s and o.placement.device == gpu
+        """Whether another engine on one of s's shared GPUs (any of its ranks' GPUs) is not
+        started yet, or running but not serving yet (loading)."""
+        gpus = s.placement.gpus() if s.placement.shares_gpu else frozenset()
+        return bool(gpus) and any(
+            o is not s and gpus & o.placement.gpus()
             and (o.proc is None or (o.proc.poll() is None and not is_serving(o.address, 0.2))) for o in others)
 
     def supervise(self) -> Service | None:
@@ -138,6 +138,10 @@ class Stack:
                 s.coming_back = False
                 print(f"baton up: {s.name} serves again on {s.address}", file=sys.stderr, flush=True)
         return None
+
+    def num_ranks(self) -> int:
+        """The engines' processes that compute: one per tensor-parallel rank."""
+        return sum(s.placement.tensor_parallel_size for s in self.services[1:])
 
     def dead(self) -> Service | None:
         return next((s for s in self.services if s.proc is not None and s.proc.poll() is not None), None)
@@ -179,7 +183,8 @@ class Stack:
 
 def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
                 policy: str, http_port: int | None = None, placements: list[Placement] | None = None) -> Stack:
-    """`placements`: each engine's device (prefill engines first; default: the engine's own)."""
+    """`placements`: each engine's device and tensor parallel size (prefill engines first;
+    default: the engine's own device, one rank)."""
     serve = [sys.executable, "-m", "baton.services.cli", "serve", "--host", host, "--model", model]
 
     def service(name: str, role: str, port: int, *argv: str) -> Service:
@@ -212,8 +217,8 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
     stack = build_stack(model, host, port, num_prefill, num_decode, engine_argv, policy, http_port, placements)
     env = dict(os.environ, BATON_INTERNAL_TOKEN=os.environ.get("BATON_INTERNAL_TOKEN") or secrets.token_hex(16),
                **{UP_CHILD_ENV: "1"})
-    # Engines share the cores instead of each assuming all of them.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (num_prefill + num_decode))))
+    # Engines share the cores instead of each assuming all of them: every rank is a process of its own.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, stack.num_ranks()))))
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
@@ -232,8 +237,7 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
                 return 130
             print(f"baton up: {e}", file=sys.stderr)
             return 1
-        engines = ", ".join(s.address + (f" on {s.placement.device}" if s.placement.device else "")
-                            for s in stack.services[1:])
+        engines = ", ".join(s.address + s.placement.summary() for s in stack.services[1:])
         metrics = "".join(f"\n  {s.name:<10} {s.metrics_url}" for s in stack.services)
         traces = (f"\nTraces: every request's waterfall is printed here (receiver on {receiver.endpoint})"
                   if receiver is not None else "")

@@ -140,15 +140,18 @@ def _router_options(args):
 
 def _up(args) -> None:
     from baton.services.cli.launcher import up
-    from baton.services.cli.placement import place_engines, visible_gpus
+    from baton.services.cli.placement import place_engines, tier_tensor_parallel, visible_gpus
 
     if args.decode < 1 or args.prefill < 0:
         sys.exit("baton up: --decode must be >= 1 and --prefill >= 0")
-    argv = engine_argv(args)
+    # Each tier's --tensor-parallel-size comes with its placement, not with the shared flags.
+    argv = engine_argv(argparse.Namespace(**{**vars(args), "tensor_parallel_size": None}))
     try:
+        tensor_parallel = tier_tensor_parallel(args.tensor_parallel_size, args.prefill_tensor_parallel_size,
+                                               args.decode_tensor_parallel_size, args.prefill)
         placements = place_engines(["prefill"] * args.prefill + ["decode"] * args.decode, args.device,
                                    {"prefill": args.prefill_device, "decode": args.decode_device}, visible_gpus(),
-                                   args.gpu_memory_utilization)
+                                   args.gpu_memory_utilization, tensor_parallel)
     except ValueError as e:
         sys.exit(f"baton up: {e}")
     sys.exit(up(model_dir(args), args.host, args.port, args.prefill, args.decode, argv, args.policy,
@@ -295,6 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "else, with several GPUs, one GPU per engine in turn; engines sharing a GPU split "
                         "--gpu-memory-utilization)")
     u.add_argument("--decode-device", metavar="DEVICE[,…]", help="the decode engines' device(s), as --prefill-device")
+    u.add_argument("--prefill-tensor-parallel-size", type=int, metavar="N",
+                   help="the prefill engines' --tensor-parallel-size (default: --tensor-parallel-size, else 1); on "
+                        "GPUs each engine's ranks take N consecutive GPUs from its device")
+    u.add_argument("--decode-tensor-parallel-size", type=int, metavar="N",
+                   help="the decode engines' --tensor-parallel-size, as --prefill-tensor-parallel-size; one of the "
+                        "two tiers' sizes must divide the other")
     u.add_argument("--policy", choices=POLICIES,
                    default="round_robin", help="the router's policy (default: %(default)s)")
     u.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for all to serve")

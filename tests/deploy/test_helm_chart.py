@@ -129,6 +129,11 @@ BAD_VALUES = {
     "reversed UCX port range": ({"ucx": {"tcpPortRange": "30100-30000"}}, ["ucx.tcpPortRange"]),
     "monitors twice": ({"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}},
                        ["serviceMonitor.enabled", "podMonitor.enabled"]),
+    "tensor parallel sizes that cannot pass KV": (
+        {"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 3}},
+        ["prefill.tensorParallelSize (2) and decode.tensorParallelSize (3): KV blocks move from prefill to decode "
+         "ranks only when one size divides the other"]),
+    "no tensor parallel rank": ({"decode": {"tensorParallelSize": 0}}, ["/decode/tensorParallelSize"]),
 }
 
 
@@ -165,3 +170,15 @@ def test_templates_check_the_model_source_too(tmp_path):
             assert named in str(info.value)
 
 
+
+
+def test_templates_check_tensor_parallel_sizes_too(tmp_path):
+    """Without the schema, a size below 1 still fails naming the key (and never reaches the
+    divisibility check's modulo)."""
+    unchecked = tmp_path / "baton"
+    shutil.copytree(CHART, unchecked)
+    (unchecked / "values.schema.json").unlink()
+    with helm_python.Chart.load(unchecked) as c:
+        with pytest.raises(helm_python.HelmRenderError) as info:
+            c.render({"decode": {"tensorParallelSize": 0}}, name=RELEASE, namespace=NAMESPACE)
+    assert "decode.tensorParallelSize: must be at least 1 (got 0)" in str(info.value)

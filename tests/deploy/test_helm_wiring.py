@@ -272,6 +272,30 @@ def test_engine_flags_gpu_and_tier_overrides():
     assert limits == {"nvidia.com/gpu": 2}
 
 
+def test_tensor_parallel_size_sets_the_flag_the_gpus_per_pod_and_shm():
+    docs = manifests(VALUE_SETS["tensor-parallel"])
+    pods = {component(labels): spec for _, labels, spec in pod_specs(docs)}
+    prefill, decode = (pods[tier]["containers"][0] for tier in ("prefill", "decode"))
+    assert (parse(prefill).tensor_parallel_size, parse(decode).tensor_parallel_size) == (None, 4)
+    # A GPU count in a tier's resources is per rank; other resources are the pod's.
+    assert prefill["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    assert decode["resources"] == {"limits": {"nvidia.com/gpu": 4}, "requests": {"nvidia.com/gpu": 4, "cpu": "4"}}
+    for tier, size in (("prefill", "1Gi"), ("decode", "16Gi")):  # NCCL's buffers: /dev/shm in memory
+        (shm,) = [v for v in pods[tier]["volumes"] if v["name"] == "shm"]
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": size}
+        assert {"name": "shm", "mountPath": "/dev/shm"} in pods[tier]["containers"][0]["volumeMounts"]
+    # Colocated servers take it too, for any <vendor>/gpu; prefill's and decode's sizes do not matter there.
+    docs = manifests({"mode": "colocated", "colocated": {"tensorParallelSize": 2, "resources": {
+        "limits": {"amd.com/gpu": 1, "memory": "64Gi"}}}, "prefill": {"tensorParallelSize": 3}})
+    (colocated,) = [spec["containers"][0] for _, labels, spec in pod_specs(docs) if component(labels) == "colocated"]
+    assert parse(colocated).tensor_parallel_size == 2
+    assert colocated["resources"] == {"limits": {"amd.com/gpu": 2, "memory": "64Gi"}}
+    # By default no engine is given the flag (the engine's own default, 1).
+    for _, labels, spec in pod_specs(manifests({})):
+        if component(labels) != "test":
+            assert parse(spec["containers"][0]).tensor_parallel_size is None
+
+
 def test_lora_values_become_flags_on_both_engine_tiers():
     values = {"engine": {"maxLoras": 4, "maxLoraRank": 32, "loraModules": {"sql": "adapters/sql/", "chat": "chat"}}}
     docs = manifests(values)

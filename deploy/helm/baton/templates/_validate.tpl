@@ -32,6 +32,20 @@ Checks values.schema.json cannot express; each failure names the values involved
 {{- fail (printf "%s.replicas: must be at least 1 for the %s tier in mode %s (got %v)" $tier $tier $v.mode $t.replicas) }}
 {{- end }}
 {{- end }}
+{{- /* Tensor parallel sizes: at least one rank; prefill and decode pass KV between their ranks
+only when one size divides the other. */}}
+{{- range $tier := splitList " " (include "baton.engineTiers" .) }}
+{{- if lt (int (include "baton.tensorParallelSize" (index $v $tier))) 1 }}
+{{- fail (printf "%s.tensorParallelSize: must be at least 1 (got %v)" $tier (index $v $tier).tensorParallelSize) }}
+{{- end }}
+{{- end }}
+{{- if eq $v.mode "disaggregated" }}
+{{- $ptp := int (include "baton.tensorParallelSize" $v.prefill) }}
+{{- $dtp := int (include "baton.tensorParallelSize" $v.decode) }}
+{{- if mod (max $ptp $dtp) (min $ptp $dtp) }}
+{{- fail (printf "prefill.tensorParallelSize (%d) and decode.tensorParallelSize (%d): KV blocks move from prefill to decode ranks only when one size divides the other (e.g. 1 and 2, 2 and 4)" $ptp $dtp) }}
+{{- end }}
+{{- end }}
 {{- /* prefill and decode exchange KV blocks: same model, dtype and block size. */}}
 {{- if eq $v.mode "disaggregated" }}
 {{- $p := include "baton.engineJson" (dict "ctx" . "tier" "prefill") | fromJson }}

@@ -13,8 +13,18 @@ its name to every ready pod; the ServiceMonitor scrapes through it).
 {{- $probes := mergeOverwrite (deepCopy $v.probes) (deepCopy ($t.probes | default dict)) }}
 {{- $grpcPort := int $v.ports.grpc }}
 {{- $rdma := and .engine $v.ucx.rdma.enabled }}
-{{- /* Resources: the tier's, plus the RDMA devices on engines with ucx.rdma.enabled. */}}
+{{- /* Resources: the tier's, GPUs (any <vendor>/gpu) counted per rank on engines of more than one
+rank, plus the RDMA devices on engines with ucx.rdma.enabled. */}}
 {{- $resources := deepCopy ($t.resources | default dict) }}
+{{- $ranks := 1 }}{{ if .engine }}{{ $ranks = int (include "baton.tensorParallelSize" $t) }}{{ end }}
+{{- if gt $ranks 1 }}
+{{- range $kind := list "limits" "requests" }}
+{{- $listed := index $resources $kind | default dict }}
+{{- range $res, $n := $listed }}
+{{- if hasSuffix "/gpu" $res }}{{ $_ := set $listed $res (mul (int $n) $ranks) }}{{ end }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if $rdma }}
 {{- $limits := $resources.limits | default dict }}
 {{- $requests := $resources.requests | default dict }}
@@ -221,7 +231,14 @@ spec:
 {{- end }}
 {{- if ne (toString ($e.kvOffloadingSize | default "")) "" }}{{ $args = append $args (printf "--kv-offloading-size=%v" $e.kvOffloadingSize) }}{{ end }}
 {{- with $e.preemptionMode }}{{ $args = append $args (printf "--preemption-mode=%s" .) }}{{ end }}
+{{- $ranks := int (include "baton.tensorParallelSize" (index $v .tier)) }}
+{{- if gt $ranks 1 }}{{ $args = append $args (printf "--tensor-parallel-size=%d" $ranks) }}{{ end }}
 {{- $args = append $args (printf "--grace-period=%v" $v.gracePeriodSeconds) }}
 {{- range $e.extraArgs }}{{ $args = append $args (toString .) }}{{ end }}
 {{- toJson $args }}
+{{- end }}
+
+{{/* An engine tier's tensorParallelSize (1 when unset): its engines' ranks, one GPU each. */}}
+{{- define "baton.tensorParallelSize" -}}
+{{- if kindIs "invalid" .tensorParallelSize }}1{{ else }}{{ int64 .tensorParallelSize }}{{ end }}
 {{- end }}
