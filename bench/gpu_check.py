@@ -17,6 +17,7 @@ Checks now (each passes or fails on its own; the report has every figure):
 - bfloat16 engine runs of the same families (outputs complete, pools full);
 - speculative decoding on CUDA: n-gram, suffix and draft-model (the target as its own draft)
   drafts keep the greedy output, the self-draft keeps nearly every draft, pools full;
+- tensor parallelism over NCCL (two GPUs: two ranks greedy-equal to one; skipped on one GPU);
 - heads wider than the generic Triton kernels take (576) fall back to the reference, while MLA's
   latent of 576 runs on its own Triton kernel.
 
@@ -308,6 +309,29 @@ def check_spec_decode(tmp: str) -> dict:
     return {"ok": all(r["ok"] for r in results.values()), "proposers": results}
 
 
+def check_tensor_parallel(tmp: str) -> dict:
+    """Two ranks over NCCL, one GPU each, greedy-equal to one rank (needs two GPUs)."""
+    from baton import LLM, SamplingParams
+    from baton.testing.checkpoints import write_random_checkpoint
+
+    if torch.cuda.device_count() < 2:
+        return {"ok": True, "skipped": f"NCCL tensor parallelism needs 2 GPUs; {torch.cuda.device_count()} here"}
+    model_dir = write_random_checkpoint(os.path.join(tmp, "tp"), "LlamaConfig", seed=7, hidden_size=256,
+                                        intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                                        num_hidden_layers=2, vocab_size=1001)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (5, 60, 300)]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for tp in (1, 2):
+        with LLM(model_dir, dtype="float32", device="cuda:0", tensor_parallel_size=tp, max_model_len=512) as llm:
+            t0 = time.perf_counter()
+            runs[tp] = ([o.token_ids for o in llm.generate(prompts, params)], round(time.perf_counter() - t0, 3),
+                        llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks)
+    return {"ok": runs[1][0] == runs[2][0] and runs[2][2], "equal": runs[1][0] == runs[2][0],
+            "seconds": {tp: r[1] for tp, r in runs.items()}, "pool_full": runs[2][2]}
+
+
 def check_wide_heads() -> dict:
     from baton.engine.worker.attention_backend import choose_backend
 
@@ -335,7 +359,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, check in (("triton_kernels", check_kernels), ("mla_kernel", check_mla_kernel),
                             ("fused_moe", check_fused_moe), ("wide_heads", check_wide_heads),
-                            ("spec_decode", lambda: check_spec_decode(tmp)), ("engine", lambda: check_engine(tmp))):
+                            ("spec_decode", lambda: check_spec_decode(tmp)), ("engine", lambda: check_engine(tmp)),
+                            ("tensor_parallel", lambda: check_tensor_parallel(tmp))):
             if args.only and name not in args.only:
                 continue
             t0 = time.perf_counter()

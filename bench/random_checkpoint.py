@@ -26,6 +26,10 @@ SHAPES = {
     # the serving benchmark's middle model (heads of 64, which vLLM's CPU attention accepts).
     "llama-h512": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
                        num_key_value_heads=4, vocab_size=1000, tie_word_embeddings=False),
+    # Wide enough that splitting its matmuls over ranks can pay on a CPU (the tensor-parallel
+    # benchmark's), few enough layers that a step stays well under a second.
+    "llama-h2048": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
+                        num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False),  # for the tests
 }

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -76,7 +77,7 @@ class KVFormat(msgspec.Struct, frozen=True):
     model: str  # a fingerprint of the checkpoint's contents (engine/loader.checkpoint_fingerprint)
     dtype: str
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # the model's (a tensor-parallel rank holds its share: kv_head_range)
     head_size: int
     block_size: int
     attention_backend: str  # the kernel family that reads the cache
@@ -86,21 +87,60 @@ class KVFormat(msgspec.Struct, frozen=True):
     kv_groups: tuple[tuple[int, ...], ...] = ()
     kv_windows: tuple[int, ...] = ()
     attention: str = "mha"  # the attention's cache kind: per-head K and V ("mha", GQA included)
-    tensor_parallel_size: int = 1  # the engine's ranks (num_kv_heads: each rank's share)
+    # The engine's ranks, each holding kv_head_range's heads of every block. It may differ
+    # between peers where one size divides the other: a rank reads its heads from the peer's
+    # ranks that hold them.
+    tensor_parallel_size: int = 1
 
     def check_peer(self, theirs: KVFormat) -> None:
         """Raises KVFormatMismatch naming the first field that differs."""
-        if max(self.tensor_parallel_size, theirs.tensor_parallel_size) > 1:
-            raise KVFormatMismatch("tensor_parallel_size", f"KV transfer between tensor-parallel engines (this "
-                                   f"{self.tensor_parallel_size}, the peer {theirs.tensor_parallel_size}) is not "
-                                   f"supported yet: each rank's cache holds only its share of the KV heads")
+        mine_tp, their_tp = self.tensor_parallel_size, theirs.tensor_parallel_size
+        if max(mine_tp, their_tp) % min(mine_tp, their_tp):
+            raise KVFormatMismatch("tensor_parallel_size", f"the peer has {their_tp} ranks, this engine {mine_tp}: "
+                                                           f"one size must divide the other")
         for name in self.__struct_fields__:
             mine, other = getattr(self, name), getattr(theirs, name)
-            if mine != other:
+            if mine != other and name != "tensor_parallel_size":
                 raise KVFormatMismatch(name, f"the peer's KV cache has {other!r}, this engine's {mine!r}; prefill and "
                                              f"decode must serve the same checkpoint with the same dtype, block size, "
                                              f"attention backend, max_model_len (it decides which windows slide) and "
                                              f"hybrid KV cache setting")
+
+
+def kv_head_range(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """The KV heads [first, last + 1) that rank `rank` of `tp` holds: an even share, or where the
+    ranks outnumber the heads, the one head its query heads read (replicated)."""
+    if num_kv_heads >= tp:
+        each = num_kv_heads // tp
+        return rank * each, (rank + 1) * each
+    head = rank * num_kv_heads // tp
+    return head, head + 1
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSlice:
+    """Part of a rank's KV heads, read from one rank of the peer."""
+    peer_rank: int
+    first: int  # the model's KV heads [first, last)
+    last: int
+    direct: bool  # the peer rank holds exactly this rank's heads: its blocks are ours byte for byte
+
+
+def read_plan(num_kv_heads: int, tp: int, rank: int, peer_tp: int) -> list[HeadSlice]:
+    """Where rank `rank` of `tp` reads its KV heads from a peer of `peer_tp` ranks: each head from
+    a peer rank holding it (replicated heads spread over their holders), consecutive heads
+    from one peer rank in one slice."""
+    first, last = kv_head_range(num_kv_heads, tp, rank)
+    slices: list[list[int]] = []
+    for head in range(first, last):
+        holders = [p for p in range(peer_tp) if kv_head_range(num_kv_heads, peer_tp, p)[0] <= head
+                   < kv_head_range(num_kv_heads, peer_tp, p)[1]]
+        peer = holders[rank % len(holders)]
+        if slices and slices[-1][0] == peer:
+            slices[-1][2] = head + 1
+        else:
+            slices.append([peer, head, head + 1])
+    return [HeadSlice(p, a, b, kv_head_range(num_kv_heads, peer_tp, p) == (first, last)) for p, a, b in slices]
 
 
 @dataclass(slots=True)
@@ -119,6 +159,12 @@ class KVLayout:
     # there while they wait for their decode, and its handle then names blocks of this pool.
     host_base_addr: int = 0
     host_num_blocks: int = 0  # 0: no host tier
+    # Under tensor parallelism, this is rank 0's and `ranks` the others' (each registered by its
+    # own agent), in rank order.
+    ranks: list[KVLayout] = field(default_factory=list)
+
+    def rank(self, r: int) -> KVLayout:
+        return self if r == 0 else self.ranks[r - 1]
 
     def region(self, tier: KVTier) -> tuple[int, str, int]:
         """(base address, memory type, device id) of the pool a handle's `tier` names."""
@@ -213,6 +259,7 @@ class KVConnectorOutput:
     finished_sending: set[str] = field(default_factory=set)  # held blocks may now be freed
     finished_recving: set[str] = field(default_factory=set)  # remote KV arrived: the request can run
     invalid_block_ids: set[int] = field(default_factory=set)  # loads that failed: recompute from there
+    invalid_by_request: dict[str, set[int]] = field(default_factory=dict)  # the same, by request
     transfers_started: list[KVTransfer] = field(default_factory=list)  # since the last report
     transfers_ended: dict[str, KVTransfer] = field(default_factory=dict)  # request id -> its load, ended
     holds_ended: list[KVHoldEnd] = field(default_factory=list)
@@ -253,3 +300,13 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def close(self) -> None:
         """Let go of the transport (the engine is stopping)."""
+
+    def for_rank(self, rank: int) -> Callable[[], KVConnectorWorker]:
+        """A picklable factory of the worker half of tensor-parallel rank `rank` (this is rank
+        0's), called in that rank's process."""
+        raise NotImplementedError(f"{type(self).__name__} does not run under tensor parallelism")
+
+    def finish_load(self, request_id: str, ok: bool) -> None:
+        """Under tensor parallelism, on rank 0: every rank has ended its reads of this request's
+        load (ok: all of them landed); tell the peer it may let go of its hold."""
+        raise NotImplementedError(f"{type(self).__name__} does not run under tensor parallelism")

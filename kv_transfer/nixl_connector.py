@@ -29,17 +29,19 @@ transfers or holds are about; NIXL's own progress thread costs too much on a few
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from baton.kv_transfer.base import (DEFAULT_HOLD_TIMEOUT_S, HoldOutcome, KVConnectorOutput, KVConnectorWorker, KVFormat,
-                                    KVHoldEnd, KVLayout, KVTier, KVTransfer)
+from baton.kv_transfer.base import (DEFAULT_HOLD_TIMEOUT_S, HeadSlice, HoldOutcome, KVConnectorOutput,
+                                    KVConnectorWorker, KVFormat, KVHoldEnd, KVLayout, KVTier, KVTransfer, kv_head_range,
+                                    read_plan)
 from baton.kv_transfer.nixl_scheduler import (DEFAULT_LOAD_TIMEOUT_S, LoadSpec, NixlConnectorMeta,
                                               NixlConnectorScheduler)
 
@@ -71,8 +73,31 @@ decode_notification = msgspec.json.Decoder(Notification).decode
 
 @dataclass(slots=True)
 class _Peer:
-    agent_name: str
+    agent_names: list[str]  # each rank's agent, in rank order
     layout: KVLayout
+
+    @property
+    def tp(self) -> int:
+        return self.layout.format.tensor_parallel_size
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A slice of heads read whole from a peer rank into a buffer of its own block shape, copied
+    into this rank's blocks once it landed."""
+    buffer: torch.Tensor  # [blocks, *the peer rank's block shape]
+    registration: object
+    head_slice: HeadSlice
+    peer_first: int  # the peer rank's first KV head
+
+
+@dataclass(slots=True)
+class _Load:
+    spec: LoadSpec
+    handles: list  # one NIXL READ per head slice
+    give_up: float
+    record: KVTransfer
+    staged: list[_Staged] = field(default_factory=list)
 
 
 def _new_agent(name: str):
@@ -95,17 +120,21 @@ def merge_runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]
 
 
 class NixlConnectorWorker(KVConnectorWorker):
-    def __init__(self, engine_id: str, agent=None, load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S):
+    def __init__(self, engine_id: str, agent=None, load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S, rank: int = 0):
         """`agent`: a nixl_agent, or any object with its methods (tests inject faults so).
         `load_timeout_s`: a READ still moving after this long counts as failed (a hung peer
-        must not park a request forever)."""
+        must not park a request forever). `rank`: this worker's tensor-parallel rank (its
+        engine_id then names the rank); only rank 0 keeps holds and tells peers about reads."""
         self.engine_id = engine_id
         self.agent = agent if agent is not None else _new_agent(engine_id)
         self.load_timeout_s = load_timeout_s
+        self.rank = rank
+        self.tp = 1  # the engine's ranks, from the registered format
+        self._cache: torch.Tensor | None = None
+        self._deferred: dict[str, LoadSpec] = {}  # loads whose reader-is-done notice waits for every rank
         self.layout: KVLayout | None = None
         self.peers: dict[str, _Peer] = {}
-        # request id -> (xfer handle, the load, give-up time, its record)
-        self._loading: dict[str, tuple[object, LoadSpec, float, KVTransfer]] = {}
+        self._loading: dict[str, _Load] = {}
         self._failed: dict[str, tuple[list[int], KVTransfer]] = {}  # loads that could not start
         self._started: list[KVTransfer] = []  # loads started since the last report
         self._holds: dict[str, float] = {}  # request id -> deadline
@@ -135,6 +164,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         first READ, so a probe READ runs now."""
         with self._lock:
             self._regs = [self.agent.register_memory(t) for t in (kv_cache, host_cache) if t is not None]
+        self._cache, self.tp = kv_cache, kv_format.tensor_parallel_size
         on_gpu = kv_cache.device.type == "cuda"
         self.layout = KVLayout(self.engine_id, self.agent.get_agent_metadata(), kv_cache.data_ptr(),
                                kv_cache[0].numel() * kv_cache.element_size(), kv_cache.shape[0],
@@ -153,18 +183,23 @@ class NixlConnectorWorker(KVConnectorWorker):
         probe_read(self.agent, self._lock, self.layout, kv_cache,
                    probe_agent if probe_agent is not None else _new_agent(f"{self.engine_id}-probe"))
 
+    def for_rank(self, rank: int):
+        return functools.partial(NixlConnectorWorker, f"{self.engine_id}.r{rank}", None, self.load_timeout_s, rank)
+
     def add_peer(self, layout: KVLayout) -> None:
-        """Learn a peer's layout (once per peer; again when it restarted with new metadata).
-        Raises KVFormatMismatch, naming what differs, for a peer whose blocks hold another format."""
+        """Learn a peer's layout, every rank's (once per peer; again when it restarted with new
+        metadata). Raises KVFormatMismatch, naming what differs, for a peer whose blocks hold
+        another format."""
         known = self.peers.get(layout.engine_id)
         if known is not None and known.layout.agent_metadata == layout.agent_metadata:
             return
         self.layout.format.check_peer(layout.format)
         with self._lock:
             if known is not None:
-                self.agent.remove_remote_agent(known.agent_name)
-            name = self.agent.add_remote_agent(layout.agent_metadata)
-        self.peers[layout.engine_id] = _Peer(name.decode() if isinstance(name, bytes) else name, layout)
+                for name in known.agent_names:
+                    self.agent.remove_remote_agent(name)
+            names = [self.agent.add_remote_agent(rank.agent_metadata) for rank in [layout, *layout.ranks]]
+        self.peers[layout.engine_id] = _Peer([n.decode() if isinstance(n, bytes) else n for n in names], layout)
 
     def _descs(self, layout: KVLayout, runs: list[tuple[int, int, int]], side: int, tier: KVTier = KVTier.DEVICE):
         size = layout.block_bytes
@@ -206,7 +241,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             self._start_loads(metadata)
 
     def _start_loads(self, metadata: NixlConnectorMeta) -> None:
-        for req_id, deadline in metadata.holds.items():
+        for req_id, deadline in metadata.holds.items() if self.rank == 0 else ():
             self._ended.pop(req_id, None)  # a new hold under a reused id
             early = self._early_notifs.pop(req_id, None)
             if early is None:
@@ -216,45 +251,115 @@ class NixlConnectorWorker(KVConnectorWorker):
                 self._ended[req_id] = early
         for load in metadata.loads:
             blocks = load.local_block_ids
-            record = KVTransfer(load.request_id, load.remote_engine_id, len(blocks),
-                                len(blocks) * self.layout.block_bytes, 0, time.monotonic())
+            record = KVTransfer(load.request_id, load.remote_engine_id, len(blocks), 0, 0, time.monotonic())
             self._started.append(record)
+            entry = None
             try:  # a malformed handle (block lists of other lengths) fails this request only
-                runs = merge_runs(blocks, load.remote_block_ids)
-                record.num_descriptors = len(runs)
+                if len(blocks) != len(load.remote_block_ids):
+                    raise ValueError(f"{len(blocks)} local blocks for {len(load.remote_block_ids)} remote ones")
                 peer = self.peers.get(load.remote_engine_id)
                 if peer is None:
                     raise KeyError(f"no layout for peer {load.remote_engine_id!r}")
+                # One READ per head slice; it carries the peer's notice only where it is the
+                # whole load (no rank on either side); else rank 0 tells the peer once all landed.
+                with_read = self.tp == 1 and peer.tp == 1
+                if not with_read and self.rank == 0:
+                    self._deferred[load.request_id] = load
                 if not blocks:  # all hit locally: as good as read, the prefill's hold may go
-                    self.agent.send_notif(peer.agent_name, encode_notification(ReadDone(load.remote_request_id)))
                     record.end_time, record.ok = record.start_time, True
+                    if self.rank == 0:  # (no rank has anything to read)
+                        self._deferred.pop(load.request_id, None)
+                        self._notify(load, ReadDone(load.remote_request_id))
                     continue
-                handle = self.agent.initialize_xfer("READ", self._descs(self.layout, runs, 0),
-                                                    self._descs(peer.layout, runs, 1, load.remote_tier),
-                                                    peer.agent_name,
-                                                    encode_notification(ReadDone(load.remote_request_id)))
-                if self.agent.transfer(handle) == "ERR":
-                    self.agent.release_xfer_handle(handle)
-                    raise RuntimeError("NIXL refused the transfer")
-                self._loading[load.request_id] = (handle, load, time.monotonic() + self.load_timeout_s, record)
-                self.num_descriptors += len(runs)
+                entry = _Load(load, [], time.monotonic() + self.load_timeout_s, record)
+                notice = encode_notification(ReadDone(load.remote_request_id)) if with_read else b""
+                for head_slice in read_plan(self.layout.format.num_kv_heads, self.tp, self.rank, peer.tp):
+                    self._read_slice(entry, peer, head_slice, notice)
+                self._loading[load.request_id] = entry
                 self.num_blocks_pulled += len(blocks)
                 self.num_bytes_pulled += record.num_bytes
             except Exception as e:  # noqa: BLE001 - the request recomputes instead
                 log.warning("KV load for %s from %s failed to start: %s", load.request_id, load.remote_engine_id, e)
                 record.error = f"failed to start: {e}"
+                if entry is not None:
+                    self._release(entry)
                 self._failed[load.request_id] = (blocks, record)
                 self._let_go(load)
 
+    def _read_slice(self, entry: _Load, peer: _Peer, head_slice: HeadSlice, notice: bytes) -> None:
+        """Start the READ of one head slice: straight into the cache where the peer rank's
+        blocks are ours byte for byte, else into a buffer of the peer rank's block shape."""
+        spec, remote = entry.spec, peer.layout.rank(head_slice.peer_rank)
+        if head_slice.direct:
+            runs = merge_runs(spec.local_block_ids, spec.remote_block_ids)
+            local = self._descs(self.layout, runs, 0)
+        else:
+            import torch
+
+            cache, num_kv_heads = self._cache, self.layout.format.num_kv_heads
+            first, last = kv_head_range(num_kv_heads, peer.tp, head_slice.peer_rank)
+            buffer = torch.empty((len(spec.local_block_ids), *cache.shape[1:-2], last - first, cache.shape[-1]),
+                                 dtype=cache.dtype, device=cache.device)
+            entry.staged.append(_Staged(buffer, self.agent.register_memory(buffer), head_slice, first))
+            runs = merge_runs(list(range(len(spec.local_block_ids))), spec.remote_block_ids)
+            on_gpu = buffer.device.type == "cuda"
+            local = self.agent.get_xfer_descs(
+                [(buffer.data_ptr() + start * remote.block_bytes, n * remote.block_bytes,
+                  (buffer.device.index or 0) if on_gpu else 0) for start, _, n in runs], "VRAM" if on_gpu else "DRAM")
+        handle = self.agent.initialize_xfer("READ", local, self._descs(remote, runs, 1, spec.remote_tier),
+                                            peer.agent_names[head_slice.peer_rank], notice)
+        if self.agent.transfer(handle) == "ERR":
+            self.agent.release_xfer_handle(handle)
+            raise RuntimeError("NIXL refused the transfer")
+        entry.handles.append(handle)
+        entry.record.num_descriptors += len(runs)
+        entry.record.num_bytes += len(spec.local_block_ids) * remote.block_bytes
+        self.num_descriptors += len(runs)
+
+    def _release(self, entry: _Load) -> None:
+        for handle in entry.handles:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception as e:  # noqa: BLE001 - a READ that cannot be cancelled: forget it
+                log.warning("could not release the KV load of %s: %s", entry.spec.request_id, e)
+        for staged in entry.staged:
+            self.agent.deregister_memory(staged.registration)
+        entry.handles, entry.staged = [], []
+
+    def _land(self, entry: _Load) -> None:
+        """Copy the staged head slices into this rank's blocks."""
+        import torch
+
+        if not entry.staged:
+            return
+        blocks = torch.tensor(entry.spec.local_block_ids, device=self._cache.device)
+        first = kv_head_range(self.layout.format.num_kv_heads, self.tp, self.rank)[0]
+        for staged in entry.staged:
+            s = staged.head_slice
+            self._cache[blocks, ..., s.first - first:s.last - first, :] = (
+                staged.buffer[..., s.first - staged.peer_first:s.last - staged.peer_first, :])
+
     def _let_go(self, load: LoadSpec) -> None:
-        """Tell the prefill to free a hold this engine will not read (best effort: it expires anyway)."""
+        """Tell the prefill to free a hold this engine will not read (best effort: it expires
+        anyway). Under tensor parallelism rank 0 says it once every rank ended (finish_load)."""
+        if self.tp == 1:
+            self._deferred.pop(load.request_id, None)
+            self._notify(load, LetGo(load.remote_request_id))
+
+    def _notify(self, load: LoadSpec, note: Notification) -> None:  # under self._lock
         peer = self.peers.get(load.remote_engine_id)
         try:
             if peer is not None:
-                self.agent.send_notif(peer.agent_name, encode_notification(LetGo(load.remote_request_id)))
+                self.agent.send_notif(peer.agent_names[0], encode_notification(note))
         except Exception as e:  # noqa: BLE001
-            log.warning("could not tell %s to free the blocks of %s: %s", load.remote_engine_id,
+            log.warning("could not tell %s about the blocks of %s: %s", load.remote_engine_id,
                         load.remote_request_id, e)
+
+    def finish_load(self, request_id: str, ok: bool) -> None:
+        load = self._deferred.pop(request_id, None)
+        if load is not None:
+            with self._lock:
+                self._notify(load, ReadDone(load.remote_request_id) if ok else LetGo(load.remote_request_id))
 
     def release(self, req_id: str) -> None:
         """Let go of a hold no decode will pull, as if its reader had said it is done."""
@@ -276,17 +381,20 @@ class NixlConnectorWorker(KVConnectorWorker):
         out = KVConnectorOutput(transfers_started=self._started)
         self._started = []
         now = time.monotonic()
-        for req_id, (handle, load, give_up, record) in list(self._loading.items()):
-            state = self.agent.check_xfer_state(handle)
-            if state in ("PROC", "WAIT") and now < give_up:  # still moving
-                continue
-            try:
-                self.agent.release_xfer_handle(handle)
-            except Exception as e:  # noqa: BLE001 - a READ that cannot be cancelled: forget it
-                log.warning("could not release the KV load of %s: %s", req_id, e)
+        for req_id, entry in list(self._loading.items()):
+            states = [self.agent.check_xfer_state(handle) for handle in entry.handles]
+            state = next((s for s in states if s not in ("PROC", "WAIT", "DONE")), None)  # one failed: all did
+            if state is None and any(s != "DONE" for s in states):
+                if now < entry.give_up:  # still moving
+                    continue
+                state = "PROC"
+            if state is None:
+                self._land(entry)
+            self._release(entry)
             del self._loading[req_id]
+            load, record = entry.spec, entry.record
             record.end_time = now
-            if state != "DONE":
+            if state is not None:
                 log.warning("KV load for %s ended in state %s; recomputing its blocks", req_id, state)
                 timed_out = state in ("PROC", "WAIT")
                 record.error = "timed out" if timed_out else f"ended in state {state}"
@@ -297,10 +405,13 @@ class NixlConnectorWorker(KVConnectorWorker):
                 record.ok = True
                 out.finished_recving.add(req_id)
                 out.transfers_ended[req_id] = record
+                if self.tp == 1 and req_id in self._deferred:  # a peer of ranks: its notice did not go with a READ
+                    self._notify(self._deferred.pop(req_id), ReadDone(load.remote_request_id))
         for req_id, (blocks, record) in self._failed.items():
             record.end_time = record.end_time or now
             out.finished_recving.add(req_id)
             out.invalid_block_ids.update(blocks)
+            out.invalid_by_request[req_id] = set(blocks)
             out.transfers_ended[req_id] = record
         self._failed = {}
         for record in out.transfers_started:  # nothing to move: done as it started
@@ -332,8 +443,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._closed.set()
         self._wake.set()
         with self._lock:
-            for handle, *_ in self._loading.values():
-                self.agent.release_xfer_handle(handle)
+            for entry in self._loading.values():
+                self._release(entry)
             self._loading.clear()
             if self.layout is not None:
                 for reg in self._regs:

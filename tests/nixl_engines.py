@@ -22,9 +22,9 @@ def nixl_engine(model_dir: str, role: str, hold_timeout_s: float = 60.0, agent=N
 
 
 def connect(prefill: LLMEngine, decode: LLMEngine) -> None:
-    """The metadata exchange the services do over gRPC, done directly."""
-    decode.runner.connector.add_peer(prefill.runner.connector.layout)
-    prefill.runner.connector.add_peer(decode.runner.connector.layout)
+    """The metadata exchange the services do over gRPC, done directly (every rank of each)."""
+    decode.core.add_peer(prefill.core.connector.layout)
+    prefill.core.add_peer(decode.core.connector.layout)
 
 
 def run_prefill(prefill: LLMEngine, prompts, params: list[SamplingParams]) -> list[dict]:

@@ -14,11 +14,12 @@ def prompt_logits(model, prompt: list[int], block_size: int = 16) -> torch.Tenso
     the cached prefix), through the reference attention on a paged cache of this rank's heads."""
     from baton.kernels.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 
-    a = model.args
-    num_kv = model.layers[0].self_attn.num_kv_heads
+    a = model.args  # (a split model's: this rank's KV heads; MLA's one latent, whole)
     blocks = math.ceil(len(prompt) / block_size)
-    caches = [(torch.zeros(blocks, block_size, num_kv, a.head_dim), torch.zeros(blocks, block_size, num_kv, a.head_dim))
-              for _ in model.layers]
+    caches = []
+    for _ in model.layers:  # K and V, or (MLA) the latent alone, one view for both
+        parts = [torch.zeros(blocks, block_size, a.num_kv_heads, a.head_dim) for _ in range(a.kv_parts)]
+        caches.append((parts[0], parts[-1]))
     table = torch.arange(blocks)
     n = len(prompt) - 1
     prefill = AttentionMetadata(prefills=[PrefillSeq(0, n, n, table)], slot_mapping=torch.arange(n))
@@ -29,7 +30,8 @@ def prompt_logits(model, prompt: list[int], block_size: int = 16) -> torch.Tenso
     return model.compute_logits(torch.cat([hidden, last]))
 
 
-def run_rank(rank: int, world: int, port: int, model_dir: str, prompt: list[int], out: str) -> None:
+def run_rank(rank: int, world: int, port: int, model_dir: str, prompt: list[int], out: str,
+             expert_parallel: bool = False) -> None:
     from baton.engine.worker.loader import load_model
     from baton.engine.worker.parallel.tensor_parallel import TPGroup, shard_model
 
@@ -37,7 +39,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, prompt: list[int]
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
     model = load_model(model_dir, torch.float32, "cpu")
     model.prepare(256)
-    shard_model(model, TPGroup.join(rank, world, store, torch.device("cpu")))
+    shard_model(model, TPGroup.join(rank, world, store, torch.device("cpu")), expert_parallel)
     with torch.inference_mode():
         logits = prompt_logits(model, prompt)
     torch.save(logits, os.path.join(out, f"rank{rank}.pt"))

@@ -36,7 +36,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, handle: _Optional[_Union[_generate_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Union[_generate_pb2.GenerateResponse, _Mapping]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("engine_id", "agent_metadata", "base_addr", "block_bytes", "num_blocks", "mem_type", "dev_id", "format", "host_base_addr", "host_num_blocks")
+    __slots__ = ("engine_id", "agent_metadata", "base_addr", "block_bytes", "num_blocks", "mem_type", "dev_id", "format", "host_base_addr", "host_num_blocks", "ranks")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class KVLayout(_message.Message):
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     HOST_BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
     HOST_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     agent_metadata: bytes
     base_addr: int
@@ -57,10 +58,11 @@ class KVLayout(_message.Message):
     format: KVFormat
     host_base_addr: int
     host_num_blocks: int
-    def __init__(self, engine_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., mem_type: _Optional[str] = ..., dev_id: _Optional[int] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., host_base_addr: _Optional[int] = ..., host_num_blocks: _Optional[int] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[KVLayout]
+    def __init__(self, engine_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., mem_type: _Optional[str] = ..., dev_id: _Optional[int] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., host_base_addr: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[KVLayout, _Mapping]]] = ...) -> None: ...
 
 class KVFormat(_message.Message):
-    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "attention_backend", "kv_groups", "attention")
+    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "attention_backend", "kv_groups", "attention", "tensor_parallel_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +72,7 @@ class KVFormat(_message.Message):
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     num_layers: int
@@ -79,7 +82,8 @@ class KVFormat(_message.Message):
     attention_backend: str
     kv_groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
     attention: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., kv_groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., attention: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., kv_groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., attention: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class KVCacheGroup(_message.Message):
     __slots__ = ("layers", "window")

@@ -75,6 +75,10 @@ class EngineConfig:
     # Tensor parallelism (vLLM's name): the model split over this many ranks, one process and
     # device each (rank 0 in the engine core's process), meeting over torch.distributed.
     tensor_parallel_size: int = 1
+    # Expert parallelism (vLLM's name): under tensor parallelism, a mixture of experts' routed
+    # experts spread whole over the ranks rather than each split. Ignored with one rank (every
+    # expert is on it) and by a model without experts, as vLLM does: a stack's tiers share it.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self):
         check(isinstance(self.model, (str, os.PathLike)) and os.path.isdir(self.model), "model",
@@ -114,6 +118,8 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         check(isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= 64, "tensor_parallel_size",
               f"must be an integer in [1, 64], got {tp!r}")
+        check(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel",
+              f"must be true or false, got {self.enable_expert_parallel!r}")
         if tp > 1:  # what the ranks do not split yet
             for name, on in (("enable_lora", self.enable_lora), ("kv_offloading_size", self.kv_offloading_size)):
                 check(not on, name, f"is not supported with tensor_parallel_size {tp} yet")

@@ -63,7 +63,7 @@ class EngineCore:
         on_gpu = config.device.startswith("cuda")
         free_at_start, total = memory_before_loading(config.device) if on_gpu else (0, 0)
         dtype = config.torch_dtype(args.torch_dtype)
-        self.workers = self._start_ranks(args)
+        self.workers = self._start_ranks(args, kv_connector[1] if kv_connector else None)
         try:
             self._build(config, args, dtype, on_gpu, free_at_start, total, kv_connector)
         except BaseException:
@@ -71,18 +71,18 @@ class EngineCore:
                 self.workers.close()
             raise
 
-    def _start_ranks(self, args: ModelArgs) -> TPWorkers | None:
+    def _start_ranks(self, args: ModelArgs, connector: KVConnectorWorker | None) -> TPWorkers | None:
         """Under tensor parallelism: the other ranks, started loading their shares."""
         if self.config.tensor_parallel_size == 1:
             return None
-        check_split(args, self.config.tensor_parallel_size)
-        return TPWorkers(self.config)
+        check_split(args, self.config.tensor_parallel_size, self.config.enable_expert_parallel)
+        return TPWorkers(self.config, connector)
 
     def _build(self, config: EngineConfig, args: ModelArgs, dtype, on_gpu: bool, free_at_start: int, total: int,
                kv_connector) -> None:
         model = load_model(config.model, dtype, config.device)
         if self.workers is not None:
-            shard_model(model, self.workers.join(torch.device(config.device)))
+            shard_model(model, self.workers.join(torch.device(config.device)), config.enable_expert_parallel)
         draft = self._load_draft(args, dtype)
         self.loras, lora_slots = self._start_lora(args, model, dtype)
         if on_gpu and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
@@ -118,7 +118,9 @@ class EngineCore:
                                   self.num_host_blocks, self.kv_groups, draft)
         self.connector = connector_worker
         if self.workers is not None:
-            self.workers.setup(RunnerSetup(config, self.num_kv_blocks, self.eos_token_ids, self.kv_groups))
+            layouts = self.workers.setup(RunnerSetup(config, self.num_kv_blocks, self.eos_token_ids, self.kv_groups))
+            if connector_worker is not None:
+                connector_worker.layout.ranks = layouts
         if self.runner.model.rope_recompute_at is not None:  # LongRoPE: see Scheduler.recompute_at
             self.scheduler.recompute_at = self.runner.model.rope_recompute_at
             self.scheduler.rekey = self._rope_rekey
@@ -326,6 +328,8 @@ class EngineCore:
     def add_peer(self, layout) -> None:
         """Learn a KV peer's layout (the KV handshake); raises KVFormatMismatch naming what differs."""
         self.connector.add_peer(layout)
+        if self.workers is not None:
+            self.workers.add_peer(layout)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one device)."""

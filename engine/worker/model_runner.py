@@ -14,12 +14,12 @@ import torch
 
 from baton.engine.worker import block_tables
 from baton.engine.worker.batch_builder import BatchBuilder
-from baton.engine.common.config import EngineConfig
+from baton.engine.common.config import EngineConfig, read_config
 from baton.engine.common.kv_groups import KVGroups, group_layers
 from baton.engine.worker.host_kv_copier import HostKVCopier
 from baton.engine.worker.loader import checkpoint_fingerprint
 from baton.engine.worker.lora.layers import LoRASlots
-from baton.engine.worker.models import CausalLM
+from baton.engine.worker.models import CausalLM, model_args
 from baton.engine.worker.sampler import apply_processors, sample, skip_draws, token_logprobs
 from baton.engine.worker.spec_decode import make_proposer
 from baton.engine.worker.spec_decode.verify import greedy_accept, sampled_accept
@@ -106,9 +106,10 @@ class ModelRunner(BatchBuilder):
         self.proposer = None if spec is None else (make_proposer(spec) if draft is None else
                                                    self._draft_proposer(draft, num_blocks))
         if connector is not None:
+            whole = model_args(read_config(config.model))  # (args: this rank's share under tensor parallelism)
             connector.register_kv_caches(self.kv_cache, KVFormat(
                 checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,
-                args.num_kv_heads, args.head_dim, config.block_size, self.attention_backend, groups.layers,
+                whole.num_kv_heads, args.head_dim, config.block_size, self.attention_backend, groups.layers,
                 tuple(w or 0 for w in groups.windows), kv_attention(args), config.tensor_parallel_size),
                 host_cache=self.host_kv.host_cache if self.host_kv is not None else None)
 

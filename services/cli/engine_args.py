@@ -51,6 +51,9 @@ def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules)")
     g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="sliding-window layers keep every KV block, as full-attention layers do")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size: spread a mixture of experts' experts whole over the ranks "
+                        "rather than split each")
     g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
                    help="LoRA adapters (PEFT directories) to load at start; requests pick one by name")
     g.add_argument("--speculative-config", metavar="JSON",
@@ -85,6 +88,7 @@ def engine_config(args):
                                     enable_lora=getattr(args, "enable_lora", False),
                                     disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager",
                                                                             False),
+                                    enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
                                     lora_modules=dict(m.split("=", 1) for m in modules), **kwargs)
 
 
@@ -95,7 +99,8 @@ def engine_argv(args) -> list[str]:
     argv += [flag for flag, on in (("--no-prefix-caching", args.no_prefix_caching),
                                    ("--no-chunked-prefill", args.no_chunked_prefill),
                                    ("--enable-lora", args.enable_lora),
-                                   ("--disable-hybrid-kv-cache-manager", args.disable_hybrid_kv_cache_manager)) if on]
+                                   ("--disable-hybrid-kv-cache-manager", args.disable_hybrid_kv_cache_manager),
+                                   ("--enable-expert-parallel", args.enable_expert_parallel)) if on]
     if args.lora_modules:  # every engine of the stack serves the adapters
         argv += ["--lora-modules", *args.lora_modules]
     if getattr(args, "speculative_config", None):

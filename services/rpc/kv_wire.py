@@ -34,7 +34,9 @@ def layout_to_proto(layout: KVLayout) -> internal_pb2.KVLayout:
                                      head_size=f.head_size, block_size=f.block_size,
                                      attention_backend=f.attention_backend, attention=f.attention,
                                      kv_groups=[internal_pb2.KVCacheGroup(layers=layers, window=window)
-                                                for layers, window in zip(f.kv_groups, f.kv_windows, strict=True)]))
+                                                for layers, window in zip(f.kv_groups, f.kv_windows, strict=True)],
+                                     tensor_parallel_size=f.tensor_parallel_size),
+        ranks=[layout_to_proto(rank) for rank in layout.ranks])
 
 
 def layout_from_proto(msg: internal_pb2.KVLayout) -> KVLayout:
@@ -43,5 +45,6 @@ def layout_from_proto(msg: internal_pb2.KVLayout) -> KVLayout:
                     msg.mem_type, msg.dev_id, KVFormat(f.model, f.dtype, f.num_layers, f.num_kv_heads, f.head_size,
                                                        f.block_size, f.attention_backend,
                                                        tuple(tuple(g.layers) for g in f.kv_groups),
-                                                       tuple(g.window for g in f.kv_groups), f.attention),
-                    msg.host_base_addr, msg.host_num_blocks)
+                                                       tuple(g.window for g in f.kv_groups), f.attention,
+                                                       f.tensor_parallel_size or 1),
+                    msg.host_base_addr, msg.host_num_blocks, [layout_from_proto(rank) for rank in msg.ranks])

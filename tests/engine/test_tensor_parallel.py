@@ -5,7 +5,11 @@ LM head (a vocabulary that does not divide, q/k/v biases, tied embeddings). The 
 (`tensor_parallel_size=2`: rank 0 in the engine's process, rank 1 its own, steps over shared
 memory): greedy-equal to transformers batched, chunked, preempted and prefix-cached, with
 speculative drafts and a grammar; its pool full after. A rank killed under a server's load ends
-its streams UNAVAILABLE and the server non-zero, leaving no process or shared memory behind."""
+its streams UNAVAILABLE and the server non-zero, leaving no process or shared memory behind.
+Mixtures of experts (each expert's intermediate split, or with expert parallelism whole experts
+spread; shared experts, gpt-oss's biases), latent attention (DeepSeek's heads split, the latent
+whole on each rank) and OLMo 2's QK-norm over every head: the same logits over 2 ranks, and the
+engine greedy-equal to transformers; sizes that do not divide refused naming the field."""
 from __future__ import annotations
 
 import os
@@ -25,9 +29,11 @@ from helpers import assert_matches_hf, random_prompts, stats
 from tp_workers import prompt_logits, run_rank
 
 
-def logits_over(model_dir: str, world: int, prompt: list[int], out) -> list[torch.Tensor]:
+def logits_over(model_dir: str, world: int, prompt: list[int], out, expert_parallel: bool = False
+                ) -> list[torch.Tensor]:
     os.makedirs(out, exist_ok=True)
-    mp.spawn(run_rank, args=(world, free_port("127.0.0.1"), model_dir, prompt, str(out)), nprocs=world, join=True)
+    mp.spawn(run_rank, args=(world, free_port("127.0.0.1"), model_dir, prompt, str(out), expert_parallel),
+             nprocs=world, join=True)
     return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
 
 
@@ -130,15 +136,50 @@ def test_what_the_ranks_do_not_split_is_refused_naming_the_field(tiny_llama):
         assert err.value.field == field
 
 
-def test_kv_transfer_with_a_tensor_parallel_peer_is_refused_at_the_handshake():
+def test_the_handshake_takes_tensor_parallel_peers_whose_sizes_divide():
     from baton.kv_transfer.base import KVFormat, KVFormatMismatch
 
-    one = KVFormat("m", "float32", 2, 2, 16, 16, "cpu")
-    two = KVFormat("m", "float32", 2, 1, 16, 16, "cpu", tensor_parallel_size=2)
-    for mine, theirs in ((one, two), (two, one), (two, two)):
+    def fmt(tp: int) -> KVFormat:
+        return KVFormat("m", "float32", 2, 2, 16, 16, "cpu", tensor_parallel_size=tp)
+
+    for mine, theirs in ((1, 2), (2, 1), (2, 2), (4, 2)):
+        fmt(mine).check_peer(fmt(theirs))
+    for mine, theirs in ((2, 3), (4, 6)):
         with pytest.raises(KVFormatMismatch) as err:
-            mine.check_peer(theirs)
+            fmt(mine).check_peer(fmt(theirs))
         assert err.value.field == "tensor_parallel_size"
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (2, 2)])
+def test_prefill_and_decode_of_other_tensor_parallel_sizes_equal_colocated(tiny_llama, prefill_tp, decode_tp):
+    """Each decode rank reads its KV heads from the prefill ranks holding them: straight into
+    its cache where a prefill rank holds exactly its heads, else through a buffer of that rank's
+    block shape (one READ, one descriptor per run of blocks, per prefill rank read from)."""
+    from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
+
+    prompts = random_prompts([5, 40, 70], seed=12)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with LLM(tiny_llama, dtype="float32", device="cpu") as llm:
+        want = [o.token_ids for o in llm.generate(prompts, greedy)]
+    prefill = nixl_engine(tiny_llama, "prefill", tensor_parallel_size=prefill_tp)
+    decode = nixl_engine(tiny_llama, "decode", tensor_parallel_size=decode_tp)
+    try:
+        connect(prefill, decode)
+        assert len(decode.core.connector.layout.ranks) == decode_tp - 1
+        assert disaggregated(prefill, decode, prompts, [greedy] * len(prompts)) == want
+        blocks = sum(-(-len(p) // 16) for p in prompts)
+        reader = decode.core.connector  # rank 0's
+        assert reader.num_blocks_pulled == blocks
+        # Its bytes: its own heads (from both prefill ranks, or the one holding them), or the whole
+        # block of a prefill of fewer ranks (staged, its heads kept).
+        block_bytes = (prefill.core.connector.layout if prefill_tp < decode_tp else reader.layout).block_bytes
+        assert reader.num_bytes_pulled == blocks * block_bytes
+        assert reader.num_descriptors == {(2, 1): 2, (1, 2): 1, (2, 2): 1}[prefill_tp, decode_tp] * len(prompts)
+        assert_pools_full(prefill, decode)
+    finally:
+        for engine in (prefill, decode):
+            engine.core.close()
+            engine.core.connector.close()
 
 
 def children(pid: int) -> list[int]:
@@ -186,3 +227,155 @@ def test_a_rank_killed_under_load_ends_the_streams_unavailable_and_leaves_nothin
     assert server.proc.wait(10) == 1
     assert not alive(core) and not alive(rank1)
     assert set(os.listdir("/dev/shm")) <= shm
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """family(name) -> its tiny checkpoint (test_families' shapes), written once per module."""
+    from baton.testing.checkpoints import write_random_checkpoint
+
+    from test_families import FAMILIES
+
+    written: dict[str, str] = {}
+
+    def family(name: str) -> str:
+        if name not in written:
+            config_class, shape = FAMILIES[name]
+            written[name] = write_random_checkpoint(str(tmp_path_factory.mktemp(name) / name), config_class, seed=7,
+                                                    spread_norms=True, **shape)
+        return written[name]
+    return family
+
+
+# Qwen2-MoE: a gated shared expert; DeepSeek-V2: MLA (the query whole, then with its LoRA: "-q"),
+# a dense first layer, shared experts, group-limited routing; gpt-oss: biased experts and router,
+# sinks; OLMo 2: QK-norm over every head.
+@pytest.mark.parametrize("name, expert_parallel", [("qwen2-moe", False), ("qwen2-moe", True), ("deepseek-v2", False),
+                                                   ("deepseek-v2-q", True), ("gpt-oss", False), ("gpt-oss", True),
+                                                   ("olmo2", False)])
+def test_experts_latent_attention_and_whole_qk_norm_over_two_ranks_compute_the_whole_models_logits(
+        families, tmp_path, name, expert_parallel):
+    from baton.engine.worker.loader import load_model
+
+    model_dir = families(name)
+    prompt = random_prompts([37], seed=5)[0]
+    model = load_model(model_dir, torch.float32, "cpu")
+    model.prepare(256)
+    with torch.inference_mode():
+        want = prompt_logits(model, prompt)
+    for rank_logits in logits_over(model_dir, 2, prompt, tmp_path / name, expert_parallel):
+        torch.testing.assert_close(rank_logits, want, atol=2e-5, rtol=2e-5)
+
+
+def test_what_each_rank_keeps_of_experts_and_latent_attention(families):
+    """Rank 1 of 2 (no collective runs while sharding): split, each expert's half of the
+    intermediate and no down bias (rank 0 adds it); spread, experts 3..5 whole with theirs; MLA's
+    args its 2 query heads and the one latent head whole."""
+    from baton.engine.worker.loader import load_model
+    from baton.engine.worker.parallel.tensor_parallel import LocalExperts, PartialSum, TPGroup, shard_model
+
+    gpt_oss = load_model(families("gpt-oss"), torch.float32, "cpu")
+    whole = gpt_oss.layers[0].mlp.experts
+    gate_up, down_bias = whole.gate_up.detach().clone(), whole.down_bias.detach().clone()
+    shard_model(gpt_oss, TPGroup(1, 2, None))
+    experts = gpt_oss.layers[0].mlp.block.experts
+    assert experts.gate_up.shape == (6, 40, 64) and experts.down.shape == (6, 64, 20) and experts.down_bias is None
+    assert torch.equal(experts.gate_up[:, :20], gate_up[:, 20:40]) and experts.gate_up_bias.shape == (6, 40)
+    gpt_oss = load_model(families("gpt-oss"), torch.float32, "cpu")
+    shard_model(gpt_oss, TPGroup(1, 2, None), expert_parallel=True)
+    moe = gpt_oss.layers[0].mlp
+    assert isinstance(moe, PartialSum) and isinstance(moe.block.experts, LocalExperts)
+    local = moe.block.experts
+    assert local.start == 3 and torch.equal(local.experts.gate_up, gate_up[3:])
+    assert torch.equal(local.experts.down_bias, down_bias[3:])
+    deepseek = load_model(families("deepseek-v2-q"), torch.float32, "cpu")
+    shard_model(deepseek, TPGroup(1, 2, None))
+    a = deepseek.args
+    assert (a.num_heads, a.num_kv_heads, a.head_dim, a.kv_parts) == (2, 1, 24 + 8, 1)  # latent + RoPE part
+    attn = deepseek.layers[0].self_attn
+    assert attn.q_b_proj.weight.shape == (2 * 24, 40) and attn.kv_b_proj.weight.shape == (2 * 32, 24)
+    assert attn.kv_a_proj_with_mqa.weight.shape == (24 + 8, 64)  # the latent, whole
+
+
+@pytest.mark.parametrize("name, expert_parallel", [("qwen3-moe", False), ("qwen3-moe", True), ("deepseek-v2", False)])
+def test_an_engine_over_two_ranks_equals_transformers_with_experts_and_latent_attention(
+        families, hf, name, expert_parallel):
+    model_dir = families(name)
+    prompts = random_prompts([3, 17, 40, 75, 130], seed=41)
+    prompts.append(prompts[3][:48] + prompts[0])  # shares three blocks with the fourth
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM(model_dir, dtype="float32", device="cpu", tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+             max_num_batched_tokens=32, num_kv_blocks=16, max_model_len=192) as llm:
+        outs = llm.generate(prompts, greedy)
+        engine = llm.engine
+        assert engine.scheduler.num_preemptions > 0 and engine.kv.prefix_hits > 0
+        assert engine.kv.num_free_blocks == engine.num_kv_blocks
+        args = engine.runner.model.args
+        assert args.num_heads == 2 and engine.runner.kv_cache.shape[-2:] == (args.num_kv_heads, args.head_dim)
+        assert args.num_kv_heads == 1  # half of Qwen3-MoE's 2 KV heads; MLA's latent, whole
+        if expert_parallel:  # rank 0: experts 0..2 of Qwen3-MoE's 6, whole (its first layer dense)
+            assert engine.runner.model.layers[1].mlp.block.experts.experts.gate_up.shape == (3, 2 * 40, 64)
+        procs = engine.core.workers.procs
+    assert_matches_hf(hf, model_dir, prompts, outs, greedy.max_tokens)
+    assert all(p.poll() == 0 for p in procs)
+
+
+def test_experts_the_ranks_do_not_split_are_refused_naming_the_field(families):
+    import dataclasses
+
+    from baton.engine.common.config import read_config
+    from baton.engine.worker.models import model_args
+    from baton.engine.worker.parallel.tensor_parallel import check_split
+
+    model_dir = families("qwen2-moe")  # 6 experts of 40, a shared one of 56
+    with pytest.raises(InvalidArgument, match="do not take 6 experts whole") as err:
+        LLM(model_dir, device="cpu", tensor_parallel_size=4, enable_expert_parallel=True)
+    assert err.value.field == "enable_expert_parallel"
+    with pytest.raises(InvalidArgument) as err:
+        LLM(model_dir, device="cpu", tensor_parallel_size=2, enable_expert_parallel="yes")
+    assert err.value.field == "enable_expert_parallel"
+    args = model_args(read_config(model_dir))
+    check_split(args, 4)
+    check_split(args, 2, expert_parallel=True)
+    for changes, ep, says in (({"moe_intermediate_size": 42}, False, "experts' intermediate size 42"),
+                              ({"num_experts": 8, "shared_expert_intermediate_size": 54}, True,  # (split even so)
+                               "shared experts' intermediate size 54")):
+        with pytest.raises(InvalidArgument, match=says) as err:
+            check_split(dataclasses.replace(args, **changes), 4, ep)
+        assert err.value.field == "tensor_parallel_size"
+    # Spread whole, the experts' intermediate need not divide.
+    check_split(dataclasses.replace(args, moe_intermediate_size=42, num_experts=8), 4, expert_parallel=True)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_through_the_router_to_a_decode_of_another_tensor_parallel_size(tiny_llama, prefill_tp, decode_tp):
+    """Servers: the handshake trades every rank's layout over gRPC; output equals offline."""
+    from baton.services.client import Client
+
+    from helpers import pools_full, wait_serving
+    from servers import pd_stack
+
+    prompts = random_prompts([5, 40, 70], seed=13)
+    with LLM(tiny_llama, dtype="float32", device="cpu") as llm:
+        want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                           ignore_eos=True))]
+    with pd_stack(tiny_llama, prefill=("--tensor-parallel-size", str(prefill_tp)),
+                  decode=("--tensor-parallel-size", str(decode_tp))) as ((prefill,), (decode,), router):
+        wait_serving(router.address)
+        with Client(router.address) as client:
+            got = [[t for c in client.generate(p, max_tokens=8, temperature=0.0, ignore_eos=True, timeout=60)
+                    for t in c.token_ids] for p in prompts]
+        assert got == want
+        assert stats(decode.address).num_blocks_pulled == sum(-(-len(p) // 16) for p in prompts)
+        assert pools_full(prefill.address) and pools_full(decode.address)
+
+
+def test_the_expert_parallel_flag_reaches_the_engine_and_the_stacks_engines(tiny_llama):
+    from baton.services.cli.engine_args import engine_argv, engine_config
+    from baton.services.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "--model", tiny_llama, "--tensor-parallel-size", "2",
+                                      "--enable-expert-parallel"])
+    assert engine_config(args).enable_expert_parallel and "--enable-expert-parallel" in engine_argv(args)
+    plain = build_parser().parse_args(["serve", "--model", tiny_llama])
+    assert not engine_config(plain).enable_expert_parallel and "--enable-expert-parallel" not in engine_argv(plain)

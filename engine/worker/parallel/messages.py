@@ -1,14 +1,17 @@
 """What an engine core and its tensor-parallel ranks say to each other: a rank's start
-arguments (on its stdin), whether it could load (through the group's TCP store), then, over the
-shared-memory ring, its runner's set-up and one message per step."""
+arguments (on its stdin), whether it could load and its KV layout (through the group's TCP
+store), then, over the shared-memory ring, its runner's set-up, one message per step and the
+KV peers learnt; back, on a ring of its own, the KV loads it finished."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton.engine.common.config import EngineConfig
 from baton.engine.common.kv_groups import KVGroups
 from baton.engine.common.messages import CallError
 from baton.engine.common.scheduler_output import SchedulerOutput
+from baton.kv_transfer.base import KVConnectorWorker, KVLayout
 
 
 @dataclass(slots=True)
@@ -19,6 +22,8 @@ class RankStart:
     ring_path: str  # the step ring (shm_broadcast)
     parent: int  # the engine core's pid: the rank dies with it
     threads: int  # torch threads (CPU)
+    back_path: str  # the ring this rank answers on (its KV loads' ends)
+    connector: Callable[[], KVConnectorWorker] | None = None  # the KV connector's worker half, as the core plugs it
 
 
 @dataclass(slots=True)
@@ -47,3 +52,17 @@ class RankStep:
 @dataclass(slots=True)
 class RankStop:
     """The engine stops: the rank exits 0."""
+
+
+@dataclass(slots=True)
+class RankAddPeer:
+    """A KV peer's layout (every rank of it), learnt at the handshake."""
+    layout: KVLayout
+
+
+@dataclass(slots=True)
+class RankLoadsEnded:
+    """A rank's answer: its reads of these requests' KV ended (the blocks that failed, by request)."""
+    rank: int
+    ended: set[str]
+    invalid: dict[str, set[int]]

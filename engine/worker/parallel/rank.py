@@ -1,7 +1,9 @@
 """A tensor-parallel rank of an engine (ranks 1..N-1; rank 0 runs in the engine core's process):
 `python -m baton.engine.worker.parallel.rank`, its RankStart pickled on stdin. It loads the
-checkpoint, keeps its share, builds a runner like rank 0's, then runs every step the core hands
-over until told to stop. It never samples: rank 0's tokens come with the next step.
+checkpoint, keeps its share, builds a runner like rank 0's (with its own KV connector worker
+where the engine has one: its own NIXL agent over its own cache), then runs every step the
+core hands over until told to stop. It never samples: rank 0's tokens come with the next step.
+It tells the core, on a ring of its own, which KV loads ended here.
 
 Exits 0 when told to stop, 1 when it fails (the core sees that and fails the engine), and is
 killed with the core (PR_SET_PDEATHSIG, and a check of the parent while it waits)."""
@@ -22,7 +24,8 @@ from baton.engine.common.messages import error_of
 from baton.engine.worker.loader import load_model
 from baton.engine.worker.model_runner import ModelRunner
 from baton.engine.worker.models import model_args
-from baton.engine.worker.parallel.messages import RankReady, RankStart, RankStep, RankStop, RunnerSetup
+from baton.engine.worker.parallel.messages import (RankAddPeer, RankLoadsEnded, RankReady, RankStart, RankStep,
+                                                  RankStop, RunnerSetup)
 from baton.engine.worker.parallel.shm_broadcast import ShmBroadcast
 from baton.engine.worker.parallel.tensor_parallel import TPGroup, shard_model
 
@@ -45,6 +48,7 @@ def main() -> None:
     size = config.tensor_parallel_size
     store = dist.TCPStore("127.0.0.1", start.store_port, size, False, timeout=datetime.timedelta(seconds=600))
     ring = ShmBroadcast.attach(start.ring_path, size - 1, start.rank - 1)
+    back = ShmBroadcast.attach(start.back_path, 1, -1)  # (both mapped before the core unlinks them)
 
     def alive() -> bool:
         return os.getppid() == start.parent
@@ -59,19 +63,29 @@ def main() -> None:
         store.set(f"ready{start.rank}", pickle.dumps(RankReady(error_of(e))))
         sys.exit(1)
     store.set(f"ready{start.rank}", pickle.dumps(RankReady()))
-    shard_model(model, TPGroup.join(start.rank, size, store, device))
+    shard_model(model, TPGroup.join(start.rank, size, store, device), config.enable_expert_parallel)
     setup: RunnerSetup = ring.recv(alive)
     setup.config.device = str(device)
-    runner = ModelRunner(model, setup.config, setup.num_kv_blocks, setup.eos_token_ids, kv_groups=setup.kv_groups,
-                         driver=False)
+    connector = start.connector() if start.connector is not None else None
+    runner = ModelRunner(model, setup.config, setup.num_kv_blocks, setup.eos_token_ids, connector,
+                         kv_groups=setup.kv_groups, driver=False)
+    if connector is not None:  # rank 0 gathers every rank's layout for the handshake
+        store.set(f"layout{start.rank}", pickle.dumps(connector.layout))
     try:
         while not isinstance(msg := ring.recv(alive), RankStop):
+            if isinstance(msg, RankAddPeer):
+                connector.add_peer(msg.layout)
+                continue
             step: RankStep = msg
             runner.mirror(step.sampled)
-            runner.execute_model(step.sched)
+            kv = runner.execute_model(step.sched).kv_connector_output
+            if kv is not None and kv.finished_recving:
+                back.send(RankLoadsEnded(start.rank, kv.finished_recving, kv.invalid_by_request), alive)
     except Exception:
         log.exception("tensor-parallel rank %d failed", start.rank)
         os._exit(1)
+    if connector is not None:
+        connector.close()
     os._exit(0)  # torch's threads must not hold the exit up
 
 

@@ -68,15 +68,19 @@ class ShmBroadcast:
         self.num_bytes = 0  # payload bytes sent or received so far
 
     @classmethod
-    def create(cls, num_readers: int, slots: int = 4, slot_bytes: int = 1 << 20) -> ShmBroadcast:
-        """The writer's end: a new ring for num_readers readers (zeroed by ftruncate)."""
+    def create(cls, num_readers: int, slots: int = 4, slot_bytes: int = 1 << 20, reader: int = -1) -> ShmBroadcast:
+        """A new ring for num_readers readers (zeroed by ftruncate); this end writes, or with
+        `reader` reads as that reader (a ring another process writes to)."""
         path = os.path.join(_shm_dir(), f"baton-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        return cls(path, num_readers, slots, slot_bytes, create=True)
+        ring = cls(path, num_readers, slots, slot_bytes, create=True)
+        ring.reader = reader
+        return ring
 
     @classmethod
     def attach(cls, path: str, num_readers: int, reader: int, slots: int = 4,
                slot_bytes: int = 1 << 20) -> ShmBroadcast:
-        """Reader `reader`'s end of the ring the writer made (the same slots and slot_bytes)."""
+        """Reader `reader`'s end of a ring another process made (the same slots and
+        slot_bytes), or with reader -1 its writing end."""
         ring = cls(path, num_readers, slots, slot_bytes, create=False)
         ring.reader = reader
         return ring
@@ -113,6 +117,10 @@ class ShmBroadcast:
                    for r in range(self.num_readers))
 
     # ---- reader ------------------------------------------------------------------------------
+    def poll(self) -> bool:
+        """Whether a message is there to receive."""
+        return _SLOT_HEAD.unpack_from(self._buf, (self.count % self.slots) * _SLOT_HEAD.size)[0] == self.count + 1
+
     def recv(self, alive: Callable[[], bool] = lambda: True) -> object:
         parts = []
         while True:

@@ -5,9 +5,19 @@ makes it: each rank holds its share of every layer and the ranks meet twice per 
   holds only those), from the merged q/k/v projection's rows; with more ranks than KV heads,
   each KV head is replicated on the N / num_kv_heads ranks whose query heads read it. o_proj
   takes the matching columns and its outputs are summed over the ranks (all-reduce), its bias
-  added once.
+  added once. OLMo 2's QK-norm over the whole projection sums each rank's squares over the ranks
+  (two [tokens, 1] all-reduces more per layer).
+- Latent attention (MLA, DeepSeek): each rank takes num_heads / N query heads (q_proj's or
+  q_b_proj's rows, kv_b_proj's up-projection rows of those heads, o_proj's columns, summed). The
+  latent (kv_a_proj and its norm; q_a's compression likewise) is computed whole on every rank and
+  every rank's cache holds it whole: MLA's one latent "KV head", replicated.
 - MLP: each rank takes a share of the intermediate size, from the gate's and up's rows; down_proj
   the matching columns, summed over the ranks.
+- Mixture of experts: the router replicated; each expert's intermediate split as the MLP's (the
+  fused kernel just sees a smaller one), or with expert parallelism whole experts spread over the
+  ranks (LocalExperts); shared experts split as the MLP. The routed and shared parts are each a
+  partial sum per rank: added, then one all-reduce per layer (PartialSum). A bias on what is
+  summed (gpt-oss's down bias, a shared MLP's) is kept on rank 0 alone, added once.
 - Embeddings and the LM head: each rank holds a contiguous share of the vocabulary (the last may
   hold fewer); an embedding lookup outside a rank's share reads zeros and the shares are summed;
   logits are gathered from every rank's share.
@@ -29,7 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.common.errors import check
+from baton.engine.worker.models.basic import RMSNorm
 from baton.engine.worker.models.layers import Attention
+from baton.engine.worker.models.mla import MLAttention
+from baton.engine.worker.models.moe import Experts, SparseMoE
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,32 +131,108 @@ def _padded_rows(weight: torch.Tensor, start: int, n: int) -> torch.Tensor:
     return out
 
 
-def check_split(args, size: int) -> None:
-    """Refuse, naming tensor_parallel_size, a model that `size` ranks cannot split."""
+class PartialSum(nn.Module):
+    """A block of which each rank computes a part (a mixture of experts: its experts' shares and
+    its shared experts' share): the parts summed over the ranks, one all-reduce."""
+
+    def __init__(self, block: nn.Module, tp: TPGroup):
+        super().__init__()
+        self.block, self.tp = block, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.block(x))
+
+
+class LocalExperts(nn.Module):
+    """Expert parallelism: this rank's experts [start, start + n), whole, of a layer's E (n = E / N).
+    Every rank has every token (attention's all-reduce leaves the activations replicated), so no
+    token moves: each rank runs its experts over the (token, expert) pairs routed to them, zeros
+    for the rest, and the layer's all-reduce (PartialSum) adds the ranks' parts. An all-to-all
+    (tokens sent to their experts' ranks, outputs sent back) pays only where ranks hold different
+    tokens: data-parallel attention, which this engine does not have. Against each expert split,
+    a rank runs fewer, whole-width matmuls (only its experts' tokens); its load follows the router."""
+
+    def __init__(self, experts: Experts, tp: TPGroup):
+        super().__init__()
+        self.n = experts.gate_up.shape[0] // tp.size
+        self.start = tp.rank * self.n
+        mine = slice(self.start, self.start + self.n)
+        for name in ("gate_up", "down", "gate_up_bias", "down_bias"):  # (each expert's biases go with it)
+            if getattr(experts, name) is not None:
+                setattr(experts, name, _param(getattr(experts, name).data[mine]))
+        self.experts = experts
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        tokens, k = ((local >= 0) & (local < self.n)).nonzero(as_tuple=True)  # this rank's pairs, one per row
+        out = self.experts(x[tokens], weights[tokens, k, None], local[tokens, k, None])
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+class WholeNormShare(nn.Module):
+    """An RMSNorm over a whole projection (OLMo 2's QK-norm: every head's q, or k) on a rank that
+    holds some of its heads: the mean square is the ranks' sums of squares summed, over the
+    projection's width times the ranks holding each of its elements (KV heads may be replicated)."""
+
+    def __init__(self, whole: RMSNorm, columns: slice, copies: int, tp: TPGroup):
+        super().__init__()
+        self.weight = _param(whole.weight.data[columns])
+        self.eps, self.offset, self.tp = whole.eps, whole.offset, tp
+        self.count = whole.weight.shape[0] * copies
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()  # in float32, as RMSNorm
+        h = h * torch.rsqrt(self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True)) / self.count + self.eps)
+        if self.offset:
+            return (h * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+def check_split(args, size: int, expert_parallel: bool = False) -> None:
+    """Refuse, naming the field, a model that `size` ranks cannot split (`expert_parallel`: its
+    routed experts spread whole over the ranks)."""
     field = "tensor_parallel_size"
     kv = args.num_kv_heads
     check(args.num_heads % size == 0 and (kv % size == 0 or size % kv == 0), field,
           f"{size} ranks do not split {args.num_heads} query and {kv} KV heads evenly (nor replicate the KV "
           f"heads on whole groups of ranks)")
-    check(args.intermediate_size % size == 0, field,
-          f"{size} ranks do not split the intermediate size {args.intermediate_size} evenly")
-    check(not any(args.sparse_layers) and args.attention == "mha" and args.qk_norm != "whole", field,
-          f"{args.architecture}'s layers (experts, latent attention or a norm over every head) are not split yet")
+    sparse = args.sparse_layers or [False] * args.num_layers
+    if not all(sparse):
+        check(args.intermediate_size % size == 0, field,
+              f"{size} ranks do not split the intermediate size {args.intermediate_size} evenly")
+    if not any(sparse):
+        return
+    if expert_parallel:
+        check(args.num_experts % size == 0, "enable_expert_parallel",
+              f"{size} ranks (tensor_parallel_size) do not take {args.num_experts} experts whole and evenly")
+    else:
+        check(args.moe_intermediate_size % size == 0, field,
+              f"{size} ranks do not split the experts' intermediate size {args.moe_intermediate_size} evenly")
+    shared = args.shared_expert_intermediate_size or args.moe_intermediate_size * args.num_shared_experts
+    check(shared % size == 0, field, f"{size} ranks do not split the shared experts' intermediate size {shared} evenly")
 
 
-def shard_model(model, tp: TPGroup) -> None:
-    """In place: a model loaded whole becomes this rank's share (see the module docstring). A
-    layout this slice does not split yet is refused naming tensor_parallel_size."""
+def shard_model(model, tp: TPGroup, expert_parallel: bool = False) -> None:
+    """In place: a model loaded whole becomes this rank's share (see the module docstring;
+    `expert_parallel`: the routed experts spread whole). A layout the ranks cannot split is
+    refused naming the field."""
     args = model.args
-    check_split(args, tp.size)
+    check_split(args, tp.size, expert_parallel)
     for layer in model.layers:
-        _shard_attention(layer.self_attn, tp)
-        _shard_mlp(layer.mlp, tp)
+        if isinstance(layer.self_attn, MLAttention):
+            _shard_latent_attention(layer.self_attn, tp)
+        else:
+            _shard_attention(layer.self_attn, tp)
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp = _shard_moe(layer.mlp, tp, expert_parallel)
+        else:
+            _shard_mlp(layer.mlp, tp)
     head = model.lm_head.weight.data
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, tp)
     model.lm_head = ParallelLMHead(head, args.vocab_size, tp)
     attn = model.layers[0].self_attn
-    model.args = replace(args, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads)
+    # MLA keeps its one latent "KV head" (and its width): whole on every rank.
+    model.args = replace(args, num_heads=attn.num_heads, num_kv_heads=getattr(attn, "num_kv_heads", args.num_kv_heads))
 
 
 def _shard_attention(attn: Attention, tp: TPGroup) -> None:
@@ -159,22 +248,85 @@ def _shard_attention(attn: Attention, tp: TPGroup) -> None:
                       attn.q_size + attn.kv_size + torch.arange(kv.start * d, kv.stop * d)])
     _keep_rows(attn.qkv_proj, rows)
     attn.o_proj = RowParallelLinear(attn.o_proj, slice(q.start * d, q.stop * d), tp)
+    if attn.qk_norm == "whole":
+        attn.q_norm = WholeNormShare(attn.q_norm, slice(q.start * d, q.stop * d), 1, tp)
+        attn.k_norm = WholeNormShare(attn.k_norm, slice(kv.start * d, kv.stop * d),
+                                     max(1, tp.size // attn.num_kv_heads), tp)
     attn.num_heads, attn.num_kv_heads = q.stop - q.start, kv.stop - kv.start
     attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
     if hasattr(attn, "sinks"):
         attn.sinks = nn.Parameter(attn.sinks.data[q].clone(), requires_grad=False)
 
 
-def _shard_mlp(mlp, tp: TPGroup) -> None:
+def _shard_latent_attention(attn: MLAttention, tp: TPGroup) -> None:
+    heads = tp.share(attn.num_heads)
+    _keep_rows(attn.q_proj if hasattr(attn, "q_proj") else attn.q_b_proj, _per_head(heads, attn.nope + attn.rope))
+    _keep_rows(attn.kv_b_proj, _per_head(heads, attn.nope + attn.v_dim))  # the heads' W_UK and W_UV
+    attn.o_proj = RowParallelLinear(attn.o_proj, _per_head(heads, attn.v_dim), tp)
+    attn.num_heads = heads.stop - heads.start
+
+
+def _per_head(heads: slice, width: int) -> slice:
+    """The rows (or columns) of `heads` in a projection of `width` per head."""
+    return slice(heads.start * width, heads.stop * width)
+
+
+def _shard_mlp(mlp, tp: TPGroup, reduce: bool = True) -> None:
+    """The share of the intermediate; `reduce`: down_proj's outputs summed here, else left a
+    partial sum for the caller to reduce (its bias then on rank 0 alone)."""
     size = mlp.gate_up_proj.out_features // 2
     share = tp.share(size)
-    rows = torch.cat([torch.arange(share.start, share.stop), size + torch.arange(share.start, share.stop)])
-    _keep_rows(mlp.gate_up_proj, rows)
-    mlp.down_proj = RowParallelLinear(mlp.down_proj, share, tp)
+    _keep_rows(mlp.gate_up_proj, _gate_and_up(share, size))
+    if reduce:
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, share, tp)
+        return
+    down = mlp.down_proj
+    down.weight = _param(down.weight.data[:, share])
+    down.in_features = down.weight.shape[1]
+    if tp.rank:
+        down.bias = None
 
 
-def _keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
-    linear.weight = nn.Parameter(linear.weight.data[rows].clone(), requires_grad=False)
+def _shard_moe(moe: SparseMoE, tp: TPGroup, expert_parallel: bool) -> PartialSum:
+    """The router replicated; the routed experts spread whole (`expert_parallel`) or each split;
+    shared experts split; every part left a partial sum that the returned block reduces once."""
+    if expert_parallel:
+        moe.experts = LocalExperts(moe.experts, tp)
+    else:
+        _split_experts(moe.experts, tp)
+    # (Qwen2-MoE's shared_expert_gate stays whole: a per-token scale of a partial sum scales the sum.)
+    for shared in ("shared_expert", "shared_experts"):
+        if hasattr(moe, shared):
+            _shard_mlp(getattr(moe, shared), tp, reduce=False)
+    return PartialSum(moe, tp)
+
+
+def _split_experts(experts: Experts, tp: TPGroup) -> None:
+    """Each expert's share of its intermediate, as the MLP's: gate and up rows, down columns."""
+    size = experts.intermediate
+    share = tp.share(size)
+    rows = _gate_and_up(share, size)
+    experts.gate_up = _param(experts.gate_up.data[:, rows])
+    experts.down = _param(experts.down.data[:, :, share])
+    if experts.gate_up_bias is not None:
+        experts.gate_up_bias = _param(experts.gate_up_bias.data[:, rows])
+    if tp.rank:  # added to the sum once
+        experts.down_bias = None
+    experts.intermediate = share.stop - share.start
+
+
+def _gate_and_up(share: slice, size: int) -> torch.Tensor:
+    """The rows of a share of the intermediate in a merged [gate; up] projection."""
+    return torch.cat([torch.arange(share.start, share.stop), size + torch.arange(share.start, share.stop)])
+
+
+def _keep_rows(linear: nn.Linear, rows: torch.Tensor | slice) -> None:
+    linear.weight = _param(linear.weight.data[rows])
     if linear.bias is not None:
-        linear.bias = nn.Parameter(linear.bias.data[rows].clone(), requires_grad=False)
-    linear.out_features = len(rows)
+        linear.bias = _param(linear.bias.data[rows])
+    linear.out_features = linear.weight.shape[0]
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    """A copy of its own (a view would keep the whole weight alive), contiguous."""
+    return nn.Parameter(t.clone(memory_format=torch.contiguous_format), requires_grad=False)

@@ -6,6 +6,11 @@ Each step's SchedulerOutput goes to every rank once, through a shared-memory rin
 (shm_broadcast.py), with the tokens rank 0 sampled the step before: only rank 0 samples, the
 others mirror its tokens. Then every rank runs the same forward, meeting in its collectives.
 
+With a KV connector every rank has its own worker half (its own NIXL agent over its own
+cache, made by rank 0's `for_rank`); the engine's layout lists every rank's. Each rank reads
+its own heads of a load; a rank answers on a ring of its own when its part of a load ended, and
+rank 0 reports the load ended (and tells the peer) once every rank's did.
+
 A rank that dies is the engine's death: `on_dead` is called from a watcher thread at once (the
 core process exits non-zero, so its front fails every stream UNAVAILABLE), and a step waiting on
 the dead rank raises. The ranks die with the core (PR_SET_PDEATHSIG), and the ring's file is
@@ -30,9 +35,11 @@ from baton.engine.common.config import EngineConfig
 from baton.engine.common.errors import StartupError
 from baton.engine.common.messages import error_from
 from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from baton.engine.worker.parallel.messages import RankReady, RankStart, RankStep, RankStop, RunnerSetup
+from baton.engine.worker.parallel.messages import (RankAddPeer, RankLoadsEnded, RankReady, RankStart, RankStep,
+                                                  RankStop, RunnerSetup)
 from baton.engine.worker.parallel.shm_broadcast import ShmBroadcast
 from baton.engine.worker.parallel.tensor_parallel import TPGroup
+from baton.kv_transfer.base import KVConnectorOutput, KVConnectorWorker, KVLayout, KVTransfer
 
 log = logging.getLogger("baton.tp")
 
@@ -53,12 +60,19 @@ def threads_per_rank(size: int) -> int:
 
 
 class TPWorkers:
-    def __init__(self, config: EngineConfig):
-        """Start ranks 1..N-1 (they load their shares while the caller loads rank 0's)."""
+    def __init__(self, config: EngineConfig, connector: KVConnectorWorker | None = None):
+        """Start ranks 1..N-1 (they load their shares while the caller loads rank 0's);
+        `connector`: rank 0's KV connector worker, whose `for_rank` makes the others'."""
         self.size = config.tensor_parallel_size
         self.threads = threads_per_rank(self.size)
         self.store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=_STORE_TIMEOUT, wait_for_workers=False)
         self.ring = ShmBroadcast.create(self.size - 1)
+        self.back = [ShmBroadcast.create(1, reader=0) for _ in range(1, self.size)]  # each rank's answers
+        self.has_connector = connector is not None
+        # KV loads some ranks ended: request id -> the ranks, and the blocks that failed there.
+        self._loads_ended: dict[str, set[int]] = {}
+        self._loads_invalid: dict[str, set[int]] = {}
+        self._load_records: dict[str, KVTransfer] = {}  # rank 0's record of each, until every rank ended
         self.sampled: dict[str, list[int]] = {}  # rank 0's tokens of the last step, for the others
         self.dead: tuple[int, int] | None = None  # (rank, exit status) of a rank that died
         self.on_dead: Callable[[RankDied], None] | None = None
@@ -70,8 +84,9 @@ class TPWorkers:
                 proc = subprocess.Popen([sys.executable, "-m", "baton.engine.worker.parallel.rank"],
                                         stdin=subprocess.PIPE)
                 self.procs.append(proc)
-                proc.stdin.write(pickle.dumps(RankStart(config, rank, self.store.port, self.ring.path, os.getpid(),
-                                                        self.threads)))
+                proc.stdin.write(pickle.dumps(RankStart(
+                    config, rank, self.store.port, self.ring.path, os.getpid(), self.threads, self.back[rank - 1].path,
+                    connector.for_rank(rank) if connector is not None else None)))
                 proc.stdin.close()
         except BaseException:
             self.close()
@@ -90,17 +105,32 @@ class TPWorkers:
             ready: RankReady = pickle.loads(self.store.get(f"ready{rank}"))
             if ready.error is not None:
                 raise error_from(ready.error)
-        self.ring.unlink()  # every rank has it mapped by now
+        for ring in [self.ring, *self.back]:  # every rank has them mapped by now
+            ring.unlink()
         group = TPGroup.join(0, self.size, self.store, device)
         for rank, proc in enumerate(self.procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-rank{rank}-watch", daemon=True).start()
         return group
 
-    def setup(self, setup: RunnerSetup) -> None:
+    def setup(self, setup: RunnerSetup) -> list[KVLayout]:
+        """Build every rank's runner; the KV layouts of ranks 1..N-1 (with a KV connector)."""
         self.ring.send(setup, self._alive)
+        if not self.has_connector:
+            return []
+        layouts = []
+        for rank in range(1, self.size):
+            while not self.store.check([f"layout{rank}"]):
+                if self.dead is not None or self.procs[rank - 1].poll() is not None:
+                    raise StartupError(f"tensor-parallel rank {rank} exited while registering its KV cache")
+                time.sleep(_READY_POLL_S)
+            layouts.append(pickle.loads(self.store.get(f"layout{rank}")))
+        return layouts
+
+    def add_peer(self, layout: KVLayout) -> None:
+        self.ring.send(RankAddPeer(layout), self._alive)
 
     def execute(self, runner, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """One step on every rank: rank 0's output."""
+        """One step on every rank: rank 0's output (its KV loads ended once every rank's did)."""
         if self.dead is not None:
             raise RankDied(f"tensor-parallel rank {self.dead[0]} exited with status {self.dead[1]}")
         t0 = time.perf_counter()
@@ -108,7 +138,34 @@ class TPWorkers:
         self.broadcast_s += time.perf_counter() - t0
         out = runner.execute_model(sched)
         self.sampled = out.sampled_token_ids
+        if out.kv_connector_output is not None:
+            self._merge_loads(out.kv_connector_output, runner.connector)
         return out
+
+    def _merge_loads(self, kv: KVConnectorOutput, connector: KVConnectorWorker) -> None:
+        """Hold back rank 0's ended loads until every rank's ended; then report them (with every
+        rank's failed blocks) and let the peer know."""
+        reports = [RankLoadsEnded(0, kv.finished_recving, kv.invalid_by_request)]
+        for ring in self.back:
+            while ring.poll():
+                reports.append(ring.recv())
+        for report in reports:
+            for req_id in report.ended:
+                self._loads_ended.setdefault(req_id, set()).add(report.rank)
+                self._loads_invalid.setdefault(req_id, set()).update(report.invalid.get(req_id, ()))
+        self._load_records.update(kv.transfers_ended)
+        kv.finished_recving, kv.invalid_block_ids, kv.invalid_by_request, kv.transfers_ended = set(), set(), {}, {}
+        for req_id in [r for r, ranks in self._loads_ended.items() if len(ranks) == self.size]:
+            del self._loads_ended[req_id]
+            invalid = self._loads_invalid.pop(req_id)
+            kv.finished_recving.add(req_id)
+            kv.invalid_block_ids |= invalid
+            kv.invalid_by_request[req_id] = invalid
+            record = self._load_records.pop(req_id, None)
+            if record is not None:
+                record.end_time, record.ok = time.monotonic(), record.ok and not invalid
+                kv.transfers_ended[req_id] = record
+            connector.finish_load(req_id, not invalid)
 
     def _alive(self) -> bool:
         return self.dead is None
@@ -137,5 +194,6 @@ class TPWorkers:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        self.ring.unlink()
-        self.ring.close()
+        for ring in [self.ring, *self.back]:
+            ring.unlink()
+            ring.close()
