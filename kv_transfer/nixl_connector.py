@@ -327,17 +327,17 @@ class NixlConnectorWorker(KVConnectorWorker):
         entry.handles, entry.staged = [], []
 
     def _land(self, entry: _Load) -> None:
-        """Copy the staged head slices into this rank's blocks."""
-        import torch
-
+        """Copy the staged head slices into this rank's blocks, a run of consecutive blocks at a
+        time (a strided copy, not a scatter)."""
         if not entry.staged:
             return
-        blocks = torch.tensor(entry.spec.local_block_ids, device=self._cache.device)
         first = kv_head_range(self.layout.format.num_kv_heads, self.tp, self.rank)[0]
+        runs = merge_runs(entry.spec.local_block_ids, list(range(len(entry.spec.local_block_ids))))
         for staged in entry.staged:
-            s = staged.head_slice
-            self._cache[blocks, ..., s.first - first:s.last - first, :] = (
-                staged.buffer[..., s.first - staged.peer_first:s.last - staged.peer_first, :])
+            s, at = staged.head_slice, staged.peer_first
+            for block, row, n in runs:
+                self._cache[block:block + n, ..., s.first - first:s.last - first, :].copy_(
+                    staged.buffer[row:row + n, ..., s.first - at:s.last - at, :])
 
     def _let_go(self, load: LoadSpec) -> None:
         """Tell the prefill to free a hold this engine will not read (best effort: it expires
@@ -393,7 +393,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             self._release(entry)
             del self._loading[req_id]
             load, record = entry.spec, entry.record
-            record.end_time = now
+            record.end_time = time.monotonic()  # (after the staged slices' copies)
             if state is not None:
                 log.warning("KV load for %s ended in state %s; recomputing its blocks", req_id, state)
                 timed_out = state in ("PROC", "WAIT")
