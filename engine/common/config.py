@@ -120,9 +120,6 @@ class EngineConfig:
               f"must be an integer in [1, 64], got {tp!r}")
         check(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel",
               f"must be true or false, got {self.enable_expert_parallel!r}")
-        if tp > 1:  # what the ranks do not split yet
-            for name, on in (("enable_lora", self.enable_lora), ("kv_offloading_size", self.kv_offloading_size)):
-                check(not on, name, f"is not supported with tensor_parallel_size {tp} yet")
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

@@ -23,8 +23,7 @@ from baton.engine.common.block_hashes import hash_block
 from baton.engine.common.kv_events import KVEventLog
 from baton.engine.worker.loader import load_model
 from baton.engine.worker.lora.adapter import adapter_bytes
-from baton.engine.worker.lora.layers import LoRASlots
-from baton.engine.worker.lora.registry import LoRARegistry
+from baton.engine.worker.lora.registry import LoRARegistry, start_lora
 from baton.engine.worker.memory import measure_kv_cache_bytes, memory_before_loading
 from baton.engine.worker.models import ModelArgs, model_args
 from baton.engine.worker.model_runner import ModelRunner
@@ -34,7 +33,7 @@ from baton.engine.worker.grammar import Grammars
 from baton.engine.common.stats import EngineSnapshot, EventType, StepEvents
 from baton.engine.common.tokenizer import eos_token_ids, load_tokenizer
 from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
-from baton.engine.worker.parallel.messages import RunnerSetup
+from baton.engine.worker.parallel.messages import RankAdapter, RunnerSetup
 from baton.engine.worker.parallel.tensor_parallel import check_split, shard_model
 from baton.engine.worker.parallel.workers import TPWorkers
 from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
@@ -84,7 +83,7 @@ class EngineCore:
         if self.workers is not None:
             shard_model(model, self.workers.join(torch.device(config.device)), config.enable_expert_parallel)
         draft = self._load_draft(args, dtype)
-        self.loras, lora_slots = self._start_lora(args, model, dtype)
+        self.loras, lora_slots = start_lora(config, args, model, dtype)
         if on_gpu and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
             config.kv_cache_memory_bytes = measure_kv_cache_bytes(model, config, free_at_start, total)
             if config.enable_lora:  # the device slots fill later: their room is kept now
@@ -118,7 +117,8 @@ class EngineCore:
                                   self.num_host_blocks, self.kv_groups, draft)
         self.connector = connector_worker
         if self.workers is not None:
-            layouts = self.workers.setup(RunnerSetup(config, self.num_kv_blocks, self.eos_token_ids, self.kv_groups))
+            layouts = self.workers.setup(RunnerSetup(config, self.num_kv_blocks, self.eos_token_ids, self.kv_groups,
+                                                     self.num_host_blocks))
             if connector_worker is not None:
                 connector_worker.layout.ranks = layouts
         if self.runner.model.rope_recompute_at is not None:  # LongRoPE: see Scheduler.recompute_at
@@ -131,24 +131,6 @@ class EngineCore:
         self.times = StepTimes()
         self.num_taken = 0  # requests taken in since start
         self._step_tokens: list[int] | None = None  # per step, while events are recorded
-
-    def _start_lora(self, args: ModelArgs, model, dtype) -> tuple[LoRARegistry | None, LoRASlots | None]:
-        """With LoRA on: the adapter registry (lora_modules loaded) and the device slots, the
-        model's projections wrapped to add the step's adapters' deltas."""
-        c = self.config
-        if not c.enable_lora:
-            return None, None
-        check(args.attention != "mla", "enable_lora", f"LoRA adapters on {args.architecture}'s multi-head latent "
-                                                      f"attention are not supported")
-        registry = LoRARegistry(args, c.max_loras, c.max_lora_rank, c.max_cpu_loras or c.max_loras)
-        for name, path in c.lora_modules.items():
-            try:
-                registry.load(name, path)
-            except InvalidArgument as e:
-                raise InvalidArgument(f"lora_modules.{name}.{e.field}", e.reason) from None
-        slots = LoRASlots(c.max_loras, registry.host_weights, torch.device(c.device), dtype)
-        slots.attach(model)
-        return registry, slots
 
     def _load_draft(self, args: ModelArgs, dtype):
         """draft_model's checkpoint, once it is known to speak the target's tokens: the same
@@ -305,7 +287,10 @@ class EngineCore:
         return self.loras
 
     def load_adapter(self, msg: LoadAdapter) -> AdapterInfo:
-        return self._registry("lora_name").load(msg.name, msg.path)
+        info = self._registry("lora_name").load(msg.name, msg.path)
+        if self.workers is not None:  # the other ranks load it too, under the same id
+            self.workers.send(RankAdapter(info.name, info.path, info.adapter_id))
+        return info
 
     def unload_adapter(self, name: str) -> AdapterInfo:
         """Forget an adapter; refused (InUse) while requests use it."""
@@ -314,6 +299,8 @@ class EngineCore:
         live = list(self.scheduler.requests.values()) + self.awaiting_grammar
         info = loras.unload(name, sum(1 for r in live if r.lora_id == adapter_id))
         self.runner.lora.forget(info.adapter_id)
+        if self.workers is not None:
+            self.workers.send(RankAdapter(info.name, "", info.adapter_id, unload=True))
         return info
 
     def list_adapters(self) -> list[AdapterInfo]:

@@ -125,15 +125,59 @@ def test_drafts_and_a_grammar_over_two_ranks_equal_one(tiny_llama):
     assert runs[0] == runs[1] and runs[1][1] > 0
 
 
+def test_swaps_and_host_tier_hits_over_two_ranks_equal_one(tiny_llama):
+    """Each rank copies its heads of the blocks to and from its host pool; a job is done once
+    every rank's copies landed."""
+    from helpers import gib
+
+    shared = random_prompts([48] * 3, seed=21)  # prefixes evicted from the device between uses
+    prompts = [shared[i % 3] + p for i, p in enumerate(random_prompts([10, 60, 30, 90, 20, 70], seed=22))]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = []
+    for size in (1, 2):
+        with LLM(tiny_llama, dtype="float32", device="cpu", tensor_parallel_size=size, num_kv_blocks=14,
+                 max_model_len=192, max_num_batched_tokens=64, kv_offloading_size=gib(60),
+                 preemption_mode="swap") as llm:
+            outs = [o.token_ids for o in llm.generate(prompts, greedy)]
+            core = llm.engine.core
+            runs.append(outs)
+            assert core.host.num_swapped_out > 0 and core.host.num_hits > 0
+            assert core.kv.num_free_blocks == core.num_kv_blocks and not core.host.swapped
+            assert core.host.num_free_blocks == core.host.num_blocks
+    assert runs[0] == runs[1]
+
+
+def test_lora_adapters_over_two_ranks_equal_peft(tiny_llama, adapters, peft_ref):
+    """Each rank keeps its part of an adapter as of the projection it wraps (B's output columns
+    of a split projection, A's input rows of a row-parallel one, whose deltas join the partial
+    sum before the ranks add it up); adapters loaded and unloaded at run time reach every rank
+    under the same id."""
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    names = [None, "sql", "chat", "code"] * 2
+    prompts = random_prompts([5 + 13 * i for i in range(len(names))], seed=3)
+    with LLM(tiny_llama, dtype="float32", device="cpu", tensor_parallel_size=2, max_loras=3, max_num_batched_tokens=24,
+             lora_modules={"sql": adapters["sql"], "chat": adapters["chat"]}) as llm:
+        llm.load_adapter("code", adapters["code"])
+        outs = llm.generate(prompts, greedy, lora_request=names)
+        for prompt, name, out in zip(prompts, names, outs, strict=True):
+            assert out.token_ids == peft_ref.greedy(adapters[name] if name else None, prompt, 12), name
+        llm.unload_adapter("code")
+        llm.load_adapter("code", adapters["sql"])  # a new adapter under the old name: a new id everywhere
+        again = llm.generate(prompts[:2], greedy, lora_request=["code", "code"])
+        assert [o.token_ids for o in again] == [peft_ref.greedy(adapters["sql"], p, 12) for p in prompts[:2]]
+        assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+        procs = llm.engine.core.workers.procs
+    assert all(p.poll() == 0 for p in procs)
+
+
 def test_what_the_ranks_do_not_split_is_refused_naming_the_field(tiny_llama):
     with pytest.raises(InvalidArgument, match="do not split 4 query and 2 KV heads") as err:
         LLM(tiny_llama, device="cpu", tensor_parallel_size=3)
     assert err.value.field == "tensor_parallel_size"
-    for args, field in (({"enable_lora": True}, "enable_lora"), ({"kv_offloading_size": 0.01}, "kv_offloading_size"),
-                        ({"tensor_parallel_size": 0}, "tensor_parallel_size")):
+    for size in (0, 65, "2"):
         with pytest.raises(InvalidArgument) as err:
-            LLM(tiny_llama, device="cpu", **{"tensor_parallel_size": 2, **args})
-        assert err.value.field == field
+            LLM(tiny_llama, device="cpu", tensor_parallel_size=size)
+        assert err.value.field == "tensor_parallel_size"
 
 
 def test_the_handshake_takes_tensor_parallel_peers_whose_sizes_divide():

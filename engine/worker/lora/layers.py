@@ -43,10 +43,16 @@ class LoRALinear(nn.Module):
         self.base, self.layer, self.name, self.state = base, layer, name, state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        # A row-parallel projection (tensor parallelism): the deltas join this rank's partial
+        # sum, which the ranks then add up (x here is this rank's share of the input).
+        reduce = getattr(self.base, "reduce", None)
+        y = self.base(x) if reduce is None else self.base.partial(x)
         batch = self.state.batch
-        if batch is None:
-            return y
+        if batch is not None:
+            self._add_deltas(x, y, batch)
+        return y if reduce is None else reduce(y)
+
+    def _add_deltas(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         for rows, weights in batch.groups:
             ab = weights.layers[self.layer].get(self.name)
             if ab is None:  # this adapter leaves this projection alone
@@ -57,7 +63,6 @@ class LoRALinear(nn.Module):
                     y[start:end].addmm_(x[start:end] @ a, b, alpha=weights.scaling)
             else:
                 y.index_add_(0, rows, x.index_select(0, rows) @ a @ b, alpha=weights.scaling)
-        return y
 
 
 class LoRASlots:
@@ -73,14 +78,36 @@ class LoRASlots:
         self.resident: OrderedDict[int, LoRAWeights] = OrderedDict()  # adapter id -> device weights, LRU first
         self.batch: LoRABatch | None = None  # this step's, while the model runs
         self.num_loads = 0
+        # Under tensor parallelism, per (layer, projection): the rows of A (a row-parallel
+        # projection's input columns) and the columns of B (a split projection's output rows)
+        # this rank keeps; None where it keeps them all.
+        self.shares: dict[tuple[int, str], tuple[slice | None, torch.Tensor | None]] = {}
 
     def attach(self, model: nn.Module) -> None:
-        """Wrap every merged projection of the model (a mixture of experts' layer has none in its MLP)."""
+        """Wrap every merged projection of the model (a mixture of experts' layer has none in its
+        MLP), after any tensor-parallel split: an adapter is then split as each projection is."""
         for i, layer in enumerate(model.layers):
             for name in PROJECTIONS:
                 parent = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
                 if hasattr(parent, name):
-                    setattr(parent, name, LoRALinear(getattr(parent, name), i, name, self))
+                    base = getattr(parent, name)
+                    share = getattr(base, "columns", None), getattr(base, "kept_rows", None)
+                    if share != (None, None):
+                        self.shares[i, name] = share
+                    setattr(parent, name, LoRALinear(base, i, name, self))
+
+    def _split(self, weights: LoRAWeights) -> LoRAWeights:
+        """This rank's part of an adapter (the whole adapter without tensor parallelism)."""
+        if not self.shares:
+            return weights
+        layers = []
+        for i, layer in enumerate(weights.layers):
+            kept = {}
+            for name, (a, b) in layer.items():
+                rows, columns = self.shares.get((i, name), (None, None))
+                kept[name] = (a if rows is None else a[rows], b if columns is None else b[:, columns])
+            layers.append(kept)
+        return LoRAWeights(weights.rank, weights.scaling, layers)
 
     def prepare(self, spans: list[tuple[int, int, int]]) -> None:
         """Set the step's batch from its rows' adapters: (adapter id, first row, end row) spans, in
@@ -113,7 +140,7 @@ class LoRASlots:
         if len(self.resident) >= self.max_loras:
             idle = next(i for i in self.resident if i not in in_step)
             del self.resident[idle]
-        weights = self.resident[adapter_id] = self.host_weights(adapter_id).to(self.device, self.dtype)
+        weights = self.resident[adapter_id] = self._split(self.host_weights(adapter_id)).to(self.device, self.dtype)
         self.num_loads += 1
         return weights
 

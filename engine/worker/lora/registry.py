@@ -7,9 +7,13 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 
+import torch
+
+from baton.engine.common.config import EngineConfig
 from baton.engine.common.messages import AdapterInfo
 from baton.engine.common.errors import InUse, InvalidArgument, NotFound, check
 from baton.engine.worker.lora.adapter import LoRAWeights, adapter_fingerprint, load_adapter
+from baton.engine.worker.lora.layers import LoRASlots
 from baton.engine.worker.models import ModelArgs
 
 
@@ -70,3 +74,22 @@ class LoRARegistry:
         self.host[adapter_id] = weights
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
+
+
+def start_lora(config: EngineConfig, args: ModelArgs, model, dtype) -> tuple[LoRARegistry | None, LoRASlots | None]:
+    """With LoRA on: the adapter registry (lora_modules loaded, in their order: every
+    tensor-parallel rank gives them the same ids) and the device slots, the model's projections
+    (split already, under tensor parallelism) wrapped to add the step's adapters' deltas."""
+    if not config.enable_lora:
+        return None, None
+    check(args.attention != "mla", "enable_lora", f"LoRA adapters on {args.architecture}'s multi-head latent "
+                                                  f"attention are not supported")
+    registry = LoRARegistry(args, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
+    for name, path in config.lora_modules.items():
+        try:
+            registry.load(name, path)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"lora_modules.{name}.{e.field}", e.reason) from None
+    slots = LoRASlots(config.max_loras, registry.host_weights, torch.device(config.device), dtype)
+    slots.attach(model)
+    return registry, slots

@@ -1,7 +1,8 @@
 """What an engine core and its tensor-parallel ranks say to each other: a rank's start
 arguments (on its stdin), whether it could load and its KV layout (through the group's TCP
-store), then, over the shared-memory ring, its runner's set-up, one message per step and the
-KV peers learnt; back, on a ring of its own, the KV loads it finished."""
+store), then, over the shared-memory ring, its runner's set-up, one message per step, the KV
+peers learnt and the LoRA adapters loaded or unloaded; back, on a ring of its own, the KV loads
+and host-tier copies it finished."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -39,6 +40,7 @@ class RunnerSetup:
     num_kv_blocks: int
     eos_token_ids: frozenset[int]
     kv_groups: KVGroups
+    num_host_blocks: int = 0  # the host KV tier's (each rank holds its heads of every block)
 
 
 @dataclass(slots=True)
@@ -61,8 +63,22 @@ class RankAddPeer:
 
 
 @dataclass(slots=True)
-class RankLoadsEnded:
-    """A rank's answer: its reads of these requests' KV ended (the blocks that failed, by request)."""
+class RankAdapter:
+    """A LoRA adapter rank 0 loaded (under this id) or unloaded: the other ranks do the same."""
+    name: str
+    path: str
+    adapter_id: int
+    unload: bool = False
+
+
+@dataclass(slots=True)
+class RankReport:
+    """A rank's answer, when it has one: its reads of these requests' KV ended (the blocks that
+    failed, by request), and its copies of these host KV tier jobs landed."""
     rank: int
-    ended: set[str]
+    loads_ended: set[str]
     invalid: dict[str, set[int]]
+    host_jobs: list[int]
+
+    def __bool__(self) -> bool:
+        return bool(self.loads_ended or self.host_jobs)

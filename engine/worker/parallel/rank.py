@@ -3,7 +3,7 @@
 checkpoint, keeps its share, builds a runner like rank 0's (with its own KV connector worker
 where the engine has one: its own NIXL agent over its own cache), then runs every step the
 core hands over until told to stop. It never samples: rank 0's tokens come with the next step.
-It tells the core, on a ring of its own, which KV loads ended here.
+It tells the core, on a ring of its own, which KV loads and host-tier copies ended here.
 
 Exits 0 when told to stop, 1 when it fails (the core sees that and fails the engine), and is
 killed with the core (PR_SET_PDEATHSIG, and a check of the parent while it waits)."""
@@ -22,9 +22,11 @@ from baton.engine.common.config import read_config
 from baton.engine.common.lifetime import die_with_parent
 from baton.engine.common.messages import error_of
 from baton.engine.worker.loader import load_model
+from baton.engine.worker.lora.layers import LoRASlots
+from baton.engine.worker.lora.registry import LoRARegistry, start_lora
 from baton.engine.worker.model_runner import ModelRunner
 from baton.engine.worker.models import model_args
-from baton.engine.worker.parallel.messages import (RankAddPeer, RankLoadsEnded, RankReady, RankStart, RankStep,
+from baton.engine.worker.parallel.messages import (RankAdapter, RankAddPeer, RankReady, RankReport, RankStart, RankStep,
                                                   RankStop, RunnerSetup)
 from baton.engine.worker.parallel.shm_broadcast import ShmBroadcast
 from baton.engine.worker.parallel.tensor_parallel import TPGroup, shard_model
@@ -67,8 +69,10 @@ def main() -> None:
     setup: RunnerSetup = ring.recv(alive)
     setup.config.device = str(device)
     connector = start.connector() if start.connector is not None else None
-    runner = ModelRunner(model, setup.config, setup.num_kv_blocks, setup.eos_token_ids, connector,
-                         kv_groups=setup.kv_groups, driver=False)
+    whole = model_args(read_config(config.model))
+    loras, slots = start_lora(setup.config, whole, model, model.embed_tokens.weight.dtype)
+    runner = ModelRunner(model, setup.config, setup.num_kv_blocks, setup.eos_token_ids, connector, slots,
+                         setup.num_host_blocks, setup.kv_groups, driver=False)
     if connector is not None:  # rank 0 gathers every rank's layout for the handshake
         store.set(f"layout{start.rank}", pickle.dumps(connector.layout))
     try:
@@ -76,17 +80,34 @@ def main() -> None:
             if isinstance(msg, RankAddPeer):
                 connector.add_peer(msg.layout)
                 continue
+            if isinstance(msg, RankAdapter):
+                _follow_adapter(loras, slots, msg)
+                continue
             step: RankStep = msg
             runner.mirror(step.sampled)
-            kv = runner.execute_model(step.sched).kv_connector_output
-            if kv is not None and kv.finished_recving:
-                back.send(RankLoadsEnded(start.rank, kv.finished_recving, kv.invalid_by_request), alive)
+            out = runner.execute_model(step.sched)
+            kv = out.kv_connector_output
+            report = RankReport(start.rank, kv.finished_recving if kv else set(), kv.invalid_by_request if kv else {},
+                                out.host_kv_finished)
+            if report:
+                back.send(report, alive)
     except Exception:
         log.exception("tensor-parallel rank %d failed", start.rank)
         os._exit(1)
     if connector is not None:
         connector.close()
     os._exit(0)  # torch's threads must not hold the exit up
+
+
+def _follow_adapter(loras: LoRARegistry, slots: LoRASlots, msg: RankAdapter) -> None:
+    """Load or unload an adapter as rank 0 did (rank 0 checked it: it is not in use)."""
+    if msg.unload:
+        loras.unload(msg.name, 0)
+        slots.forget(msg.adapter_id)
+        return
+    info = loras.load(msg.name, msg.path)
+    if info.adapter_id != msg.adapter_id:
+        raise RuntimeError(f"adapter {msg.name!r} got id {info.adapter_id} here, {msg.adapter_id} on rank 0")
 
 
 if __name__ == "__main__":

@@ -87,11 +87,19 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(linear.weight.data[:, columns].clone(), requires_grad=False)
         self.bias = linear.bias
+        self.columns = columns  # (a LoRA adapter's A keeps the same rows)
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the sum (what a LoRA delta joins before the ranks add them up)."""
+        return F.linear(x, self.weight)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(partial)
         return out if self.bias is None else out + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(self.partial(x))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -322,6 +330,7 @@ def _gate_and_up(share: slice, size: int) -> torch.Tensor:
 
 def _keep_rows(linear: nn.Linear, rows: torch.Tensor | slice) -> None:
     linear.weight = _param(linear.weight.data[rows])
+    linear.kept_rows = rows  # (a LoRA adapter's B keeps the same columns)
     if linear.bias is not None:
         linear.bias = _param(linear.bias.data[rows])
     linear.out_features = linear.weight.shape[0]

@@ -9,7 +9,8 @@ others mirror its tokens. Then every rank runs the same forward, meeting in its 
 With a KV connector every rank has its own worker half (its own NIXL agent over its own
 cache, made by rank 0's `for_rank`); the engine's layout lists every rank's. Each rank reads
 its own heads of a load; a rank answers on a ring of its own when its part of a load ended, and
-rank 0 reports the load ended (and tells the peer) once every rank's did.
+rank 0 reports the load ended (and tells the peer) once every rank's did. Host KV tier jobs
+likewise: each rank copies its heads of the blocks, and a job is done once every rank's landed.
 
 A rank that dies is the engine's death: `on_dead` is called from a watcher thread at once (the
 core process exits non-zero, so its front fails every stream UNAVAILABLE), and a step waiting on
@@ -35,8 +36,8 @@ from baton.engine.common.config import EngineConfig
 from baton.engine.common.errors import StartupError
 from baton.engine.common.messages import error_from
 from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from baton.engine.worker.parallel.messages import (RankAddPeer, RankLoadsEnded, RankReady, RankStart, RankStep,
-                                                  RankStop, RunnerSetup)
+from baton.engine.worker.parallel.messages import (RankAdapter, RankAddPeer, RankReady, RankReport, RankStart,
+                                                  RankStep, RankStop, RunnerSetup)
 from baton.engine.worker.parallel.shm_broadcast import ShmBroadcast
 from baton.engine.worker.parallel.tensor_parallel import TPGroup
 from baton.kv_transfer.base import KVConnectorOutput, KVConnectorWorker, KVLayout, KVTransfer
@@ -73,6 +74,7 @@ class TPWorkers:
         self._loads_ended: dict[str, set[int]] = {}
         self._loads_invalid: dict[str, set[int]] = {}
         self._load_records: dict[str, KVTransfer] = {}  # rank 0's record of each, until every rank ended
+        self._host_jobs: dict[int, int] = {}  # host KV tier job -> ranks whose copies landed
         self.sampled: dict[str, list[int]] = {}  # rank 0's tokens of the last step, for the others
         self.dead: tuple[int, int] | None = None  # (rank, exit status) of a rank that died
         self.on_dead: Callable[[RankDied], None] | None = None
@@ -127,7 +129,11 @@ class TPWorkers:
         return layouts
 
     def add_peer(self, layout: KVLayout) -> None:
-        self.ring.send(RankAddPeer(layout), self._alive)
+        self.send(RankAddPeer(layout))
+
+    def send(self, message: RankAddPeer | RankAdapter) -> None:
+        """What every rank must learn between steps (in order with the steps)."""
+        self.ring.send(message, self._alive)
 
     def execute(self, runner, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One step on every rank: rank 0's output (its KV loads ended once every rank's did)."""
@@ -138,19 +144,32 @@ class TPWorkers:
         self.broadcast_s += time.perf_counter() - t0
         out = runner.execute_model(sched)
         self.sampled = out.sampled_token_ids
-        if out.kv_connector_output is not None:
-            self._merge_loads(out.kv_connector_output, runner.connector)
-        return out
-
-    def _merge_loads(self, kv: KVConnectorOutput, connector: KVConnectorWorker) -> None:
-        """Hold back rank 0's ended loads until every rank's ended; then report them (with every
-        rank's failed blocks) and let the peer know."""
-        reports = [RankLoadsEnded(0, kv.finished_recving, kv.invalid_by_request)]
+        kv = out.kv_connector_output
+        reports = [RankReport(0, kv.finished_recving if kv else set(), kv.invalid_by_request if kv else {},
+                              out.host_kv_finished)]
         for ring in self.back:
             while ring.poll():
                 reports.append(ring.recv())
+        out.host_kv_finished = self._merge_host_jobs(reports)
+        if kv is not None:
+            self._merge_loads(kv, reports, runner.connector)
+        return out
+
+    def _merge_host_jobs(self, reports: list[RankReport]) -> list[int]:
+        """Host KV tier jobs whose copies landed on every rank."""
         for report in reports:
-            for req_id in report.ended:
+            for job in report.host_jobs:
+                self._host_jobs[job] = self._host_jobs.get(job, 0) + 1
+        done = [job for job, n in self._host_jobs.items() if n == self.size]
+        for job in done:
+            del self._host_jobs[job]
+        return done
+
+    def _merge_loads(self, kv: KVConnectorOutput, reports: list[RankReport], connector: KVConnectorWorker) -> None:
+        """Hold back rank 0's ended loads until every rank's ended; then report them (with every
+        rank's failed blocks) and let the peer know."""
+        for report in reports:
+            for req_id in report.loads_ended:
                 self._loads_ended.setdefault(req_id, set()).add(report.rank)
                 self._loads_invalid.setdefault(req_id, set()).update(report.invalid.get(req_id, ()))
         self._load_records.update(kv.transfers_ended)
