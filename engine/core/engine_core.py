@@ -79,9 +79,11 @@ class EngineCore:
 
     def _build(self, config: EngineConfig, args: ModelArgs, dtype, on_gpu: bool, free_at_start: int, total: int,
                kv_connector) -> None:
-        model = load_model(config.model, dtype, config.device)
+        # Under tensor parallelism, in host memory first: only this rank's share goes to the device.
+        model = load_model(config.model, dtype, config.device if self.workers is None else "cpu")
         if self.workers is not None:
             shard_model(model, self.workers.join(torch.device(config.device)), config.enable_expert_parallel)
+            model.to(config.device)
         draft = self._load_draft(args, dtype)
         self.loras, lora_slots = start_lora(config, args, model, dtype)
         if on_gpu and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:

@@ -58,18 +58,18 @@ def main() -> None:
     device = torch.device(rank_device(config.device, start.rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    try:
-        model = load_model(config.model, config.torch_dtype(model_args(read_config(config.model)).torch_dtype),
-                           str(device))
+    whole = model_args(read_config(config.model))
+    try:  # in host memory: only this rank's share goes to the device
+        model = load_model(config.model, config.torch_dtype(whole.torch_dtype), "cpu")
     except Exception as e:  # noqa: BLE001 - the core raises it as its own start-up error
         store.set(f"ready{start.rank}", pickle.dumps(RankReady(error_of(e))))
         sys.exit(1)
     store.set(f"ready{start.rank}", pickle.dumps(RankReady()))
     shard_model(model, TPGroup.join(start.rank, size, store, device), config.enable_expert_parallel)
+    model.to(device)
     setup: RunnerSetup = ring.recv(alive)
     setup.config.device = str(device)
     connector = start.connector() if start.connector is not None else None
-    whole = model_args(read_config(config.model))
     loras, slots = start_lora(setup.config, whole, model, model.embed_tokens.weight.dtype)
     runner = ModelRunner(model, setup.config, setup.num_kv_blocks, setup.eos_token_ids, connector, slots,
                          setup.num_host_blocks, setup.kv_groups, driver=False)
