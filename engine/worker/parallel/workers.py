@@ -98,13 +98,8 @@ class TPWorkers:
     def join(self, device: torch.device) -> TPGroup:
         """Once every rank loaded its share: rank 0's place in the group. A rank that could not
         load is this engine's error (its own, naming the field where it names one)."""
-        for rank, proc in enumerate(self.procs, start=1):
-            while not self.store.check([f"ready{rank}"]):  # still loading, unless it died
-                if proc.poll() is not None:
-                    raise StartupError(f"tensor-parallel rank {rank} exited with status {proc.returncode} while "
-                                       f"loading")
-                time.sleep(_READY_POLL_S)
-            ready: RankReady = pickle.loads(self.store.get(f"ready{rank}"))
+        for rank in range(1, self.size):
+            ready: RankReady = self._await(rank, "ready", "loading")
             if ready.error is not None:
                 raise error_from(ready.error)
         for ring in [self.ring, *self.back]:  # every rank has them mapped by now
@@ -119,14 +114,16 @@ class TPWorkers:
         self.ring.send(setup, self._alive)
         if not self.has_connector:
             return []
-        layouts = []
-        for rank in range(1, self.size):
-            while not self.store.check([f"layout{rank}"]):
-                if self.dead is not None or self.procs[rank - 1].poll() is not None:
-                    raise StartupError(f"tensor-parallel rank {rank} exited while registering its KV cache")
-                time.sleep(_READY_POLL_S)
-            layouts.append(pickle.loads(self.store.get(f"layout{rank}")))
-        return layouts
+        return [self._await(rank, "layout", "registering its KV cache") for rank in range(1, self.size)]
+
+    def _await(self, rank: int, key: str, doing: str):
+        """What rank `rank` put in the store under `key` (it is still `doing` that, unless it died)."""
+        proc = self.procs[rank - 1]
+        while not self.store.check([f"{key}{rank}"]):
+            if proc.poll() is not None:
+                raise StartupError(f"tensor-parallel rank {rank} exited with status {proc.returncode} while {doing}")
+            time.sleep(_READY_POLL_S)
+        return pickle.loads(self.store.get(f"{key}{rank}"))
 
     def add_peer(self, layout: KVLayout) -> None:
         self.send(RankAddPeer(layout))
@@ -201,12 +198,13 @@ class TPWorkers:
     def close(self) -> None:
         """Stop every rank (told to, then killed after a while) and let go of the ring."""
         self._stopping = True
-        if self.dead is None and all(p.poll() is None for p in self.procs):
-            try:
-                self.ring.send(RankStop(), lambda: all(p.poll() is None for p in self.procs))
-            except RuntimeError:  # one died meanwhile: the kill below
-                pass
         deadline = time.monotonic() + _STOP_WAIT_S
+        if self.dead is None and all(p.poll() is None for p in self.procs):
+            try:  # (a full ring whose ranks hang in a collective: given up at the deadline)
+                self.ring.send(RankStop(), lambda: time.monotonic() < deadline
+                               and all(p.poll() is None for p in self.procs))
+            except RuntimeError:  # one died meanwhile, or they hang: the kill below
+                pass
         for proc in self.procs:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
