@@ -329,3 +329,26 @@ def test_lora_n_and_stop_strings_with_drafts(tiny_llama, adapters):
     assert [(o.token_ids, o.text, o.finish_reason) for o in drafted] == [(o.token_ids, o.text, o.finish_reason)
                                                                          for o in plain]
     assert plain[1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("spec", [{**NGRAM, "prompt_lookup_min": 1},
+                                  {"method": "draft_model", "num_speculative_tokens": 3}])
+def test_a_migrated_request_resumes_speculating(tiny_llama, spec):
+    """A request another decode began (its outputs so far resumed here, as the router's failover
+    sends it) goes on speculating from where it is: the draft model catches up over the prompt
+    and the resumed outputs, n-gram looks them up; the rest equals the uninterrupted run."""
+    copy = random_prompts([40], seed=31)[0]
+    prompt = copy + copy[:10]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    spec = {**spec, "model": tiny_llama} if spec["method"] == "draft_model" else spec
+    _, (whole,) = run(tiny_llama, [prompt], params)
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=spec)
+    request = llm.engine.add(llm.engine.make_request("moved", prompt, params, resumed_output=whole.token_ids[:12]))
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert request.output_token_ids == whole.token_ids
+    stats = llm.engine.core.scheduler.spec_stats
+    assert stats.num_drafts > 0
+    if spec["method"] == "draft_model":  # the target as its own draft: right wherever it caught up
+        assert stats.num_draft_tokens >= 9 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
