@@ -9,8 +9,9 @@ from dataclasses import dataclass, fields
 from baton.engine.common.errors import InvalidArgument, check
 
 # What a proposer may be: the ones Baton runs, and the ones it knows but does not run yet.
-METHODS = ("ngram", "suffix", "draft_model")
-PLANNED = ("eagle", "eagle3", "mtp")
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
+PLANNED = ("mtp",)
+WITH_MODEL = ("draft_model", "eagle", "eagle3")  # the methods that take a checkpoint (`model`)
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -18,7 +19,9 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4  # drafted per request per step
-    model: str | None = None  # draft_model: a smaller checkpoint with the target's tokenizer
+    # draft_model: a smaller checkpoint with the target's tokenizer; eagle, eagle3: an EAGLE head's
+    # checkpoint (engine/worker/spec_decode/eagle.py)
+    model: str | None = None
     # ngram (prompt lookup): the longest suffix of the request's tokens, of prompt_lookup_max
     # tokens down to prompt_lookup_min, found earlier in them proposes what followed it there.
     prompt_lookup_min: int = 2
@@ -51,9 +54,11 @@ class SpeculativeConfig:
         check(_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
               field + "prompt_lookup_max",
               f"must be an integer >= prompt_lookup_min ({self.prompt_lookup_min}), got {self.prompt_lookup_max!r}")
-        check((self.method == "draft_model") == (self.model is not None), field + "model",
-              "a draft checkpoint directory is what draft_model takes (and only it)"
-              if self.method == "draft_model" else f"is for draft_model, not {self.method!r}")
+        if self.method in WITH_MODEL:
+            what = "a draft" if self.method == "draft_model" else "an EAGLE head's"
+            check(self.model is not None, field + "model", f"{what} checkpoint directory is what {self.method} takes")
+        else:
+            check(self.model is None, field + "model", f"is for {', '.join(WITH_MODEL)}, not {self.method!r}")
         check(self.model is None or (isinstance(self.model, str) and os.path.isdir(self.model)), field + "model",
               f"must be a checkpoint directory, got {self.model!r}")
         check(_int(self.suffix_decoding_max_tree_depth) and self.suffix_decoding_max_tree_depth >= 2,
@@ -72,8 +77,11 @@ class SpeculativeConfig:
 
     @property
     def lookahead(self) -> int:
-        """Slots past a request's tokens its drafting writes KV into (a draft model's own KV,
-        kept in the target's blocks): allocated with them."""
+        """Slots past a request's tokens its drafting writes KV into (a draft model's or an EAGLE
+        head's own KV, kept in the target's blocks): allocated with them. A head's slot p takes
+        token p + 1, so it writes one slot less than a draft model."""
+        if self.method in ("eagle", "eagle3"):
+            return self.num_speculative_tokens - 1
         return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     @classmethod

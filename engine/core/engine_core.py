@@ -33,6 +33,7 @@ from baton.engine.worker.grammar import Grammars
 from baton.engine.common.stats import EngineSnapshot, EventType, StepEvents
 from baton.engine.common.tokenizer import eos_token_ids, load_tokenizer
 from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
+from baton.engine.worker.spec_decode.eagle import load_head
 from baton.engine.worker.parallel.messages import RankAdapter, RunnerSetup
 from baton.engine.worker.parallel.tensor_parallel import check_split, shard_model
 from baton.engine.worker.parallel.workers import TPWorkers
@@ -84,7 +85,7 @@ class EngineCore:
         if self.workers is not None:
             shard_model(model, self.workers.join(torch.device(config.device)), config.enable_expert_parallel)
             model.to(config.device)
-        draft = self._load_draft(args, dtype)
+        draft = self._load_draft(args, dtype, model)
         self.loras, lora_slots = start_lora(config, args, model, dtype)
         if on_gpu and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
             config.kv_cache_memory_bytes = measure_kv_cache_bytes(model, config, free_at_start, total)
@@ -98,12 +99,12 @@ class EngineCore:
         hybrid = not config.disable_hybrid_kv_cache_manager and not config.kv_offloading_size
         self.kv_groups = group_layers(args.layer_windows(config.max_model_len), hybrid)
         check(draft is None or None in self.kv_groups.windows, "speculative_config.method",
-              "draft_model keeps its KV in the blocks of a full-attention layer group, and every layer of this "
-              "model slides: set disable_hybrid_kv_cache_manager")
+              "draft_model and EAGLE heads keep their KV in the blocks of a full-attention layer group, and every "
+              "layer of this model slides: set disable_hybrid_kv_cache_manager")
         # Its group's layers' K and V (this rank's KV heads, under tensor parallelism).
         block_bytes = (self.kv_groups.layers_per_block * args.kv_parts * config.block_size
                        * model.args.num_kv_heads * args.head_dim * model.embed_tokens.weight.element_size())
-        # A draft model's KV sits in a cache of its own, addressed by the same block ids.
+        # A draft model's (or EAGLE head's) KV sits in a cache of its own, addressed by the same block ids.
         draft_bytes = 0 if draft is None else DraftModelProposer.block_bytes(draft, config.block_size)
         self.num_kv_blocks = self._num_kv_blocks(block_bytes + draft_bytes)
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
@@ -134,12 +135,18 @@ class EngineCore:
         self.num_taken = 0  # requests taken in since start
         self._step_tokens: list[int] | None = None  # per step, while events are recorded
 
-    def _load_draft(self, args: ModelArgs, dtype):
+    def _load_draft(self, args: ModelArgs, dtype, model):
         """draft_model's checkpoint, once it is known to speak the target's tokens: the same
-        vocabulary and tokenizer, a context as long as max_model_len; refused naming the field."""
+        vocabulary and tokenizer, a context as long as max_model_len; or an EAGLE head fitting
+        `model` (spec_decode/eagle.py), which shares its embeddings. Refused naming the field."""
         spec = self.config.speculative_config
-        if spec is None or spec.method != "draft_model":
+        if spec is None or spec.method not in ("draft_model", "eagle", "eagle3"):
             return None
+        if spec.method != "draft_model":
+            check(self.config.tensor_parallel_size == 1, "speculative_config.method",
+                  f"{spec.method} under tensor parallelism is not supported yet (the head shares the target's "
+                  f"embeddings and LM head, which the ranks split)")
+            return load_head(spec.method, spec.model, model, dtype, self.config.device)
         field = "speculative_config.model"
         draft_args = model_args(read_config(spec.model))
         check(draft_args.vocab_size == args.vocab_size, field,

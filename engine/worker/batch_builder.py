@@ -80,7 +80,8 @@ class BatchBuilder:
         return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t, "metas": metas,
                 "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids,
                 "sample_spans": sample_spans,
-                "prompt_rows": prompt_rows, "adapter_spans": adapter_spans, "rope_lengths": rope_lengths}
+                "prompt_rows": prompt_rows, "adapter_spans": adapter_spans, "rope_lengths": rope_lengths,
+                "order": order, "spans": rows}  # each request's (id, rows) and (start, end, block ids), in row order
 
     def _kernel_batch(self, spans: list[block_tables.Span], positions: torch.Tensor) -> AttentionMetadata:
         bs, tables, counts = self.block_size, [], []

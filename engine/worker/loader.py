@@ -169,6 +169,12 @@ def _target(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice
     return None, None, None
 
 
+def parameter_for(model: torch.nn.Module, params: dict, name: str) -> tuple[str | None, slice | tuple | None]:
+    """Where a checkpoint tensor goes in a module named as checkpoints are (a CausalLM, an EAGLE
+    head): its parameter among `params` and the rows of it (a merged projection's part); None."""
+    return _part(model, params, name)
+
+
 def _part(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice | tuple | None]:
     key = _canonical(name)
     parts = key.split(".")

@@ -64,13 +64,14 @@ class RequestState:
 class ModelRunner(BatchBuilder):
     def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, eos_token_ids: frozenset[int],
                  connector: KVConnectorWorker | None = None, lora: LoRASlots | None = None,
-                 num_host_blocks: int = 0, kv_groups: KVGroups | None = None, draft: CausalLM | None = None,
+                 num_host_blocks: int = 0, kv_groups: KVGroups | None = None, draft: torch.nn.Module | None = None,
                  driver: bool = True):
         """`lora`: the adapters on the device (attached to the model already), when LoRA is on;
         `num_host_blocks`: the host KV tier's size (0: none); `kv_groups`: which layers share a
         block (default: one group of every layer); `draft`: the draft model, for draft_model
-        speculation; `driver`: false for a tensor-parallel rank other than 0, which runs every
-        forward (and its collectives) but samples nothing: rank 0's tokens reach it (`mirror`)."""
+        speculation, or the EAGLE head (spec_decode/eagle.py); `driver`: false for a
+        tensor-parallel rank other than 0, which runs every forward (and its collectives) but
+        samples nothing: rank 0's tokens reach it (`mirror`)."""
         self.model = model
         self.driver = driver
         self.lora = lora
@@ -113,8 +114,10 @@ class ModelRunner(BatchBuilder):
                 tuple(w or 0 for w in groups.windows), kv_attention(args), config.tensor_parallel_size),
                 host_cache=self.host_kv.host_cache if self.host_kv is not None else None)
 
-    def _draft_proposer(self, draft: CausalLM, num_blocks: int):
+    def _draft_proposer(self, draft, num_blocks: int):
+        """draft_model's proposer over `draft`, or an EAGLE head's."""
         from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
+        from baton.engine.worker.spec_decode.eagle import EagleHead, EagleProposer
 
         a = draft.args
         backend = choose_backend(self.config.attention_backend, self.kv_cache.dtype, self.device, a.num_heads,
@@ -126,8 +129,12 @@ class ModelRunner(BatchBuilder):
             if backend == "triton":
                 return self._triton_batches([spans], num_decodes)[0]
             return self._reference_batch(spans, num_decodes)
-        return DraftModelProposer(draft, num_blocks, self.block_size, self.config.max_model_len,
-                                  self.kv_groups.windows.index(None), metadata, self.device)
+        group = self.kv_groups.windows.index(None)
+        if isinstance(draft, EagleHead):
+            return EagleProposer(draft, self.model, num_blocks, self.block_size, self.config.max_model_len, group,
+                                 self.config.max_num_batched_tokens, metadata, self.device)
+        return DraftModelProposer(draft, num_blocks, self.block_size, self.config.max_model_len, group, metadata,
+                                  self.device)
 
     def _add_request(self, new) -> None:
         params = new.sampling_params
@@ -203,7 +210,10 @@ class ModelRunner(BatchBuilder):
         if batch["prompt_rows"]:
             out.prompt_logprobs = self._prompt_logprobs(hidden, batch["prompt_rows"])
         sampled_ids = batch["sample_req_ids"]
+        keep_hidden = getattr(self.proposer, "keep", None) if self.driver else None  # (an EAGLE head's)
         if not sampled_ids:
+            if keep_hidden is not None:
+                self._keep_hidden(keep_hidden, batch, hidden, sched, out)
             return out
         all_logits = self.model.compute_logits(hidden[batch["sample_rows"]])  # (a collective under TP)
         if not self.driver:
@@ -216,9 +226,23 @@ class ModelRunner(BatchBuilder):
             all_logits = all_logits[[spans[i][0] for i in keep]]
         if sampled_ids:
             self._sample(all_logits, sampled_ids, out)
+        if keep_hidden is not None:
+            self._keep_hidden(keep_hidden, batch, hidden, sched, out)
         if sched.propose_drafts and self.proposer is not None:
             self._propose(batch["sample_req_ids"], out)
         return out
+
+    def _keep_hidden(self, keep, batch: dict, hidden: torch.Tensor, sched: SchedulerOutput,
+                     out: ModelRunnerOutput) -> None:
+        """Hand the proposer the hidden states of the step's positions whose tokens stand: each
+        request's rows, less its rejected drafts'."""
+        rows, row = [], 0
+        for (req_id, n), (start, _, _) in zip(batch["order"], batch["spans"]):
+            # With drafts (n = 1 + drafts): the last token's row and the kept drafts' (one per token out).
+            kept = len(out.sampled_token_ids[req_id]) if req_id in sched.scheduled_spec_tokens else n
+            rows.append((self.states[req_id], row, start, kept))
+            row += n
+        keep(rows, hidden)
 
     def _sample(self, logits: torch.Tensor, sampled_ids: list[str], out: ModelRunnerOutput) -> None:
         """One token for each request of sampled_ids (logits: a row each)."""

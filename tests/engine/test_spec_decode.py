@@ -154,7 +154,7 @@ def test_speculation_stops_above_disable_by_batch_size(tiny_llama):
 
 @pytest.mark.parametrize("config,field", [
     ({"method": "medusa"}, "speculative_config.method"),
-    ({"method": "eagle"}, "speculative_config.method"),
+    ({"method": "mtp"}, "speculative_config.method"),
     ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
     ({"num_speculative_tokens": 99}, "speculative_config.num_speculative_tokens"),
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),

@@ -108,6 +108,10 @@ class CausalLM(nn.Module):
         # Each layer's RoPE table: sliding layers have their own where local_rope_theta is set.
         self.layer_rope = [1 if s and args.local_rope_theta is not None else 0 for s in sliding]
         self.rope: list[RotaryTable] = []  # by prepare()
+        # EAGLE-3 (spec_decode/eagle.py): the layers whose input (the residual stream after the
+        # layers before) forward keeps in aux_hidden, for the head; none otherwise.
+        self.aux_layers: frozenset[int] = frozenset()
+        self.aux_hidden: list[torch.Tensor] = []
 
     def prepare(self, max_model_len: int) -> None:
         """RoPE tables for every position of a context of max_model_len (and one past it), and
@@ -144,14 +148,19 @@ class CausalLM(nn.Module):
         kv_heads, D] views) and the step's attention metadata for its blocks (its KV cache
         group's); `rope_lengths`: each token's sequence length where rope_by_length, on the host
         (RotaryTable.lookup).
-        Returns the final hidden states [T, hidden]."""
+        Returns the final hidden states [T, hidden] (and keeps the aux_layers' inputs in aux_hidden)."""
         x = self.embed_tokens(input_ids)
         if self.args.embed_scale != 1.0:  # a float32 scalar cast to the weights' dtype, as Gemma's
             x = x * torch.tensor(self.args.embed_scale).to(x.dtype)
         tables = [table.lookup(positions, rope_lengths) for table in self.rope]
+        aux = []
         for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(x)
             cos, sin = tables[self.layer_rope[i]]
             x = layer(x, cos, sin, *caches[i], metas[i])
+        if aux:
+            self.aux_hidden = aux
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

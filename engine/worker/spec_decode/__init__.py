@@ -1,8 +1,9 @@
 """Speculative decoding's worker half. After a step, a proposer drafts each decoding request's
-next tokens (one module per proposer, behind Proposer); the scheduler sends them back with the
-request's next token, the model computes them all in one forward, and verify.py keeps the
-drafts the target model would have produced (greedy: equal to its argmax; sampled: rejection
-sampling, which keeps the target's distribution) and one token more."""
+next tokens (one module per proposer, behind Proposer: ngram.py, suffix.py, draft_model.py,
+eagle.py); the scheduler sends them back with the request's next token, the model computes them
+all in one forward, and verify.py keeps the drafts the target model would have produced (greedy:
+equal to its argmax; sampled: rejection sampling, which keeps the target's distribution) and
+one token more."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -14,11 +15,13 @@ class Proposer(Protocol):
     def propose(self, states: list, k: int) -> list[list[int]]:
         """Up to k drafts to follow each request's tokens (its runner state: token_ids, block_ids,
         draft_computed, proposer_state: the proposer's own, per request); none where nothing is
-        worth verifying. A proposer may also have finished(state), called as a request ends."""
+        worth verifying. A proposer may also have finished(state), called as a request ends, and
+        keep(rows, hidden), handed the target's hidden states after each step (eagle.py)."""
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """A proposer that needs nothing but the tokens (draft_model's is made by the runner)."""
+    """A proposer that needs nothing but the tokens (draft_model's and EAGLE's are made by the
+    runner, with their model; a tensor-parallel rank that does not draft gets this one)."""
     from baton.engine.worker.spec_decode.ngram import NgramProposer
     from baton.engine.worker.spec_decode.suffix import SuffixProposer
 

@@ -1,0 +1,276 @@
+"""EAGLE heads as proposers (engine/worker/spec_decode/eagle.py).
+
+Random-weight heads are written here in each published format (EAGLE-1: a Llama config and
+pytorch_model.bin with fc, layers.0 without its input_layernorm, the target's embeddings;
+EAGLE-3: safetensors with fc over three target layers, midlayer, norm, a draft vocabulary's
+lm_head, d2t and t2d), sized for tiny_llama. Their drafts equal a dense reference's (the
+target's hidden states from transformers, the head computed over the whole sequence at once)
+through batches and chunks; the target's greedy output is the same with them as without
+(chunked, preempted, prefix-cached, and on the decode of a P/D pair), pools full after; heads
+that do not fit the target are refused naming the field.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from baton import LLM, SamplingParams
+from baton.engine.common.errors import InvalidArgument
+
+from helpers import random_prompts
+
+DRAFT_VOCAB = 300  # EAGLE-3's draft vocabulary: a part of the target's
+AUX_LAYERS = [1, 2, 3]  # tiny_llama has 4 layers: vLLM's default (2, 2, 1) gives two states, not three
+HEADS, KV_HEADS = 2, 1
+
+
+def write_head(path: str, target: str, method: str, *, seed: int = 0, hidden: int | None = None,
+               drop: tuple[str, ...] = (), d2t_past_vocab: bool = False, aux_layers: list | None = AUX_LAYERS,
+               nested_aux: bool = False) -> str:
+    """A random EAGLE head for the `target` checkpoint, in the format `method`'s published heads have."""
+    with open(os.path.join(target, "config.json")) as f:
+        t = json.load(f)
+    h, vocab = hidden or t["hidden_size"], t["vocab_size"]
+    heads, kv_heads, dim, inter = HEADS, KV_HEADS, h // HEADS, 96  # (not the target's: its cache is its own)
+    eagle3 = method == "eagle3"
+    cfg = {"architectures": ["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLM"], "model_type": "llama",
+           "hidden_size": h, "intermediate_size": inter, "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads, "num_hidden_layers": 1, "vocab_size": vocab, "rms_norm_eps": 1e-6,
+           "rope_theta": 10000.0, "max_position_embeddings": 2048, "hidden_act": "silu", "torch_dtype": "float32",
+           "tie_word_embeddings": False}
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std=0.15):
+        return torch.randn(*shape, generator=gen) * std
+
+    width = 2 * h if eagle3 else h  # what q/k/v read
+    layer = "midlayer" if eagle3 else "layers.0"
+    w = {f"{layer}.self_attn.q_proj.weight": rand(heads * dim, width),
+         f"{layer}.self_attn.k_proj.weight": rand(kv_heads * dim, width),
+         f"{layer}.self_attn.v_proj.weight": rand(kv_heads * dim, width),
+         f"{layer}.self_attn.o_proj.weight": rand(h, heads * dim),
+         f"{layer}.mlp.gate_proj.weight": rand(inter, h), f"{layer}.mlp.up_proj.weight": rand(inter, h),
+         f"{layer}.mlp.down_proj.weight": rand(h, inter),
+         f"{layer}.post_attention_layernorm.weight": 1 + rand(h, std=0.1)}
+    if eagle3:
+        cfg["draft_vocab_size"] = DRAFT_VOCAB
+        if aux_layers is not None:
+            cfg.update({"eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layers}} if nested_aux
+                       else {"eagle_aux_hidden_state_layer_ids": aux_layers})
+        targets = torch.randperm(vocab, generator=gen)[:DRAFT_VOCAB].sort().values
+        if d2t_past_vocab:
+            targets[-1] = vocab + 5
+        w.update({"fc.weight": rand(h, 3 * h), f"{layer}.input_layernorm.weight": 1 + rand(h, std=0.1),
+                  f"{layer}.hidden_norm.weight": 1 + rand(h, std=0.1), "norm.weight": 1 + rand(h, std=0.1),
+                  "lm_head.weight": rand(DRAFT_VOCAB, h, std=0.5), "d2t": targets - torch.arange(DRAFT_VOCAB),
+                  "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, targets.clamp(max=vocab - 1), True)})
+    else:
+        w.update({"fc.weight": rand(h, 2 * h), "embed_tokens.weight": rand(vocab, h)})  # (the target's: unused)
+    for name in drop:
+        del w[name]
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    if eagle3:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(path, "model.safetensors"))
+    else:
+        torch.save(w, os.path.join(path, "pytorch_model.bin"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_llama, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("eagle")
+    return {m: write_head(str(root / m), tiny_llama, m, seed=i) for i, m in enumerate(("eagle", "eagle3"))}
+
+
+def spec(method: str, head: str, k: int = 3) -> dict:
+    return {"method": method, "model": head, "num_speculative_tokens": k}
+
+
+def run(model_dir, ps, params, **engine):
+    llm = LLM(model_dir, dtype="float32", device="cpu", **engine)
+    outs = llm.generate(ps, params)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks  # no block leaked, drafts or not
+    return llm, outs
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+# ---- the dense reference ---------------------------------------------------------------------
+def _rms(x, w):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def _rope(x, positions):  # x [T, heads, D]: Llama's rotate-half RoPE, theta 10000
+    d = x.shape[-1]
+    angles = positions[:, None].double() / 10000.0 ** (torch.arange(0, d, 2).double() / d)
+    cos, sin = (torch.cat((a, a), -1)[:, None].float() for a in (angles.cos(), angles.sin()))
+    return x * cos + torch.cat((-x[..., d // 2:], x[..., :d // 2]), -1) * sin
+
+
+def dense_head(w: dict, layer: str, eagle3: bool, embeds, hidden, positions):
+    """The head over a whole sequence of slots at once (causal attention), its outputs before any final norm."""
+    if eagle3:
+        normed = _rms(hidden, w[f"{layer}.hidden_norm.weight"])
+        x, attn_in = hidden, torch.cat((_rms(embeds, w[f"{layer}.input_layernorm.weight"]), normed), -1)
+    else:
+        x = attn_in = torch.cat((embeds, hidden), -1) @ w["fc.weight"].T
+    p = f"{layer}.self_attn."
+    q = _rope((attn_in @ w[p + "q_proj.weight"].T).view(len(x), HEADS, -1), positions)
+    k = _rope((attn_in @ w[p + "k_proj.weight"].T).view(len(x), KV_HEADS, -1), positions)
+    v = (attn_in @ w[p + "v_proj.weight"].T).view(len(x), KV_HEADS, -1)
+    k, v = k.repeat_interleave(HEADS // KV_HEADS, dim=1), v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    x = x + out.transpose(0, 1).flatten(1) @ w[p + "o_proj.weight"].T
+    m = f"{layer}.mlp."
+    y = _rms(x, w[f"{layer}.post_attention_layernorm.weight"])
+    return x + (F.silu(y @ w[m + "gate_proj.weight"].T) * (y @ w[m + "up_proj.weight"].T)) @ w[m + "down_proj.weight"].T
+
+
+def reference_drafts(target, w: dict, eagle3: bool, token_ids: list[int], k: int) -> list[int]:
+    """Head slot p reads token p + 1 and the target's hidden state at p: slots 0..n-2 from the
+    target, then the head's own guesses, each step computed again from scratch."""
+    with torch.no_grad():
+        states = target(torch.tensor([token_ids[:-1]]), output_hidden_states=True).hidden_states
+        hidden = (torch.cat([states[i][0] for i in AUX_LAYERS], -1) @ w["fc.weight"].T if eagle3 else states[-1][0])
+        embed = target.get_input_embeddings().weight
+        tokens, drafts = list(token_ids[1:]), []
+        layer = "midlayer" if eagle3 else "layers.0"
+        for _ in range(k):
+            out = dense_head(w, layer, eagle3, embed[tokens], hidden, torch.arange(len(tokens)))[-1]
+            if eagle3:
+                draft = int(w["d2t"][i := int((_rms(out, w["norm.weight"]) @ w["lm_head.weight"].T).argmax())]) + i
+            else:
+                draft = int(target.lm_head(out).argmax())
+            drafts.append(draft)
+            tokens.append(draft)
+            hidden = torch.cat((hidden, out[None]))
+        return drafts
+
+
+@pytest.mark.parametrize("method,backend", [("eagle", "auto"), ("eagle3", "auto"), ("eagle3", "torch")])
+def test_drafts_equal_a_dense_reference(tiny_llama, heads, hf, method, backend):
+    """Batched, in chunks of 32 tokens (so the hidden states kept of a prompt are fed as they
+    pile up, and the rest when the request drafts), on the C++ kernel and the reference
+    attention: every draft equals the reference's. A random head's drafts are all rejected, so
+    the scheduler verifies an oracle's instead (the head still drafts each step): runs of them
+    kept, the head then catches up over several positions at once."""
+    from test_spec_decode import OracleProposer
+
+    ps = random_prompts([7, 40, 75], seed=5)
+    want = [hf.greedy(tiny_llama, p, 16) for p in ps]
+    oracle = OracleProposer([p + w for p, w in zip(ps, want)])
+    calls = []
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=spec(method, heads[method]),
+              max_num_batched_tokens=32, attention_backend=backend)
+    proposer = llm.engine.runner.proposer
+    propose = proposer.propose
+
+    def recording(states, k):
+        calls.extend((list(s.token_ids), d) for s, d in zip(states, propose(states, k)))
+        return oracle.propose(states, k)
+
+    proposer.propose = recording
+    got = llm.generate(ps, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in got] == want
+    assert len(llm.engine.core.scheduler.spec_stats.accepted_per_pos) >= 2  # runs of drafts kept
+    if method == "eagle3":
+        from safetensors.torch import load_file
+        w = load_file(os.path.join(heads[method], "model.safetensors"))
+    else:
+        w = torch.load(os.path.join(heads[method], "pytorch_model.bin"))
+    assert len(calls) >= 10 and all(len(d) == 3 for _, d in calls)
+    for token_ids, drafts in calls:
+        assert drafts == reference_drafts(hf.model(tiny_llama), w, method == "eagle3", token_ids, 3), len(token_ids)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_greedy_with_a_head_equals_without(tiny_llama, heads, method):
+    """Batched, chunked, preempted (a small pool), prefix-cached: the greedy output is the
+    target's, seeded sampling repeats, drafts were proposed and verified, every block came back."""
+    ps = random_prompts([5, 23, 40, 61, 90], seed=17)
+    ps.append(ps[3][:48] + ps[0])  # shares three blocks with the fourth
+    params = [GREEDY, SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)] * 3
+    _, want = run(tiny_llama, ps, params)
+    engine = dict(speculative_config=spec(method, heads[method]), max_num_batched_tokens=32, num_kv_blocks=16,
+                  max_model_len=192)
+    llm, got = run(tiny_llama, ps, params, **engine)
+    assert [o.token_ids for o in got][::2] == [o.token_ids for o in want][::2]
+    scheduler = llm.engine.core.scheduler
+    assert scheduler.num_preemptions > 0 and llm.engine.kv.prefix_hits > 0
+    assert scheduler.spec_stats.num_draft_tokens > 0
+    assert [o.token_ids for o in run(tiny_llama, ps, params, **engine)[1]] == [o.token_ids for o in got]
+
+
+def test_a_migrated_request_drafts_with_a_head(tiny_llama, heads):
+    """A request whose first outputs were made elsewhere (resumed here, as the router's failover
+    sends it): its prompt and those outputs computed here, the head catches up over all of them."""
+    prompt = random_prompts([40], seed=31)[0]
+    _, (whole,) = run(tiny_llama, [prompt], GREEDY)
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=spec("eagle3", heads["eagle3"]))
+    request = llm.engine.add(llm.engine.make_request("moved", prompt, GREEDY, resumed_output=whole.token_ids[:12]))
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert request.output_token_ids == whole.token_ids
+    assert llm.engine.core.scheduler.spec_stats.num_drafts > 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_the_decode_of_a_pd_pair_drafts_with_a_head(tiny_llama, heads):
+    """The decode has no hidden states of a prompt it received: its head starts at the first
+    position the decode computes. Output equals the colocated run's; pools full after."""
+    from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
+
+    ps = random_prompts([12, 30, 45], seed=22)
+    _, want = run(tiny_llama, ps, GREEDY)
+    prefill = nixl_engine(tiny_llama, "prefill")
+    decode = nixl_engine(tiny_llama, "decode", speculative_config=spec("eagle3", heads["eagle3"]))
+    connect(prefill, decode)
+    assert disaggregated(prefill, decode, ps, [GREEDY] * len(ps)) == [o.token_ids for o in want]
+    assert decode.scheduler.spec_stats.num_draft_tokens > 0
+    assert_pools_full(prefill, decode)
+
+
+@pytest.mark.parametrize("method,options,message", [
+    ("eagle", {"hidden": 32}, "hidden_size 32 is not the target.s hidden size 64"),
+    ("eagle3", {"d2t_past_vocab": True}, "outside the target's vocabulary"),
+    ("eagle3", {"drop": ("midlayer.hidden_norm.weight",)}, "lacks weight layers.0.hidden_norm.weight"),
+    ("eagle", {"drop": ("layers.0.self_attn.k_proj.weight",)}, "lacks weight layers.0.self_attn.qkv_proj.weight"),
+    ("eagle3", {"aux_layers": None}, r"fc.weight is \(64, 192\).*aux layers \[1, 2\]"),  # vLLM's default: (2, 2, 1)
+    ("eagle3", {"aux_layers": [1, 2, 4]}, "the target has layers 0 to 3"),
+    ("eagle3", {"drop": ("d2t",)}, "no d2t"),
+])
+def test_a_head_that_does_not_fit_is_refused(tiny_llama, tmp_path, method, options, message):
+    head = write_head(str(tmp_path / "head"), tiny_llama, method, **options)
+    with pytest.raises(InvalidArgument, match=message) as err:
+        LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=spec(method, head))
+    assert err.value.field == "speculative_config.model"
+
+
+def test_a_head_needs_its_checkpoint(tiny_llama, heads):
+    for config, field in (({"method": "eagle3"}, "speculative_config.model"),
+                          ({"method": "ngram", "model": heads["eagle"]}, "speculative_config.model"),
+                          ({"method": "mtp"}, "speculative_config.method")):
+        with pytest.raises(InvalidArgument) as err:
+            LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=config)
+        assert err.value.field == field
+
+
+def test_a_head_under_tensor_parallelism_is_refused(tiny_llama, heads):
+    with pytest.raises(InvalidArgument, match="tensor parallelism") as err:
+        LLM(tiny_llama, dtype="float32", device="cpu", tensor_parallel_size=2,
+            speculative_config=spec("eagle", heads["eagle"]))
+    assert err.value.field == "speculative_config.method"
+
+
+def test_the_nested_aux_layer_ids_are_read(tiny_llama, tmp_path):
+    head = write_head(str(tmp_path / "head"), tiny_llama, "eagle3", nested_aux=True)
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=spec("eagle3", head))
+    assert llm.engine.runner.model.aux_layers == frozenset(AUX_LAYERS)
