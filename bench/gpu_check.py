@@ -15,8 +15,9 @@ Checks now (each passes or fails on its own; the report has every figure):
   experts) — on the auto backend (Triton)
   and its KV pool full afterwards;
 - bfloat16 engine runs of the same families (outputs complete, pools full);
-- speculative decoding on CUDA: n-gram, suffix and draft-model (the target as its own draft)
-  drafts keep the greedy output, the self-draft keeps nearly every draft, pools full;
+- speculative decoding on CUDA: n-gram, suffix, draft-model (the target as its own draft) and
+  random EAGLE-1/EAGLE-3 heads' drafts keep the greedy output, the self-draft keeps nearly
+  every draft, pools full;
 - tensor parallelism over NCCL (two GPUs: two ranks greedy-equal to one; skipped on one GPU);
 - heads wider than the generic Triton kernels take (576) fall back to the reference, while MLA's
   latent of 576 runs on its own Triton kernel.
@@ -281,9 +282,12 @@ def check_spec_decode(tmp: str) -> dict:
     from baton import LLM, SamplingParams
     from baton.testing.checkpoints import write_random_checkpoint
 
+    from baton.testing.eagle_heads import write_head
+
     model_dir = write_random_checkpoint(os.path.join(tmp, "spec"), "LlamaConfig", seed=7, hidden_size=128,
                                         intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                        num_hidden_layers=2)
+                                        num_hidden_layers=4)
+    heads = {m: write_head(os.path.join(tmp, m), model_dir, m, seed=3) for m in ("eagle", "eagle3")}
     gen = torch.Generator().manual_seed(2)
     base = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (8, 40, 90, 200)]
     prompts = [p + p[:len(p) // 2] for p in base]  # something to look up
@@ -293,7 +297,8 @@ def check_spec_decode(tmp: str) -> dict:
     results = {}
     for name, spec in {"ngram": {"method": "ngram", "prompt_lookup_min": 1},
                        "suffix": {"method": "suffix", "suffix_decoding_min_token_prob": 0.05},
-                       "draft_model": {"method": "draft_model", "model": model_dir}}.items():
+                       "draft_model": {"method": "draft_model", "model": model_dir},
+                       **{m: {"method": m, "model": head} for m, head in heads.items()}}.items():
         llm = LLM(model_dir, dtype="float32", device="cuda", max_model_len=512, max_num_batched_tokens=64,
                   speculative_config={**spec, "num_speculative_tokens": 4})
         t0 = time.perf_counter()
