@@ -5,9 +5,9 @@ what n-gram drafts are for) and "chat" (open questions: little to copy). Each is
 at 1, 4, 16 and 64 requests in flight, greedy, so every configuration must produce the same
 tokens (checked). Reported per configuration: TPOT p50 (a request's time per output token after
 its first; a step that yields several tokens shares its time among them), output tokens/s, and
-the drafts' acceptance by position. Proposers: none, ngram, suffix, and with --draft a draft model: a
-random-weight two-layer model with SmolLM2's tokenizer (its drafts are wrong: what it shows is
-the draft's cost).
+the drafts' acceptance by position. Proposers: none, ngram, suffix, with --draft a draft model (a
+random-weight two-layer model with SmolLM2's tokenizer) and with --eagle random-weight EAGLE-1 and
+EAGLE-3 heads (their drafts are wrong: what they show is the proposer's cost).
 
     .venv/bin/python bench/spec_decode.py
     .venv/bin/python bench/spec_decode.py --inflight 1 4 --workload copy --max-tokens 128
@@ -110,6 +110,7 @@ def main() -> None:
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="speculation off from this many running requests (default: the engine's; 0: never)")
     p.add_argument("--draft", action="store_true", help="also a random-weight draft model (its cost)")
+    p.add_argument("--eagle", action="store_true", help="also random-weight EAGLE-1 and EAGLE-3 heads (their cost)")
     p.add_argument("--json", help="write the figures here too")
     args = p.parse_args()
     proposers = {"ngram": {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens},
@@ -117,6 +118,13 @@ def main() -> None:
     if args.draft:
         proposers["draft"] = {"method": "draft_model", "num_speculative_tokens": args.num_speculative_tokens,
                               "model": random_draft(args.model, tempfile.mkdtemp())}
+    if args.eagle:
+        from baton.testing.eagle_heads import write_head
+
+        for method in ("eagle", "eagle3"):  # (EAGLE-3 on vLLM's default layers: 2, L // 2, L - 3)
+            head = write_head(tempfile.mkdtemp(), args.model, method, aux_layers=None, target_shape=True)
+            proposers[method] = {"method": method, "num_speculative_tokens": args.num_speculative_tokens,
+                                 "model": head}
     for spec in proposers.values():
         if args.disable_by_batch_size is not None:  # (0: never off)
             spec["disable_by_batch_size"] = args.disable_by_batch_size or None

@@ -16,12 +16,16 @@ HEADS, KV_HEADS = 2, 1
 
 def write_head(path: str, target: str, method: str, *, seed: int = 0, hidden: int | None = None,
                drop: tuple[str, ...] = (), d2t_past_vocab: bool = False, aux_layers: list | None = AUX_LAYERS,
-               nested_aux: bool = False) -> str:
-    """A random EAGLE head for the `target` checkpoint, in the format `method`'s published heads have."""
+               nested_aux: bool = False, target_shape: bool = False) -> str:
+    """A random EAGLE head for the `target` checkpoint, in the format `method`'s published heads
+    have; `target_shape`: its layer shaped as the target's (heads, KV heads, intermediate), as a
+    real head is, else small."""
     with open(os.path.join(target, "config.json")) as f:
         t = json.load(f)
     h, vocab = hidden or t["hidden_size"], t["vocab_size"]
-    heads, kv_heads, dim, inter = HEADS, KV_HEADS, h // HEADS, 96  # (not the target's: its cache is its own)
+    heads, kv_heads, inter = ((t["num_attention_heads"], t["num_key_value_heads"], t["intermediate_size"])
+                              if target_shape else (HEADS, KV_HEADS, 96))  # (its cache is its own either way)
+    dim = h // heads
     eagle3 = method == "eagle3"
     cfg = {"architectures": ["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLM"], "model_type": "llama",
            "hidden_size": h, "intermediate_size": inter, "num_attention_heads": heads,
