@@ -81,7 +81,8 @@ def run_engine_core(config: EngineConfig, options: CoreOptions, parent: int) -> 
         out.send(msgspec.msgpack.encode(CoreFailed(error_of(e))))
         _close(out)
         os._exit(1)
-    _reserve_a_cpu_for_the_front(core.config.device)
+    if core.workers is None:  # (tensor-parallel ranks split the CPUs among themselves: workers.threads_per_rank)
+        _reserve_a_cpu_for_the_front(core.config.device)
     if options.record_events:
         core.record_events()
     loop = CoreLoop(core, options, out, parent)
