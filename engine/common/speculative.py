@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from baton.engine.common.errors import InvalidArgument, check
+from baton.engine.common.errors import check
 
-# What a proposer may be: the ones Baton runs, and the ones it knows but does not run yet.
-METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
-PLANNED = ("mtp",)
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
 WITH_MODEL = ("draft_model", "eagle", "eagle3")  # the methods that take a checkpoint (`model`)
+HEADS = ("eagle", "eagle3", "mtp")  # the methods that read the target's hidden states (spec_decode/eagle.py)
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -20,7 +19,8 @@ class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4  # drafted per request per step
     # draft_model: a smaller checkpoint with the target's tokenizer; eagle, eagle3: an EAGLE head's
-    # checkpoint (engine/worker/spec_decode/eagle.py)
+    # checkpoint (engine/worker/spec_decode/eagle.py); mtp: the checkpoint holding DeepSeek's
+    # multi-token-prediction layer, by default the target's own (spec_decode/mtp.py)
     model: str | None = None
     # ngram (prompt lookup): the longest suffix of the request's tokens, of prompt_lookup_max
     # tokens down to prompt_lookup_min, found earlier in them proposes what followed it there.
@@ -41,9 +41,6 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         field = "speculative_config."
-        if self.method in PLANNED:
-            raise InvalidArgument(field + "method", f"{self.method!r} is not implemented yet (Baton runs: "
-                                                    f"{', '.join(METHODS)})")
         check(self.method in METHODS, field + "method",
               f"must be one of {', '.join(METHODS)}, got {self.method!r}")
         check(_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
@@ -57,8 +54,8 @@ class SpeculativeConfig:
         if self.method in WITH_MODEL:
             what = "a draft" if self.method == "draft_model" else "an EAGLE head's"
             check(self.model is not None, field + "model", f"{what} checkpoint directory is what {self.method} takes")
-        else:
-            check(self.model is None, field + "model", f"is for {', '.join(WITH_MODEL)}, not {self.method!r}")
+        elif self.method != "mtp":
+            check(self.model is None, field + "model", f"is for {', '.join(WITH_MODEL)} and mtp, not {self.method!r}")
         check(self.model is None or (isinstance(self.model, str) and os.path.isdir(self.model)), field + "model",
               f"must be a checkpoint directory, got {self.model!r}")
         check(_int(self.suffix_decoding_max_tree_depth) and self.suffix_decoding_max_tree_depth >= 2,
@@ -78,9 +75,9 @@ class SpeculativeConfig:
     @property
     def lookahead(self) -> int:
         """Slots past a request's tokens its drafting writes KV into (a draft model's or an EAGLE
-        head's own KV, kept in the target's blocks): allocated with them. A head's slot p takes
-        token p + 1, so it writes one slot less than a draft model."""
-        if self.method in ("eagle", "eagle3"):
+        or MTP head's own KV, kept in the target's blocks): allocated with them. A head's slot p
+        takes token p + 1, so it writes one slot less than a draft model."""
+        if self.method in HEADS:
             return self.num_speculative_tokens - 1
         return self.num_speculative_tokens if self.method == "draft_model" else 0
 

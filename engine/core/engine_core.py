@@ -34,6 +34,7 @@ from baton.engine.common.stats import EngineSnapshot, EventType, StepEvents
 from baton.engine.common.tokenizer import eos_token_ids, load_tokenizer
 from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
 from baton.engine.worker.spec_decode.eagle import load_head
+from baton.engine.worker.spec_decode.mtp import load_mtp
 from baton.engine.worker.parallel.messages import RankAdapter, RunnerSetup
 from baton.engine.worker.parallel.tensor_parallel import check_split, shard_model
 from baton.engine.worker.parallel.workers import TPWorkers
@@ -138,14 +139,17 @@ class EngineCore:
     def _load_draft(self, args: ModelArgs, dtype, model):
         """draft_model's checkpoint, once it is known to speak the target's tokens: the same
         vocabulary and tokenizer, a context as long as max_model_len; or an EAGLE head fitting
-        `model` (spec_decode/eagle.py), which shares its embeddings. Refused naming the field."""
+        `model` (spec_decode/eagle.py), which shares its embeddings; or DeepSeek's MTP layer
+        (spec_decode/mtp.py), by default from the target's own checkpoint. Refused naming the field."""
         spec = self.config.speculative_config
-        if spec is None or spec.method not in ("draft_model", "eagle", "eagle3"):
+        if spec is None or spec.method not in ("draft_model", "eagle", "eagle3", "mtp"):
             return None
         if spec.method != "draft_model":
             check(self.config.tensor_parallel_size == 1, "speculative_config.method",
                   f"{spec.method} under tensor parallelism is not supported yet (the head shares the target's "
                   f"embeddings and LM head, which the ranks split)")
+            if spec.method == "mtp":
+                return load_mtp(spec.model, self.config.model, model, dtype, self.config.device)
             return load_head(spec.method, spec.model, model, dtype, self.config.device)
         field = "speculative_config.model"
         draft_args = model_args(read_config(spec.model))

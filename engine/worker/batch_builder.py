@@ -70,18 +70,23 @@ class BatchBuilder:
             metas = [self._reference_batch(spans, num_decodes, window)
                      for spans, window in zip(group_spans, self.kv_groups.windows)]
         for meta, spans in zip(metas, group_spans):
-            meta.num_decodes = num_decodes
-            if self.model.args.attention == "mla" and num_decodes < len(spans) and not meta.prefills:
-                # MLA's prefill attends in a form of its own (mla.py), whatever the backend
-                meta.prefills = self._prefill_seqs(spans, num_decodes, [0] * len(spans))
-                if meta.slot_mapping is None:
-                    meta.slot_mapping = (meta.triton.slot_mapping if meta.triton is not None else
-                                         torch.from_numpy(block_tables.slots(spans, self.block_size)).to(dev))
+            self._count_decodes(meta, spans, num_decodes, self.model.args.attention == "mla")
         return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t, "metas": metas,
                 "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids,
                 "sample_spans": sample_spans,
                 "prompt_rows": prompt_rows, "adapter_spans": adapter_spans, "rope_lengths": rope_lengths,
                 "order": order, "spans": rows}  # each request's (id, rows) and (start, end, block ids), in row order
+
+    def _count_decodes(self, meta: AttentionMetadata, spans: list[block_tables.Span], num_decodes: int,
+                       latent: bool) -> None:
+        """The first num_decodes spans are decodes; for MLA (`latent`), whose prefill attends in a
+        form of its own (mla.py) whatever the backend, the rest as prefill sequences too."""
+        meta.num_decodes = num_decodes
+        if latent and num_decodes < len(spans) and not meta.prefills:
+            meta.prefills = self._prefill_seqs(spans, num_decodes, [0] * len(spans))
+            if meta.slot_mapping is None:
+                meta.slot_mapping = (meta.triton.slot_mapping if meta.triton is not None else
+                                     torch.from_numpy(block_tables.slots(spans, self.block_size)).to(self.device))
 
     def _kernel_batch(self, spans: list[block_tables.Span], positions: torch.Tensor) -> AttentionMetadata:
         bs, tables, counts = self.block_size, [], []

@@ -38,6 +38,24 @@ def _safetensors_files(model_dir: str) -> list[str]:
     raise InvalidArgument("model", f"{model_dir!r} has no model.safetensors or model.safetensors.index.json")
 
 
+def tensors_under(model_dir: str, prefix: str):
+    """(name, tensor) for each of a checkpoint's tensors whose name starts with `prefix`, read from
+    the shards that hold them only (as model.safetensors.index.json says): one layer of a model
+    whose other shards are never opened (DeepSeek-V3's MTP layer, spec_decode/mtp.py)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted({shard for name, shard in json.load(f)["weight_map"].items() if name.startswith(prefix)})
+        paths = [os.path.join(model_dir, s) for s in shards]
+    else:
+        paths = _safetensors_files(model_dir)
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(prefix):
+                    yield name, f.get_tensor(name)
+
+
 def checkpoint_fingerprint(model_dir: str) -> str:
     """A short digest of a checkpoint's contents: its config.json, and each weight file's size
     and ranges spread over it. The same checkpoint gives the same digest wherever it is
@@ -66,7 +84,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
     # Allocated in place, in the target dtype, and left uninitialized (see models/layers.Linear): the
     # checkpoint fills it. Built in float32 and cast, a bf16 model would peak at three times
     # its size. (The meta device + to_empty would make torch import sympy: seconds of start-up.)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         model = CausalLM(args)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -107,7 +125,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
+    """Modules built inside allocate their parameters in `dtype` (the checkpoint fills them)."""
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -69,7 +69,7 @@ class ModelRunner(BatchBuilder):
         """`lora`: the adapters on the device (attached to the model already), when LoRA is on;
         `num_host_blocks`: the host KV tier's size (0: none); `kv_groups`: which layers share a
         block (default: one group of every layer); `draft`: the draft model, for draft_model
-        speculation, or the EAGLE head (spec_decode/eagle.py); `driver`: false for a
+        speculation, or the EAGLE or MTP head (spec_decode/eagle.py, mtp.py); `driver`: false for a
         tensor-parallel rank other than 0, which runs every forward (and its collectives) but
         samples nothing: rank 0's tokens reach it (`mirror`)."""
         self.model = model
@@ -115,22 +115,26 @@ class ModelRunner(BatchBuilder):
                 host_cache=self.host_kv.host_cache if self.host_kv is not None else None)
 
     def _draft_proposer(self, draft, num_blocks: int):
-        """draft_model's proposer over `draft`, or an EAGLE head's."""
+        """draft_model's proposer over `draft`, or a head's (EAGLE's or DeepSeek's MTP layer)."""
         from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
-        from baton.engine.worker.spec_decode.eagle import EagleHead, EagleProposer
+        from baton.engine.worker.spec_decode.eagle import EagleProposer
 
         a = draft.args
+        latent = a.attention == "mla"
         backend = choose_backend(self.config.attention_backend, self.kv_cache.dtype, self.device, a.num_heads,
-                                 a.num_kv_heads, a.head_dim, latent=a.attention == "mla")
+                                 a.num_kv_heads, a.head_dim, latent=latent)
 
         def metadata(spans, positions, num_decodes):
             if backend == "cpu":
-                return self._kernel_batch(spans, positions)
-            if backend == "triton":
-                return self._triton_batches([spans], num_decodes)[0]
-            return self._reference_batch(spans, num_decodes)
+                meta = self._kernel_batch(spans, positions)
+            elif backend == "triton":
+                meta = self._triton_batches([spans], num_decodes)[0]
+            else:
+                meta = self._reference_batch(spans, num_decodes)
+            self._count_decodes(meta, spans, num_decodes, latent)
+            return meta
         group = self.kv_groups.windows.index(None)
-        if isinstance(draft, EagleHead):
+        if not isinstance(draft, CausalLM):  # a head: it reads the target's hidden states
             return EagleProposer(draft, self.model, num_blocks, self.block_size, self.config.max_model_len, group,
                                  self.config.max_num_batched_tokens, metadata, self.device)
         return DraftModelProposer(draft, num_blocks, self.block_size, self.config.max_model_len, group, metadata,

@@ -73,7 +73,7 @@ class ModelArgs:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleaved: bool = True  # MLA's RoPE on adjacent pairs (DeepSeek's); else on halves
-    skipped_layers: int = 0  # layers past num_layers whose weights are not loaded (DeepSeek-V3's MTP)
+    skipped_layers: int = 0  # layers past num_layers the target does not load (DeepSeek-V3's MTP: a draft head's)
 
     @property
     def kv_parts(self) -> int:

@@ -4,7 +4,8 @@ on the RoPE parts' adjacent pairs (V3: halves where rope_interleave is off), and
 experts from layer first_k_dense_replace on, its weights times routed_scaling_factor, with
 n_shared_experts shared: V2 routes by softmax, greedy or group-limited; V3 by sigmoid scores and a
 correction bias over groups (noaux_tc). V3's multi-token-prediction layers (past
-num_hidden_layers) are not loaded."""
+num_hidden_layers) are not the target's: speculative decoding's `mtp` loads the first as a draft
+head (spec_decode/mtp.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,9 +1,9 @@
 """Speculative decoding's worker half. After a step, a proposer drafts each decoding request's
 next tokens (one module per proposer, behind Proposer: ngram.py, suffix.py, draft_model.py,
-eagle.py); the scheduler sends them back with the request's next token, the model computes them
-all in one forward, and verify.py keeps the drafts the target model would have produced (greedy:
-equal to its argmax; sampled: rejection sampling, which keeps the target's distribution) and
-one token more."""
+eagle.py, which also drives mtp.py's head); the scheduler sends them back with the request's next
+token, the model computes them all in one forward, and verify.py keeps the drafts the target
+model would have produced (greedy: equal to its argmax; sampled: rejection sampling, which keeps
+the target's distribution) and one token more."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -20,7 +20,7 @@ class Proposer(Protocol):
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """A proposer that needs nothing but the tokens (draft_model's and EAGLE's are made by the
+    """A proposer that needs nothing but the tokens (draft_model's and the heads' are made by the
     runner, with their model; a tensor-parallel rank that does not draft gets this one)."""
     from baton.engine.worker.spec_decode.ngram import NgramProposer
     from baton.engine.worker.spec_decode.suffix import SuffixProposer

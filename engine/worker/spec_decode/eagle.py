@@ -18,6 +18,10 @@ The head's KV cache is its own, laid out like the target's and addressed by the 
 ids (a full-attention group's), as draft_model.py's: slot p holds the head's KV of (token p + 1,
 hidden state p). Its drafts write the k - 1 slots from the last token's on (Scheduler.lookahead).
 
+EagleProposer drives any head that reads so (DeepSeek's MTP layer too, mtp.py): one with `args`
+(its layers and KV shape: K and V, or MLA's latent), `embed_tokens`, `aux_layers`, `fuse`, a
+forward over (ids, positions, hidden states) and `greedy` over its outputs.
+
 The runner hands the proposer, after each step, the hidden states of the positions whose tokens
 stand (`keep`: a request's rejected drafts' are dropped), fused to H (EAGLE-3's fc) and kept per
 request until the head is fed them: when the request drafts, or at once when the requests of a
@@ -248,9 +252,9 @@ class EagleProposer:
         target.aux_layers = frozenset(head.aux_layers)
         self.head, self.target, self.group, self.metadata, self.device = head, target, group, metadata, device
         self.block_size, self.max_model_len, self.flush_rows = block_size, max_model_len, flush_rows
-        self.cache = torch.zeros(num_blocks, a.num_layers, 2, block_size, a.num_kv_heads, a.head_dim,
+        self.cache = torch.zeros(num_blocks, a.num_layers, a.kv_parts, block_size, a.num_kv_heads, a.head_dim,
                                  dtype=head.embed_tokens.weight.dtype, device=device)
-        self.layer_caches = [(self.cache[:, i, 0], self.cache[:, i, 1]) for i in range(a.num_layers)]
+        self.layer_caches = [(self.cache[:, i, 0], self.cache[:, i, a.kv_parts - 1]) for i in range(a.num_layers)]
 
     def keep(self, rows: list[tuple], hidden: torch.Tensor) -> None:
         """The target's hidden states of a step's positions that stand: per request (its state,
