@@ -16,8 +16,8 @@ Checks now (each passes or fails on its own; the report has every figure):
   and its KV pool full afterwards;
 - bfloat16 engine runs of the same families (outputs complete, pools full);
 - speculative decoding on CUDA: n-gram, suffix, draft-model (the target as its own draft) and
-  random EAGLE-1/EAGLE-3 heads' drafts keep the greedy output, the self-draft keeps nearly
-  every draft, pools full;
+  random EAGLE-1/EAGLE-3 heads' and a DeepSeek-V3 MTP layer's drafts keep the greedy output,
+  the self-draft keeps nearly every draft, pools full;
 - tensor parallelism over NCCL (two GPUs: two ranks greedy-equal to one; skipped on one GPU);
 - heads wider than the generic Triton kernels take (576) fall back to the reference, while MLA's
   latent of 576 runs on its own Triton kernel.
@@ -294,7 +294,7 @@ def check_spec_decode(tmp: str) -> dict:
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     want = [o.token_ids for o in LLM(model_dir, dtype="float32", device="cuda", max_model_len=512).generate(
         prompts, params)]
-    results = {}
+    results = {"mtp": _check_mtp(tmp, prompts, params)}
     for name, spec in {"ngram": {"method": "ngram", "prompt_lookup_min": 1},
                        "suffix": {"method": "suffix", "suffix_decoding_min_token_prob": 0.05},
                        "draft_model": {"method": "draft_model", "model": model_dir},
@@ -335,6 +335,32 @@ def check_tensor_parallel(tmp: str) -> dict:
                         llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks)
     return {"ok": runs[1][0] == runs[2][0] and runs[2][2], "equal": runs[1][0] == runs[2][0],
             "seconds": {tp: r[1] for tp, r in runs.items()}, "pool_full": runs[2][2]}
+
+
+def _check_mtp(tmp: str, prompts: list[list[int]], params) -> dict:
+    """DeepSeek-V3's MTP layer drafting on CUDA (its MLA on the Triton kernel, its experts fused):
+    the greedy output the same as without it."""
+    from baton import LLM
+    from baton.testing.checkpoints import write_random_checkpoint
+    from baton.testing.mtp_checkpoint import write_mtp
+
+    whole = write_random_checkpoint(os.path.join(tmp, "v3-whole"), "DeepseekV3Config", seed=7, hidden_size=128,
+                                    intermediate_size=192, moe_intermediate_size=64, num_attention_heads=4,
+                                    num_hidden_layers=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=32,
+                                    qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+                                    n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2)
+    model_dir = write_mtp(os.path.join(tmp, "v3-mtp"), whole)
+    runs = []
+    for spec in (None, {"method": "mtp", "num_speculative_tokens": 3}):
+        llm = LLM(model_dir, dtype="float32", device="cuda", max_model_len=512, speculative_config=spec)
+        runs.append(([o.token_ids for o in llm.generate(prompts, params)], llm.engine.core.scheduler.spec_stats,
+                     llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks))
+        del llm
+    stats = runs[1][1]
+    row = {"equal": runs[0][0] == runs[1][0], "drafts": stats.num_drafts, "draft_tokens": stats.num_draft_tokens,
+           "accepted": stats.num_accepted_tokens, "pool_full": runs[1][2]}
+    row["ok"] = row["equal"] and row["pool_full"] and row["drafts"] > 0
+    return row
 
 
 def check_wide_heads() -> dict:

@@ -2,7 +2,7 @@
 
 A tiny DeepSeek-V3 (test_families' shape: MLA with a compressed query, noaux_tc routing, layer 0
 dense) is written with four layers by transformers, and its fourth becomes the MTP layer's
-decoder layer: `model.layers.3.*` of a three-layer checkpoint with num_nextn_predict_layers 1,
+decoder layer (baton/testing/mtp_checkpoint.py): `model.layers.3.*` of a three-layer checkpoint with num_nextn_predict_layers 1,
 with seeded enorm, hnorm, eh_proj, shared_head (its own LM head, unlike the target's) and a copy
 of the target's embeddings, in a shard of its own behind model.safetensors.index.json. The
 head's drafts equal a dense reference (the target's hidden states from transformers, the MTP
@@ -12,9 +12,7 @@ pools full after; a checkpoint without the layer is refused naming the field.
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from baton import LLM, SamplingParams
 from baton.engine.common.errors import InvalidArgument
 from baton.testing.checkpoints import write_random_checkpoint
+from baton.testing.mtp_checkpoint import write_mtp
 
 from helpers import random_prompts
 from test_families import FAMILIES
@@ -32,37 +31,6 @@ CONFIG_CLASS, SHAPE = FAMILIES["deepseek-v3"]
 LAYERS = SHAPE["num_hidden_layers"]  # the MTP layer: model.layers.3
 MTP = f"model.layers.{LAYERS}."
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-def write_mtp(path: str, whole: str, drop: tuple[str, ...] = (), seed: int = 3) -> str:
-    """`whole`'s first LAYERS layers as the target, its last as the MTP layer's decoder layer."""
-    tensors = load_file(os.path.join(whole, "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    h, vocab = SHAPE["hidden_size"], tensors["lm_head.weight"].shape[0]
-    mtp = {name: t for name, t in tensors.items() if name.startswith(MTP)}
-    mtp.update({MTP + "enorm.weight": 0.5 + torch.rand(h, generator=gen),
-                MTP + "hnorm.weight": 0.5 + torch.rand(h, generator=gen),
-                MTP + "eh_proj.weight": torch.randn(h, 2 * h, generator=gen) * 0.2,
-                MTP + "shared_head.norm.weight": 0.5 + torch.rand(h, generator=gen),
-                MTP + "shared_head.head.weight": torch.randn(vocab, h, generator=gen) * 0.2,
-                MTP + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})  # as DeepSeek ships it
-    for name in drop:
-        del mtp[name]
-    shards = {"model-00001-of-00002.safetensors": {n: t for n, t in tensors.items() if not n.startswith(MTP)},
-              "model-00002-of-00002.safetensors": mtp}
-    os.makedirs(path, exist_ok=True)
-    for file, part in shards.items():
-        save_file(part, os.path.join(path, file), metadata={"format": "pt"})
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": {n: file for file, part in shards.items() for n in part}}, f)
-    for name in os.listdir(whole):
-        if not name.endswith(".safetensors"):
-            shutil.copy(os.path.join(whole, name), path)
-    with open(os.path.join(whole, "config.json")) as f:
-        cfg = json.load(f)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({**cfg, "num_hidden_layers": LAYERS, "num_nextn_predict_layers": 1}, f)
-    return path
 
 
 @pytest.fixture(scope="module")
