@@ -3,8 +3,9 @@
 A tiny DeepSeek-V3 (test_families' shape: MLA with a compressed query, noaux_tc routing, layer 0
 dense) is written with four layers by transformers, and its fourth becomes the MTP layer's
 decoder layer (baton/testing/mtp_checkpoint.py): `model.layers.3.*` of a three-layer checkpoint
-with num_nextn_predict_layers 1, with seeded enorm, hnorm, eh_proj, shared_head (its own LM head, unlike the target's) and a copy
-of the target's embeddings, in a shard of its own behind model.safetensors.index.json. The
+with num_nextn_predict_layers 1, with seeded enorm, hnorm, eh_proj, shared_head (its own LM
+head, unlike the target's) and a copy of the target's embeddings, in a shard of its own behind
+model.safetensors.index.json. The
 head's drafts equal a dense reference (the target's hidden states from transformers, the MTP
 layer's decoder layer run by transformers over the whole sequence); the greedy output is the
 target's with it as without (batched, chunked, preempted, prefix-cached, on a P/D decode),
