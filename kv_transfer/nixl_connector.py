@@ -22,6 +22,11 @@ so a run of consecutive block ids on both sides is one contiguous region: one de
 Peers learn each other's `KVLayout` through the services' own RPC (`add_peer`), which
 refuses a peer whose KVFormat (model, dtype, shapes, block size, attention backend) differs.
 
+Under tensor parallelism every rank has a worker of its own (`for_rank`), over its share of the
+KV heads; a rank reads its heads of a load from the peer ranks holding them (base.read_plan),
+straight into its cache or staged (nixl_staging.py), and only rank 0 keeps holds and, once every
+rank's part landed (`finish_load`), tells the peer its blocks may go.
+
 UCX only moves a transfer when its agents are polled, the target's included: a READ from a
 prefill that is busy with a long forward pass would not finish before that pass ends. So
 a small thread polls the agent (under the same lock as every other agent call) while
@@ -44,6 +49,7 @@ from baton.kv_transfer.base import (DEFAULT_HOLD_TIMEOUT_S, HeadSlice, HoldOutco
                                     read_plan)
 from baton.kv_transfer.nixl_scheduler import (DEFAULT_LOAD_TIMEOUT_S, LoadSpec, NixlConnectorMeta,
                                               NixlConnectorScheduler)
+from baton.kv_transfer.nixl_staging import Staged, land, merge_runs, staging_buffer
 
 if TYPE_CHECKING:
     import torch
@@ -82,22 +88,12 @@ class _Peer:
 
 
 @dataclass(slots=True)
-class _Staged:
-    """A slice of heads read whole from a peer rank into a buffer of its own block shape, copied
-    into this rank's blocks once it landed."""
-    buffer: torch.Tensor  # [blocks, *the peer rank's block shape]
-    registration: object
-    head_slice: HeadSlice
-    peer_first: int  # the peer rank's first KV head
-
-
-@dataclass(slots=True)
 class _Load:
     spec: LoadSpec
     handles: list  # one NIXL READ per head slice
     give_up: float
     record: KVTransfer
-    staged: list[_Staged] = field(default_factory=list)
+    staged: list[Staged] = field(default_factory=list)
 
 
 def _new_agent(name: str):
@@ -106,17 +102,6 @@ def _new_agent(name: str):
     # No progress thread: on 2 cores it slowed 256 MiB READs from 5-6 to ~3 GB/s and delayed
     # notifications from ~26 µs to ~8 ms (and sometimes lost one), measured between two processes.
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-
-
-def merge_runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
-    """(local start, remote start, length) for runs consecutive on both sides."""
-    runs: list[list[int]] = []
-    for here, there in zip(local, remote, strict=True):
-        if runs and here == runs[-1][0] + runs[-1][2] and there == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([here, there, 1])
-    return [tuple(run) for run in runs]
 
 
 class NixlConnectorWorker(KVConnectorWorker):
@@ -294,13 +279,9 @@ class NixlConnectorWorker(KVConnectorWorker):
             runs = merge_runs(spec.local_block_ids, spec.remote_block_ids)
             local = self._descs(self.layout, runs, 0)
         else:
-            import torch
-
-            cache, num_kv_heads = self._cache, self.layout.format.num_kv_heads
-            first, last = kv_head_range(num_kv_heads, peer.tp, head_slice.peer_rank)
-            buffer = torch.empty((len(spec.local_block_ids), *cache.shape[1:-2], last - first, cache.shape[-1]),
-                                 dtype=cache.dtype, device=cache.device)
-            entry.staged.append(_Staged(buffer, self.agent.register_memory(buffer), head_slice, first))
+            first, last = kv_head_range(self.layout.format.num_kv_heads, peer.tp, head_slice.peer_rank)
+            buffer = staging_buffer(self._cache, len(spec.local_block_ids), last - first)
+            entry.staged.append(Staged(buffer, self.agent.register_memory(buffer), head_slice, first))
             runs = merge_runs(list(range(len(spec.local_block_ids))), spec.remote_block_ids)
             on_gpu = buffer.device.type == "cuda"
             local = self.agent.get_xfer_descs(
@@ -325,19 +306,6 @@ class NixlConnectorWorker(KVConnectorWorker):
         for staged in entry.staged:
             self.agent.deregister_memory(staged.registration)
         entry.handles, entry.staged = [], []
-
-    def _land(self, entry: _Load) -> None:
-        """Copy the staged head slices into this rank's blocks, a run of consecutive blocks at a
-        time (a strided copy, not a scatter)."""
-        if not entry.staged:
-            return
-        first = kv_head_range(self.layout.format.num_kv_heads, self.tp, self.rank)[0]
-        runs = merge_runs(entry.spec.local_block_ids, list(range(len(entry.spec.local_block_ids))))
-        for staged in entry.staged:
-            s, at = staged.head_slice, staged.peer_first
-            for block, row, n in runs:
-                self._cache[block:block + n, ..., s.first - first:s.last - first, :].copy_(
-                    staged.buffer[row:row + n, ..., s.first - at:s.last - at, :])
 
     def _let_go(self, load: LoadSpec) -> None:
         """Tell the prefill to free a hold this engine will not read (best effort: it expires
@@ -389,7 +357,8 @@ class NixlConnectorWorker(KVConnectorWorker):
                     continue
                 state = "PROC"
             if state is None:
-                self._land(entry)
+                land(self._cache, entry.staged, entry.spec.local_block_ids,
+                     kv_head_range(self.layout.format.num_kv_heads, self.tp, self.rank)[0])
             self._release(entry)
             del self._loading[req_id]
             load, record = entry.spec, entry.record
