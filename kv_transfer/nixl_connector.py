@@ -49,7 +49,7 @@ from baton.kv_transfer.base import (DEFAULT_HOLD_TIMEOUT_S, HeadSlice, HoldOutco
                                     read_plan)
 from baton.kv_transfer.nixl_scheduler import (DEFAULT_LOAD_TIMEOUT_S, LoadSpec, NixlConnectorMeta,
                                               NixlConnectorScheduler)
-from baton.kv_transfer.nixl_staging import Staged, land, merge_runs, staging_buffer
+from baton.kv_transfer.nixl_staging import Staged, StagingPool, land, merge_runs
 
 if TYPE_CHECKING:
     import torch
@@ -116,6 +116,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.rank = rank
         self.tp = 1  # the engine's ranks, from the registered format
         self._cache: torch.Tensor | None = None
+        self._staging = StagingPool(self.agent)  # buffers for head slices read from a peer of another split
         self._deferred: dict[str, LoadSpec] = {}  # loads whose reader-is-done notice waits for every rank
         self.layout: KVLayout | None = None
         self.peers: dict[str, _Peer] = {}
@@ -280,8 +281,8 @@ class NixlConnectorWorker(KVConnectorWorker):
             local = self._descs(self.layout, runs, 0)
         else:
             first, last = kv_head_range(self.layout.format.num_kv_heads, peer.tp, head_slice.peer_rank)
-            buffer = staging_buffer(self._cache, len(spec.local_block_ids), last - first)
-            entry.staged.append(Staged(buffer, self.agent.register_memory(buffer), head_slice, first))
+            buffer, registration = self._staging.take(self._cache, len(spec.local_block_ids), last - first)
+            entry.staged.append(Staged(buffer, registration, head_slice, first))
             runs = merge_runs(list(range(len(spec.local_block_ids))), spec.remote_block_ids)
             on_gpu = buffer.device.type == "cuda"
             local = self.agent.get_xfer_descs(
@@ -297,14 +298,14 @@ class NixlConnectorWorker(KVConnectorWorker):
         entry.record.num_bytes += len(spec.local_block_ids) * remote.block_bytes
         self.num_descriptors += len(runs)
 
-    def _release(self, entry: _Load) -> None:
+    def _release(self, entry: _Load, reusable: bool = False) -> None:
         for handle in entry.handles:
             try:
                 self.agent.release_xfer_handle(handle)
             except Exception as e:  # noqa: BLE001 - a READ that cannot be cancelled: forget it
                 log.warning("could not release the KV load of %s: %s", entry.spec.request_id, e)
-        for staged in entry.staged:
-            self.agent.deregister_memory(staged.registration)
+        for staged in entry.staged:  # (reused only once every READ into it is over and done)
+            self._staging.give_back(staged.buffer, staged.registration, reusable)
         entry.handles, entry.staged = [], []
 
     def _let_go(self, load: LoadSpec) -> None:
@@ -359,7 +360,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             if state is None:
                 land(self._cache, entry.staged, entry.spec.local_block_ids,
                      kv_head_range(self.layout.format.num_kv_heads, self.tp, self.rank)[0])
-            self._release(entry)
+            self._release(entry, reusable=state is None)
             del self._loading[req_id]
             load, record = entry.spec, entry.record
             record.end_time = time.monotonic()  # (after the staged slices' copies)
@@ -415,6 +416,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             for entry in self._loading.values():
                 self._release(entry)
             self._loading.clear()
+            self._staging.close()
             if self.layout is not None:
                 for reg in self._regs:
                     self.agent.deregister_memory(reg)
