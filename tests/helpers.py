@@ -1,5 +1,6 @@
 """Helpers the test modules share: workloads, the greedy reference check, the tiny blocks' size,
-stream collection, and waiting on a server's health and pools through its gRPC services
+offline runs that check no block leaked and speculative runs against plain ones, stream
+collection, and waiting on a server's health and pools through its gRPC services
 (servers start in servers.py, fixtures live in conftest.py)."""
 from __future__ import annotations
 
@@ -93,3 +94,33 @@ def pools_full(address: str, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def run_llm(model_dir, ps, params, **engine):
+    """An offline engine's outputs of `ps` (its LLM too); every block back in the pool after."""
+    from baton import LLM
+
+    llm = LLM(model_dir, dtype="float32", device="cpu", **engine)
+    outs = llm.generate(ps, params)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks  # no block leaked, drafts or not
+    return llm, outs
+
+
+def drafted_and_plain(model_dir, speculative_config):
+    """Six prompts (the last sharing three blocks with the fourth), greedy and seeded-sampled in
+    turn, run without drafts and with `speculative_config` on a small pool in 32-token chunks:
+    (prompts, plain token ids, drafted token ids). Asserts the drafted run preempted, hit the
+    prefix cache, drafted, and repeats itself."""
+    ps = random_prompts([5, 23, 40, 61, 90], seed=17)
+    ps.append(ps[3][:48] + ps[0])  # shares three blocks with the fourth
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)] * 3
+    _, want = run_llm(model_dir, ps, params)
+    engine = dict(speculative_config=speculative_config, max_num_batched_tokens=32, num_kv_blocks=16,
+                  max_model_len=192)
+    llm, got = run_llm(model_dir, ps, params, **engine)
+    scheduler = llm.engine.core.scheduler
+    assert scheduler.num_preemptions > 0 and llm.engine.kv.prefix_hits > 0
+    assert scheduler.spec_stats.num_draft_tokens > 0
+    assert [o.token_ids for o in run_llm(model_dir, ps, params, **engine)[1]] == [o.token_ids for o in got]
+    return ps, [o.token_ids for o in want], [o.token_ids for o in got]

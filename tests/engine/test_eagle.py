@@ -22,7 +22,7 @@ from baton.engine.common.errors import InvalidArgument
 
 from baton.testing.eagle_heads import AUX_LAYERS, HEADS, KV_HEADS, write_head
 
-from helpers import random_prompts
+from helpers import drafted_and_plain, random_prompts, run_llm
 
 @pytest.fixture(scope="module")
 def heads(tiny_llama, tmp_path_factory) -> dict[str, str]:
@@ -32,13 +32,6 @@ def heads(tiny_llama, tmp_path_factory) -> dict[str, str]:
 
 def spec(method: str, head: str, k: int = 3) -> dict:
     return {"method": method, "model": head, "num_speculative_tokens": k}
-
-
-def run(model_dir, ps, params, **engine):
-    llm = LLM(model_dir, dtype="float32", device="cpu", **engine)
-    outs = llm.generate(ps, params)
-    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks  # no block leaked, drafts or not
-    return llm, outs
 
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -136,25 +129,15 @@ def test_drafts_equal_a_dense_reference(tiny_llama, heads, hf, method, backend):
 def test_greedy_with_a_head_equals_without(tiny_llama, heads, method):
     """Batched, chunked, preempted (a small pool), prefix-cached: the greedy output is the
     target's, seeded sampling repeats, drafts were proposed and verified, every block came back."""
-    ps = random_prompts([5, 23, 40, 61, 90], seed=17)
-    ps.append(ps[3][:48] + ps[0])  # shares three blocks with the fourth
-    params = [GREEDY, SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)] * 3
-    _, want = run(tiny_llama, ps, params)
-    engine = dict(speculative_config=spec(method, heads[method]), max_num_batched_tokens=32, num_kv_blocks=16,
-                  max_model_len=192)
-    llm, got = run(tiny_llama, ps, params, **engine)
-    assert [o.token_ids for o in got][::2] == [o.token_ids for o in want][::2]
-    scheduler = llm.engine.core.scheduler
-    assert scheduler.num_preemptions > 0 and llm.engine.kv.prefix_hits > 0
-    assert scheduler.spec_stats.num_draft_tokens > 0
-    assert [o.token_ids for o in run(tiny_llama, ps, params, **engine)[1]] == [o.token_ids for o in got]
+    _, want, got = drafted_and_plain(tiny_llama, spec(method, heads[method]))
+    assert got[::2] == want[::2]
 
 
 def test_a_migrated_request_drafts_with_a_head(tiny_llama, heads):
     """A request whose first outputs were made elsewhere (resumed here, as the router's failover
     sends it): its prompt and those outputs computed here, the head catches up over all of them."""
     prompt = random_prompts([40], seed=31)[0]
-    _, (whole,) = run(tiny_llama, [prompt], GREEDY)
+    _, (whole,) = run_llm(tiny_llama, [prompt], GREEDY)
     llm = LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=spec("eagle3", heads["eagle3"]))
     request = llm.engine.add(llm.engine.make_request("moved", prompt, GREEDY, resumed_output=whole.token_ids[:12]))
     while llm.engine.has_unfinished_requests():
@@ -170,7 +153,7 @@ def test_the_decode_of_a_pd_pair_drafts_with_a_head(tiny_llama, heads):
     from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
 
     ps = random_prompts([12, 30, 45], seed=22)
-    _, want = run(tiny_llama, ps, GREEDY)
+    _, want = run_llm(tiny_llama, ps, GREEDY)
     prefill = nixl_engine(tiny_llama, "prefill")
     decode = nixl_engine(tiny_llama, "decode", speculative_config=spec("eagle3", heads["eagle3"]))
     connect(prefill, decode)

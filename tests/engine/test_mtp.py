@@ -25,7 +25,7 @@ from baton.engine.common.errors import InvalidArgument
 from baton.testing.checkpoints import write_random_checkpoint
 from baton.testing.mtp_checkpoint import write_mtp
 
-from helpers import random_prompts
+from helpers import drafted_and_plain, random_prompts, run_llm
 from test_families import FAMILIES
 
 CONFIG_CLASS, SHAPE = FAMILIES["deepseek-v3"]
@@ -55,13 +55,6 @@ def deepseek(whole, tmp_path_factory) -> str:
 
 def spec(k: int = 3, **more) -> dict:
     return {"method": "mtp", "num_speculative_tokens": k, **more}
-
-
-def run(model_dir, ps, params, **engine):
-    llm = LLM(model_dir, dtype="float32", device="cpu", **engine)
-    outs = llm.generate(ps, params)
-    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks  # no block leaked, drafts or not
-    return llm, outs
 
 
 # ---- the dense reference ---------------------------------------------------------------------
@@ -150,19 +143,10 @@ def test_greedy_with_mtp_equals_without(deepseek, hf, k):
     """Batched, chunked, preempted (a small pool), prefix-cached: the greedy output is the
     target's (transformers', which, as Baton's target, leaves the MTP layer out), seeded sampling
     repeats, drafts were proposed and verified, every block came back."""
-    ps = random_prompts([5, 23, 40, 61, 90], seed=17)
-    ps.append(ps[3][:48] + ps[0])  # shares three blocks with the fourth
-    params = [GREEDY, SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)] * 3
-    _, want = run(deepseek, ps, params)
+    ps, want, got = drafted_and_plain(deepseek, spec(k))
     if k == 1:
-        assert [o.token_ids for o in want][::2] == [hf.greedy(deepseek, p, 24) for p in ps[::2]]
-    engine = dict(speculative_config=spec(k), max_num_batched_tokens=32, num_kv_blocks=16, max_model_len=192)
-    llm, got = run(deepseek, ps, params, **engine)
-    assert [o.token_ids for o in got][::2] == [o.token_ids for o in want][::2]
-    scheduler = llm.engine.core.scheduler
-    assert scheduler.num_preemptions > 0 and llm.engine.kv.prefix_hits > 0
-    assert scheduler.spec_stats.num_draft_tokens > 0
-    assert [o.token_ids for o in run(deepseek, ps, params, **engine)[1]] == [o.token_ids for o in got]
+        assert want[::2] == [hf.greedy(deepseek, p, 24) for p in ps[::2]]
+    assert got[::2] == want[::2]
 
 
 def test_the_layer_is_read_from_its_shard_into_an_mla_cache(deepseek, monkeypatch):
@@ -201,7 +185,7 @@ def test_the_decode_of_a_pd_pair_drafts_with_mtp(deepseek):
     from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
 
     ps = random_prompts([12, 30, 45], seed=22)
-    _, want = run(deepseek, ps, GREEDY)
+    _, want = run_llm(deepseek, ps, GREEDY)
     prefill = nixl_engine(deepseek, "prefill")
     decode = nixl_engine(deepseek, "decode", speculative_config=spec())
     connect(prefill, decode)
