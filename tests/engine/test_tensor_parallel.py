@@ -21,7 +21,6 @@ import torch
 import torch.multiprocessing as mp
 
 from baton.engine.common.errors import InvalidArgument
-from baton.services.cli.launcher import free_port
 
 from baton import LLM, SamplingParams
 
@@ -31,9 +30,17 @@ from tp_workers import prompt_logits, run_rank
 
 def logits_over(model_dir: str, world: int, prompt: list[int], out, expert_parallel: bool = False
                 ) -> list[torch.Tensor]:
+    import datetime
+
+    import torch.distributed as dist
+
     os.makedirs(out, exist_ok=True)
-    mp.spawn(run_rank, args=(world, free_port("127.0.0.1"), model_dir, prompt, str(out), expert_parallel),
-             nprocs=world, join=True)
+    # The store is bound here, on a port the kernel picks (a port probed free and bound later by a
+    # rank can be taken in between); every rank connects to it.
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, timeout=datetime.timedelta(seconds=60),
+                          wait_for_workers=False)
+    mp.spawn(run_rank, args=(world, store.port, model_dir, prompt, str(out), expert_parallel), nprocs=world,
+             join=True)
     return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
 
 
