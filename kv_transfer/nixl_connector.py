@@ -20,7 +20,10 @@ This module has the worker half (the scheduler half: nixl_scheduler.py). The pat
 A block holds all layers' K and V ([num_blocks, layers, 2, block_size, heads, head_dim]),
 so a run of consecutive block ids on both sides is one contiguous region: one descriptor.
 Peers learn each other's `KVLayout` through the services' own RPC (`add_peer`), which
-refuses a peer whose KVFormat (model, dtype, shapes, block size, attention backend) differs.
+refuses a peer whose KVFormat (model, dtype, shapes, block size, attention backend, speculative
+head) differs. A speculative head's KV cache (EAGLE's, MTP's) is registered too, block for block
+with the first full-attention group's: a load's READ carries those blocks' head blocks as more
+descriptors (one transfer, one notice), unless the handle names the peer's host tier.
 
 Under tensor parallelism every rank has a worker of its own (`for_rank`), over its share of the
 KV heads; a rank reads its heads of a load from the peer ranks holding them (base.read_plan),
@@ -94,6 +97,7 @@ class _Load:
     give_up: float
     record: KVTransfer
     staged: list[Staged] = field(default_factory=list)
+    with_draft: bool = False  # the READ brings the head's KV of the blocks too
 
 
 def _new_agent(name: str):
@@ -144,18 +148,21 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     # ---- memory and peers ---------------------------------------------------------------------
     def register_kv_caches(self, kv_cache: torch.Tensor, kv_format: KVFormat, host_cache: torch.Tensor | None = None,
-                           ) -> None:
-        """Register the cache (as VRAM where it is on a GPU), and the host tier's pool where there
-        is one. GPU memory is checked at once: UCX built without its CUDA transports fails the
-        first READ, so a probe READ runs now."""
+                           draft_cache: torch.Tensor | None = None) -> None:
+        """Register the cache (as VRAM where it is on a GPU), the host tier's pool and a head's
+        cache where there are. GPU memory is checked at once: UCX built without its CUDA
+        transports fails the first READ, so a probe READ runs now."""
         with self._lock:
-            self._regs = [self.agent.register_memory(t) for t in (kv_cache, host_cache) if t is not None]
+            self._regs = [self.agent.register_memory(t) for t in (kv_cache, host_cache, draft_cache) if t is not None]
         self._cache, self.tp = kv_cache, kv_format.tensor_parallel_size
         on_gpu = kv_cache.device.type == "cuda"
         self.layout = KVLayout(self.engine_id, self.agent.get_agent_metadata(), kv_cache.data_ptr(),
                                kv_cache[0].numel() * kv_cache.element_size(), kv_cache.shape[0],
                                "VRAM" if on_gpu else "DRAM", (kv_cache.device.index or 0) if on_gpu else 0, kv_format,
                                *((host_cache.data_ptr(), host_cache.shape[0]) if host_cache is not None else ()))
+        if draft_cache is not None:
+            self.layout.draft_base_addr = draft_cache.data_ptr()
+            self.layout.draft_block_bytes = draft_cache[0].numel() * draft_cache.element_size()
         if on_gpu:
             self.check_reachable(kv_cache)
         self._poller = threading.Thread(target=self._poll, args=(kv_cache.device,), name="nixl-progress", daemon=True)
@@ -187,10 +194,23 @@ class NixlConnectorWorker(KVConnectorWorker):
             names = [self.agent.add_remote_agent(rank.agent_metadata) for rank in [layout, *layout.ranks]]
         self.peers[layout.engine_id] = _Peer([n.decode() if isinstance(n, bytes) else n for n in names], layout)
 
-    def _descs(self, layout: KVLayout, runs: list[tuple[int, int, int]], side: int, tier: KVTier = KVTier.DEVICE):
-        size = layout.block_bytes
+    def _descs(self, layout: KVLayout, runs: list[tuple[int, int, int]], side: int, tier: KVTier = KVTier.DEVICE,
+               draft_runs: list[tuple[int, int, int]] = ()):
+        """The descriptors of `runs` of the `tier` pool's blocks, then of `draft_runs` of the head's."""
         base, mem_type, dev_id = layout.region(tier)
-        return self.agent.get_xfer_descs([(base + run[side] * size, run[2] * size, dev_id) for run in runs], mem_type)
+        ranges = [(base + run[side] * layout.block_bytes, run[2] * layout.block_bytes, dev_id) for run in runs]
+        ranges += [(layout.draft_base_addr + run[side] * layout.draft_block_bytes, run[2] * layout.draft_block_bytes,
+                    dev_id) for run in draft_runs]
+        return self.agent.get_xfer_descs(ranges, mem_type)
+
+    def _draft_runs(self, spec: LoadSpec) -> list[tuple[int, int, int]]:
+        """The runs of a load's blocks whose head KV comes too: the first full-attention group's,
+        where this engine has a head (a peer's is then the same: check_peer) and the blocks are
+        in the peer's device pool (its host tier keeps no head KV)."""
+        if not self.layout.draft_block_bytes or spec.remote_tier is not KVTier.DEVICE:
+            return []
+        start, end = spec.full_attention
+        return merge_runs(spec.local_block_ids[start:end], spec.remote_block_ids[start:end])
 
     # ---- polling during steps ----------------------------------------------------------------
     def _poll(self, device: torch.device) -> None:
@@ -276,9 +296,11 @@ class NixlConnectorWorker(KVConnectorWorker):
         """Start the READ of one head slice: straight into the cache where the peer rank's
         blocks are ours byte for byte, else into a buffer of the peer rank's block shape."""
         spec, remote = entry.spec, peer.layout.rank(head_slice.peer_rank)
+        draft_runs = []
         if head_slice.direct:
             runs = merge_runs(spec.local_block_ids, spec.remote_block_ids)
-            local = self._descs(self.layout, runs, 0)
+            draft_runs = self._draft_runs(spec)  # (heads run on engines of one rank: their reads are direct)
+            local = self._descs(self.layout, runs, 0, draft_runs=draft_runs)
         else:
             first, last = kv_head_range(self.layout.format.num_kv_heads, peer.tp, head_slice.peer_rank)
             buffer, registration = self._staging.take(self._cache, len(spec.local_block_ids), last - first)
@@ -288,15 +310,18 @@ class NixlConnectorWorker(KVConnectorWorker):
             local = self.agent.get_xfer_descs(
                 [(buffer.data_ptr() + start * remote.block_bytes, n * remote.block_bytes,
                   (buffer.device.index or 0) if on_gpu else 0) for start, _, n in runs], "VRAM" if on_gpu else "DRAM")
-        handle = self.agent.initialize_xfer("READ", local, self._descs(remote, runs, 1, spec.remote_tier),
+        # One READ for the head's blocks too: the notice it carries frees both on the prefill.
+        handle = self.agent.initialize_xfer("READ", local, self._descs(remote, runs, 1, spec.remote_tier, draft_runs),
                                             peer.agent_names[head_slice.peer_rank], notice)
         if self.agent.transfer(handle) == "ERR":
             self.agent.release_xfer_handle(handle)
             raise RuntimeError("NIXL refused the transfer")
         entry.handles.append(handle)
-        entry.record.num_descriptors += len(runs)
-        entry.record.num_bytes += len(spec.local_block_ids) * remote.block_bytes
-        self.num_descriptors += len(runs)
+        entry.with_draft = bool(draft_runs)
+        entry.record.num_descriptors += len(runs) + len(draft_runs)
+        entry.record.num_bytes += (len(spec.local_block_ids) * remote.block_bytes
+                                   + sum(n for *_, n in draft_runs) * remote.draft_block_bytes)
+        self.num_descriptors += len(runs) + len(draft_runs)
 
     def _release(self, entry: _Load, reusable: bool = False) -> None:
         for handle in entry.handles:
@@ -374,6 +399,8 @@ class NixlConnectorWorker(KVConnectorWorker):
             else:
                 record.ok = True
                 out.finished_recving.add(req_id)
+                if entry.with_draft:
+                    out.draft_kv_landed.add(req_id)
                 out.transfers_ended[req_id] = record
                 if self.tp == 1 and req_id in self._deferred:  # a peer of ranks: its notice did not go with a READ
                     self._notify(self._deferred.pop(req_id), ReadDone(load.remote_request_id))

@@ -25,6 +25,9 @@ class LoadSpec:
     remote_block_ids: list[int]
     remote_request_id: str
     remote_tier: KVTier = KVTier.DEVICE  # the peer's pool that remote_block_ids index
+    # Where the first full-attention group's blocks are in both lists, [start, end): a
+    # speculative head's KV cache goes with them.
+    full_attention: tuple[int, int] = (0, 0)
 
 
 @dataclass(slots=True)
@@ -76,18 +79,20 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         n, bs = handle.num_tokens, self.block_size
         first = (n - num_external_tokens) // bs
         end = math.ceil(n / bs) if num_external_tokens else first
-        local, remote, at = [], [], 0
+        local, remote, at, full = [], [], 0, None
         # The handle lists each group's blocks from its window's first (handle_block_counts; the
         # server checked its length). Block lists of other lengths fail this request's load only.
         for blocks, window, count in zip(block_ids, self.group_windows,
                                          handle_block_counts(n, self.group_windows, bs), strict=True):
             start = first_needed_block(n, window, bs)
             lo = max(first, start)
+            if window is None and full is None:
+                full = (len(local), len(local) + len(blocks[lo:end]))
             local += blocks[lo:end]
             remote += handle.block_ids[at + lo - start:at + end - start]
             at += count
         self._meta.loads.append(LoadSpec(request.request_id, local, handle.engine_id, remote, handle.request_id,
-                                         handle.tier))
+                                         handle.tier, full or (0, 0)))
         if not num_external_tokens:
             request.remote_kv = None  # nothing to wait for: never released twice
 

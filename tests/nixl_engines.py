@@ -81,3 +81,36 @@ def events_by_request(*engines) -> dict[str, list]:
         for ev in eng.take_events().events:
             out.setdefault(ev.request_id, []).append(ev)
     return out
+
+
+def record_drafts(runner) -> dict[tuple[int, ...], list[int]]:
+    """Every draft a runner's proposer makes from now on, by the tokens it follows."""
+    proposer = runner.proposer
+    propose, seen = proposer.propose, {}
+
+    def recording(states, k):
+        drafts = propose(states, k)
+        seen.update((tuple(s.token_ids), d) for s, d in zip(states, drafts) if d)
+        return drafts
+
+    proposer.propose = recording
+    return seen
+
+
+def head_across_pd(model_dir: str, spec: dict, prompts, params: SamplingParams, **engine):
+    """`prompts` run colocated with a head and by a P/D pair both running it (the head's KV
+    shipped with the prompt's): (colocated tokens, P/D tokens, colocated drafts, decode drafts
+    (record_drafts), the decode engine). Pools full after."""
+    from baton import LLM
+
+    llm = LLM(model_dir, dtype="float32", device="cpu", speculative_config=spec, **engine)
+    colocated_drafts = record_drafts(llm.engine.runner)
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+    prefill = nixl_engine(model_dir, "prefill", speculative_config=spec, **engine)
+    decode = nixl_engine(model_dir, "decode", speculative_config=spec, **engine)
+    connect(prefill, decode)
+    decode_drafts = record_drafts(decode.runner)
+    got = disaggregated(prefill, decode, prompts, [params] * len(prompts))
+    assert_pools_full(prefill, decode)
+    return want, got, colocated_drafts, decode_drafts, decode

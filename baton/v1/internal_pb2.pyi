@@ -36,7 +36,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, handle: _Optional[_Union[_generate_pb2.KVHandle, _Mapping]] = ..., first: _Optional[_Union[_generate_pb2.GenerateResponse, _Mapping]] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("engine_id", "agent_metadata", "base_addr", "block_bytes", "num_blocks", "mem_type", "dev_id", "format", "host_base_addr", "host_num_blocks", "ranks")
+    __slots__ = ("engine_id", "agent_metadata", "base_addr", "block_bytes", "num_blocks", "mem_type", "dev_id", "format", "host_base_addr", "host_num_blocks", "ranks", "draft_base_addr", "draft_block_bytes")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,8 @@ class KVLayout(_message.Message):
     HOST_BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
     HOST_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     agent_metadata: bytes
     base_addr: int
@@ -59,10 +61,12 @@ class KVLayout(_message.Message):
     host_base_addr: int
     host_num_blocks: int
     ranks: _containers.RepeatedCompositeFieldContainer[KVLayout]
-    def __init__(self, engine_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., mem_type: _Optional[str] = ..., dev_id: _Optional[int] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., host_base_addr: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[KVLayout, _Mapping]]] = ...) -> None: ...
+    draft_base_addr: int
+    draft_block_bytes: int
+    def __init__(self, engine_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., mem_type: _Optional[str] = ..., dev_id: _Optional[int] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., host_base_addr: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[KVLayout, _Mapping]]] = ..., draft_base_addr: _Optional[int] = ..., draft_block_bytes: _Optional[int] = ...) -> None: ...
 
 class KVFormat(_message.Message):
-    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "attention_backend", "kv_groups", "attention", "tensor_parallel_size")
+    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "attention_backend", "kv_groups", "attention", "tensor_parallel_size", "draft_method", "draft_model", "draft_kv")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +77,9 @@ class KVFormat(_message.Message):
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_METHOD_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KV_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     num_layers: int
@@ -83,7 +90,10 @@ class KVFormat(_message.Message):
     kv_groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
     attention: str
     tensor_parallel_size: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., kv_groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., attention: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    draft_method: str
+    draft_model: str
+    draft_kv: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., kv_groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., attention: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_method: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_kv: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVCacheGroup(_message.Message):
     __slots__ = ("layers", "window")

@@ -34,6 +34,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     num_prompt_tokens: int  # the rest of token_ids are outputs (after preemption, or from a prefill peer)
     lora_id: int = 0  # its LoRA adapter (0: the base model)
+    hold_for_remote: bool = False  # a prefill's: its blocks go to a decode peer once it ends
 
 
 @dataclass(slots=True)

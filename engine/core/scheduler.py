@@ -303,7 +303,8 @@ class Scheduler(KVArrivals):
             self.running.append(request)
             out.scheduled_new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), self.kv.block_ids(request.request_id),
-                num_computed, request.sampling_params, request.num_prompt_tokens, request.lora_id))
+                num_computed, request.sampling_params, request.num_prompt_tokens, request.lora_id,
+                request.hold_for_remote))
             out.num_scheduled_tokens[request.request_id] = n
             budget -= n
         self.waiting.extendleft(reversed(skipped))

@@ -22,6 +22,7 @@ from baton.engine.worker.lora.layers import LoRASlots
 from baton.engine.worker.models import CausalLM, model_args
 from baton.engine.worker.sampler import apply_processors, sample, skip_draws, token_logprobs
 from baton.engine.worker.spec_decode import make_proposer
+from baton.engine.worker.spec_decode.eagle import head_fingerprint
 from baton.engine.worker.spec_decode.verify import greedy_accept, sampled_accept
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -45,10 +46,10 @@ def kv_attention(args) -> str:
 
 class RequestState:
     __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens", "prompt_logprobs",
-                 "matcher", "lora_id", "draft_computed", "proposer_state")
+                 "matcher", "lora_id", "draft_computed", "proposer_state", "hold_for_remote")
 
     def __init__(self, token_ids, block_ids, sampling_params: SamplingParams, generator, num_prompt_tokens,
-                 prompt_logprobs: list | None, lora_id: int = 0):
+                 prompt_logprobs: list | None, lora_id: int = 0, hold_for_remote: bool = False):
         self.token_ids = token_ids
         self.block_ids = block_ids
         self.sampling_params = sampling_params
@@ -59,6 +60,7 @@ class RequestState:
         self.lora_id = lora_id
         self.draft_computed = 0  # a draft model's KV is right for its first this many tokens
         self.proposer_state = None  # the speculative proposer's, for this request (suffix: its tree)
+        self.hold_for_remote = hold_for_remote  # a prefill's: its blocks (its head's KV too) go to a decode peer
 
 
 class ModelRunner(BatchBuilder):
@@ -106,13 +108,18 @@ class ModelRunner(BatchBuilder):
                                                 latent=args.attention == "mla")
         self.proposer = None if spec is None else (make_proposer(spec) if draft is None else
                                                    self._draft_proposer(draft, num_blocks))
+        # A head's KV goes to a decode peer with the prompt's (eagle.py): loads that brought it.
+        head_cache = self.proposer.cache if draft is not None and not isinstance(draft, CausalLM) else None
+        self._draft_kv_landed: set[str] = set()
         if connector is not None:
             whole = model_args(read_config(config.model))  # (args: this rank's share under tensor parallelism)
+            head = () if head_cache is None else (spec.method, head_fingerprint(spec.model or config.model),
+                                                  tuple(head_cache.shape[1:]))
             connector.register_kv_caches(self.kv_cache, KVFormat(
                 checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,
                 whole.num_kv_heads, args.head_dim, config.block_size, self.attention_backend, groups.layers,
-                tuple(w or 0 for w in groups.windows), kv_attention(args), config.tensor_parallel_size),
-                host_cache=self.host_kv.host_cache if self.host_kv is not None else None)
+                tuple(w or 0 for w in groups.windows), kv_attention(args), config.tensor_parallel_size, *head),
+                host_cache=self.host_kv.host_cache if self.host_kv is not None else None, draft_cache=head_cache)
 
     def _draft_proposer(self, draft, num_blocks: int):
         """draft_model's proposer over `draft`, or a head's (EAGLE's or DeepSeek's MTP layer)."""
@@ -159,7 +166,11 @@ class ModelRunner(BatchBuilder):
         # A sliding group's blocks out of its window (-1) read as block 0: masked, never used.
         block_ids = [np.maximum(np.asarray(ids, dtype=np.int32), 0) for ids in new.block_ids]
         state = self.states[new.req_id] = RequestState(list(new.token_ids), block_ids, params, generator,
-                                                       new.num_prompt_tokens, prompt_logprobs, new.lora_id)
+                                                       new.num_prompt_tokens, prompt_logprobs, new.lora_id,
+                                                       new.hold_for_remote)
+        if new.req_id in self._draft_kv_landed:
+            self._draft_kv_landed.discard(new.req_id)
+            self.proposer.loaded(state, new.num_computed_tokens)
         # The matcher (the driver's only): resumed, where it was; else after past outputs made elsewhere.
         if params.structured_output is not None and self.driver:
             state.matcher = old.matcher if old is not None else self.grammars.matcher(
@@ -183,6 +194,7 @@ class ModelRunner(BatchBuilder):
         finished = getattr(self.proposer, "finished", None)
         for req_id in sched.finished_req_ids:
             state = self.states.pop(req_id, None)
+            self._draft_kv_landed.discard(req_id)
             if finished is not None and state is not None:
                 finished(state)
         for new in sched.scheduled_new_reqs:
@@ -199,6 +211,7 @@ class ModelRunner(BatchBuilder):
         out = self._run(sched) if sched.total_num_scheduled_tokens else ModelRunnerOutput({})
         if self.connector is not None:
             out.kv_connector_output = self.connector.get_finished()
+            self._draft_kv_landed |= out.kv_connector_output.draft_kv_landed
         if self.host_kv is not None:
             out.host_kv_finished = self.host_kv.poll(0.0 if sched.total_num_scheduled_tokens else _IDLE_WAIT_S)
         return out
@@ -232,6 +245,7 @@ class ModelRunner(BatchBuilder):
             self._sample(all_logits, sampled_ids, out)
         if keep_hidden is not None:
             self._keep_hidden(keep_hidden, batch, hidden, sched, out)
+            self._complete_head_kv(out)
         if sched.propose_drafts and self.proposer is not None:
             self._propose(batch["sample_req_ids"], out)
         return out
@@ -247,6 +261,15 @@ class ModelRunner(BatchBuilder):
             rows.append((self.states[req_id], row, start, kept))
             row += n
         keep(rows, hidden)
+
+    def _complete_head_kv(self, out: ModelRunnerOutput) -> None:
+        """A prefill's requests that end here: their head's KV of every prompt position (the last
+        one's with the token just sampled) written now, before their blocks go to a decode."""
+        ending = [self.states[r] for r in out.sampled_token_ids if self.states[r].hold_for_remote]
+        if ending:
+            self.proposer.catch_up(ending)
+            if self.device.type == "cuda":  # a peer's READ may start as soon as the step's output is out
+                torch.cuda.current_stream(self.device).synchronize()
 
     def _sample(self, logits: torch.Tensor, sampled_ids: list[str], out: ModelRunnerOutput) -> None:
         """One token for each request of sampled_ids (logits: a row each)."""

@@ -35,8 +35,10 @@ def layout_to_proto(layout: KVLayout) -> internal_pb2.KVLayout:
                                      attention_backend=f.attention_backend, attention=f.attention,
                                      kv_groups=[internal_pb2.KVCacheGroup(layers=layers, window=window)
                                                 for layers, window in zip(f.kv_groups, f.kv_windows, strict=True)],
-                                     tensor_parallel_size=f.tensor_parallel_size),
-        ranks=[layout_to_proto(rank) for rank in layout.ranks])
+                                     tensor_parallel_size=f.tensor_parallel_size, draft_method=f.draft_method,
+                                     draft_model=f.draft_model, draft_kv=f.draft_kv),
+        ranks=[layout_to_proto(rank) for rank in layout.ranks], draft_base_addr=layout.draft_base_addr,
+        draft_block_bytes=layout.draft_block_bytes)
 
 
 def layout_from_proto(msg: internal_pb2.KVLayout) -> KVLayout:
@@ -46,5 +48,7 @@ def layout_from_proto(msg: internal_pb2.KVLayout) -> KVLayout:
                                                        f.block_size, f.attention_backend,
                                                        tuple(tuple(g.layers) for g in f.kv_groups),
                                                        tuple(g.window for g in f.kv_groups), f.attention,
-                                                       f.tensor_parallel_size or 1),
-                    msg.host_base_addr, msg.host_num_blocks, [layout_from_proto(rank) for rank in msg.ranks])
+                                                       f.tensor_parallel_size or 1, f.draft_method, f.draft_model,
+                                                       tuple(f.draft_kv)),
+                    msg.host_base_addr, msg.host_num_blocks, msg.draft_base_addr, msg.draft_block_bytes,
+                    [layout_from_proto(rank) for rank in msg.ranks])

@@ -134,6 +134,11 @@ BAD_VALUES = {
         ["prefill.tensorParallelSize (2) and decode.tensorParallelSize (3): KV blocks move from prefill to decode "
          "ranks only when one size divides the other"]),
     "no tensor parallel rank": ({"decode": {"tensorParallelSize": 0}}, ["/decode/tensorParallelSize"]),
+    "unknown speculative method": ({"engine": {"speculativeConfig": {"method": "medusa"}}},
+                                   ["/engine/speculativeConfig/method"]),
+    "a head on the decode only": (
+        {"decode": {"engine": {"speculativeConfig": {"method": "eagle3", "model": "h"}}}},
+        ["prefill.engine.speculativeConfig.method", "decode.engine.speculativeConfig.method"]),
 }
 
 

@@ -4,6 +4,7 @@ pieces refer to agree; security, scheduling and environment values land where th
 from __future__ import annotations
 
 import copy
+import json
 import re
 
 import pytest
@@ -270,6 +271,17 @@ def test_engine_flags_gpu_and_tier_overrides():
     assert router.block_size == 32 and router.served_model_name == "smol"
     limits = decode_doc["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits == {"nvidia.com/gpu": 2}
+
+
+def test_speculative_config_goes_to_both_tiers_with_its_model_under_models():
+    values = {"engine": {"speculativeConfig": {"method": "eagle3", "model": "heads/eagle3/",
+                                               "num_speculative_tokens": 4}},
+              "decode": {"engine": {"speculativeConfig": {"num_speculative_tokens": 2}}}}
+    parsed = {d["metadata"]["name"]: parse(d["spec"]["template"]["spec"]["containers"][0])
+              for d in of_kind(manifests(values), "Deployment")}
+    for tier, k in (("prefill", 4), ("decode", 2)):
+        assert json.loads(parsed[f"{FULLNAME}-{tier}"].speculative_config) == {
+            "method": "eagle3", "model": "/models/heads/eagle3", "num_speculative_tokens": k}
 
 
 def test_tensor_parallel_size_sets_the_flag_the_gpus_per_pod_and_shm():

@@ -208,11 +208,18 @@ def test_a_first_token_that_ends_the_request_leaves_nothing_held(tiers, tiny_lla
     assert prefill.snapshot().num_held_requests == 1  # only the one a decode will pull
 
 
-def test_a_decode_of_another_kv_format_is_refused_naming_the_field(serve, tiny_llama):
-    """Blocks of 16 tokens cannot land in a pool of 32-token blocks: the handshake refuses the
-    pair before any block moves, with a typed reason the router falls back on."""
+@pytest.mark.parametrize("decode_engine,field", [({"block_size": 32}, "block_size"),
+                                                 ({"speculative_config": "eagle3 head"}, "draft_method")])
+def test_a_decode_of_another_kv_format_is_refused_naming_the_field(serve, tiny_llama, tmp_path, decode_engine, field):
+    """Blocks of 16 tokens cannot land in a pool of 32-token blocks, nor can a decode's EAGLE
+    head go on from a prefill that ran none: the handshake refuses the pair before any block
+    moves, with a typed reason the router falls back on."""
+    if "speculative_config" in decode_engine:
+        from baton.testing.eagle_heads import write_head
+        decode_engine = {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 3,
+                                                "model": write_head(str(tmp_path / "head"), tiny_llama, "eagle3")}}
     prefill = serve(tiny_llama, {"role": "prefill", "internal_token": TOKEN})
-    decode = serve(tiny_llama, {"role": "decode", "internal_token": TOKEN}, block_size=32)
+    decode = serve(tiny_llama, {"role": "decode", "internal_token": TOKEN}, **decode_engine)
 
     async def run():
         reply = await prefill_on(prefill.address, [5, 6, 7, 8], max_tokens=4)
@@ -222,9 +229,31 @@ def test_a_decode_of_another_kv_format_is_refused_naming_the_field(serve, tiny_l
 
     err = asyncio.run(run())
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert failure_of_error(err) == Failure(pb.FAILURE_REASON_KV_FORMAT_MISMATCH, "kv_layout.format.block_size")
-    assert "block_size" in err.details() and prefill_gone(err) and not instance_failed(err)
+    assert failure_of_error(err) == Failure(pb.FAILURE_REASON_KV_FORMAT_MISMATCH, f"kv_layout.format.{field}")
+    assert field in err.details() and prefill_gone(err) and not instance_failed(err)
     assert decode.wait_pool_full()
+
+
+def test_services_with_eagle_heads_equal_colocated(serve, tiny_llama, tmp_path):
+    """Prefill and decode servers running the same EAGLE-3 head: the head's KV rides the
+    handshake's layouts and the pull; greedy output equals the colocated engine's. (Sampled output
+    keeps the target's distribution, not its draws: drafts take draws of their own.)"""
+    from baton.testing.eagle_heads import write_head
+
+    spec = {"method": "eagle3", "num_speculative_tokens": 3,
+            "model": write_head(str(tmp_path / "head"), tiny_llama, "eagle3")}
+    prefill = serve(tiny_llama, {"role": "prefill", "internal_token": TOKEN}, speculative_config=spec)
+    decode = serve(tiny_llama, {"role": "decode", "internal_token": TOKEN}, speculative_config=spec)
+    prompts = random_prompts([17, 40, 90], seed=43)
+    greedy = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        return await asyncio.gather(*(disaggregated(prefill.address, decode.address, p, **greedy) for p in prompts))
+
+    llm = LLM(tiny_llama, dtype="float32", device="cpu")
+    assert asyncio.run(run()) == [o.token_ids for o in llm.generate(prompts, SamplingParams(**greedy))]
+    assert decode.snapshot().num_spec_draft_tokens > 0
+    assert prefill.wait_pool_full() and decode.wait_pool_full()
 
 
 def test_the_router_tells_a_failed_instance_from_a_failed_request_by_reason():

@@ -6,8 +6,9 @@ embeddings; EAGLE-3, safetensors with fc over three target layers, midlayer, nor
 vocabulary's lm_head, d2t and t2d), sized for tiny_llama. Their drafts equal a dense reference's (the
 target's hidden states from transformers, the head computed over the whole sequence at once)
 through batches and chunks; the target's greedy output is the same with them as without
-(chunked, preempted, prefix-cached, and on the decode of a P/D pair), pools full after; heads
-that do not fit the target are refused naming the field.
+(chunked, preempted, prefix-cached), pools full after; a P/D pair ships the head's KV with the
+prompt's, so its decode drafts as a colocated engine does, and a pair of other heads is refused
+at the handshake; heads that do not fit the target are refused naming the field.
 """
 from __future__ import annotations
 
@@ -147,19 +148,42 @@ def test_a_migrated_request_drafts_with_a_head(tiny_llama, heads):
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
-def test_the_decode_of_a_pd_pair_drafts_with_a_head(tiny_llama, heads):
-    """The decode has no hidden states of a prompt it received: its head starts at the first
-    position the decode computes. Output equals the colocated run's; pools full after."""
-    from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_pd_pair_ships_the_heads_kv(tiny_llama, heads, method):
+    """The prefill feeds its head the whole prompt and the decode reads the head's blocks with
+    the target's: the decode's head drafts as the colocated one does, from the prompt's context
+    (every draft made after the same tokens is the same; the first of each request included),
+    and the output is the colocated run's. Each block moved once with its head's block."""
+    from nixl_engines import head_across_pd
 
     ps = random_prompts([12, 30, 45], seed=22)
-    _, want = run_llm(tiny_llama, ps, GREEDY)
-    prefill = nixl_engine(tiny_llama, "prefill")
+    want, got, colocated, drafted, decode = head_across_pd(tiny_llama, spec(method, heads[method]), ps, GREEDY)
+    assert got == want
+    shared = drafted.keys() & colocated.keys()
+    assert all(tuple(p + w[:2]) in shared for p, w in zip(ps, want))  # each request's first decode draft
+    assert len(shared) >= len(drafted) // 2 and all(drafted[key] == colocated[key] for key in shared)
+    layout = decode.runner.connector.layout
+    assert layout.draft_block_bytes > 0
+    assert decode.runner.connector.num_bytes_pulled == sum(-(-len(p) // 16) for p in ps) * (
+        layout.block_bytes + layout.draft_block_bytes)
+
+
+def test_a_pd_pair_of_other_heads_is_refused_at_the_handshake(tiny_llama, heads, tmp_path):
+    """A head's KV goes from prefill to decode: a prefill with no head, another method or another
+    head's weights is refused naming the field, before any block moves."""
+    from nixl_engines import nixl_engine
+
+    from baton.kv_transfer.base import KVFormatMismatch
+
+    other = write_head(str(tmp_path / "other"), tiny_llama, "eagle3", seed=9)
     decode = nixl_engine(tiny_llama, "decode", speculative_config=spec("eagle3", heads["eagle3"]))
-    connect(prefill, decode)
-    assert disaggregated(prefill, decode, ps, [GREEDY] * len(ps)) == [o.token_ids for o in want]
-    assert decode.scheduler.spec_stats.num_draft_tokens > 0
-    assert_pools_full(prefill, decode)
+    for prefill_spec, field in ((None, "draft_method"), (spec("eagle", heads["eagle"]), "draft_method"),
+                                (spec("eagle3", other), "draft_model"),
+                                ({"method": "ngram", "num_speculative_tokens": 3}, "draft_method")):
+        prefill = nixl_engine(tiny_llama, "prefill", speculative_config=prefill_spec)
+        with pytest.raises(KVFormatMismatch, match="same speculative_config") as err:
+            decode.core.add_peer(prefill.core.connector.layout)
+        assert err.value.field == field
 
 
 @pytest.mark.parametrize("method,options,message", [

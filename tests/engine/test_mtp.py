@@ -8,7 +8,8 @@ head, unlike the target's) and a copy of the target's embeddings, in a shard of 
 model.safetensors.index.json. The
 head's drafts equal a dense reference (the target's hidden states from transformers, the MTP
 layer's decoder layer run by transformers over the whole sequence); the greedy output is the
-target's with it as without (batched, chunked, preempted, prefix-cached, on a P/D decode),
+target's with it as without (batched, chunked, preempted, prefix-cached); a P/D pair ships its KV
+and its decode drafts as a colocated engine does;
 pools full after; a checkpoint without the layer is refused naming the field.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from baton.engine.common.errors import InvalidArgument
 from baton.testing.checkpoints import write_random_checkpoint
 from baton.testing.mtp_checkpoint import write_mtp
 
-from helpers import drafted_and_plain, random_prompts, run_llm
+from helpers import drafted_and_plain, random_prompts
 from test_families import FAMILIES
 
 CONFIG_CLASS, SHAPE = FAMILIES["deepseek-v3"]
@@ -179,19 +180,19 @@ def test_the_layer_is_read_from_its_shard_into_an_mla_cache(deepseek, monkeypatc
         assert torch.equal(head.mtp_block.mlp.experts.down[5], f.get_tensor(MTP + "mlp.experts.5.down_proj.weight"))
 
 
-def test_the_decode_of_a_pd_pair_drafts_with_mtp(deepseek):
-    """The decode has no hidden states of a prompt it received: its head starts at the first
-    position the decode computes. Output equals the colocated run's; pools full after."""
-    from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
+def test_a_pd_pair_ships_the_layers_kv(deepseek):
+    """The MTP layer's latent KV of the prompt goes from prefill to decode with the target's: the
+    decode drafts as a colocated engine does (each request's first decode draft included), the
+    output is the colocated run's; pools full after."""
+    from nixl_engines import head_across_pd
 
     ps = random_prompts([12, 30, 45], seed=22)
-    _, want = run_llm(deepseek, ps, GREEDY)
-    prefill = nixl_engine(deepseek, "prefill")
-    decode = nixl_engine(deepseek, "decode", speculative_config=spec())
-    connect(prefill, decode)
-    assert disaggregated(prefill, decode, ps, [GREEDY] * len(ps)) == [o.token_ids for o in want]
-    assert decode.scheduler.spec_stats.num_draft_tokens > 0
-    assert_pools_full(prefill, decode)
+    want, got, colocated, drafted, decode = head_across_pd(deepseek, spec(), ps, GREEDY)
+    assert got == want
+    shared = drafted.keys() & colocated.keys()
+    assert all(tuple(p + w[:2]) in shared for p, w in zip(ps, want))
+    assert all(drafted[key] == colocated[key] for key in shared)
+    assert decode.runner.connector.layout.format.draft_method == "mtp"
 
 
 def test_a_checkpoint_without_the_layer_is_refused(tiny_llama, whole, deepseek, tmp_path):

@@ -57,7 +57,7 @@ class CopyConnector(KVConnectorScheduler, KVConnectorWorker):
                               request.output_token_ids[0])
 
     # worker half
-    def register_kv_caches(self, kv_cache, kv_format, host_cache=None):
+    def register_kv_caches(self, kv_cache, kv_format, host_cache=None, draft_cache=None):
         self.kv_cache = kv_cache
 
     def start_load_kv(self, metadata):

@@ -50,6 +50,38 @@ def test_a_short_prefill_hands_held_blocks_to_its_host_tier_and_the_decode_reads
     assert_host_free(prefill)
 
 
+def test_a_heads_kv_comes_with_the_blocks_held_on_the_device_only(tiny_llama, tmp_path):
+    """With EAGLE-3 heads on both: a handle of device blocks brings the head's blocks too, one of
+    host blocks does not (the host tier keeps no head KV; that decode's head starts over at its
+    first decoded position). The output is the colocated engine's either way."""
+    from baton.testing.eagle_heads import write_head
+
+    head = write_head(str(tmp_path / "head"), tiny_llama, "eagle3")
+    spec = dict(max_model_len=192, kv_offloading_size=gib(64),
+                speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3})
+    prompts = random_prompts([70, 90, 60, 80, 75], seed=61)
+    prefill = nixl_engine(tiny_llama, "prefill", num_kv_blocks=12, **spec)
+    decode = nixl_engine(tiny_llama, "decode", num_kv_blocks=40, **spec)
+    connect(prefill, decode)
+    handles = []
+    watch = prefill.scheduler._finish
+
+    def finish(request, status):
+        watch(request, status)
+        handles.append(request)
+    prefill.scheduler._finish = finish
+    outs = disaggregated(prefill, decode, prompts, [GREEDY] * len(prompts))
+    assert outs == [o.token_ids for o in LLM(tiny_llama, dtype="float32", device="cpu").generate(prompts, GREEDY)]
+    handles = [r.kv_handle for r in handles]  # (as the decode got them: a hand-off moved some to the host)
+    assert {h.tier for h in handles} == {KVTier.HOST, KVTier.DEVICE}
+    layout = decode.runner.connector.layout
+    assert decode.runner.connector.num_bytes_pulled == sum(
+        len(h.block_ids) * (layout.block_bytes + layout.draft_block_bytes * (h.tier is KVTier.DEVICE)) for h in handles)
+    assert decode.scheduler.spec_stats.num_drafts > 0
+    assert_pools_full(prefill, decode)
+    assert_host_free(prefill)
+
+
 def test_a_caller_gone_while_its_hand_off_copy_is_in_flight_frees_both_tiers(tiny_llama):
     prompts = random_prompts([70, 90, 60], seed=62)
     prefill = nixl_engine(tiny_llama, "prefill", num_kv_blocks=12, max_model_len=192, kv_offloading_size=gib(64))

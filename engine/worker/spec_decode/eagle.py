@@ -31,12 +31,19 @@ one forward for all), then the head's own guesses k - 1 times; those slots are t
 overwritten by the next catch-up. The state is the request's runner state's (proposer_state):
 it goes with a request that ends, and one resumed after a preemption starts afresh.
 
-Where a request's positions were computed without handing hidden states over (KV from a prefill
-peer, the host tier or the prefix cache), the head cannot see them: it starts over at the first
-position it is handed, attending from the start of that position's block (its slots there before
-it hold what they held: at most block_size - 1 of them, in a block the request owns unless it
-was a cached one). A P/D decode therefore drafts from its first decoded position, without the
-prompt's context (lower acceptance on long prompts; the output is the target's either way).
+Across P/D the head's KV goes with the prompt's: the prefill feeds its head the whole prompt,
+the last slot with the first token it sampled, in the step that ends the request (`catch_up`,
+before its blocks are handed out), and the decode's load brings the head's blocks with the
+target's (the connector's draft region; the KV format names the head, so a prefill of another
+head, or none, is refused at the handshake). The decode's head then goes on from the prompt's
+end (`loaded`) as if it had computed it.
+
+Where a request's positions were computed without handing hidden states over (KV from the host
+tier or the prefix cache, or a prefill's handle naming blocks it moved to its host tier), the
+head cannot see them: it starts over at the first position it is handed, attending from the
+start of that position's block (its slots there before it hold what they held: at most
+block_size - 1 of them, in a block the request owns unless it was a cached one): lower
+acceptance, the output is the target's either way.
 
 Drafts are greedy: the proposal is one-hot, and verify.py's rejection sampling stays exact.
 """
@@ -53,7 +60,7 @@ import torch
 from torch import nn
 
 from baton.engine.common.errors import InvalidArgument, check
-from baton.engine.worker.loader import parameter_for
+from baton.engine.worker.loader import files_fingerprint, parameter_for
 from baton.engine.worker.models import CausalLM
 from baton.engine.worker.models.args import ModelArgs, decoder_args
 from baton.engine.worker.models.basic import Embedding, Linear, norm
@@ -192,13 +199,23 @@ def _config(path: str) -> dict:
         return json.load(f)
 
 
+def _weight_files(path: str) -> list[str]:
+    return (sorted(glob.glob(os.path.join(path, "*.safetensors")))
+            or sorted(glob.glob(os.path.join(path, "pytorch_model*.bin"))))
+
+
+def head_fingerprint(path: str) -> str:
+    """A digest of a head's checkpoint (or of the one an MTP layer is read from), as
+    loader.checkpoint_fingerprint's: what a P/D pair compares before shipping the head's KV."""
+    return files_fingerprint(os.path.join(path, "config.json"), _weight_files(path))
+
+
 def _tensors(path: str) -> dict[str, torch.Tensor]:
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if files:
+    files = _weight_files(path)
+    check(bool(files), FIELD, f"{path!r} has no *.safetensors or pytorch_model.bin")
+    if files[0].endswith(".safetensors"):
         from safetensors.torch import load_file
         return {name: t for f in files for name, t in load_file(f).items()}
-    files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
-    check(bool(files), FIELD, f"{path!r} has no *.safetensors or pytorch_model.bin")
     return {name: t for f in files for name, t in torch.load(f, map_location="cpu", weights_only=True).items()}
 
 
@@ -277,7 +294,7 @@ class EagleProposer:
             offset += n
         states = [state for state, *_ in rows]
         if sum(s.proposer_state.num_pending for s in states) >= self.flush_rows:
-            self._catch_up(states)
+            self.catch_up(states)
 
     def propose(self, states: list, k: int) -> list[list[int]]:
         """Up to k drafts for each request state, fewer where the model's length ends first."""
@@ -285,7 +302,7 @@ class EagleProposer:
         k = min(k, self.max_model_len - max(len(s.token_ids) for s in states))
         if k <= 0:
             return drafts
-        self._catch_up(states)
+        self.catch_up(states)
         ready = [i for i, s in enumerate(states) if s.proposer_state is not None
                  and s.proposer_state.fed == len(s.token_ids) - 1 and s.proposer_state.last is not None]
         if not ready:
@@ -304,7 +321,13 @@ class EagleProposer:
             drafts[i] = row
         return drafts
 
-    def _catch_up(self, states: list) -> None:
+    def loaded(self, state, num_tokens: int) -> None:
+        """The head's KV of a request's first num_tokens slots came with its prompt's (a prefill
+        peer's): it goes on from there."""
+        slots = state.proposer_state = _Slots(0, self.block_size)
+        slots.fed = num_tokens
+
+    def catch_up(self, states: list) -> None:
         """Feed the head each state's pending slots (token p + 1 and hidden state p), in one forward."""
         states = sorted((s for s in states if s.proposer_state is not None and s.proposer_state.num_pending),
                         key=lambda s: s.proposer_state.num_pending > 1)  # one-row spans first: the metadata's order

@@ -231,6 +231,11 @@ spec:
 {{- end }}
 {{- if ne (toString ($e.kvOffloadingSize | default "")) "" }}{{ $args = append $args (printf "--kv-offloading-size=%v" $e.kvOffloadingSize) }}{{ end }}
 {{- with $e.preemptionMode }}{{ $args = append $args (printf "--preemption-mode=%s" .) }}{{ end }}
+{{- with $e.speculativeConfig }}
+{{- $spec := deepCopy . }}
+{{- with $spec.model }}{{ $_ := set $spec "model" (printf "/models/%s" (trimAll "/" (toString .))) }}{{ end }}
+{{- $args = append $args (printf "--speculative-config=%s" (toJson $spec)) }}
+{{- end }}
 {{- $ranks := int (include "baton.tensorParallelSize" (index $v .tier)) }}
 {{- if gt $ranks 1 }}{{ $args = append $args (printf "--tensor-parallel-size=%d" $ranks) }}{{ end }}
 {{- $args = append $args (printf "--grace-period=%v" $v.gracePeriodSeconds) }}
