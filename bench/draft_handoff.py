@@ -1,10 +1,10 @@
 """Draft model KV in a P/D deployment: recompute it on the decode, or ship it from the prefill?
+(The figures behind shipping it: engine/worker/spec_decode/draft_model.py.)
 
-Today a decode running draft_model speculation recomputes the draft's KV (DraftModelProposer
-catches up lazily: one forward of the draft over the prompt the first time a request drafts).
-Recompute: the real engine (float32, CPU, --threads threads) runs a request of N random prompt
-tokens with a draft; the proposer's forwards with a span of more than one row (its first
-catch-up, over the prompt and the first token) are timed. Ship: the draft's KV for N tokens
+Recompute (what a decode would do without the draft's KV, and what a prefill does to ship it):
+the real engine (float32, CPU, --threads threads) runs a request of N random prompt tokens with
+a draft; the proposer's forwards with a span of more than one row (its first catch-up, over the
+prompt and the first token) are timed. Ship: the draft's KV for N tokens
 (whole blocks, DraftModelProposer.block_bytes) READ by NIXL between two agents in this process,
 as bench/kv_transfer.py's raw_read does it (one descriptor, UCX, CPU memory), beside the READ of
 the target's own KV for N tokens and of both together (one handle would carry both: "marginal" is

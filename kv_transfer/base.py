@@ -91,9 +91,9 @@ class KVFormat(msgspec.Struct, frozen=True):
     # between peers where one size divides the other: a rank reads its heads from the peer's
     # ranks that hold them.
     tensor_parallel_size: int = 1
-    # A speculative head's own KV (EAGLE's, MTP's), shipped with the prompt's: its method, its
-    # checkpoint's fingerprint and its cache's block shape (layers, parts, block size, heads, head size);
-    # empty where nothing of a proposer's crosses the wire (none, ngram, suffix, draft_model).
+    # The speculative proposer's own KV (a draft model's, an EAGLE head's, an MTP layer's), shipped
+    # with the prompt's: its method, its checkpoint's fingerprint and its cache's block shape
+    # (layers, parts, block size, heads, head size); empty where it has none (ngram, suffix).
     draft_method: str = ""
     draft_model: str = ""
     draft_kv: tuple[int, ...] = ()
@@ -109,9 +109,9 @@ class KVFormat(msgspec.Struct, frozen=True):
             if mine == other or name == "tensor_parallel_size":
                 continue
             if name.startswith("draft_"):
-                raise KVFormatMismatch(name, f"the peer's is {other!r}, this engine's {mine!r}: a head's KV (eagle, "
-                                             f"eagle3, mtp) goes from prefill to decode, so both must run the same "
-                                             f"speculative_config method and model")
+                raise KVFormatMismatch(name, f"the peer's is {other!r}, this engine's {mine!r}: a draft's KV "
+                                             f"(draft_model, eagle, eagle3, mtp) goes from prefill to decode, so both "
+                                             f"must run the same speculative_config method and model")
             raise KVFormatMismatch(name, f"the peer's KV cache has {other!r}, this engine's {mine!r}; prefill and "
                                          f"decode must serve the same checkpoint with the same dtype, block size, "
                                          f"attention backend, max_model_len (it decides which windows slide) and "
@@ -170,8 +170,8 @@ class KVLayout:
     # there while they wait for their decode, and its handle then names blocks of this pool.
     host_base_addr: int = 0
     host_num_blocks: int = 0  # 0: no host tier
-    # A speculative head's KV cache (format.draft_kv), registered too: block b of it goes with
-    # block b of the first full-attention group (0: no head).
+    # The speculative proposer's KV cache (format.draft_kv), registered too: block b of it goes
+    # with block b of the first full-attention group (0: none).
     draft_base_addr: int = 0
     draft_block_bytes: int = 0
     # Under tensor parallelism, this is rank 0's and `ranks` the others' (each registered by its
@@ -278,7 +278,7 @@ class KVConnectorOutput:
     transfers_started: list[KVTransfer] = field(default_factory=list)  # since the last report
     transfers_ended: dict[str, KVTransfer] = field(default_factory=dict)  # request id -> its load, ended
     holds_ended: list[KVHoldEnd] = field(default_factory=list)
-    draft_kv_landed: set[str] = field(default_factory=set)  # of finished_recving: their head's KV came too
+    draft_kv_landed: set[str] = field(default_factory=set)  # of finished_recving: their draft's KV came too
 
 
 class KVConnectorWorker(ABC):
@@ -295,7 +295,7 @@ class KVConnectorWorker(ABC):
         head_dim]: a block holds one KV cache group's layers, every layer without groups) and
         what its blocks hold (peers compare it before reading); `host_cache`, the host KV
         tier's pool of the same block shape, where a handle may name blocks moved there;
-        `draft_cache`, a speculative head's KV cache ([num_blocks, ...]: format.draft_kv),
+        `draft_cache`, the speculative proposer's KV cache ([num_blocks, ...]: format.draft_kv),
         whose blocks go with the first full-attention group's: a load of a prompt's blocks
         brings them too. Raises KVUnreachable when a peer could not read it."""
 

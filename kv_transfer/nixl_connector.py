@@ -21,9 +21,11 @@ A block holds all layers' K and V ([num_blocks, layers, 2, block_size, heads, he
 so a run of consecutive block ids on both sides is one contiguous region: one descriptor.
 Peers learn each other's `KVLayout` through the services' own RPC (`add_peer`), which
 refuses a peer whose KVFormat (model, dtype, shapes, block size, attention backend, speculative
-head) differs. A speculative head's KV cache (EAGLE's, MTP's) is registered too, block for block
-with the first full-attention group's: a load's READ carries those blocks' head blocks as more
-descriptors (one transfer, one notice), unless the handle names the peer's host tier.
+proposer) differs. The speculative proposer's own KV cache (a draft model's, an EAGLE head's, an
+MTP layer's; rank 0's, which alone drafts) is registered too, block for block with the first
+full-attention group's: a load's READ from the peer's rank 0 carries those blocks' draft blocks
+as more descriptors (one transfer, one notice; a READ of their own where rank 0's KV heads come
+staged or from other ranks), unless the handle names the peer's host tier.
 
 Under tensor parallelism every rank has a worker of its own (`for_rank`), over its share of the
 KV heads; a rank reads its heads of a load from the peer ranks holding them (base.read_plan),
@@ -97,7 +99,7 @@ class _Load:
     give_up: float
     record: KVTransfer
     staged: list[Staged] = field(default_factory=list)
-    with_draft: bool = False  # the READ brings the head's KV of the blocks too
+    with_draft: bool = False  # the READ brings the draft's KV of the blocks too
 
 
 def _new_agent(name: str):
@@ -149,7 +151,7 @@ class NixlConnectorWorker(KVConnectorWorker):
     # ---- memory and peers ---------------------------------------------------------------------
     def register_kv_caches(self, kv_cache: torch.Tensor, kv_format: KVFormat, host_cache: torch.Tensor | None = None,
                            draft_cache: torch.Tensor | None = None) -> None:
-        """Register the cache (as VRAM where it is on a GPU), the host tier's pool and a head's
+        """Register the cache (as VRAM where it is on a GPU), the host tier's pool and a draft's
         cache where there are. GPU memory is checked at once: UCX built without its CUDA
         transports fails the first READ, so a probe READ runs now."""
         with self._lock:
@@ -196,7 +198,7 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     def _descs(self, layout: KVLayout, runs: list[tuple[int, int, int]], side: int, tier: KVTier = KVTier.DEVICE,
                draft_runs: list[tuple[int, int, int]] = ()):
-        """The descriptors of `runs` of the `tier` pool's blocks, then of `draft_runs` of the head's."""
+        """The descriptors of `runs` of the `tier` pool's blocks, then of `draft_runs` of the draft's."""
         base, mem_type, dev_id = layout.region(tier)
         ranges = [(base + run[side] * layout.block_bytes, run[2] * layout.block_bytes, dev_id) for run in runs]
         ranges += [(layout.draft_base_addr + run[side] * layout.draft_block_bytes, run[2] * layout.draft_block_bytes,
@@ -204,9 +206,9 @@ class NixlConnectorWorker(KVConnectorWorker):
         return self.agent.get_xfer_descs(ranges, mem_type)
 
     def _draft_runs(self, spec: LoadSpec) -> list[tuple[int, int, int]]:
-        """The runs of a load's blocks whose head KV comes too: the first full-attention group's,
-        where this engine has a head (a peer's is then the same: check_peer) and the blocks are
-        in the peer's device pool (its host tier keeps no head KV)."""
+        """The runs of a load's blocks whose draft KV comes too: the first full-attention group's,
+        where this engine has a draft cache (a peer's is then the same: check_peer; on rank 0, of
+        either) and the blocks are in the peer's device pool (its host tier keeps no draft KV)."""
         if not self.layout.draft_block_bytes or spec.remote_tier is not KVTier.DEVICE:
             return []
         start, end = spec.full_attention
@@ -281,6 +283,11 @@ class NixlConnectorWorker(KVConnectorWorker):
                 notice = encode_notification(ReadDone(load.remote_request_id)) if with_read else b""
                 for head_slice in read_plan(self.layout.format.num_kv_heads, self.tp, self.rank, peer.tp):
                     self._read_slice(entry, peer, head_slice, notice)
+                draft_runs = self._draft_runs(load)
+                if draft_runs and not entry.with_draft:  # no READ from the peer's rank 0 took it along
+                    self._read(entry, peer, 0, self._descs(self.layout, [], 0, draft_runs=draft_runs),
+                               self._descs(peer.layout, [], 1, draft_runs=draft_runs), b"")
+                    self._count(entry, [], draft_runs, peer.layout)
                 self._loading[load.request_id] = entry
                 self.num_blocks_pulled += len(blocks)
                 self.num_bytes_pulled += record.num_bytes
@@ -299,7 +306,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         draft_runs = []
         if head_slice.direct:
             runs = merge_runs(spec.local_block_ids, spec.remote_block_ids)
-            draft_runs = self._draft_runs(spec)  # (heads run on engines of one rank: their reads are direct)
+            if head_slice.peer_rank == 0:  # (a draft lives on rank 0: its blocks come along)
+                draft_runs = self._draft_runs(spec)
             local = self._descs(self.layout, runs, 0, draft_runs=draft_runs)
         else:
             first, last = kv_head_range(self.layout.format.num_kv_heads, peer.tp, head_slice.peer_rank)
@@ -310,16 +318,23 @@ class NixlConnectorWorker(KVConnectorWorker):
             local = self.agent.get_xfer_descs(
                 [(buffer.data_ptr() + start * remote.block_bytes, n * remote.block_bytes,
                   (buffer.device.index or 0) if on_gpu else 0) for start, _, n in runs], "VRAM" if on_gpu else "DRAM")
-        # One READ for the head's blocks too: the notice it carries frees both on the prefill.
-        handle = self.agent.initialize_xfer("READ", local, self._descs(remote, runs, 1, spec.remote_tier, draft_runs),
-                                            peer.agent_names[head_slice.peer_rank], notice)
+        # One READ for the draft's blocks too: the notice it carries frees both on the prefill.
+        self._read(entry, peer, head_slice.peer_rank, local, self._descs(remote, runs, 1, spec.remote_tier, draft_runs),
+                   notice)
+        self._count(entry, runs, draft_runs, remote)
+
+    def _read(self, entry: _Load, peer: _Peer, peer_rank: int, local, remote, notice: bytes) -> None:
+        handle = self.agent.initialize_xfer("READ", local, remote, peer.agent_names[peer_rank], notice)
         if self.agent.transfer(handle) == "ERR":
             self.agent.release_xfer_handle(handle)
             raise RuntimeError("NIXL refused the transfer")
         entry.handles.append(handle)
-        entry.with_draft = bool(draft_runs)
+
+    def _count(self, entry: _Load, runs: list, draft_runs: list, remote: KVLayout) -> None:
+        """A READ's descriptors and bytes: `runs` of whole blocks of `remote`'s, and of its draft's."""
+        entry.with_draft = entry.with_draft or bool(draft_runs)
         entry.record.num_descriptors += len(runs) + len(draft_runs)
-        entry.record.num_bytes += (len(spec.local_block_ids) * remote.block_bytes
+        entry.record.num_bytes += (sum(n for *_, n in runs) * remote.block_bytes
                                    + sum(n for *_, n in draft_runs) * remote.draft_block_bytes)
         self.num_descriptors += len(runs) + len(draft_runs)
 

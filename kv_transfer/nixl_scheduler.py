@@ -26,7 +26,7 @@ class LoadSpec:
     remote_request_id: str
     remote_tier: KVTier = KVTier.DEVICE  # the peer's pool that remote_block_ids index
     # Where the first full-attention group's blocks are in both lists, [start, end): a
-    # speculative head's KV cache goes with them.
+    # speculative proposer's KV cache goes with them.
     full_attention: tuple[int, int] = (0, 0)
 
 

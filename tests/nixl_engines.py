@@ -97,20 +97,29 @@ def record_drafts(runner) -> dict[tuple[int, ...], list[int]]:
     return seen
 
 
-def head_across_pd(model_dir: str, spec: dict, prompts, params: SamplingParams, **engine):
+def head_across_pd(model_dir: str, spec: dict, prompts, params: SamplingParams, prefill_tp: int = 1,
+                   decode_tp: int = 1, **engine):
     """`prompts` run colocated with a head and by a P/D pair both running it (the head's KV
-    shipped with the prompt's): (colocated tokens, P/D tokens, colocated drafts, decode drafts
-    (record_drafts), the decode engine). Pools full after."""
+    shipped with the prompt's; each side over its own ranks): (colocated tokens, P/D tokens,
+    colocated drafts, decode drafts (record_drafts), the decode rank 0's KV layout and bytes
+    pulled). Pools full after; the engines closed."""
     from baton import LLM
 
-    llm = LLM(model_dir, dtype="float32", device="cpu", speculative_config=spec, **engine)
-    colocated_drafts = record_drafts(llm.engine.runner)
-    want = [o.token_ids for o in llm.generate(prompts, params)]
-    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
-    prefill = nixl_engine(model_dir, "prefill", speculative_config=spec, **engine)
-    decode = nixl_engine(model_dir, "decode", speculative_config=spec, **engine)
-    connect(prefill, decode)
-    decode_drafts = record_drafts(decode.runner)
-    got = disaggregated(prefill, decode, prompts, [params] * len(prompts))
-    assert_pools_full(prefill, decode)
-    return want, got, colocated_drafts, decode_drafts, decode
+    with LLM(model_dir, dtype="float32", device="cpu", speculative_config=spec, **engine) as llm:
+        colocated_drafts = record_drafts(llm.engine.runner)
+        want = [o.token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+    prefill = nixl_engine(model_dir, "prefill", speculative_config=spec, tensor_parallel_size=prefill_tp, **engine)
+    decode = nixl_engine(model_dir, "decode", speculative_config=spec, tensor_parallel_size=decode_tp, **engine)
+    try:
+        connect(prefill, decode)
+        decode_drafts = record_drafts(decode.runner)
+        got = disaggregated(prefill, decode, prompts, [params] * len(prompts))
+        assert_pools_full(prefill, decode)
+        reader = decode.core.connector
+        layout, pulled = reader.layout, reader.num_bytes_pulled
+    finally:
+        for eng in (prefill, decode):
+            eng.core.close()
+            eng.core.connector.close()
+    return want, got, colocated_drafts, decode_drafts, layout, pulled

@@ -83,10 +83,14 @@ class EngineCore:
                kv_connector) -> None:
         # Under tensor parallelism, in host memory first: only this rank's share goes to the device.
         model = load_model(config.model, dtype, config.device if self.workers is None else "cpu")
+        # Before the split: a head shares the target's embeddings and LM head, whole (rank 0 drafts alone).
+        # (Under tensor parallelism rank 0 holds them twice: its shares, and the whole ones for the head.)
+        draft = self._load_draft(args, dtype, model, config.device if self.workers is None else "cpu")
         if self.workers is not None:
             shard_model(model, self.workers.join(torch.device(config.device)), config.enable_expert_parallel)
             model.to(config.device)
-        draft = self._load_draft(args, dtype, model)
+            if draft is not None:
+                draft.to(config.device)
         self.loras, lora_slots = start_lora(config, args, model, dtype)
         if on_gpu and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
             config.kv_cache_memory_bytes = measure_kv_cache_bytes(model, config, free_at_start, total)
@@ -122,7 +126,7 @@ class EngineCore:
         self.connector = connector_worker
         if self.workers is not None:
             layouts = self.workers.setup(RunnerSetup(config, self.num_kv_blocks, self.eos_token_ids, self.kv_groups,
-                                                     self.num_host_blocks))
+                                                     self.num_host_blocks, self.runner.draft_format))
             if connector_worker is not None:
                 connector_worker.layout.ranks = layouts
         if self.runner.model.rope_recompute_at is not None:  # LongRoPE: see Scheduler.recompute_at
@@ -136,21 +140,19 @@ class EngineCore:
         self.num_taken = 0  # requests taken in since start
         self._step_tokens: list[int] | None = None  # per step, while events are recorded
 
-    def _load_draft(self, args: ModelArgs, dtype, model):
+    def _load_draft(self, args: ModelArgs, dtype, model, device: str):
         """draft_model's checkpoint, once it is known to speak the target's tokens: the same
         vocabulary and tokenizer, a context as long as max_model_len; or an EAGLE head fitting
         `model` (spec_decode/eagle.py), which shares its embeddings; or DeepSeek's MTP layer
-        (spec_decode/mtp.py), by default from the target's own checkpoint. Refused naming the field."""
+        (spec_decode/mtp.py), by default from the target's own checkpoint; on `device`. Refused
+        naming the field."""
         spec = self.config.speculative_config
         if spec is None or spec.method not in ("draft_model", "eagle", "eagle3", "mtp"):
             return None
         if spec.method != "draft_model":
-            check(self.config.tensor_parallel_size == 1, "speculative_config.method",
-                  f"{spec.method} under tensor parallelism is not supported yet (the head shares the target's "
-                  f"embeddings and LM head, which the ranks split)")
             if spec.method == "mtp":
-                return load_mtp(spec.model, self.config.model, model, dtype, self.config.device)
-            return load_head(spec.method, spec.model, model, dtype, self.config.device)
+                return load_mtp(spec.model, self.config.model, model, dtype, device)
+            return load_head(spec.method, spec.model, model, dtype, device)
         field = "speculative_config.model"
         draft_args = model_args(read_config(spec.model))
         check(draft_args.vocab_size == args.vocab_size, field,
@@ -160,7 +162,7 @@ class EngineCore:
         check(draft_args.max_position_embeddings >= self.config.max_model_len, field,
               f"its max_position_embeddings {draft_args.max_position_embeddings} is shorter than max_model_len "
               f"{self.config.max_model_len}")
-        return load_model(spec.model, dtype, self.config.device)
+        return load_model(spec.model, dtype, device)
 
     def _num_kv_blocks(self, block_bytes: int) -> int:
         c = self.config

@@ -22,7 +22,7 @@ from baton.engine.worker.lora.layers import LoRASlots
 from baton.engine.worker.models import CausalLM, model_args
 from baton.engine.worker.sampler import apply_processors, sample, skip_draws, token_logprobs
 from baton.engine.worker.spec_decode import make_proposer
-from baton.engine.worker.spec_decode.eagle import head_fingerprint
+from baton.engine.worker.spec_decode.eagle import draft_fingerprint
 from baton.engine.worker.spec_decode.verify import greedy_accept, sampled_accept
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -67,13 +67,14 @@ class ModelRunner(BatchBuilder):
     def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, eos_token_ids: frozenset[int],
                  connector: KVConnectorWorker | None = None, lora: LoRASlots | None = None,
                  num_host_blocks: int = 0, kv_groups: KVGroups | None = None, draft: torch.nn.Module | None = None,
-                 driver: bool = True):
+                 driver: bool = True, draft_format: tuple = ()):
         """`lora`: the adapters on the device (attached to the model already), when LoRA is on;
         `num_host_blocks`: the host KV tier's size (0: none); `kv_groups`: which layers share a
         block (default: one group of every layer); `draft`: the draft model, for draft_model
         speculation, or the EAGLE or MTP head (spec_decode/eagle.py, mtp.py); `driver`: false for a
         tensor-parallel rank other than 0, which runs every forward (and its collectives) but
-        samples nothing: rank 0's tokens reach it (`mirror`)."""
+        samples nothing: rank 0's tokens reach it (`mirror`); `draft_format`: such a rank's KV
+        format's draft fields, rank 0's (whose draft or head alone drafts)."""
         self.model = model
         self.driver = driver
         self.lora = lora
@@ -108,18 +109,19 @@ class ModelRunner(BatchBuilder):
                                                 latent=args.attention == "mla")
         self.proposer = None if spec is None else (make_proposer(spec) if draft is None else
                                                    self._draft_proposer(draft, num_blocks))
-        # A head's KV goes to a decode peer with the prompt's (eagle.py): loads that brought it.
-        head_cache = self.proposer.cache if draft is not None and not isinstance(draft, CausalLM) else None
+        # A draft's or head's KV goes to a decode peer with the prompt's: the loads that brought it.
+        draft_cache = self.proposer.cache if draft is not None else None
         self._draft_kv_landed: set[str] = set()
+        self.draft_format = draft_format if draft_cache is None else (
+            spec.method, draft_fingerprint(spec.model or config.model), tuple(draft_cache.shape[1:]))
         if connector is not None:
             whole = model_args(read_config(config.model))  # (args: this rank's share under tensor parallelism)
-            head = () if head_cache is None else (spec.method, head_fingerprint(spec.model or config.model),
-                                                  tuple(head_cache.shape[1:]))
             connector.register_kv_caches(self.kv_cache, KVFormat(
                 checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,
                 whole.num_kv_heads, args.head_dim, config.block_size, self.attention_backend, groups.layers,
-                tuple(w or 0 for w in groups.windows), kv_attention(args), config.tensor_parallel_size, *head),
-                host_cache=self.host_kv.host_cache if self.host_kv is not None else None, draft_cache=head_cache)
+                tuple(w or 0 for w in groups.windows), kv_attention(args), config.tensor_parallel_size,
+                *self.draft_format),
+                host_cache=self.host_kv.host_cache if self.host_kv is not None else None, draft_cache=draft_cache)
 
     def _draft_proposer(self, draft, num_blocks: int):
         """draft_model's proposer over `draft`, or a head's (EAGLE's or DeepSeek's MTP layer)."""
@@ -245,7 +247,8 @@ class ModelRunner(BatchBuilder):
             self._sample(all_logits, sampled_ids, out)
         if keep_hidden is not None:
             self._keep_hidden(keep_hidden, batch, hidden, sched, out)
-            self._complete_head_kv(out)
+        if self.draft_format:
+            self._complete_draft_kv(out)
         if sched.propose_drafts and self.proposer is not None:
             self._propose(batch["sample_req_ids"], out)
         return out
@@ -262,9 +265,9 @@ class ModelRunner(BatchBuilder):
             row += n
         keep(rows, hidden)
 
-    def _complete_head_kv(self, out: ModelRunnerOutput) -> None:
-        """A prefill's requests that end here: their head's KV of every prompt position (the last
-        one's with the token just sampled) written now, before their blocks go to a decode."""
+    def _complete_draft_kv(self, out: ModelRunnerOutput) -> None:
+        """A prefill's requests that end here: their draft's or head's KV of every prompt position
+        (a head's last with the token just sampled) written now, before their blocks go to a decode."""
         ending = [self.states[r] for r in out.sampled_token_ids if self.states[r].hold_for_remote]
         if ending:
             self.proposer.catch_up(ending)

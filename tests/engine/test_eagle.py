@@ -8,7 +8,8 @@ target's hidden states from transformers, the head computed over the whole seque
 through batches and chunks; the target's greedy output is the same with them as without
 (chunked, preempted, prefix-cached), pools full after; a P/D pair ships the head's KV with the
 prompt's, so its decode drafts as a colocated engine does, and a pair of other heads is refused
-at the handshake; heads that do not fit the target are refused naming the field.
+at the handshake; over two ranks (rank 0 drafting alone) a head drafts as over one; heads that
+do not fit the target are refused naming the field.
 """
 from __future__ import annotations
 
@@ -148,24 +149,26 @@ def test_a_migrated_request_drafts_with_a_head(tiny_llama, heads):
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_a_pd_pair_ships_the_heads_kv(tiny_llama, heads, method):
+@pytest.mark.parametrize("method,prefill_tp,decode_tp", [("eagle", 1, 1), ("eagle3", 1, 1), ("eagle3", 2, 1),
+                                                          ("eagle", 1, 2)])
+def test_a_pd_pair_ships_the_heads_kv(tiny_llama, heads, method, prefill_tp, decode_tp):
     """The prefill feeds its head the whole prompt and the decode reads the head's blocks with
     the target's: the decode's head drafts as the colocated one does, from the prompt's context
     (every draft made after the same tokens is the same; the first of each request included),
-    and the output is the colocated run's. Each block moved once with its head's block."""
+    and the output is the colocated run's. Each block moved once with its head's block (rank
+    0's, which alone drafts, read from the prefill's rank 0, however the ranks split the rest)."""
     from nixl_engines import head_across_pd
 
     ps = random_prompts([12, 30, 45], seed=22)
-    want, got, colocated, drafted, decode = head_across_pd(tiny_llama, spec(method, heads[method]), ps, GREEDY)
+    want, got, colocated, drafted, layout, pulled = head_across_pd(tiny_llama, spec(method, heads[method]), ps,
+                                                                   GREEDY, prefill_tp, decode_tp)
     assert got == want
     shared = drafted.keys() & colocated.keys()
     assert all(tuple(p + w[:2]) in shared for p, w in zip(ps, want))  # each request's first decode draft
     assert len(shared) >= len(drafted) // 2 and all(drafted[key] == colocated[key] for key in shared)
-    layout = decode.runner.connector.layout
     assert layout.draft_block_bytes > 0
-    assert decode.runner.connector.num_bytes_pulled == sum(-(-len(p) // 16) for p in ps) * (
-        layout.block_bytes + layout.draft_block_bytes)
+    blocks = sum(-(-len(p) // 16) for p in ps)  # rank 0's heads, or the prefill rank's whole blocks holding them
+    assert pulled == blocks * (layout.block_bytes * max(1, decode_tp // prefill_tp) + layout.draft_block_bytes)
 
 
 def test_a_pd_pair_of_other_heads_is_refused_at_the_handshake(tiny_llama, heads, tmp_path):
@@ -211,11 +214,22 @@ def test_a_head_needs_its_checkpoint(tiny_llama, heads):
         assert err.value.field == field
 
 
-def test_a_head_under_tensor_parallelism_is_refused(tiny_llama, heads):
-    with pytest.raises(InvalidArgument, match="tensor parallelism") as err:
-        LLM(tiny_llama, dtype="float32", device="cpu", tensor_parallel_size=2,
-            speculative_config=spec("eagle", heads["eagle"]))
-    assert err.value.field == "speculative_config.method"
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_head_over_two_ranks_drafts_as_over_one(tiny_llama, heads, method):
+    """Rank 0 alone drafts: its head holds the target's whole embeddings and LM head (the ranks
+    split theirs) and reads the hidden states every rank has whole. Same drafts, same output."""
+    from nixl_engines import record_drafts
+
+    ps = random_prompts([12, 30, 45], seed=22)
+    runs = []
+    for size in (1, 2):
+        with LLM(tiny_llama, dtype="float32", device="cpu", tensor_parallel_size=size,
+                 speculative_config=spec(method, heads[method])) as llm:
+            drafts = record_drafts(llm.engine.runner)
+            runs.append(([o.token_ids for o in llm.generate(ps, GREEDY)], drafts))
+            assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] == runs[1][1] and len(runs[1][1]) > 20
 
 
 def test_the_nested_aux_layer_ids_are_read(tiny_llama, tmp_path):

@@ -187,12 +187,28 @@ def test_a_pd_pair_ships_the_layers_kv(deepseek):
     from nixl_engines import head_across_pd
 
     ps = random_prompts([12, 30, 45], seed=22)
-    want, got, colocated, drafted, decode = head_across_pd(deepseek, spec(), ps, GREEDY)
+    want, got, colocated, drafted, layout, _ = head_across_pd(deepseek, spec(), ps, GREEDY)
     assert got == want
     shared = drafted.keys() & colocated.keys()
     assert all(tuple(p + w[:2]) in shared for p, w in zip(ps, want))
     assert all(drafted[key] == colocated[key] for key in shared)
-    assert decode.runner.connector.layout.format.draft_method == "mtp"
+    assert layout.format.draft_method == "mtp"
+
+
+def test_the_layer_over_two_ranks_drafts_as_over_one(deepseek):
+    """Rank 0 alone drafts, the layer whole (its MLA and experts unsplit) beside the target's
+    shares: same drafts, same output."""
+    from nixl_engines import record_drafts
+
+    ps = random_prompts([12, 30, 45], seed=22)
+    runs = []
+    for size in (1, 2):
+        with LLM(deepseek, dtype="float32", device="cpu", tensor_parallel_size=size, speculative_config=spec()) as llm:
+            drafts = record_drafts(llm.engine.runner)
+            runs.append(([o.token_ids for o in llm.generate(ps, GREEDY)], drafts))
+            assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] == runs[1][1] and len(runs[1][1]) > 20
 
 
 def test_a_checkpoint_without_the_layer_is_refused(tiny_llama, whole, deepseek, tmp_path):

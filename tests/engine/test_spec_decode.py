@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
+from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.common.sampling_params import SamplingParams as Params
 from baton.engine.worker.spec_decode.ngram import NgramProposer
@@ -221,9 +222,10 @@ def test_grammar_forced_tokens_are_free_drafts(tiny_llama):
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_the_decode_tier_speculates_through_the_router(tiny_llama, method):
-    """Router -> prefill -> decode with drafts on the decode (n-gram; the target as its own draft
-    model, whose KV of the prompt the decode computes, since the prefill ships the target's
-    only): output equals the offline engine's without them, pools full at the end."""
+    """Router -> prefill -> decode with drafts on the decode (n-gram, configured on the decode
+    alone; the target as its own draft model, configured on both: the prefill ships the draft's
+    KV of the prompt with the target's): output equals the offline engine's without them, pools
+    full at the end."""
     import json
 
     from baton.services.client import Client
@@ -235,7 +237,9 @@ def test_the_decode_tier_speculates_through_the_router(tiny_llama, method):
     _, want = run(tiny_llama, ps, params)
     spec = json.dumps({"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1} if method == "ngram"
                       else {"method": method, "num_speculative_tokens": 3, "model": tiny_llama})
-    with pd_stack(tiny_llama, decode=("--speculative-config", spec)) as ((prefill,), (decode,), router):
+    flags = ("--speculative-config", spec)
+    with pd_stack(tiny_llama, decode=flags, prefill=flags if method == "draft_model" else ()) as (
+            (prefill,), (decode,), router):
         wait_serving(router.address)
         with Client(router.address) as client:
             got = [[t for c in client.generate(p, max_tokens=24, temperature=0.0, ignore_eos=True, timeout=60)
@@ -252,6 +256,46 @@ def tiny_draft(tmp_path_factory) -> str:
     return write_random_checkpoint(str(tmp_path_factory.mktemp("draft")), "LlamaConfig", seed=3, hidden_size=32,
                                    intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                                    num_hidden_layers=1, tie_word_embeddings=True)
+
+
+def test_a_pd_pair_ships_the_draft_models_kv(tiny_llama, tiny_draft):
+    """The prefill catches its draft up on the prompt as the request ends and the decode reads
+    the draft's blocks with the target's: the decode never runs its draft over a prompt (no
+    catch-up longer than a verification's k + 1 tokens), drafts as a colocated engine does, and
+    its output is the colocated run's."""
+    from nixl_engines import head_across_pd, nixl_engine
+
+    from baton.kv_transfer.base import KVFormatMismatch
+
+    ps = random_prompts([12, 30, 45], seed=22)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    spec = {"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 3}
+    rows, forward = [], DraftModelProposer._forward
+
+    def counted(self, ids, spans, num_decodes):
+        rows.append((self, max(b - a for a, b, _ in spans)))
+        return forward(self, ids, spans, num_decodes)
+
+    DraftModelProposer._forward = counted
+    try:
+        want, got, colocated, drafted, layout, pulled = head_across_pd(tiny_llama, spec, ps, params)
+    finally:
+        DraftModelProposer._forward = forward
+    assert got == want
+    shared = drafted.keys() & colocated.keys()
+    assert all(tuple(p + w[:2]) in shared for p, w in zip(ps, want))
+    assert all(drafted[key] == colocated[key] for key in shared)
+    decode_proposer = rows[-1][0]  # (the decode's was the last to draft)
+    assert max(n for who, n in rows if who is decode_proposer) <= 4
+    assert max(n for who, n in rows if who is not decode_proposer) >= 45  # the prompt, at the prefill (or colocated)
+    assert pulled == sum(-(-len(p) // 16) for p in ps) * (layout.block_bytes + layout.draft_block_bytes)
+    # A prefill without the draft (or with another) cannot give the decode the draft's KV.
+    decode = nixl_engine(tiny_llama, "decode", speculative_config=spec)
+    for prefill_spec, field in ((None, "draft_method"), ({**spec, "model": tiny_llama}, "draft_model")):
+        with pytest.raises(KVFormatMismatch, match="same speculative_config") as err:
+            decode.core.add_peer(nixl_engine(tiny_llama, "prefill", speculative_config=prefill_spec).core.connector
+                                 .layout)
+        assert err.value.field == field
 
 
 def test_a_draft_model_that_is_the_target_is_always_right(tiny_llama):

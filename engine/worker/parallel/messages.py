@@ -41,6 +41,7 @@ class RunnerSetup:
     eos_token_ids: frozenset[int]
     kv_groups: KVGroups
     num_host_blocks: int = 0  # the host KV tier's (each rank holds its heads of every block)
+    draft_format: tuple = ()  # rank 0's draft fields of its KVFormat (only rank 0 drafts): every rank's says so
 
 
 @dataclass(slots=True)

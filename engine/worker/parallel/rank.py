@@ -72,7 +72,7 @@ def main() -> None:
     connector = start.connector() if start.connector is not None else None
     loras, slots = start_lora(setup.config, whole, model, model.embed_tokens.weight.dtype)
     runner = ModelRunner(model, setup.config, setup.num_kv_blocks, setup.eos_token_ids, connector, slots,
-                         setup.num_host_blocks, setup.kv_groups, driver=False)
+                         setup.num_host_blocks, setup.kv_groups, driver=False, draft_format=setup.draft_format)
     if connector is not None:  # rank 0 gathers every rank's layout for the handshake
         store.set(f"layout{start.rank}", pickle.dumps(connector.layout))
     try:

@@ -7,10 +7,15 @@ both at once (Scheduler.lookahead: the k slots past a request's tokens that draf
 nothing else keeps books for it. The draft's KV is computed lazily, when a request drafts: each
 round first catches the draft up on the request's tokens it has not seen (the whole prompt the
 first time, then the tokens the last verification kept and the one after them), then feeds its
-own drafts back k - 1 times. So a request whose prompt's KV came from elsewhere (a prefill peer,
-the host tier, a prefix hit) costs the draft one forward over that prompt and nothing more;
-shipping the draft's KV from the prefill instead would need the prefill to load the draft and
-a second layout in every handle, for a model a tenth the target's size or less.
+own drafts back k - 1 times. A request whose prompt's KV came from the host tier or a prefix hit
+costs the draft one forward over that prompt.
+
+Across P/D the draft's KV goes with the prompt's, as an EAGLE head's does (eagle.py): the prefill
+catches its draft up on the prompt in the step that ends the request (`catch_up`) and the
+decode's load brings the draft's blocks too (`loaded`). Chosen by measurement
+(bench/draft_handoff.py, SmolLM2, 2,048 tokens, 2 CPU cores): the decode's catch-up over the
+prompt took 50 ms with a two-layer draft and 4.0 s with a SmolLM2-sized one, a stall of every
+running request's next token, against 0.2 ms and 17 ms to READ the draft's 2 and 90 MiB.
 
 Drafts are greedy, so the proposal distribution is one-hot and verify.py's rejection sampling
 stays exact.
@@ -55,7 +60,18 @@ class DraftModelProposer:
         k = min(k, self.max_model_len - max(len(s.token_ids) for s in states))
         if k <= 0:
             return [[] for _ in states]
-        # Catch up: each request's unseen tokens, one-row requests first (the metadata's order).
+        drafts = [[token] for token in self.catch_up(states)]
+        for j in range(1, k):  # one row each: the last draft, at the position after the tokens and drafts before
+            spans = [(len(s.token_ids) + j - 1, len(s.token_ids) + j, s.block_ids[self.group]) for s in states]
+            for row, token in zip(drafts, self._forward([row[-1] for row in drafts], spans, len(spans))):
+                row.append(token)
+        for s in states:
+            s.draft_computed = len(s.token_ids) + k - 1
+        return drafts
+
+    def catch_up(self, states: list) -> list[int]:
+        """Feed the draft each state's tokens it has not seen, in one forward (one-row requests
+        first: the metadata's order); the token it guesses after each state's last."""
         order = sorted(range(len(states)), key=lambda i: len(states[i].token_ids) - states[i].draft_computed > 1)
         spans, ids = [], []
         for i in order:
@@ -63,18 +79,17 @@ class DraftModelProposer:
             start = min(s.draft_computed, len(s.token_ids) - 1)
             spans.append((start, len(s.token_ids), s.block_ids[self.group]))
             ids += s.token_ids[start:]
-        last = self._forward(ids, spans, sum(1 for start, end, _ in spans if end - start == 1))
-        drafts = [[] for _ in states]
-        for i, token in zip(order, last):
-            drafts[i].append(token)
-        for j in range(1, k):  # one row each: the last draft, at the position after the tokens and drafts before
-            spans = [(len(states[i].token_ids) + j - 1, len(states[i].token_ids) + j, states[i].block_ids[self.group])
-                     for i in order]
-            for i, token in zip(order, self._forward([drafts[i][-1] for i in order], spans, len(spans))):
-                drafts[i].append(token)
+        guesses = [0] * len(states)
+        for i, token in zip(order, self._forward(ids, spans, sum(1 for a, b, _ in spans if b - a == 1))):
+            guesses[i] = token
         for s in states:
-            s.draft_computed = len(s.token_ids) + k - 1
-        return drafts
+            s.draft_computed = len(s.token_ids)
+        return guesses
+
+    def loaded(self, state, num_tokens: int) -> None:
+        """The draft's KV of a request's first num_tokens tokens came with its prompt's (a prefill
+        peer's)."""
+        state.draft_computed = num_tokens
 
     def _forward(self, ids: list[int], spans: list, num_decodes: int) -> list[int]:
         """The draft over a batch of spans; the argmax after each span's last row."""

@@ -92,7 +92,8 @@ class EagleHead(nn.Module):
         else:
             first.input_layernorm = nn.Identity()
         self.embed_tokens = None  # the target's (or, EAGLE-3's checkpoint having them, its own), by load_head
-        self.draft_to_target: torch.Tensor | None = None  # EAGLE-3: each draft id's target id (None: the same)
+        # EAGLE-3: each draft id's target id (None: the same); a buffer, so that it moves with the head.
+        self.register_buffer("draft_to_target", None, persistent=False)
         self.rope: RotaryTable | None = None  # by EagleProposer
 
     def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -182,9 +183,7 @@ def load_head(method: str, path: str, target: CausalLM, dtype: torch.dtype, devi
     else:
         check(draft_vocab == t.vocab_size, FIELD,
               f"its draft vocabulary of {draft_vocab} tokens has no d2t to map it to the target's {t.vocab_size}")
-    head.to(device=device, dtype=dtype)
-    if head.draft_to_target is not None:
-        head.draft_to_target = head.draft_to_target.to(device)
+    head.to(device=device, dtype=dtype)  # (draft_to_target's ids stay integers)
     if not own_embed:
         head.embed_tokens = target.embed_tokens
     if not eagle3:
@@ -204,9 +203,9 @@ def _weight_files(path: str) -> list[str]:
             or sorted(glob.glob(os.path.join(path, "pytorch_model*.bin"))))
 
 
-def head_fingerprint(path: str) -> str:
-    """A digest of a head's checkpoint (or of the one an MTP layer is read from), as
-    loader.checkpoint_fingerprint's: what a P/D pair compares before shipping the head's KV."""
+def draft_fingerprint(path: str) -> str:
+    """A digest of a head's checkpoint (or of the one an MTP layer is read from, or of a draft
+    model's), as loader.checkpoint_fingerprint's: what a P/D pair compares before shipping its KV."""
     return files_fingerprint(os.path.join(path, "config.json"), _weight_files(path))
 
 

@@ -57,16 +57,16 @@ only when one size divides the other. */}}
 {{- fail (printf "prefill.engine.%s (%q) and decode.engine.%s (%q) must agree: decodes load the KV blocks prefills computed (set engine.%s once, or both the same)" $key $pv $key $dv $key) }}
 {{- end }}
 {{- end }}
-{{- /* An EAGLE or MTP head's KV goes with the prompt's: the same head on both tiers. */}}
+{{- /* A draft model's or head's KV goes with the prompt's: the same one on both tiers. */}}
 {{- $ps := $p.speculativeConfig | default dict }}
 {{- $ds := $d.speculativeConfig | default dict }}
-{{- $heads := list "eagle" "eagle3" "mtp" }}
+{{- $heads := list "draft_model" "eagle" "eagle3" "mtp" }}
 {{- if or (has (toString ($ps.method | default "")) $heads) (has (toString ($ds.method | default "")) $heads) }}
 {{- range $key := list "method" "model" }}
 {{- $pv := toString (index $ps $key | default "") }}
 {{- $dv := toString (index $ds $key | default "") }}
 {{- if ne $pv $dv }}
-{{- fail (printf "prefill.engine.speculativeConfig.%s (%q) and decode.engine.speculativeConfig.%s (%q) must agree: an EAGLE or MTP head's KV goes from prefill to decode with the prompt's (set engine.speculativeConfig once)" $key $pv $key $dv) }}
+{{- fail (printf "prefill.engine.speculativeConfig.%s (%q) and decode.engine.speculativeConfig.%s (%q) must agree: a draft model's, EAGLE head's or MTP layer's KV goes from prefill to decode with the prompt's (set engine.speculativeConfig once)" $key $pv $key $dv) }}
 {{- end }}
 {{- end }}
 {{- end }}
