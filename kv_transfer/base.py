@@ -60,6 +60,9 @@ class KVHandle(msgspec.Struct, frozen=True):
     first_token: int  # sampled by the prefill: the decode's first output
     hold_s: float = 0.0  # how long the prefill holds the blocks from when it gave the handle out (0: unknown)
     tier: KVTier = KVTier.DEVICE  # the pool `block_ids` index (HOST: the prefill moved them to its host tier)
+    # The first prompt position whose speculative draft (or head) KV the blocks hold: 0, or where
+    # a head started past the prefill's prefix hit (-1: none).
+    draft_start: int = -1
 
 
 class KVFormatMismatch(ValueError):
@@ -202,6 +205,7 @@ class ConnectorRequest(Protocol):
     output_token_ids: list[int]
     hold_for_remote: bool  # a prefill's: hold its blocks for a decode peer
     remote_kv: KVHandle | None  # a decode's: where the prompt's KV waits; the connector clears it once done
+    draft_start: int  # a prefill's, once it ended: where its draft's KV starts (KVHandle.draft_start)
 
     @property
     def length_capped(self) -> bool:
@@ -278,7 +282,8 @@ class KVConnectorOutput:
     transfers_started: list[KVTransfer] = field(default_factory=list)  # since the last report
     transfers_ended: dict[str, KVTransfer] = field(default_factory=dict)  # request id -> its load, ended
     holds_ended: list[KVHoldEnd] = field(default_factory=list)
-    draft_kv_landed: set[str] = field(default_factory=set)  # of finished_recving: their draft's KV came too
+    # Loads that brought the draft's KV too (request id -> the first prompt position it covers).
+    draft_kv_landed: dict[str, int] = field(default_factory=dict)
 
 
 class KVConnectorWorker(ABC):
@@ -287,6 +292,7 @@ class KVConnectorWorker(ABC):
     layout: KVLayout | None = None  # set by register_kv_caches: what peers need to read this engine
     num_expired_holds: int = 0  # holds nobody pulled in time
     num_blocks_pulled: int = 0  # blocks this engine read from peers
+    num_bytes_pulled: int = 0  # and their bytes (a draft's KV included)
 
     @abstractmethod
     def register_kv_caches(self, kv_cache: torch.Tensor, kv_format: KVFormat,

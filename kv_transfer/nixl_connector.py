@@ -209,7 +209,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         """The runs of a load's blocks whose draft KV comes too: the first full-attention group's,
         where this engine has a draft cache (a peer's is then the same: check_peer; on rank 0, of
         either) and the blocks are in the peer's device pool (its host tier keeps no draft KV)."""
-        if not self.layout.draft_block_bytes or spec.remote_tier is not KVTier.DEVICE:
+        if not self.layout.draft_block_bytes or spec.remote_tier is not KVTier.DEVICE or spec.draft_start < 0:
             return []
         start, end = spec.full_attention
         return merge_runs(spec.local_block_ids[start:end], spec.remote_block_ids[start:end])
@@ -415,7 +415,7 @@ class NixlConnectorWorker(KVConnectorWorker):
                 record.ok = True
                 out.finished_recving.add(req_id)
                 if entry.with_draft:
-                    out.draft_kv_landed.add(req_id)
+                    out.draft_kv_landed[req_id] = load.draft_start
                 out.transfers_ended[req_id] = record
                 if self.tp == 1 and req_id in self._deferred:  # a peer of ranks: its notice did not go with a READ
                     self._notify(self._deferred.pop(req_id), ReadDone(load.remote_request_id))

@@ -26,8 +26,10 @@ class LoadSpec:
     remote_request_id: str
     remote_tier: KVTier = KVTier.DEVICE  # the peer's pool that remote_block_ids index
     # Where the first full-attention group's blocks are in both lists, [start, end): a
-    # speculative proposer's KV cache goes with them.
+    # speculative proposer's KV cache goes with them, from prompt position draft_start on (-1:
+    # none of it holds such KV).
     full_attention: tuple[int, int] = (0, 0)
+    draft_start: int = -1
 
 
 @dataclass(slots=True)
@@ -91,8 +93,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             local += blocks[lo:end]
             remote += handle.block_ids[at + lo - start:at + end - start]
             at += count
+        # (Past a local prefix hit: its blocks' draft KV, if any, was not validated for this prompt.)
+        draft_start = max(handle.draft_start, first * bs) if handle.draft_start >= 0 else -1
         self._meta.loads.append(LoadSpec(request.request_id, local, handle.engine_id, remote, handle.request_id,
-                                         handle.tier, full or (0, 0)))
+                                         handle.tier, full or (0, 0), draft_start))
         if not num_external_tokens:
             request.remote_kv = None  # nothing to wait for: never released twice
 
@@ -112,4 +116,4 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         ids = [i for blocks, window in zip(block_ids, self.group_windows, strict=True)
                for i in blocks[first_needed_block(n, window, bs):end]]
         return True, KVHandle(self.engine_id, request.request_id, ids, n, request.output_token_ids[0],
-                              self.hold_timeout_s)
+                              self.hold_timeout_s, draft_start=request.draft_start)

@@ -228,7 +228,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("engine_id", "address", "request_id", "block_ids", "num_tokens", "first_token", "trace_context", "hold_seconds", "tier")
+    __slots__ = ("engine_id", "address", "request_id", "block_ids", "num_tokens", "first_token", "trace_context", "hold_seconds", "tier", "draft_start")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,7 @@ class KVHandle(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     HOLD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_START_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     address: str
     request_id: str
@@ -254,7 +255,8 @@ class KVHandle(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     hold_seconds: float
     tier: KVTier
-    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., hold_seconds: _Optional[float] = ..., tier: _Optional[_Union[KVTier, str]] = ...) -> None: ...
+    draft_start: int
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., hold_seconds: _Optional[float] = ..., tier: _Optional[_Union[KVTier, str]] = ..., draft_start: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -140,7 +140,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("engine_id", "role", "num_kv_blocks", "num_free_kv_blocks", "num_running", "num_waiting", "num_held", "num_in_flight_streams", "num_prefix_hit_tokens", "num_expired_holds", "num_failed_loads", "num_blocks_pulled", "num_requests", "engine_core_pid", "num_host_kv_blocks", "num_free_host_kv_blocks", "num_host_hand_offs")
+    __slots__ = ("engine_id", "role", "num_kv_blocks", "num_free_kv_blocks", "num_running", "num_waiting", "num_held", "num_in_flight_streams", "num_prefix_hit_tokens", "num_expired_holds", "num_failed_loads", "num_blocks_pulled", "num_requests", "engine_core_pid", "num_host_kv_blocks", "num_free_host_kv_blocks", "num_host_hand_offs", "num_bytes_pulled")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class EngineStats(_message.Message):
     NUM_HOST_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_HOST_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_HAND_OFFS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: str
     num_kv_blocks: int
@@ -175,4 +176,5 @@ class EngineStats(_message.Message):
     num_host_kv_blocks: int
     num_free_host_kv_blocks: int
     num_host_hand_offs: int
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held: _Optional[int] = ..., num_in_flight_streams: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_expired_holds: _Optional[int] = ..., num_failed_loads: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., num_requests: _Optional[int] = ..., engine_core_pid: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., num_free_host_kv_blocks: _Optional[int] = ..., num_host_hand_offs: _Optional[int] = ...) -> None: ...
+    num_bytes_pulled: int
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held: _Optional[int] = ..., num_in_flight_streams: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_expired_holds: _Optional[int] = ..., num_failed_loads: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., num_requests: _Optional[int] = ..., engine_core_pid: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., num_free_host_kv_blocks: _Optional[int] = ..., num_host_hand_offs: _Optional[int] = ..., num_bytes_pulled: _Optional[int] = ...) -> None: ...

@@ -174,6 +174,7 @@ class CoreStats(msgspec.Struct):
     num_expired_holds: int
     num_blocks_pulled: int
     num_requests: int  # taken in since start
+    num_bytes_pulled: int = 0
 
 
 # ---- the calls a front makes between steps: one type each, its result type beside it ----------

@@ -35,6 +35,9 @@ class NewRequestData:
     num_prompt_tokens: int  # the rest of token_ids are outputs (after preemption, or from a prefill peer)
     lora_id: int = 0  # its LoRA adapter (0: the base model)
     hold_for_remote: bool = False  # a prefill's: its blocks go to a decode peer once it ends
+    # A decode's: a peer's load brought the draft's (or head's) KV of its first num_computed_tokens,
+    # from this position on (-1: it did not).
+    draft_start: int = -1
 
 
 @dataclass(slots=True)
@@ -73,3 +76,5 @@ class ModelRunnerOutput:
     grammar_ended: set[str] = field(default_factory=set)  # requests whose grammar took its end token
     host_kv_finished: list[int] = field(default_factory=list)  # host KV tier jobs whose copies landed
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts for the next step, per request
+    # A prefill's requests that ended: the first prompt position whose draft (or head) KV their blocks hold.
+    draft_start: dict[str, int] = field(default_factory=dict)

@@ -396,7 +396,7 @@ class EngineCore:
         if worker is None:
             return CoreStats(self.snapshot(), "", 0, 0, self.num_taken)
         return CoreStats(self.snapshot(), worker.engine_id, worker.num_expired_holds, worker.num_blocks_pulled,
-                         self.num_taken)
+                         self.num_taken, worker.num_bytes_pulled)
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:

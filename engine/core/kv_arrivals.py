@@ -18,7 +18,8 @@ class KVArrivals:
         request, host_ids = self.handing_off.pop(req_id)
         if self.held.get(req_id) is request:
             self.kv.free(request)
-            request.kv_handle = msgspec.structs.replace(request.kv_handle, block_ids=host_ids, tier=KVTier.HOST)
+            request.kv_handle = msgspec.structs.replace(request.kv_handle, block_ids=host_ids, tier=KVTier.HOST,
+                                                       draft_start=-1)  # (the host tier keeps no draft KV)
         else:  # let go meanwhile (its caller left): nothing to pull, and its blocks were freed
             request.kv_handle = None
         return RequestUpdate(request, [request.output_token_ids[-1]], True)
@@ -53,6 +54,9 @@ class KVArrivals:
         for transfer in kv_out.transfers_started:
             self.record(self._live_or_held(transfer.request_id), EventType.KV_LOAD_START, transfer.start_time,
                          transfer=transfer)
+        for req_id, start in kv_out.draft_kv_landed.items():
+            if req_id in self.requests:
+                self.requests[req_id].draft_start = start
         for req_id in kv_out.finished_recving:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:

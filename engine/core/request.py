@@ -53,7 +53,7 @@ class Request:
                  "num_cached_tokens", "num_external_tokens", "num_preemptions", "block_hashes", "hold_for_remote",
                  "remote_kv", "kv_handle", "scheduled_time", "kv_ready_time", "first_token_time", "last_token_time",
                  "finished_time", "stop_token_id", "grammar", "lora_id", "hash_root", "spec_token_ids",
-                 "num_draft_tokens", "num_accepted_tokens")
+                 "num_draft_tokens", "num_accepted_tokens", "draft_start")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, arrival_time: float | None = None,
@@ -81,6 +81,10 @@ class Request:
         self.hold_for_remote = False
         self.remote_kv: KVHandle | None = None
         self.kv_handle: KVHandle | None = None
+        # A speculative draft's (or head's) KV that goes with the prompt's, from this prompt position
+        # on (-1: none). A prefill's: what its blocks hold once it ended; a decode's: what its load
+        # brought, for the runner when the request first runs.
+        self.draft_start = -1
         self.grammar = None  # a Future of its compiled grammar, for structured output
         # When things happened (time.monotonic(), like arrival_time), for latency figures;
         # None until they do. first/last token: sampled by this engine (not a prefill peer's).

@@ -304,7 +304,8 @@ class Scheduler(KVArrivals):
             out.scheduled_new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), self.kv.block_ids(request.request_id),
                 num_computed, request.sampling_params, request.num_prompt_tokens, request.lora_id,
-                request.hold_for_remote))
+                request.hold_for_remote, request.draft_start))
+            request.draft_start = -1  # (once: a preempted request's draft starts afresh)
             out.num_scheduled_tokens[request.request_id] = n
             budget -= n
         self.waiting.extendleft(reversed(skipped))
@@ -337,6 +338,9 @@ class Scheduler(KVArrivals):
         for request, n in self._chunks:
             self.record(request, EventType.PREFILL_CHUNK, now, num_tokens=n)
         self._chunks.clear()
+        for req_id, start in result.draft_start.items():  # before they end: the handle names it
+            if req_id in self.requests:
+                self.requests[req_id].draft_start = start
         for req_id, token_ids in result.sampled_token_ids.items():
             request = self.requests.get(req_id)
             if request is None:  # aborted while the step ran

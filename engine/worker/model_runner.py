@@ -109,9 +109,8 @@ class ModelRunner(BatchBuilder):
                                                 latent=args.attention == "mla")
         self.proposer = None if spec is None else (make_proposer(spec) if draft is None else
                                                    self._draft_proposer(draft, num_blocks))
-        # A draft's or head's KV goes to a decode peer with the prompt's: the loads that brought it.
+        # A draft's or head's KV goes to a decode peer with the prompt's.
         draft_cache = self.proposer.cache if draft is not None else None
-        self._draft_kv_landed: set[str] = set()
         self.draft_format = draft_format if draft_cache is None else (
             spec.method, draft_fingerprint(spec.model or config.model), tuple(draft_cache.shape[1:]))
         if connector is not None:
@@ -147,7 +146,7 @@ class ModelRunner(BatchBuilder):
             return EagleProposer(draft, self.model, num_blocks, self.block_size, self.config.max_model_len, group,
                                  self.config.max_num_batched_tokens, metadata, self.device)
         return DraftModelProposer(draft, num_blocks, self.block_size, self.config.max_model_len, group, metadata,
-                                  self.device)
+                                  self.device, self.config.max_num_batched_tokens)
 
     def _add_request(self, new) -> None:
         params = new.sampling_params
@@ -170,9 +169,8 @@ class ModelRunner(BatchBuilder):
         state = self.states[new.req_id] = RequestState(list(new.token_ids), block_ids, params, generator,
                                                        new.num_prompt_tokens, prompt_logprobs, new.lora_id,
                                                        new.hold_for_remote)
-        if new.req_id in self._draft_kv_landed:
-            self._draft_kv_landed.discard(new.req_id)
-            self.proposer.loaded(state, new.num_computed_tokens)
+        if new.draft_start >= 0 and self.driver:  # a peer's load brought the draft's KV of what is computed
+            self.proposer.loaded(state, new.num_computed_tokens, new.draft_start)
         # The matcher (the driver's only): resumed, where it was; else after past outputs made elsewhere.
         if params.structured_output is not None and self.driver:
             state.matcher = old.matcher if old is not None else self.grammars.matcher(
@@ -196,7 +194,6 @@ class ModelRunner(BatchBuilder):
         finished = getattr(self.proposer, "finished", None)
         for req_id in sched.finished_req_ids:
             state = self.states.pop(req_id, None)
-            self._draft_kv_landed.discard(req_id)
             if finished is not None and state is not None:
                 finished(state)
         for new in sched.scheduled_new_reqs:
@@ -213,7 +210,6 @@ class ModelRunner(BatchBuilder):
         out = self._run(sched) if sched.total_num_scheduled_tokens else ModelRunnerOutput({})
         if self.connector is not None:
             out.kv_connector_output = self.connector.get_finished()
-            self._draft_kv_landed |= out.kv_connector_output.draft_kv_landed
         if self.host_kv is not None:
             out.host_kv_finished = self.host_kv.poll(0.0 if sched.total_num_scheduled_tokens else _IDLE_WAIT_S)
         return out
@@ -268,9 +264,10 @@ class ModelRunner(BatchBuilder):
     def _complete_draft_kv(self, out: ModelRunnerOutput) -> None:
         """A prefill's requests that end here: their draft's or head's KV of every prompt position
         (a head's last with the token just sampled) written now, before their blocks go to a decode."""
-        ending = [self.states[r] for r in out.sampled_token_ids if self.states[r].hold_for_remote]
+        ending = [r for r in out.sampled_token_ids if self.states[r].hold_for_remote]
         if ending:
-            self.proposer.catch_up(ending)
+            self.proposer.catch_up([self.states[r] for r in ending])
+            out.draft_start.update((r, self.proposer.start(self.states[r])) for r in ending)
             if self.device.type == "cuda":  # a peer's READ may start as soon as the step's output is out
                 torch.cuda.current_stream(self.device).synchronize()
 

@@ -16,12 +16,13 @@ def handle_to_proto(handle: KVHandle, address: str, trace_context: dict[str, str
     hold's span, which the decode's transfer span follows."""
     return pb.KVHandle(engine_id=handle.engine_id, address=address, request_id=handle.request_id,
                        block_ids=handle.block_ids, num_tokens=handle.num_tokens, first_token=handle.first_token,
-                       hold_seconds=handle.hold_s, tier=TIER_TO_WIRE[handle.tier], trace_context=trace_context)
+                       hold_seconds=handle.hold_s, tier=TIER_TO_WIRE[handle.tier], trace_context=trace_context,
+                       draft_start=handle.draft_start if handle.draft_start >= 0 else None)
 
 
 def handle_from_proto(h: pb.KVHandle) -> KVHandle:
     return KVHandle(h.engine_id, h.request_id, list(h.block_ids), h.num_tokens, h.first_token, h.hold_seconds,
-                    TIER_FROM_WIRE.get(h.tier, KVTier.DEVICE))
+                    TIER_FROM_WIRE.get(h.tier, KVTier.DEVICE), h.draft_start if h.HasField("draft_start") else -1)
 
 
 def layout_to_proto(layout: KVLayout) -> internal_pb2.KVLayout:

@@ -27,4 +27,4 @@ def stats_to_proto(s: CoreStats, role: str, num_in_flight_streams: int, num_requ
         num_expired_holds=s.num_expired_holds, num_failed_loads=snap.num_failed_loads,
         num_blocks_pulled=s.num_blocks_pulled, num_requests=num_requests, engine_core_pid=engine_core_pid,
         num_host_kv_blocks=snap.num_host_kv_blocks, num_free_host_kv_blocks=snap.num_free_host_kv_blocks,
-        num_host_hand_offs=snap.num_host_hand_offs)
+        num_host_hand_offs=snap.num_host_hand_offs, num_bytes_pulled=s.num_bytes_pulled)

@@ -4,6 +4,8 @@ equals a colocated engine's."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 
 import grpc
 import pytest
@@ -253,7 +255,19 @@ def test_services_with_eagle_heads_equal_colocated(serve, tiny_llama, tmp_path):
     llm = LLM(tiny_llama, dtype="float32", device="cpu")
     assert asyncio.run(run()) == [o.token_ids for o in llm.generate(prompts, SamplingParams(**greedy))]
     assert decode.snapshot().num_spec_draft_tokens > 0
+    pulled = stats(decode.address)  # each block with its head's: the target's layers' K and V, and the head's
+    per_token = sum(kv_bytes_per_token(path) for path in (tiny_llama, spec["model"]))
+    assert pulled.num_bytes_pulled == pulled.num_blocks_pulled * 16 * per_token > 0
     assert prefill.wait_pool_full() and decode.wait_pool_full()
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    """A float32 checkpoint's (or head's) K and V of one token, every layer."""
+    from baton.engine.worker.models.args import decoder_args
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        a = decoder_args(json.load(f))
+    return a.num_layers * a.kv_parts * a.num_kv_heads * a.head_dim * 4
 
 
 def test_the_router_tells_a_failed_instance_from_a_failed_request_by_reason():

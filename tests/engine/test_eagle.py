@@ -152,16 +152,20 @@ def test_a_migrated_request_drafts_with_a_head(tiny_llama, heads):
 @pytest.mark.parametrize("method,prefill_tp,decode_tp", [("eagle", 1, 1), ("eagle3", 1, 1), ("eagle3", 2, 1),
                                                           ("eagle", 1, 2)])
 def test_a_pd_pair_ships_the_heads_kv(tiny_llama, heads, method, prefill_tp, decode_tp):
-    """The prefill feeds its head the whole prompt and the decode reads the head's blocks with
-    the target's: the decode's head drafts as the colocated one does, from the prompt's context
-    (every draft made after the same tokens is the same; the first of each request included),
-    and the output is the colocated run's. Each block moved once with its head's block (rank
-    0's, which alone drafts, read from the prefill's rank 0, however the ranks split the rest)."""
+    """The prefill feeds its head the whole prompt, in 32-token chunks, and the decode reads the
+    head's blocks with the target's: the decode's head drafts as the colocated one does, from the
+    prompt's context (every draft made after the same tokens is the same; the first of each
+    request included, a random head's first colocated draft being rejected), and the output is
+    the colocated run's. The last prompt's first two blocks are a prefix hit (the head starts
+    past them, on the prefill as colocated: the handle says so). Each block moved once with its
+    head's block (rank 0's, which alone drafts, read from the prefill's rank 0, however the
+    ranks split the rest)."""
     from nixl_engines import head_across_pd
 
     ps = random_prompts([12, 30, 45], seed=22)
-    want, got, colocated, drafted, layout, pulled = head_across_pd(tiny_llama, spec(method, heads[method]), ps,
-                                                                   GREEDY, prefill_tp, decode_tp)
+    ps.append(ps[2][:32] + random_prompts([20], seed=23)[0])
+    want, got, colocated, drafted, layout, pulled = head_across_pd(
+        tiny_llama, spec(method, heads[method]), ps, GREEDY, prefill_tp, decode_tp, max_num_batched_tokens=32)
     assert got == want
     shared = drafted.keys() & colocated.keys()
     assert all(tuple(p + w[:2]) in shared for p, w in zip(ps, want))  # each request's first decode draft

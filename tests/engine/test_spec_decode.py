@@ -220,25 +220,27 @@ def test_grammar_forced_tokens_are_free_drafts(tiny_llama):
     assert stats.num_accepted_tokens > 0  # the keys came as drafts
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_the_decode_tier_speculates_through_the_router(tiny_llama, method):
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_the_decode_tier_speculates_through_the_router(tiny_llama, tmp_path, method):
     """Router -> prefill -> decode with drafts on the decode (n-gram, configured on the decode
-    alone; the target as its own draft model, configured on both: the prefill ships the draft's
-    KV of the prompt with the target's): output equals the offline engine's without them, pools
-    full at the end."""
+    alone; the target as its own draft model, or a random EAGLE-3 head, configured on both: the
+    prefill ships its KV of the prompt with the target's): output equals the offline engine's
+    without them, pools full at the end."""
     import json
 
     from baton.services.client import Client
+    from baton.testing.eagle_heads import write_head
     from helpers import pools_full, wait_serving
     from servers import pd_stack
 
     ps = [p + p for p in random_prompts([12, 30], seed=21)] + random_prompts([45], seed=22)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     _, want = run(tiny_llama, ps, params)
-    spec = json.dumps({"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1} if method == "ngram"
-                      else {"method": method, "num_speculative_tokens": 3, "model": tiny_llama})
-    flags = ("--speculative-config", spec)
-    with pd_stack(tiny_llama, decode=flags, prefill=flags if method == "draft_model" else ()) as (
+    spec = {"method": method, "num_speculative_tokens": 3, **{
+        "ngram": {"prompt_lookup_min": 1}, "draft_model": {"model": tiny_llama},
+        "eagle3": {"model": write_head(str(tmp_path / "head"), tiny_llama, "eagle3")}}[method]}
+    flags = ("--speculative-config", json.dumps(spec))
+    with pd_stack(tiny_llama, decode=flags, prefill=flags if method != "ngram" else ()) as (
             (prefill,), (decode,), router):
         wait_serving(router.address)
         with Client(router.address) as client:
@@ -259,10 +261,11 @@ def tiny_draft(tmp_path_factory) -> str:
 
 
 def test_a_pd_pair_ships_the_draft_models_kv(tiny_llama, tiny_draft):
-    """The prefill catches its draft up on the prompt as the request ends and the decode reads
-    the draft's blocks with the target's: the decode never runs its draft over a prompt (no
-    catch-up longer than a verification's k + 1 tokens), drafts as a colocated engine does, and
-    its output is the colocated run's."""
+    """The prefill catches its draft up on the prompt as the request ends, in pieces of
+    max_num_batched_tokens (16 here) as the target's chunks, and the decode reads the draft's
+    blocks with the target's: the decode never runs its draft over a prompt (no catch-up longer
+    than a verification's k + 1 tokens), drafts as a colocated engine does, and its output is the
+    colocated run's."""
     from nixl_engines import head_across_pd, nixl_engine
 
     from baton.kv_transfer.base import KVFormatMismatch
@@ -278,7 +281,8 @@ def test_a_pd_pair_ships_the_draft_models_kv(tiny_llama, tiny_draft):
 
     DraftModelProposer._forward = counted
     try:
-        want, got, colocated, drafted, layout, pulled = head_across_pd(tiny_llama, spec, ps, params)
+        want, got, colocated, drafted, layout, pulled = head_across_pd(tiny_llama, spec, ps, params,
+                                                                       max_num_batched_tokens=16)
     finally:
         DraftModelProposer._forward = forward
     assert got == want
@@ -287,7 +291,8 @@ def test_a_pd_pair_ships_the_draft_models_kv(tiny_llama, tiny_draft):
     assert all(drafted[key] == colocated[key] for key in shared)
     decode_proposer = rows[-1][0]  # (the decode's was the last to draft)
     assert max(n for who, n in rows if who is decode_proposer) <= 4
-    assert max(n for who, n in rows if who is not decode_proposer) >= 45  # the prompt, at the prefill (or colocated)
+    # The colocated engine's and the prefill's catch-ups over prompts, in pieces of 16.
+    assert len({id(who) for who, n in rows if n == 16}) == 2 and max(n for _, n in rows) == 16
     assert pulled == sum(-(-len(p) // 16) for p in ps) * (layout.block_bytes + layout.draft_block_bytes)
     # A prefill without the draft (or with another) cannot give the decode the draft's KV.
     decode = nixl_engine(tiny_llama, "decode", speculative_config=spec)

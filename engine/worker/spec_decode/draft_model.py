@@ -34,10 +34,12 @@ from baton.kernels.attention import AttentionMetadata
 
 class DraftModelProposer:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_model_len: int, group: int,
-                 metadata: Callable[[list, torch.Tensor, int], AttentionMetadata], device: torch.device):
+                 metadata: Callable[[list, torch.Tensor, int], AttentionMetadata], device: torch.device,
+                 max_rows: int = 8192):
         """`group`: the target's full-attention KV cache group whose block ids the draft's cache
         takes; `metadata(spans, positions, num_decodes)`: the attention metadata of a batch of
-        (start, end, block ids) spans on the draft's backend, decodes (one row) first."""
+        (start, end, block ids) spans on the draft's backend, decodes (one row) first;
+        `max_rows`: the most tokens of one request a catch-up feeds in one forward."""
         args = model.args
         model.prepare(max_model_len)
         check(not model.rope_by_length, "speculative_config.model",
@@ -47,6 +49,7 @@ class DraftModelProposer:
                                  args.head_dim, dtype=model.embed_tokens.weight.dtype, device=device)
         self.layer_caches = [(self.cache[:, i, 0], self.cache[:, i, args.kv_parts - 1]) for i in range(args.num_layers)]
         self.max_model_len = max_model_len
+        self.max_rows = max_rows
 
     @staticmethod
     def block_bytes(model: CausalLM, block_size: int) -> int:
@@ -71,7 +74,14 @@ class DraftModelProposer:
 
     def catch_up(self, states: list) -> list[int]:
         """Feed the draft each state's tokens it has not seen, in one forward (one-row requests
-        first: the metadata's order); the token it guesses after each state's last."""
+        first: the metadata's order); the token it guesses after each state's last. A request far
+        behind (a prefill's whole prompt) is first fed alone in pieces of max_rows, as the target
+        computed it in chunks."""
+        for s in states:
+            while len(s.token_ids) - s.draft_computed > self.max_rows:
+                end = s.draft_computed + self.max_rows
+                self._forward(s.token_ids[s.draft_computed:end], [(s.draft_computed, end, s.block_ids[self.group])], 0)
+                s.draft_computed = end
         order = sorted(range(len(states)), key=lambda i: len(states[i].token_ids) - states[i].draft_computed > 1)
         spans, ids = [], []
         for i in order:
@@ -86,10 +96,16 @@ class DraftModelProposer:
             s.draft_computed = len(s.token_ids)
         return guesses
 
-    def loaded(self, state, num_tokens: int) -> None:
-        """The draft's KV of a request's first num_tokens tokens came with its prompt's (a prefill
-        peer's)."""
-        state.draft_computed = num_tokens
+    def loaded(self, state, num_tokens: int, start: int) -> None:
+        """The draft's KV of a request's tokens [start, num_tokens) came with its prompt's (a prefill
+        peer's): where that is all of them, the draft goes on from there."""
+        if start == 0:
+            state.draft_computed = num_tokens
+
+    @staticmethod
+    def start(state) -> int:
+        """Where a request's draft KV starts: its first token (catch_up goes from there)."""
+        return 0
 
     def _forward(self, ids: list[int], spans: list, num_decodes: int) -> list[int]:
         """The draft over a batch of spans; the argmax after each span's last row."""

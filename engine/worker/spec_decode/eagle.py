@@ -33,10 +33,11 @@ it goes with a request that ends, and one resumed after a preemption starts afre
 
 Across P/D the head's KV goes with the prompt's: the prefill feeds its head the whole prompt,
 the last slot with the first token it sampled, in the step that ends the request (`catch_up`,
-before its blocks are handed out), and the decode's load brings the head's blocks with the
-target's (the connector's draft region; the KV format names the head, so a prefill of another
-head, or none, is refused at the handshake). The decode's head then goes on from the prompt's
-end (`loaded`) as if it had computed it.
+before its blocks are handed out; the handle says where its head started: past a prefix hit
+there), and the decode's load brings the head's blocks with the target's (the connector's draft
+region; the KV format names the head, so a prefill of another head, or none, is refused at the
+handshake). The decode's head then goes on from the prompt's end (`loaded`), attending from
+where the prefill's started (or past the decode's own prefix hit), as a colocated one would.
 
 Where a request's positions were computed without handing hidden states over (KV from the host
 tier or the prefix cache, or a prefill's handle naming blocks it moved to its host tier), the
@@ -320,11 +321,17 @@ class EagleProposer:
             drafts[i] = row
         return drafts
 
-    def loaded(self, state, num_tokens: int) -> None:
-        """The head's KV of a request's first num_tokens slots came with its prompt's (a prefill
-        peer's): it goes on from there."""
-        slots = state.proposer_state = _Slots(0, self.block_size)
-        slots.fed = num_tokens
+    def loaded(self, state, num_tokens: int, start: int) -> None:
+        """The head's KV of a request's slots [start, num_tokens) came with its prompt's (a prefill
+        peer's, whose head started at `start`, a block's first slot): it goes on from there."""
+        if num_tokens > start:
+            slots = state.proposer_state = _Slots(start, self.block_size)
+            slots.fed = num_tokens
+
+    @staticmethod
+    def start(state) -> int:
+        """Where a request's head KV starts (a prefill's, for its handle): the slot it attends from."""
+        return state.proposer_state.base if state.proposer_state is not None else -1
 
     def catch_up(self, states: list) -> None:
         """Feed the head each state's pending slots (token p + 1 and hidden state p), in one forward."""
