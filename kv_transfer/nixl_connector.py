@@ -1,7 +1,8 @@
 """The NIXL KV connector: a decode engine pulls a prompt's KV blocks from the prefill engine
 that computed them, with one-sided NIXL READs (UCX; CPU or GPU memory).
 
-This module has the worker half (the scheduler half: nixl_scheduler.py). The path of one request:
+This module has the worker half (the scheduler half: nixl_scheduler.py; a prefill's holds:
+nixl_holds.py). The path of one request:
 - prefill: the request runs with `hold_for_remote` and `max_tokens=1`; when it finishes,
   `request_finished` holds its blocks and returns their KVHandle (engine id, request id,
   block ids, token count, first token).
@@ -50,18 +51,17 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from baton.kv_transfer.base import (DEFAULT_HOLD_TIMEOUT_S, HeadSlice, HoldOutcome, KVConnectorOutput,
-                                    KVConnectorWorker, KVFormat, KVHoldEnd, KVLayout, KVTier, KVTransfer, kv_head_range,
+                                    KVConnectorWorker, KVFormat, KVLayout, KVTier, KVTransfer, kv_head_range,
                                     read_plan)
 from baton.kv_transfer.nixl_scheduler import (DEFAULT_LOAD_TIMEOUT_S, LoadSpec, NixlConnectorMeta,
                                               NixlConnectorScheduler)
+from baton.kv_transfer.nixl_holds import Holds
 from baton.kv_transfer.nixl_staging import Staged, StagingPool, land, merge_runs
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("baton.kv_transfer")
-
-_EARLY_NOTIF_TTL_S = 60.0  # a hold registers one step after its request finished: far less
 
 
 class ReadDone(msgspec.Struct, tag=True, array_like=True):
@@ -129,21 +129,13 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._loading: dict[str, _Load] = {}
         self._failed: dict[str, tuple[list[int], KVTransfer]] = {}  # loads that could not start
         self._started: list[KVTransfer] = []  # loads started since the last report
-        self._holds: dict[str, float] = {}  # request id -> deadline
-        self._holds_ended: list[KVHoldEnd] = []  # since the last report
-        # Holds that ended before they were registered (a read, or a release, that came first;
-        # request id -> (when, outcome)), and reads of holds already let go: forgotten after
-        # _EARLY_NOTIF_TTL_S.
-        self._early_notifs: dict[str, tuple[float, HoldOutcome]] = {}
-        # Holds let go lately (id -> when, how): a repeat is no news.
-        self._ended: dict[str, tuple[float, HoldOutcome]] = {}
+        self._holds = Holds()  # rank 0's: blocks held for decode readers
         self._lock = threading.Lock()  # one caller into the agent at a time
         self._inbox: list[bytes] = []  # notifications the progress thread collected
         self._active_until = 0.0  # the progress thread polls until then (or while work is pending)
         self._closed = threading.Event()
         self._wake = threading.Event()
         self._poller: threading.Thread | None = None  # started once the cache is registered
-        self.num_expired_holds = 0
         self.num_descriptors = 0  # READ descriptors issued, for tests and benchmarks
         self.num_blocks_pulled = 0
         self.num_bytes_pulled = 0
@@ -250,13 +242,7 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     def _start_loads(self, metadata: NixlConnectorMeta) -> None:
         for req_id, deadline in metadata.holds.items() if self.rank == 0 else ():
-            self._ended.pop(req_id, None)  # a new hold under a reused id
-            early = self._early_notifs.pop(req_id, None)
-            if early is None:
-                self._holds[req_id] = deadline
-            else:  # already read (or released): let go at once
-                self._holds_ended.append(KVHoldEnd(req_id, early[1], early[0]))
-                self._ended[req_id] = early
+            self._holds.register(req_id, deadline)
         for load in metadata.loads:
             blocks = load.local_block_ids
             record = KVTransfer(load.request_id, load.remote_engine_id, len(blocks), 0, 0, time.monotonic())
@@ -372,15 +358,11 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     def release(self, req_id: str) -> None:
         """Let go of a hold no decode will pull, as if its reader had said it is done."""
-        self._end_hold(req_id, HoldOutcome.RELEASED, time.monotonic())
+        self._holds.end(req_id, HoldOutcome.RELEASED, time.monotonic())
 
-    def _end_hold(self, req_id: str, outcome: HoldOutcome, now: float) -> None:
-        if self._holds.pop(req_id, None) is not None:
-            self._holds_ended.append(KVHoldEnd(req_id, outcome, now))
-            self._ended[req_id] = (now, outcome)
-        elif req_id not in self._ended:  # finished this step: its hold registers with the next step's metadata
-            self._early_notifs[req_id] = (now, outcome)
-        # else: a second release, or a read of a hold let go already: nothing more to end
+    @property
+    def num_expired_holds(self) -> int:
+        return self._holds.num_expired
 
     def get_finished(self) -> KVConnectorOutput:
         with self._lock:
@@ -437,17 +419,8 @@ class NixlConnectorWorker(KVConnectorWorker):
             except msgspec.DecodeError as e:  # not from a Baton peer of this version: ignore it
                 log.warning("ignoring a KV notification that is not one: %s", e)
                 continue
-            self._end_hold(note.request_id, _OUTCOMES[type(note)], now)
-        for seen in (self._early_notifs, self._ended):  # an early one: its hold was let go before the read
-            for req_id, (when, _) in list(seen.items()) if seen else ():
-                if now - when > _EARLY_NOTIF_TTL_S:
-                    del seen[req_id]
-        for req_id, deadline in list(self._holds.items()):
-            if now >= deadline:
-                self.num_expired_holds += 1
-                log.warning("KV blocks of %s were not pulled in time; freeing them", req_id)
-                self._end_hold(req_id, HoldOutcome.EXPIRED, now)
-        out.holds_ended, self._holds_ended = self._holds_ended, []
+            self._holds.end(note.request_id, _OUTCOMES[type(note)], now)
+        out.holds_ended = self._holds.take(now)
         out.finished_sending.update(end.request_id for end in out.holds_ended)
         return out
 

@@ -55,7 +55,7 @@ def run_until_done(*engines, on_step=None, timeout_s=60.0) -> dict[str, list[int
         if not busy:
             return tokens
     state = [(e.scheduler.waiting, e.scheduler.running, e.scheduler.held, e.runner.connector._loading,
-              e.runner.connector._holds) for e in engines]
+              e.runner.connector._holds.deadlines) for e in engines]
     raise AssertionError(f"engines did not finish: {state}")  # bounded: never hangs
 
 
