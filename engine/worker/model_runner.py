@@ -60,7 +60,7 @@ class RequestState:
         self.lora_id = lora_id
         self.draft_computed = 0  # a draft model's KV is right for its first this many tokens
         self.proposer_state = None  # the speculative proposer's, for this request (suffix: its tree)
-        self.hold_for_remote = hold_for_remote  # a prefill's: its blocks (its head's KV too) go to a decode peer
+        self.hold_for_remote = hold_for_remote  # a prefill's: its blocks (its draft's KV too) go to a decode peer
 
 
 class ModelRunner(BatchBuilder):
