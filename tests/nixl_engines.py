@@ -97,6 +97,15 @@ def record_drafts(runner) -> dict[tuple[int, ...], list[int]]:
     return seen
 
 
+def assert_drafts_as_colocated(prompts, want, colocated: dict, drafted: dict) -> set:
+    """Every draft the decode made after the same tokens as the colocated engine is the same, each
+    request's first decode draft (after its prompt and two tokens) among them; the shared keys."""
+    shared = drafted.keys() & colocated.keys()
+    assert all(tuple(p + w[:2]) in shared for p, w in zip(prompts, want))
+    assert all(drafted[key] == colocated[key] for key in shared)
+    return shared
+
+
 def head_across_pd(model_dir: str, spec: dict, prompts, params: SamplingParams, prefill_tp: int = 1,
                    decode_tp: int = 1, **engine):
     """`prompts` run colocated with a head and by a P/D pair both running it (the head's KV

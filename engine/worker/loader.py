@@ -5,6 +5,7 @@ dtype)."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -61,6 +62,20 @@ def checkpoint_fingerprint(model_dir: str) -> str:
     and ranges spread over it. The same checkpoint gives the same digest wherever it is
     mounted; fine-tunes of one base (equal configs and shapes) differ in their weights."""
     return files_fingerprint(os.path.join(model_dir, "config.json"), _safetensors_files(model_dir))
+
+
+def weight_files(model_dir: str) -> list[str]:
+    """A checkpoint folder's weight files, whatever their names: *.safetensors, else
+    pytorch_model*.bin (as EAGLE's heads are published)."""
+    return (sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+            or sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin"))))
+
+
+def draft_fingerprint(model_dir: str) -> str:
+    """checkpoint_fingerprint's digest over whichever weight files a folder has: a draft model's,
+    an EAGLE head's, or the checkpoint an MTP layer is read from (what a P/D pair compares before
+    shipping their KV)."""
+    return files_fingerprint(os.path.join(model_dir, "config.json"), weight_files(model_dir))
 
 
 def files_fingerprint(config_path: str, weight_paths: list[str], samples: int = 8, sample_bytes: int = 1 << 16) -> str:

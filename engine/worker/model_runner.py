@@ -17,12 +17,11 @@ from baton.engine.worker.batch_builder import BatchBuilder
 from baton.engine.common.config import EngineConfig, read_config
 from baton.engine.common.kv_groups import KVGroups, group_layers
 from baton.engine.worker.host_kv_copier import HostKVCopier
-from baton.engine.worker.loader import checkpoint_fingerprint
+from baton.engine.worker.loader import checkpoint_fingerprint, draft_fingerprint
 from baton.engine.worker.lora.layers import LoRASlots
 from baton.engine.worker.models import CausalLM, model_args
 from baton.engine.worker.sampler import apply_processors, sample, skip_draws, token_logprobs
 from baton.engine.worker.spec_decode import make_proposer
-from baton.engine.worker.spec_decode.eagle import draft_fingerprint
 from baton.engine.worker.spec_decode.verify import greedy_accept, sampled_accept
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -109,8 +108,8 @@ class ModelRunner(BatchBuilder):
                                                 latent=args.attention == "mla")
         self.proposer = None if spec is None else (make_proposer(spec) if draft is None else
                                                    self._draft_proposer(draft, num_blocks))
-        # A draft's or head's KV goes to a decode peer with the prompt's.
-        draft_cache = self.proposer.cache if draft is not None else None
+        # A draft's or head's KV goes to a decode peer with the prompt's (an engine with a connector's).
+        draft_cache = self.proposer.cache if draft is not None and connector is not None else None
         self.draft_format = draft_format if draft_cache is None else (
             spec.method, draft_fingerprint(spec.model or config.model), tuple(draft_cache.shape[1:]))
         if connector is not None:

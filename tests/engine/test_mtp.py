@@ -184,14 +184,12 @@ def test_a_pd_pair_ships_the_layers_kv(deepseek):
     """The MTP layer's latent KV of the prompt goes from prefill to decode with the target's: the
     decode drafts as a colocated engine does (each request's first decode draft included), the
     output is the colocated run's; pools full after."""
-    from nixl_engines import head_across_pd
+    from nixl_engines import assert_drafts_as_colocated, head_across_pd
 
     ps = random_prompts([12, 30, 45], seed=22)
     want, got, colocated, drafted, layout, _ = head_across_pd(deepseek, spec(), ps, GREEDY)
     assert got == want
-    shared = drafted.keys() & colocated.keys()
-    assert all(tuple(p + w[:2]) in shared for p, w in zip(ps, want))
-    assert all(drafted[key] == colocated[key] for key in shared)
+    assert_drafts_as_colocated(ps, want, colocated, drafted)
     assert layout.format.draft_method == "mtp"
 
 

@@ -266,7 +266,7 @@ def test_a_pd_pair_ships_the_draft_models_kv(tiny_llama, tiny_draft):
     blocks with the target's: the decode never runs its draft over a prompt (no catch-up longer
     than a verification's k + 1 tokens), drafts as a colocated engine does, and its output is the
     colocated run's."""
-    from nixl_engines import head_across_pd, nixl_engine
+    from nixl_engines import assert_drafts_as_colocated, head_across_pd, nixl_engine
 
     from baton.kv_transfer.base import KVFormatMismatch
 
@@ -286,9 +286,7 @@ def test_a_pd_pair_ships_the_draft_models_kv(tiny_llama, tiny_draft):
     finally:
         DraftModelProposer._forward = forward
     assert got == want
-    shared = drafted.keys() & colocated.keys()
-    assert all(tuple(p + w[:2]) in shared for p, w in zip(ps, want))
-    assert all(drafted[key] == colocated[key] for key in shared)
+    assert_drafts_as_colocated(ps, want, colocated, drafted)
     decode_proposer = rows[-1][0]  # (the decode's was the last to draft)
     assert max(n for who, n in rows if who is decode_proposer) <= 4
     # The colocated engine's and the prefill's catch-ups over prompts, in pieces of 16.

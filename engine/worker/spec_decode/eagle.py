@@ -50,7 +50,6 @@ Drafts are greedy: the proposal is one-hot, and verify.py's rejection sampling s
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 from collections import Counter
@@ -61,7 +60,7 @@ import torch
 from torch import nn
 
 from baton.engine.common.errors import InvalidArgument, check
-from baton.engine.worker.loader import files_fingerprint, parameter_for
+from baton.engine.worker.loader import parameter_for, weight_files
 from baton.engine.worker.models import CausalLM
 from baton.engine.worker.models.args import ModelArgs, decoder_args
 from baton.engine.worker.models.basic import Embedding, Linear, norm
@@ -199,19 +198,8 @@ def _config(path: str) -> dict:
         return json.load(f)
 
 
-def _weight_files(path: str) -> list[str]:
-    return (sorted(glob.glob(os.path.join(path, "*.safetensors")))
-            or sorted(glob.glob(os.path.join(path, "pytorch_model*.bin"))))
-
-
-def draft_fingerprint(path: str) -> str:
-    """A digest of a head's checkpoint (or of the one an MTP layer is read from, or of a draft
-    model's), as loader.checkpoint_fingerprint's: what a P/D pair compares before shipping its KV."""
-    return files_fingerprint(os.path.join(path, "config.json"), _weight_files(path))
-
-
 def _tensors(path: str) -> dict[str, torch.Tensor]:
-    files = _weight_files(path)
+    files = weight_files(path)
     check(bool(files), FIELD, f"{path!r} has no *.safetensors or pytorch_model.bin")
     if files[0].endswith(".safetensors"):
         from safetensors.torch import load_file
