@@ -12,8 +12,8 @@ Checks now (each passes or fails on its own; the report has every figure):
 - the engine on CUDA, float32, greedy-equal to transformers on the same GPU, per family: Llama,
   Gemma 2 (soft-caps, alternating windows: hybrid KV cache groups), Mistral, Phi-3 LongRoPE,
   Qwen3-MoE, DeepSeek-V2 (MLA, small and at V2-Lite's latent width), gpt-oss (sinks, clamped
-  experts) — on the auto backend (Triton)
-  and its KV pool full afterwards;
+  experts) — on the auto backend (Triton), its decode steps replaying CUDA graphs (counted), the
+  same tokens as with enforce_eager, and its KV pool full afterwards;
 - bfloat16 engine runs of the same families (outputs complete, pools full);
 - speculative decoding on CUDA: n-gram, suffix, draft-model (the target as its own draft) and
   random EAGLE-1/EAGLE-3 heads' and a DeepSeek-V3 MTP layer's drafts keep the greedy output,
@@ -105,8 +105,8 @@ def check_kernels() -> dict:
         ones = torch.ones(len(lens), dtype=torch.int32, device="cuda")
         want = reference(q, cache[0], cache[1], tables, torch.arange(len(lens), device="cuda"), ones, seq_lens,
                          scale, softcap, window, sinks)
-        for split in (None, 1):
-            got = ta.paged_decode_attention(q, cache[0], cache[1], tables, seq_lens, scale, tiles_per_split=split,
+        for split in (None, 1, 64):  # the default, one program per sequence, more programs than most have tiles
+            got = ta.paged_decode_attention(q, cache[0], cache[1], tables, seq_lens, scale, num_splits=split,
                                             softcap=softcap, window=window, sinks=sinks)
             worst[f"decode {dtype} d{head_dim} g{group} split={split} cap={softcap} w={window} sinks={sunk}"] = (
                 (got.float() - want.float()).abs().max().item())
@@ -147,8 +147,8 @@ def check_mla_kernel() -> dict:
         q = torch.randn(len(lens), heads, rank + rope, device="cuda", generator=gen).to(dtype)
         ones = torch.ones(len(lens), dtype=torch.int32, device="cuda")
         want = reference(q, cache, cache, tables, torch.arange(len(lens), device="cuda"), ones, seq_lens, scale)
-        for split in (None, 1):
-            got = triton_mla.mla_decode_attention(q, cache, tables, seq_lens, scale, rank, tiles_per_split=split)
+        for split in (None, 1, 64):
+            got = triton_mla.mla_decode_attention(q, cache, tables, seq_lens, scale, rank, num_splits=split)
             worst[f"decode {dtype} h{heads} split={split}"] = (
                 (got.float() - want[..., :rank].float()).abs().max().item())
         timings[f"decode {dtype} h{heads} ms"] = _timed(
@@ -213,6 +213,19 @@ def check_fused_moe() -> dict:
     return {"ok": not bad, "relative_error": errors, "over_tolerance": bad, "timings": timings}
 
 
+def _count_graph_steps(llm) -> list[int]:
+    """The decode steps that go through the engine's CUDA graphs from now on (their batch sizes)."""
+    graphs, steps = llm.engine.runner.graphs, []
+    if graphs is not None:
+        run = graphs.run
+
+        def counted(input_ids, *rest):
+            steps.append(len(input_ids))
+            return run(input_ids, *rest)
+        graphs.run = counted
+    return steps
+
+
 def check_engine(tmp: str) -> dict:
     import transformers
 
@@ -232,12 +245,18 @@ def check_engine(tmp: str) -> dict:
             llm = LLM(model_dir, dtype="float32", device="cuda", max_num_batched_tokens=128, max_model_len=512)
             row["backend"] = llm.engine.runner.attention_backend
             row["kv_groups"] = len(llm.engine.core.kv_groups.windows)
+            replays = _count_graph_steps(llm)
             t0 = time.perf_counter()
             outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2))
             got = [o.token_ids for o in outs]
             row["baton_s"] = round(time.perf_counter() - t0, 3)
             row["pool_full"] = llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+            row["graph_steps"] = len(replays)  # decode steps that replayed a CUDA graph
             del llm
+            eager = LLM(model_dir, dtype="float32", device="cuda", max_num_batched_tokens=128, max_model_len=512,
+                        enforce_eager=True)
+            row["equal_eager"] = [o.token_ids for o in eager.generate(prompts, greedy)] == got
+            del eager
             hf = transformers.AutoModelForCausalLM.from_pretrained(  # eager: SDPA would drop soft-caps
                 model_dir, dtype=torch.float32, attn_implementation="eager").cuda().eval()
             want = []
@@ -271,7 +290,8 @@ def check_engine(tmp: str) -> dict:
             # Equal, or parted only at a near tie with every logprob within float noise of transformers'.
             noise = row["max_logprob_diff"] < 1e-3 and all(m < 1e-3 for m in row["margin_where_paths_part"])
             row["ok"] = ((all(row["equal_transformers"]) or noise) and row["pool_full"] and row["bf16_complete"]
-                         and row["bf16_pool_full"])
+                         and row["bf16_pool_full"] and row["equal_eager"] and (row["graph_steps"] > 0
+                                                                                or row["backend"] != "triton"))
         except Exception:  # noqa: BLE001 - one family's failure is a line in the report
             row["ok"], row["error"] = False, traceback.format_exc(limit=6)
         torch.cuda.empty_cache()

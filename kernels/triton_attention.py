@@ -46,6 +46,16 @@ def _kv_tile(K, V, TABLE, first_key, ctx_len, kv_head, d, d_ok, stride_kb, strid
 
 
 @triton.jit
+def _split_tiles(first_tile, end_tile, split, num_splits):
+    """This split's key tiles [first, end) of a sequence's [first_tile, end_tile): each
+    sequence shares its own tiles evenly over the grid's splits, so the grid (a CUDA graph's,
+    captured once for every context length) need not follow the longest context."""
+    per = tl.cdiv(end_tile - first_tile, num_splits)
+    first = first_tile + split * per
+    return first, tl.minimum(first + per, end_tile)
+
+
+@triton.jit
 def _capped(scores, softcap, CAPPED: tl.constexpr):
     """cap · tanh(scores / cap) where CAPPED (tanh from the sigmoid: tl has no tanh of its own)."""
     if CAPPED:
@@ -69,24 +79,20 @@ def _start(SINKS, heads, sunk, ROWS: tl.constexpr, SUNK: tl.constexpr):
 # Integers that change from step to step are not specialized on: Triton would compile a new
 # variant whenever one's value class changes (equal to 1, divisible by 16), stalling the step.
 @triton.jit(do_not_specialize=["stride_tb", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh",
-                               "tiles_per_split", "window"])
+                               "window"])
 def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE, SINKS,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                  stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale, tiles_per_split,
+                  stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale,
                   window, softcap,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DIRECT: tl.constexpr, SLIDING: tl.constexpr,
                   CAPPED: tl.constexpr, SUNK: tl.constexpr):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b)
-    # tiles_per_split is a runtime argument: it changes as contexts grow, and a constexpr
-    # would compile the kernel again for each value.
-    first = split * tiles_per_split
-    end = tl.minimum(first + tiles_per_split, tl.cdiv(seq_len, TILE))
     first_key = 0  # the first key the query (at seq_len - 1) sees
     if SLIDING:
         first_key = tl.maximum(seq_len - window, 0)
-        first = tl.maximum(first, first_key // TILE)
+    first, end = _split_tiles(first_key // TILE, tl.cdiv(seq_len, TILE), split, tl.num_programs(2))
     g, d = tl.arange(0, GROUP_PAD), tl.arange(0, D_PAD)
     heads = kv_head * GROUP + g
     d_ok = d < HEAD_DIM
@@ -151,8 +157,9 @@ def _write_kv(K, V, K_CACHE, V_CACHE, SLOTS, num_tokens, stride_kt, stride_kh, s
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.arange(0, COLS)
     h, d = c // D_PAD, c % D_PAD
-    ok = (t[:, None] < num_tokens) & ((h < NUM_HEADS) & (d < HEAD_DIM))[None, :]
-    slot = tl.load(SLOTS + t, mask=t < num_tokens, other=0).to(tl.int64)
+    slot = tl.load(SLOTS + t, mask=t < num_tokens, other=-1).to(tl.int64)
+    # A negative slot is a padding row's (a CUDA graph's batch padded to its captured size): not written.
+    ok = (slot >= 0)[:, None] & ((h < NUM_HEADS) & (d < HEAD_DIM))[None, :]
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     k = tl.load(K + t[:, None] * stride_kt + (h * stride_kh + d)[None, :], mask=ok)
     tl.store(K_CACHE + (block * stride_cb + offset * stride_ct)[:, None] + (h * stride_ch + d)[None, :], k, mask=ok)
@@ -302,7 +309,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           tiles_per_split: int | None = None, out: torch.Tensor | None = None,
+                           num_splits: int | None = None, out: torch.Tensor | None = None,
                            kv_tile: int | None = None, softcap: float | None = None,
                            window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its cached context.
@@ -310,8 +317,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (one layer's views, any
     strides but a contiguous last dim); block_tables [B, max_blocks] int32; seq_lens [B] int32
     (the context, this step's token included). `kv_tile`: keys per loop iteration (default
-    KV_TILE); `tiles_per_split`: tiles one program reads (default
-    `default_tiles_per_split`; one split needs no combine pass); `out`: where the B rows go (its
+    KV_TILE); `num_splits`: programs that share each sequence's key tiles (default
+    `default_num_splits`; one split needs no combine pass); `out`: where the B rows go (its
     first B rows; default: a new tensor like q); `softcap`, `window`, `sinks` ([Hq] float32): see
     the module's docstring.
     """
@@ -320,9 +327,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = _groups("paged_decode_attention", q, k_cache, v_cache)
     kv_tile = kv_tile or KV_TILE
     max_tiles = max(1, -(-block_tables.shape[1] * block_size // kv_tile))
-    if tiles_per_split is None:
-        tiles_per_split = default_tiles_per_split(q.device, batch, num_kv_heads, max_tiles)
-    num_splits = -(-max_tiles // tiles_per_split)
+    num_splits = num_splits or default_num_splits(q.device, batch, num_kv_heads, max_tiles)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if num_splits == 1:
         part, lse = out, out  # written directly (lse unused)
@@ -336,7 +341,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, seq_lens, part, lse, _sinks(sinks, q),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        *part_strides, *lse_strides, scale, tiles_per_split, window or 0, softcap or 0.0,
+        *part_strides, *lse_strides, scale, window or 0, softcap or 0.0,
         GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, TILE=kv_tile,
         DIRECT=num_splits == 1, SLIDING=window is not None, CAPPED=softcap is not None, SUNK=sinks is not None,
         **_launch(head_dim))
@@ -347,12 +352,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-def default_tiles_per_split(device: torch.device, batch: int, num_kv_heads: int, max_tiles: int) -> int:
-    """Key tiles per decode program: enough splits that batch × KV heads × splits fills the
-    device's SMs twice over; a large batch, or a short context, gets one split."""
+def default_num_splits(device: torch.device, batch: int, num_kv_heads: int, max_tiles: int) -> int:
+    """Decode programs per sequence and KV head: enough that batch × KV heads × splits fills
+    the device's SMs twice over, at most the tiles of the widest table; a large batch, or a
+    short context, gets one."""
     target = 2 * (_sm_count(device) if device.type == "cuda" else 4)
-    splits = max(1, min(max_tiles, -(-target // (batch * num_kv_heads))))
-    return -(-max_tiles // splits)
+    return max(1, min(max_tiles, -(-target // (batch * num_kv_heads))))
 
 
 _SM_COUNTS: dict[int, int] = {}

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from baton.kernels import triton_attention
+from baton.kernels.triton_attention import _split_tiles  # (a jit function: called from _mla by name)
 
 
 @triton.jit
@@ -53,11 +54,10 @@ def _row_tile(CACHE, TABLE, first_key, ctx_len, r, p, stride_cb, stride_ct, RANK
 
 # Integers that change from step to step are not specialized on (see triton_attention): the
 # table's width, the split count's strides, tiles per split.
-@triton.jit(do_not_specialize=["stride_tb", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh",
-                               "tiles_per_split"])
+@triton.jit(do_not_specialize=["stride_tb", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh"])
 def _mla(Q, CACHE, OUT, LSE, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
          stride_qt, stride_qh, stride_cb, stride_ct, stride_tb, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-         scale, tiles_per_split,
+         scale,
          NUM_HEADS: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr, ROPE: tl.constexpr, P_PAD: tl.constexpr,
          BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
          TILE: tl.constexpr, DECODE: tl.constexpr, DIRECT: tl.constexpr):
@@ -66,8 +66,7 @@ def _mla(Q, CACHE, OUT, LSE, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
     ctx_len = tl.load(CTX_LENS + seq)
     if DECODE:  # the query is row `seq`, at position ctx_len - 1; this split's key tiles
         q_start, q_len, m_tile, split = seq, 1, 0, third
-        first = split * tiles_per_split
-        end = tl.minimum(first + tiles_per_split, tl.cdiv(ctx_len, TILE))
+        first, end = _split_tiles(0, tl.cdiv(ctx_len, TILE), split, tl.num_programs(0))
     else:  # the tile's last row sees keys up to ctx_len - q_len + (m_tile + 1) * BLOCK_M - 1
         q_start, q_len, m_tile, split = tl.load(Q_STARTS + seq), tl.load(Q_LENS + seq), third, 0
         if m_tile * BLOCK_M >= q_len:
@@ -149,14 +148,14 @@ def _out(q: torch.Tensor, rank: int, out: torch.Tensor | None, name: str) -> tor
 
 
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                         scale: float, rank: int, tiles_per_split: int | None = None,
+                         scale: float, rank: int, num_splits: int | None = None,
                          out: torch.Tensor | None = None, tile: int | None = None) -> torch.Tensor:
     """One query token per sequence over its cached context. q [B, heads, rank + rope]; cache
     [num_blocks, block_size, 1, rank + rope] (a strided per-layer view, rows contiguous);
     block_tables [B, max_blocks] int32; seq_lens [B] int32 (this step's token included).
     Returns the attended latent [B, heads, rank] (`out`: written into its first B rows and
-    rank columns instead). `tiles_per_split`: key tiles a program reads (default: enough
-    splits to fill the device, triton_attention.default_tiles_per_split); `tile`: keys per
+    rank columns instead). `num_splits`: programs sharing each sequence's key tiles (default:
+    enough to fill the device, triton_attention.default_num_splits); `tile`: keys per
     tile (default kv_tile)."""
     num_heads, rope = _check("mla_decode_attention", q, cache, rank)
     out = _out(q, rank, out, "mla_decode_attention")
@@ -166,9 +165,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
     tile = tile or kv_tile(q.shape[2], cache.dtype)
     head_blocks = -(-num_heads // BLOCK_H)
     max_tiles = max(1, -(-block_tables.shape[1] * block_size // tile))
-    if tiles_per_split is None:
-        tiles_per_split = triton_attention.default_tiles_per_split(q.device, batch, head_blocks, max_tiles)
-    num_splits = -(-max_tiles // tiles_per_split)
+    num_splits = num_splits or triton_attention.default_num_splits(q.device, batch, head_blocks, max_tiles)
     if num_splits == 1:  # written directly: no combine pass (lse unused)
         part, lse, part_strides, lse_strides = out, out, (out.stride(0), out.stride(1), 0), (0, 0)
     else:
@@ -178,7 +175,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
     block_h = min(BLOCK_H, triton.next_power_of_2(num_heads))
     _mla[(num_splits, batch, head_blocks)](
         q, cache, part, lse, block_tables, seq_lens, seq_lens, seq_lens, q.stride(0), q.stride(1), cache.stride(0),
-        cache.stride(1), block_tables.stride(0), *part_strides, *lse_strides, scale, tiles_per_split,
+        cache.stride(1), block_tables.stride(0), *part_strides, *lse_strides, scale,
         NUM_HEADS=num_heads, RANK=rank, R_PAD=_pad(rank), ROPE=rope, P_PAD=_pad(rope), BLOCK_SIZE=block_size,
         BLOCK_M=1, BLOCK_H=block_h, ROWS=_pad(block_h), TILE=tile, DECODE=True, DIRECT=num_splits == 1,
         **_LAUNCH)
@@ -209,7 +206,7 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: to
     rows = _pad(block_m * block_h)
     _mla[(-(-max_q // block_m), num_seqs, -(-num_heads // block_h))](
         q, cache, out, out, block_tables, q_starts, q_lens, ctx_lens, q.stride(0), q.stride(1), cache.stride(0),
-        cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), 0, 0, 0, scale, 0,
+        cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), 0, 0, 0, scale,
         NUM_HEADS=num_heads, RANK=rank, R_PAD=_pad(rank), ROPE=rope, P_PAD=_pad(rope), BLOCK_SIZE=cache.shape[1],
         BLOCK_M=block_m, BLOCK_H=block_h, ROWS=rows, TILE=tile or kv_tile(q.shape[2], cache.dtype), DECODE=False,
         DIRECT=True, **_LAUNCH)

@@ -4,15 +4,16 @@ number of experts.
 
 The grouped PyTorch path gathers each pair's row, reads every expert's token count to the host
 and launches a matmul pair per expert that has tokens; gate and up go to memory at [pairs, 2I]
-before the activation reads them back. Here an alignment step (torch ops on the device, one
-sync) sorts the step's (token, k) pairs by expert and pads each expert's run to a multiple of
-BLOCK_M, so every M-block of the sorted order belongs to one expert. The first kernel reads its
-block's rows of x in place (row = pair // k), multiplies them by the expert's gate and up rows
-together (the same N columns of each half) and applies the activation in its epilogue, writing
-the activated [pairs, I]; the second multiplies that by the expert's down projection, scales
-each row by the pair's routing weight and writes [pairs, H] in float32, which a sum over k
-reduces (no atomics: the result does not depend on the order pairs finish in). Accumulation is
-in float32; float32 inputs use tl.dot's "ieee" precision, so results match PyTorch's to ~1e-5.
+before the activation reads them back. Here an alignment step (torch ops on the device, no
+sync: its buffers are sized for the most blocks the pairs could take) sorts the step's (token,
+k) pairs by expert and pads each expert's run to a multiple of BLOCK_M, so every M-block of the
+sorted order belongs to one expert. The first kernel reads its block's rows of x in place (row
+= pair // k), multiplies them by the expert's gate and up rows together (the same N columns of
+each half) and applies the activation in its epilogue, writing the activated [pairs, I]; the
+second multiplies that by the expert's down projection, scales each row by the pair's routing
+weight and writes [pairs, H] in float32, which a sum over k reduces (no atomics: the result
+does not depend on the order pairs finish in). Accumulation is in float32; float32 inputs use
+tl.dot's "ieee" precision, so results match PyTorch's to ~1e-5.
 
 Activations: "silu" (silu(gate) · up, Mixtral/Qwen/DeepSeek) and "swiglu_oai" (gpt-oss: gate
 clamped above at `limit`, up to ±limit, (up + 1) · gate · sigmoid(alpha · gate)), with the
@@ -42,7 +43,8 @@ def _glu(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def _block_rows(SORTED, BLOCK_EXPERT, num_pairs, BLOCK_M: tl.constexpr):
-    """This program's M-block: its expert and its BLOCK_M sorted pairs (padding is num_pairs)."""
+    """This program's M-block: its expert (-1: a block past the last run, which holds no pair)
+    and its BLOCK_M sorted pairs (padding is num_pairs)."""
     m_block = tl.program_id(0)
     expert = tl.load(BLOCK_EXPERT + m_block).to(tl.int64)
     pair = tl.load(SORTED + m_block * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -59,6 +61,8 @@ def _gate_up(X, W, BIAS, SORTED, BLOCK_EXPERT, OUT, num_pairs, top_k, hidden, in
     """OUT[pair, n] = glu(gate_up[e, n] · x[token], gate_up[e, inter + n] · x[token]) for the
     block's pairs and BLOCK_N columns n of the intermediate."""
     expert, pair, row_ok = _block_rows(SORTED, BLOCK_EXPERT, num_pairs, BLOCK_M)
+    if expert < 0:
+        return
     token = pair // top_k
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
@@ -89,6 +93,8 @@ def _down(A, W, BIAS, WEIGHTS, SORTED, BLOCK_EXPERT, OUT, num_pairs, hidden, int
     """OUT[pair, n] = weight[pair] · (down[e, n] · A[pair] + bias[e, n]), float32, for the
     block's pairs and BLOCK_N columns n of the hidden size."""
     expert, pair, row_ok = _block_rows(SORTED, BLOCK_EXPERT, num_pairs, BLOCK_M)
+    if expert < 0:
+        return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     w = W + expert * stride_we + n[None, :] * stride_wn
@@ -109,25 +115,30 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     """The (token, k) pairs (flat index t · k + j into ids) sorted by expert, each expert's run
     padded to a multiple of block_m with the sentinel ids.numel(): (sorted_pairs [padded] int32,
     block_expert [padded / block_m] int32, the expert of each M-block). Experts without pairs get
-    no block. Torch ops on ids' device and one sync, which also checks the ids' range."""
+    no block. Torch ops on ids' device, sized for the most blocks the pairs can take (each
+    expert's run padded by up to block_m - 1), the blocks past the last run marked -1 (their
+    programs return at once): nothing waits for the device, so a CUDA graph can hold it. The ids'
+    range is checked on a CPU only (there reading them costs no sync; on a GPU they come from a
+    top-k over the router's experts)."""
     flat = ids.flatten()
     num_pairs = flat.numel()
-    # Counted with the ids clamped so that a bad id is reported below rather than indexed.
+    if flat.device.type == "cpu":
+        low, high = int(flat.min()), int(flat.max())
+        if low < 0 or high >= num_experts:
+            raise ValueError(f"fused_moe: ids must lie in [0, {num_experts}) (the experts of gate_up), "
+                             f"got {low}..{high}")
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat.clamp(0, num_experts - 1), torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
-    low, high, total = torch.stack([flat.min(), flat.max(), ends[-1]]).tolist()  # the one sync
-    if low < 0 or high >= num_experts:
-        raise ValueError(f"fused_moe: ids must lie in [0, {num_experts}) (the experts of gate_up), "
-                         f"got {low}..{high}")
+    most = -(-(num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m) * block_m
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
     rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[expert]  # within its run
-    sorted_pairs = torch.full((total,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_pairs = torch.full((most,), num_pairs, dtype=torch.int32, device=flat.device)
     sorted_pairs[(ends - padded)[expert] + rank] = order.to(torch.int32)
-    starts = torch.arange(0, total, block_m, device=flat.device)
-    block_expert = torch.searchsorted(ends, starts, right=True).to(torch.int32)
+    starts = torch.arange(0, most, block_m, device=flat.device)
+    block_expert = torch.where(starts < ends[-1], torch.searchsorted(ends, starts, right=True), -1).to(torch.int32)
     return sorted_pairs, block_expert
 
 

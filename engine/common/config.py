@@ -79,6 +79,11 @@ class EngineConfig:
     # experts spread whole over the ranks rather than each split. Ignored with one rank (every
     # expert is on it) and by a model without experts, as vLLM does: a stack's tiers share it.
     enable_expert_parallel: bool = False
+    # CUDA graphs (vLLM's names): a step of one-token decodes replays a graph captured for its batch
+    # size padded up to the next of cudagraph_capture_sizes (default: 1, 2, 4, then every multiple
+    # of 8 up to max_num_seqs, at most 512); enforce_eager: never (every step launches its kernels).
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: list[int] | None = None
 
     def __post_init__(self):
         check(isinstance(self.model, (str, os.PathLike)) and os.path.isdir(self.model), "model",
@@ -113,6 +118,19 @@ class EngineConfig:
         self._check_host_tier()
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self._check_parallel()
+        self._check_graphs()
+
+    def _check_graphs(self) -> None:
+        check(isinstance(self.enforce_eager, bool), "enforce_eager",
+              f"must be true or false, got {self.enforce_eager!r}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is None:
+            most = min(self.max_num_seqs, 512)
+            sizes = [n for n in (1, 2, 4) if n < most] + list(range(8, most, 8)) + [most]
+        check(isinstance(sizes, (list, tuple)) and len(sizes) > 0
+              and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes),
+              "cudagraph_capture_sizes", f"must be a non-empty list of integers >= 1, got {sizes!r}")
+        self.cudagraph_capture_sizes = sorted(set(sizes))
 
     def _check_parallel(self) -> None:
         tp = self.tensor_parallel_size

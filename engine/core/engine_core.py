@@ -6,6 +6,7 @@ process of its own (process.py); the offline engine (engine/offline/llm_engine.p
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -38,7 +39,10 @@ from baton.engine.worker.spec_decode.mtp import load_mtp
 from baton.engine.worker.parallel.messages import RankAdapter, RunnerSetup
 from baton.engine.worker.parallel.tensor_parallel import check_split, shard_model
 from baton.engine.worker.parallel.workers import TPWorkers
+
 from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
+
+log = logging.getLogger(__name__)
 
 _CPU_KV_BUDGET = 1 << 30
 
@@ -132,6 +136,13 @@ class EngineCore:
         if self.runner.model.rope_recompute_at is not None:  # LongRoPE: see Scheduler.recompute_at
             self.scheduler.recompute_at = self.runner.model.rope_recompute_at
             self.scheduler.rekey = self._rope_rekey
+        start = time.perf_counter()
+        self.runner.capture_graphs()
+        if self.runner.graphs is not None:
+            log.info("CUDA graphs for decode steps of %s requests captured in %.1f s",
+                     ", ".join(map(str, self.runner.graphs.sizes)), time.perf_counter() - start)
+        else:
+            log.info("decode steps run eagerly (%s)", self.runner.graphs_off)
         self.vocab_size = args.vocab_size
         self.grammars = self.runner.grammars = Grammars(config.model, args.vocab_size, self.eos_token_ids)
         self.awaiting_grammar: list[Request] = []  # WAITING_FOR_FSM: held back until their grammar compiled

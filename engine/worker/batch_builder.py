@@ -19,7 +19,8 @@ from baton.kv_transfer.base import first_needed_block
 
 
 class BatchBuilder:
-    def _build_batch(self, sched: SchedulerOutput) -> dict:
+    def _batch_rows(self, sched: SchedulerOutput) -> dict:
+        """The step's batch on the host: token ids, positions and each request's rows, in row order."""
         starts = {c.req_id: c.num_computed_tokens for c in sched.scheduled_cached_reqs}
         starts.update((n.req_id, n.num_computed_tokens) for n in sched.scheduled_new_reqs)
         # One-token decodes first, longest context first (the reference's length groups are
@@ -53,15 +54,23 @@ class BatchBuilder:
                 sample_spans.append((len(sample_rows), 1 + len(drafts)))
                 sample_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
                 sample_req_ids.append(req_id)
-        dev = self.device
-        positions_t = torch.tensor(positions, device=dev)
-        rope_lengths = None
-        if by_length:  # dynamic NTK, LongRoPE: each token's sequence length (on the host: RotaryTable.lookup)
-            rope_lengths = torch.from_numpy(np.concatenate([self.model.rope_lengths(*lens) for lens in rope_rows]))
-        num_decodes = sum(1 for _, n in order if n == 1)  # the first spans
         # Each group's blocks: its own tables and slots.
         group_spans = [[(start, end, blocks[group]) for start, end, blocks in rows]
                        for group in range(len(self.kv_groups.layers))]
+        return {"input_ids": input_ids, "positions": positions, "rope_rows": rope_rows, "group_spans": group_spans,
+                "num_decodes": sum(1 for _, n in order if n == 1),  # the first spans
+                "sample_rows": sample_rows, "sample_req_ids": sample_req_ids, "sample_spans": sample_spans,
+                "prompt_rows": prompt_rows, "adapter_spans": adapter_spans,
+                "order": order, "spans": rows}  # each request's (id, rows) and (start, end, block ids), in row order
+
+    def _batch_tensors(self, batch: dict) -> dict:
+        """The host batch with its token ids, positions, sampled rows and attention metadata on the device."""
+        dev, group_spans, num_decodes = self.device, batch["group_spans"], batch["num_decodes"]
+        positions_t = torch.tensor(batch["positions"], device=dev)
+        rope_lengths = None
+        if self.model.rope_by_length:  # dynamic NTK, LongRoPE: each token's sequence length (on the host)
+            rope_lengths = torch.from_numpy(np.concatenate([self.model.rope_lengths(*lens)
+                                                            for lens in batch["rope_rows"]]))
         if self.attention_backend == "cpu":
             metas = [self._kernel_batch(spans, positions_t) for spans in group_spans]
         elif self.attention_backend == "triton":
@@ -71,11 +80,9 @@ class BatchBuilder:
                      for spans, window in zip(group_spans, self.kv_groups.windows)]
         for meta, spans in zip(metas, group_spans):
             self._count_decodes(meta, spans, num_decodes, self.model.args.attention == "mla")
-        return {"input_ids": torch.tensor(input_ids, device=dev), "positions": positions_t, "metas": metas,
-                "sample_rows": torch.tensor(sample_rows, device=dev), "sample_req_ids": sample_req_ids,
-                "sample_spans": sample_spans,
-                "prompt_rows": prompt_rows, "adapter_spans": adapter_spans, "rope_lengths": rope_lengths,
-                "order": order, "spans": rows}  # each request's (id, rows) and (start, end, block ids), in row order
+        return {**batch, "input_ids": torch.tensor(batch["input_ids"], device=dev), "positions": positions_t,
+                "metas": metas, "sample_rows": torch.tensor(batch["sample_rows"], device=dev),
+                "rope_lengths": rope_lengths}
 
     def _count_decodes(self, meta: AttentionMetadata, spans: list[block_tables.Span], num_decodes: int,
                        latent: bool) -> None:

@@ -1,5 +1,6 @@
-"""Runs one SchedulerOutput through the model: builds the flat batch (batch_builder.py), samples
-the next tokens (or, for requests with drafts, verifies them: spec_decode/), and drafts the next
+"""Runs one SchedulerOutput through the model: builds the flat batch (batch_builder.py) and runs
+it (a step of one-token decodes on a GPU replays a CUDA graph: cuda_graphs.py), samples the
+next tokens (or, for requests with drafts, verifies them: spec_decode/), and drafts the next
 step's.
 
 The runner keeps its own per-request state (token ids, block ids, RNG), updated from each
@@ -14,6 +15,7 @@ import torch
 
 from baton.engine.worker import block_tables
 from baton.engine.worker.batch_builder import BatchBuilder
+from baton.engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_because
 from baton.engine.common.config import EngineConfig, read_config
 from baton.engine.common.kv_groups import KVGroups, group_layers
 from baton.engine.worker.host_kv_copier import HostKVCopier
@@ -108,6 +110,13 @@ class ModelRunner(BatchBuilder):
                                                 latent=args.attention == "mla")
         self.proposer = None if spec is None else (make_proposer(spec) if draft is None else
                                                    self._draft_proposer(draft, num_blocks))
+        off = graphs_off_because(self.device.type == "cuda", config.enforce_eager, self.attention_backend,
+                                 lora is not None, model.rope_by_length, config.tensor_parallel_size > 1)
+        # Steps of one-token decodes replay CUDA graphs (captured by capture_graphs, once the engine is built).
+        self.graphs = None if off is not None else DecodeGraphs(
+            self._graph_forward, len(groups.layers), capture_sizes(config.cudagraph_capture_sizes, config.max_num_seqs),
+            -(-config.max_model_len // config.block_size), config.block_size, self.device, capture=True)
+        self.graphs_off = off  # why not, for the log
         # A draft's or head's KV goes to a decode peer with the prompt's (an engine with a connector's).
         draft_cache = self.proposer.cache if draft is not None and connector is not None else None
         self.draft_format = draft_format if draft_cache is None else (
@@ -146,6 +155,17 @@ class ModelRunner(BatchBuilder):
                                  self.config.max_num_batched_tokens, metadata, self.device)
         return DraftModelProposer(draft, num_blocks, self.block_size, self.config.max_model_len, group, metadata,
                                   self.device, self.config.max_num_batched_tokens)
+
+    def capture_graphs(self) -> None:
+        """Capture the decode steps' CUDA graphs (where this runner uses them)."""
+        if self.graphs is not None:
+            with torch.cuda.device(self.device):
+                self.graphs.capture_all()
+
+    def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: list
+                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        hidden = self.model(input_ids, positions, self.layer_caches, [metas[g] for g in self.layer_group])
+        return hidden, list(self.model.aux_hidden) if self.model.aux_layers else []
 
     def _add_request(self, new) -> None:
         params = new.sampling_params
@@ -214,12 +234,20 @@ class ModelRunner(BatchBuilder):
         return out
 
     def _run(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        batch = self._build_batch(sched)
-        if self.lora is not None:
-            self.lora.prepare(batch["adapter_spans"])
-        metas = batch["metas"]
-        hidden = self.model(batch["input_ids"], batch["positions"], self.layer_caches,
-                            [metas[g] for g in self.layer_group], batch["rope_lengths"])
+        batch = self._batch_rows(sched)
+        if self.graphs is not None and self.graphs.takes(batch, bool(sched.scheduled_spec_tokens)):
+            hidden, aux = self.graphs.run(batch["input_ids"], batch["positions"], batch["group_spans"])
+            if aux:
+                self.model.aux_hidden = aux
+            sample_rows = slice(0, len(batch["order"]))  # (hidden is padded to the graph's size)
+        else:
+            batch = self._batch_tensors(batch)
+            if self.lora is not None:
+                self.lora.prepare(batch["adapter_spans"])
+            metas = batch["metas"]
+            hidden = self.model(batch["input_ids"], batch["positions"], self.layer_caches,
+                                [metas[g] for g in self.layer_group], batch["rope_lengths"])
+            sample_rows = batch["sample_rows"]
         out = ModelRunnerOutput({})
         if batch["prompt_rows"]:
             out.prompt_logprobs = self._prompt_logprobs(hidden, batch["prompt_rows"])
@@ -229,7 +257,7 @@ class ModelRunner(BatchBuilder):
             if keep_hidden is not None:
                 self._keep_hidden(keep_hidden, batch, hidden, sched, out)
             return out
-        all_logits = self.model.compute_logits(hidden[batch["sample_rows"]])  # (a collective under TP)
+        all_logits = self.model.compute_logits(hidden[sample_rows])  # (a collective under TP)
         if not self.driver:
             return out
         spans = batch["sample_spans"]

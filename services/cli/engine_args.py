@@ -54,6 +54,11 @@ def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="with --tensor-parallel-size: spread a mixture of experts' experts whole over the ranks "
                         "rather than split each")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, launch every step's kernels rather than replay CUDA graphs of decode steps")
+    g.add_argument("--cudagraph-capture-sizes", nargs="+", type=int, metavar="N",
+                   help="decode batch sizes to capture CUDA graphs for (default: 1 2 4, then every multiple of 8 up to "
+                        "--max-num-seqs, at most 512)")
     g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
                    help="LoRA adapters (PEFT directories) to load at start; requests pick one by name")
     g.add_argument("--speculative-config", metavar="JSON",
@@ -89,6 +94,8 @@ def engine_config(args):
                                     disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager",
                                                                             False),
                                     enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+                                    enforce_eager=getattr(args, "enforce_eager", False),
+                                    cudagraph_capture_sizes=getattr(args, "cudagraph_capture_sizes", None),
                                     lora_modules=dict(m.split("=", 1) for m in modules), **kwargs)
 
 
@@ -100,7 +107,10 @@ def engine_argv(args) -> list[str]:
                                    ("--no-chunked-prefill", args.no_chunked_prefill),
                                    ("--enable-lora", args.enable_lora),
                                    ("--disable-hybrid-kv-cache-manager", args.disable_hybrid_kv_cache_manager),
-                                   ("--enable-expert-parallel", args.enable_expert_parallel)) if on]
+                                   ("--enable-expert-parallel", args.enable_expert_parallel),
+                                   ("--enforce-eager", args.enforce_eager)) if on]
+    if args.cudagraph_capture_sizes:
+        argv += ["--cudagraph-capture-sizes", *map(str, args.cudagraph_capture_sizes)]
     if args.lora_modules:  # every engine of the stack serves the adapters
         argv += ["--lora-modules", *args.lora_modules]
     if getattr(args, "speculative_config", None):

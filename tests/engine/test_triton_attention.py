@@ -56,10 +56,11 @@ GRID = [  # batch and context lengths (crossing block boundaries), GQA group, he
 
 @pytest.mark.parametrize("shape,split,dtype", [
     (shape, split, dtype) for shape, split, dtype in itertools.product(
-        GRID, [None, 1], [torch.float32, torch.float16])])
+        GRID, [None, 6], [torch.float32, torch.float16])])
 def test_decode_kernel_equals_the_reference(shape, split, dtype):
-    """split 1: a program per 16 keys (tiles smaller than a block of 32, too), then the combine
-    pass; None: the default 64-key tiles, one split at these sizes (written directly)."""
+    """split 6: six programs share each sequence's 16-key tiles (tiles smaller than a block of
+    32, too; a short context leaves some with none), then the combine pass; None: the default
+    64-key tiles, one split at these sizes (written directly)."""
     batch, lens, group, head_dim, block_size = shape
     q, k_cache, v_cache, tables, seq_lens = case(batch, lens, group, head_dim, block_size, dtype)
     scale = head_dim ** -0.5
@@ -195,7 +196,7 @@ def test_sliding_windows_and_soft_caps_equal_the_reference(softcap, window, bloc
                 k_cache[tables[row, blk].long()] = 1e4
                 v_cache[tables[row, blk].long()] = -1e4
     scale = 64 ** -0.5
-    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, tiles_per_split=1,
+    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, num_splits=5,
                                                   softcap=softcap, window=window)
     want = reference(q, k_cache, v_cache, tables, seq_lens, scale, softcap, window)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
@@ -204,7 +205,7 @@ def test_sliding_windows_and_soft_caps_equal_the_reference(softcap, window, bloc
     torch.testing.assert_close(got, paged_reference(*args, softcap, window), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("split,window", [(None, None), (1, None), (1, 20)])
+@pytest.mark.parametrize("split,window", [(None, None), (5, None), (5, 20)])
 def test_sinks_equal_the_reference(split, window):
     """gpt-oss's sinks: counted once whatever the splits (the first only), also when the first
     split has no key in a window; heads whose sink outweighs their keys."""
@@ -212,7 +213,7 @@ def test_sinks_equal_the_reference(split, window):
     q, k_cache, v_cache, tables, seq_lens = case(3, lens, 4, 64, 16, torch.float32, seed=12)
     sinks = torch.tensor([4.0, -2.0, 0.0, 9.0, -30.0, 1.0, 2.5, 6.0], device=DEVICE)
     scale = 64 ** -0.5
-    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, tiles_per_split=split,
+    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, num_splits=split,
                                                   window=window, sinks=sinks)
     want = reference(q, k_cache, v_cache, tables, seq_lens, scale, None, window, sinks)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -48,18 +48,18 @@ def want(q, cache, tables, q_starts, q_lens, ctx_lens, scale, rank):
     ([1], 4, 32, 8, 16, None),
     ([15, 16, 17], 4, 32, 8, 16, None),  # around a block boundary
     ([33, 70], 5, 24, 8, 32, None),  # a latent and a head count that are no powers of two
-    ([33, 70], 5, 24, 8, 32, 1),  # a program per key tile, then the combine pass
+    ([33, 70], 5, 24, 8, 32, 9),  # more programs than key tiles, then the combine pass
     ([50, 5, 18], 16, 32, 8, 16, 2),
-    ([70, 130], 128, 32, 8, 16, 8),  # 8 head blocks; one split of several key tiles (the online softmax)
+    ([70, 130], 128, 32, 8, 16, 1),  # 8 head blocks; one split of several key tiles (the online softmax)
     ([40], 16, 512, 64, 16, None),  # DeepSeek's real row, 576 wide
-    ([20, 45], 16, 512, 64, 32, 1),
+    ([20, 45], 16, 512, 64, 32, 3),
 ])
 def test_decode_equals_the_reference(lens, heads, rank, rope, block_size, split):
-    """split: key tiles per program (None: the default, several splits at these sizes on CPU)."""
+    """split: programs sharing each sequence's key tiles (None: the default, several at these sizes on CPU)."""
     cache, tables, gen = cache_case(lens, rank, rope, block_size, seed=len(lens) + rank)
     q = torch.randn(len(lens), heads, rank + rope, generator=gen).to(DEVICE)
     scale = 0.1
-    got = triton_mla.mla_decode_attention(q, cache, tables, ints(lens), scale, rank, tiles_per_split=split)
+    got = triton_mla.mla_decode_attention(q, cache, tables, ints(lens), scale, rank, num_splits=split)
     n = len(lens)
     expected = want(q, cache, tables, torch.arange(n), torch.ones(n, dtype=torch.int32), ints(lens), scale, rank)
     assert got.shape == (n, heads, rank)

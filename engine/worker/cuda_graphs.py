@@ -1,0 +1,168 @@
+"""CUDA graphs for steps of one-token decodes: the model's forward captured once per padded
+batch size and replayed, so a decode step costs one launch from Python instead of hundreds
+(vLLM's cudagraph_capture_sizes; enforce_eager turns it off).
+
+A step of B decodes runs the graph of the smallest captured size P >= B. Its inputs live in
+persistent buffers the graphs read (token ids, positions, and per KV cache group the slots and
+block tables; the context lengths shared): the step writes its rows into pinned host copies and
+one copy per buffer brings them to the device. Padding rows B..P-1 hold token 0 at position 0,
+slot -1 (the KV write skips a negative slot) and a context of one key, block 0's first (finite,
+whatever it holds, and never written), so they compute something harmless that nobody reads.
+The tables are as wide as max_model_len: the decode kernels share each sequence's own key tiles
+over the grid's splits (kernels/triton_attention.py), so one grid serves every context length.
+
+Only the forward is captured: logits, sampling and the proposers run eagerly after it. A step
+with prefill chunks, drafts to verify, prompt logprobs, or more decodes than the largest size
+runs eagerly, as do engines with LoRA, RoPE that depends on the sequence's length, tensor
+parallelism (NCCL inside a graph is unverified: no machine with two GPUs was lent), or an
+attention backend other than Triton's.
+
+`capture=False` keeps the bookkeeping and runs the padded batch through the model eagerly: a
+CPU (Triton under its interpreter) checks the padding that way in CI.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable
+
+import torch
+
+from baton.engine.worker import block_tables
+from baton.kernels.attention import AttentionMetadata, TritonBatch
+
+log = logging.getLogger(__name__)
+
+# (input_ids, positions, one AttentionMetadata per KV cache group) -> the hidden states and what
+# else of the forward a step reads (EAGLE-3's layer inputs, CausalLM.aux_hidden; else empty).
+Forward = Callable[[torch.Tensor, torch.Tensor, list[AttentionMetadata]], tuple[torch.Tensor, list[torch.Tensor]]]
+
+
+class _Buffer:
+    """A persistent device tensor the graphs read, and its host copy (pinned on a GPU) that a
+    step fills; `upload(rows)` copies its first rows over. On a CPU the two are one tensor."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        on_gpu = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=on_gpu)
+        self.device = self.host.to(device) if on_gpu else self.host
+        self.array = self.host.numpy()
+
+    def upload(self, rows: int) -> None:
+        if self.device is not self.host:
+            self.device[:rows].copy_(self.host[:rows], non_blocking=True)
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Forward, num_groups: int, sizes: list[int], max_blocks: int, block_size: int,
+                 device: torch.device, capture: bool):
+        """`sizes`: the batch sizes to capture (sorted); `max_blocks`: a table row's width
+        (max_model_len's blocks); `capture`: false where the padded batch runs eagerly."""
+        self.forward, self.sizes, self.block_size, self.device = forward, sizes, block_size, device
+        self.capture = capture
+        self.enabled = True  # bench/gpu_perf.py times the eager path of the same engine by turning it off
+        most = sizes[-1]
+        self.input_ids = _Buffer((most,), torch.int64, device)
+        self.positions = _Buffer((most,), torch.int64, device)
+        self.lens = _Buffer((most,), torch.int32, device)
+        self.slots = [_Buffer((most,), torch.int32, device) for _ in range(num_groups)]
+        self.tables = [_Buffer((most, max_blocks), torch.int32, device) for _ in range(num_groups)]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, list[torch.Tensor]]]] = {}
+
+    def padded_size(self, num_decodes: int) -> int | None:
+        """The captured size a batch of num_decodes runs at (None: larger than any)."""
+        i = bisect.bisect_left(self.sizes, num_decodes)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def takes(self, rows: dict, drafts: bool) -> bool:
+        """Whether a graph runs a step (its batch's rows, BatchBuilder._batch_rows; `drafts`:
+        some to verify): one token for every request, each sampled, none with drafts or prompt
+        logprobs, no more than the largest size."""
+        n = len(rows["order"])
+        return (self.enabled and not drafts and rows["num_decodes"] == n == len(rows["sample_req_ids"])
+                and not rows["prompt_rows"] and self.padded_size(n) is not None)
+
+    def _metas(self, size: int) -> list[AttentionMetadata]:
+        """Each group's metadata for a batch of `size` decodes: views of the persistent buffers."""
+        empty = self.lens.device[:0]
+        return [AttentionMetadata(num_decodes=size, triton=TritonBatch(
+            slot_mapping=slots.device[:size], decode_tables=table.device[:size], decode_lens=self.lens.device[:size],
+            prefill_tables=table.device[:0], q_starts=empty, q_lens=empty, ctx_lens=empty, max_q_len=0))
+            for slots, table in zip(self.slots, self.tables)]
+
+    def _pad(self, start: int, size: int) -> None:
+        """Rows start..size-1 as padding (see the module's docstring)."""
+        self.input_ids.array[start:size] = 0
+        self.positions.array[start:size] = 0
+        self.lens.array[start:size] = 1
+        for slots, table in zip(self.slots, self.tables):
+            slots.array[start:size] = -1
+            table.array[start:size, 0] = 0
+
+    def _upload(self, size: int) -> None:
+        for buffer in (self.input_ids, self.positions, self.lens, *self.slots, *self.tables):
+            buffer.upload(size)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """A graph per size, largest first, all in one memory pool (a smaller batch's
+        activations fit in a larger's), each after one eager run that compiles its kernels."""
+        if not self.capture:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._pad(0, size)
+            self._upload(size)
+            args = (self.input_ids.device[:size], self.positions.device[:size], self._metas(size))
+            self.forward(*args)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs = self.forward(*args)
+            self.graphs[size] = (graph, outputs)
+        torch.cuda.synchronize(self.device)
+
+    def run(self, input_ids: list[int], positions: list[int], group_spans: list[list[block_tables.Span]]
+            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The forward's outputs for B one-token decodes (B <= the largest size), each padded to
+        the captured size (the first B rows are theirs): their token ids, positions, and per KV
+        cache group each request's span (as the batch builder makes them: start, end, block ids)."""
+        n = len(input_ids)
+        size = self.padded_size(n)
+        self.input_ids.array[:n] = input_ids
+        self.positions.array[:n] = positions
+        bs = self.block_size
+        self.lens.array[:n] = [end for _, end, _ in group_spans[0]]
+        for spans, slots, table in zip(group_spans, self.slots, self.tables):
+            slots.array[:n] = block_tables.slots(spans, bs)
+            rows = table.array
+            for row, (_, end, blocks) in enumerate(spans):
+                used = -(-end // bs)
+                rows[row, :used] = blocks[:used]
+        self._pad(n, size)
+        self._upload(size)
+        if size not in self.graphs:  # not captured (capture=False): the same padded batch, eagerly
+            return self.forward(self.input_ids.device[:size], self.positions.device[:size], self._metas(size))
+        graph, outputs = self.graphs[size]
+        graph.replay()
+        return outputs
+
+
+def capture_sizes(config_sizes: list[int], max_num_seqs: int) -> list[int]:
+    """The configured sizes a batch can reach (at most max_num_seqs decodes; the smallest
+    size above it kept, so a full batch has a graph)."""
+    sizes = [s for s in config_sizes if s <= max_num_seqs]
+    above = [s for s in config_sizes if s > max_num_seqs]
+    return sizes + above[:1] if above and (not sizes or sizes[-1] < max_num_seqs) else sizes
+
+
+def graphs_off_because(on_cuda: bool, enforce_eager: bool, backend: str, lora: bool, rope_by_length: bool,
+                       tensor_parallel: bool) -> str | None:
+    """Why an engine runs every step eagerly (None: it captures decode graphs)."""
+    for reason, off in (("not on a GPU", not on_cuda), ("enforce_eager", enforce_eager),
+                        (f"attention backend {backend}", backend != "triton"), ("LoRA", lora),
+                        ("RoPE by sequence length", rope_by_length), ("tensor parallelism", tensor_parallel)):
+        if off:
+            return reason
+    return None
+
