@@ -38,7 +38,10 @@ _ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq
 _LAYERS_PER_SHARD = 4
 
 
-def write_random_checkpoint(out_dir: str, shape: str, seed: int = 0, max_position_embeddings: int = 131072) -> str:
+def write_random_checkpoint(out_dir: str, shape: str, seed: int = 0, max_position_embeddings: int = 131072,
+                            device: str = "cpu") -> str:
+    """`device`: where the weights are drawn ("cuda": an 8B checkpoint in seconds rather than
+    minutes; its generator's stream, so other weights than the CPU's for the same seed)."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
@@ -54,12 +57,12 @@ def write_random_checkpoint(out_dir: str, shape: str, seed: int = 0, max_positio
                          dtype="bfloat16")
     config.architectures = ["LlamaForCausalLM"]
     os.makedirs(out_dir, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
     h, heads, kv = dims["hidden_size"], dims["num_attention_heads"], dims["num_key_value_heads"]
     head_dim, inter = h // heads, dims["intermediate_size"]
 
     def normal(*shape):
-        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=gen, device=device) * 0.02).to(torch.bfloat16)
 
     layers = dims["num_hidden_layers"]
     num_shards = 1 + -(-layers // _LAYERS_PER_SHARD)
@@ -67,6 +70,7 @@ def write_random_checkpoint(out_dir: str, shape: str, seed: int = 0, max_positio
 
     def save(n: int, tensors: dict) -> None:  # each shard written as soon as it is drawn
         name = f"model-{n + 1:05d}-of-{num_shards:05d}.safetensors"
+        tensors = {k: v.to("cpu") for k, v in tensors.items()}  # (a device's shard leaves it here)
         save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
 
