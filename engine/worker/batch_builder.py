@@ -1,35 +1,75 @@
 """The step's flat batch and its attention metadata, built from a SchedulerOutput and the
-runner's per-request state: token ids, positions, the rows whose logits are sampled (a
-request's k + 1 with drafts), and per KV cache group the metadata of the runner's attention
-backend (the C++ kernel's, Triton's, or the reference's decode groups and prefill chunks).
-ModelRunner takes it as a mixin: these read the runner's attributes (block_size, device,
-states, kv_groups, attention_backend, staging, model)."""
+runner's per-request states: token ids, positions, the rows whose logits are sampled (a
+request's k + 1 with drafts), and per KV cache group the metadata of the attention backend (the
+C++ kernel's, Triton's, or the reference's decode groups and prefill chunks).
+
+A BatchBuilder is the runner's: `rows` makes the step's StepBatch on the host, and `tensors` its
+DeviceBatch (a CUDA graph takes the host batch instead: cuda_graphs.py); `metadata` serves the
+draft models and heads (spec_decode/), which attend over their own caches with the same blocks."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import numpy as np
 import torch
 
+from baton.engine.common.kv_groups import KVGroups
 from baton.engine.common.scheduler_output import SchedulerOutput
 from baton.engine.worker import block_tables
-from baton.kernels.attention import (AttentionMetadata, DecodeGroup, KernelBatch, PrefillSeq, TritonBatch,
-                                     group_decodes)
+from baton.kernels.attention import (DECODE_PADDING_ELEMS, AttentionMetadata, DecodeGroup, KernelBatch, PrefillSeq,
+                                     TritonBatch, group_decodes)
 from baton.kv_transfer.base import first_needed_block
 
 
+@dataclass(slots=True)
+class StepBatch:
+    """One step's rows on the host, in row order: one-token decodes first, then prefill chunks."""
+    input_ids: list[int]
+    positions: list[int]
+    order: list[tuple[str, int]]  # each request's id and rows
+    spans: list[tuple[int, int, list[np.ndarray]]]  # each request's [start, end) positions and block ids per group
+    group_spans: list[list[block_tables.Span]]  # per KV cache group, each request's span over its blocks
+    num_decodes: int  # the first spans
+    sample_rows: list[int]  # the rows whose logits are sampled
+    sample_req_ids: list[str]  # their requests
+    sample_spans: list[tuple[int, int]]  # per sampled request: its first row in sample_rows, and its rows (1 + drafts)
+    prompt_rows: list[tuple[str, int, int, int]]  # (request, first row, start, end) of requests wanting prompt logprobs
+    adapter_spans: list[tuple[int, int, int]]  # (adapter id, first row, end row) per request, with LoRA on
+    rope_rows: list[tuple[int, int, int, int]]  # (start, end, prompt length, length) per request, where RoPE needs them
+
+
+@dataclass(slots=True)
+class DeviceBatch:
+    """A StepBatch's tensors for an eager forward."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metas: list[AttentionMetadata]  # one per KV cache group
+    sample_rows: torch.Tensor
+    rope_lengths: torch.Tensor | None  # each token's sequence length (on the host), where RoPE depends on it
+
+
 class BatchBuilder:
-    def _batch_rows(self, sched: SchedulerOutput) -> dict:
-        """The step's batch on the host: token ids, positions and each request's rows, in row order."""
+    def __init__(self, model, kv_groups: KVGroups, block_size: int, device: torch.device, attention_backend: str,
+                 cache_dtype: torch.dtype, lora: bool):
+        """`model`: the target (its args and RoPE); `attention_backend`: "cpu", "triton" or "torch"
+        (tests switch it); `lora`: adapters are on (rows grouped by adapter)."""
+        self.model, self.kv_groups, self.block_size, self.device = model, kv_groups, block_size, device
+        self.attention_backend, self.cache_dtype, self.lora = attention_backend, cache_dtype, lora
+        self.staging = block_tables.Staging(device)  # the step's metadata on its way to the device
+        self.decode_padding_elems = DECODE_PADDING_ELEMS  # per decode group (the reference's); tests shrink it
+
+    def rows(self, sched: SchedulerOutput, states: dict) -> StepBatch:
+        """The step's batch on the host, from the runner's request states (token ids, block ids)."""
         starts = {c.req_id: c.num_computed_tokens for c in sched.scheduled_cached_reqs}
         starts.update((n.req_id, n.num_computed_tokens) for n in sched.scheduled_new_reqs)
         # One-token decodes first, longest context first (the reference's length groups are
         # then row ranges), then prefill chunks; with LoRA, by adapter within each (its rows then
         # run together), except on the reference, whose groups need the length order.
-        by_lora = self.lora is not None
+        by_lora = self.lora
         by_adapter = by_lora and self.attention_backend != "torch"
         order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: (
-            kv[1] != 1, self.states[kv[0]].lora_id if by_adapter else 0, -starts[kv[0]]))
+            kv[1] != 1, states[kv[0]].lora_id if by_adapter else 0, -starts[kv[0]]))
         input_ids, positions, sample_rows, sample_req_ids, rows, prompt_rows = [], [], [], [], [], []
         sample_spans = []  # per sampled request: its first row in sample_rows, and its rows (1 + drafts)
         drafts_of = sched.scheduled_spec_tokens
@@ -37,7 +77,7 @@ class BatchBuilder:
         by_length = self.model.rope_by_length
         adapter_spans = []  # (adapter id, first row, end row) per request, with LoRA on
         for req_id, n in order:
-            state, start = self.states[req_id], starts[req_id]
+            state, start = states[req_id], starts[req_id]
             end = start + n
             drafts = drafts_of.get(req_id, ())
             if state.prompt_logprobs is not None:
@@ -57,20 +97,17 @@ class BatchBuilder:
         # Each group's blocks: its own tables and slots.
         group_spans = [[(start, end, blocks[group]) for start, end, blocks in rows]
                        for group in range(len(self.kv_groups.layers))]
-        return {"input_ids": input_ids, "positions": positions, "rope_rows": rope_rows, "group_spans": group_spans,
-                "num_decodes": sum(1 for _, n in order if n == 1),  # the first spans
-                "sample_rows": sample_rows, "sample_req_ids": sample_req_ids, "sample_spans": sample_spans,
-                "prompt_rows": prompt_rows, "adapter_spans": adapter_spans,
-                "order": order, "spans": rows}  # each request's (id, rows) and (start, end, block ids), in row order
+        return StepBatch(input_ids, positions, order, rows, group_spans, sum(1 for _, n in order if n == 1),
+                         sample_rows, sample_req_ids, sample_spans, prompt_rows, adapter_spans, rope_rows)
 
-    def _batch_tensors(self, batch: dict) -> dict:
-        """The host batch with its token ids, positions, sampled rows and attention metadata on the device."""
-        dev, group_spans, num_decodes = self.device, batch["group_spans"], batch["num_decodes"]
-        positions_t = torch.tensor(batch["positions"], device=dev)
+    def tensors(self, batch: StepBatch) -> DeviceBatch:
+        """The host batch's token ids, positions, sampled rows and attention metadata on the device."""
+        dev, group_spans, num_decodes = self.device, batch.group_spans, batch.num_decodes
+        positions_t = torch.tensor(batch.positions, device=dev)
         rope_lengths = None
         if self.model.rope_by_length:  # dynamic NTK, LongRoPE: each token's sequence length (on the host)
             rope_lengths = torch.from_numpy(np.concatenate([self.model.rope_lengths(*lens)
-                                                            for lens in batch["rope_rows"]]))
+                                                            for lens in batch.rope_rows]))
         if self.attention_backend == "cpu":
             metas = [self._kernel_batch(spans, positions_t) for spans in group_spans]
         elif self.attention_backend == "triton":
@@ -80,9 +117,21 @@ class BatchBuilder:
                      for spans, window in zip(group_spans, self.kv_groups.windows)]
         for meta, spans in zip(metas, group_spans):
             self._count_decodes(meta, spans, num_decodes, self.model.args.attention == "mla")
-        return {**batch, "input_ids": torch.tensor(batch["input_ids"], device=dev), "positions": positions_t,
-                "metas": metas, "sample_rows": torch.tensor(batch["sample_rows"], device=dev),
-                "rope_lengths": rope_lengths}
+        return DeviceBatch(torch.tensor(batch.input_ids, device=dev), positions_t, metas,
+                           torch.tensor(batch.sample_rows, device=dev), rope_lengths)
+
+    def metadata(self, spans: list[block_tables.Span], positions: torch.Tensor, num_decodes: int, backend: str,
+                 latent: bool) -> AttentionMetadata:
+        """One cache's metadata for `backend` (a draft model's or head's, whose backend may differ
+        from the target's): the first num_decodes spans one-token decodes; `latent`: MLA's cache."""
+        if backend == "cpu":
+            meta = self._kernel_batch(spans, positions)
+        elif backend == "triton":
+            meta = self._triton_batches([spans], num_decodes)[0]
+        else:
+            meta = self._reference_batch(spans, num_decodes)
+        self._count_decodes(meta, spans, num_decodes, latent)
+        return meta
 
     def _count_decodes(self, meta: AttentionMetadata, spans: list[block_tables.Span], num_decodes: int,
                        latent: bool) -> None:
@@ -165,7 +214,7 @@ class BatchBuilder:
                 [(0, len(t) * bs, t) for t in tables[rows]], bs).astype(np.int64)).to(dev)
             past_end = torch.arange(width * bs, device=dev)[None, :] >= torch.tensor(lens[rows], device=dev)[:, None]
             # An additive mask: SDPA's CPU kernel runs ~1.5x faster with it than with a boolean one.
-            mask = (torch.zeros(past_end.shape, dtype=self.kv_cache.dtype, device=dev)
+            mask = (torch.zeros(past_end.shape, dtype=self.cache_dtype, device=dev)
                     .masked_fill_(past_end, float("-inf")))
             groups.append(DecodeGroup(start, table, mask[:, None, None, :]))
             start += size

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from baton.engine.worker import block_tables
+from baton.engine.worker.batch_builder import StepBatch
 from baton.kernels.attention import AttentionMetadata, TritonBatch
 
 log = logging.getLogger(__name__)
@@ -74,13 +75,12 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, num_decodes)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def takes(self, rows: dict, drafts: bool) -> bool:
-        """Whether a graph runs a step (its batch's rows, BatchBuilder._batch_rows; `drafts`:
-        some to verify): one token for every request, each sampled, none with drafts or prompt
-        logprobs, no more than the largest size."""
-        n = len(rows["order"])
-        return (self.enabled and not drafts and rows["num_decodes"] == n == len(rows["sample_req_ids"])
-                and not rows["prompt_rows"] and self.padded_size(n) is not None)
+    def takes(self, batch: StepBatch, drafts: bool) -> bool:
+        """Whether a graph runs a step (`drafts`: some to verify): one token for every request,
+        each sampled, none with drafts or prompt logprobs, no more than the largest size."""
+        n = len(batch.order)
+        return (self.enabled and not drafts and batch.num_decodes == n == len(batch.sample_req_ids)
+                and not batch.prompt_rows and self.padded_size(n) is not None)
 
     def _metas(self, size: int) -> list[AttentionMetadata]:
         """Each group's metadata for a batch of `size` decodes: views of the persistent buffers."""

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from baton.engine.worker import block_tables
-from baton.engine.worker.batch_builder import BatchBuilder
+from baton.engine.worker.batch_builder import BatchBuilder, StepBatch
 from baton.engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_because
 from baton.engine.common.config import EngineConfig, read_config
 from baton.engine.common.kv_groups import KVGroups, group_layers
@@ -29,7 +29,6 @@ from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton.engine.worker.grammar import mask_logits
 from baton.engine.worker.attention_backend import choose_backend
-from baton.kernels.attention import DECODE_PADDING_ELEMS
 from baton.kv_transfer.base import KVConnectorWorker, KVFormat
 
 
@@ -64,7 +63,7 @@ class RequestState:
         self.hold_for_remote = hold_for_remote  # a prefill's: its blocks (its draft's KV too) go to a decode peer
 
 
-class ModelRunner(BatchBuilder):
+class ModelRunner:
     def __init__(self, model: CausalLM, config: EngineConfig, num_blocks: int, eos_token_ids: frozenset[int],
                  connector: KVConnectorWorker | None = None, lora: LoRASlots | None = None,
                  num_host_blocks: int = 0, kv_groups: KVGroups | None = None, draft: torch.nn.Module | None = None,
@@ -98,16 +97,16 @@ class ModelRunner(BatchBuilder):
         self.host_kv = HostKVCopier(self.kv_cache, num_host_blocks) if num_host_blocks else None
         self.states: dict[str, RequestState] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.staging = block_tables.Staging(self.device)  # the step's metadata on its way to the device
         self.grammars = None  # structured_output.Grammars, set by the engine core
         spec = config.speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.connector = connector
-        self.decode_padding_elems = DECODE_PADDING_ELEMS  # per decode group; tests shrink it
-        # "cpu" (the C++ kernel), "triton" or "torch" (the reference); tests switch it.
+        # "cpu" (the C++ kernel), "triton" or "torch" (the reference).
         self.attention_backend = choose_backend(config.attention_backend, self.kv_cache.dtype, self.device,
                                                 args.num_heads, args.num_kv_heads, args.head_dim,
                                                 latent=args.attention == "mla")
+        self.batches = BatchBuilder(model, groups, config.block_size, self.device, self.attention_backend,
+                                    self.kv_cache.dtype, lora is not None)
         self.proposer = None if spec is None else (make_proposer(spec) if draft is None else
                                                    self._draft_proposer(draft, num_blocks))
         off = graphs_off_because(self.device.type == "cuda", config.enforce_eager, self.attention_backend,
@@ -141,14 +140,7 @@ class ModelRunner(BatchBuilder):
                                  a.num_kv_heads, a.head_dim, latent=latent)
 
         def metadata(spans, positions, num_decodes):
-            if backend == "cpu":
-                meta = self._kernel_batch(spans, positions)
-            elif backend == "triton":
-                meta = self._triton_batches([spans], num_decodes)[0]
-            else:
-                meta = self._reference_batch(spans, num_decodes)
-            self._count_decodes(meta, spans, num_decodes, latent)
-            return meta
+            return self.batches.metadata(spans, positions, num_decodes, backend, latent)
         group = self.kv_groups.windows.index(None)
         if not isinstance(draft, CausalLM):  # a head: it reads the target's hidden states
             return EagleProposer(draft, self.model, num_blocks, self.block_size, self.config.max_model_len, group,
@@ -210,11 +202,10 @@ class ModelRunner(BatchBuilder):
             return self._execute(sched)
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        finished = getattr(self.proposer, "finished", None)
         for req_id in sched.finished_req_ids:
             state = self.states.pop(req_id, None)
-            if finished is not None and state is not None:
-                finished(state)
+            if self.proposer is not None and state is not None:
+                self.proposer.finished(state)
         for new in sched.scheduled_new_reqs:
             self._add_request(new)
         for cached in sched.scheduled_cached_reqs:
@@ -234,25 +225,25 @@ class ModelRunner(BatchBuilder):
         return out
 
     def _run(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        batch = self._batch_rows(sched)
+        batch = self.batches.rows(sched, self.states)
         if self.graphs is not None and self.graphs.takes(batch, bool(sched.scheduled_spec_tokens)):
-            hidden, aux = self.graphs.run(batch["input_ids"], batch["positions"], batch["group_spans"])
+            hidden, aux = self.graphs.run(batch.input_ids, batch.positions, batch.group_spans)
             if aux:
                 self.model.aux_hidden = aux
-            sample_rows = slice(0, len(batch["order"]))  # (hidden is padded to the graph's size)
+            sample_rows = slice(0, len(batch.order))  # (hidden is padded to the graph's size)
         else:
-            batch = self._batch_tensors(batch)
+            tensors = self.batches.tensors(batch)
             if self.lora is not None:
-                self.lora.prepare(batch["adapter_spans"])
-            metas = batch["metas"]
-            hidden = self.model(batch["input_ids"], batch["positions"], self.layer_caches,
-                                [metas[g] for g in self.layer_group], batch["rope_lengths"])
-            sample_rows = batch["sample_rows"]
+                self.lora.prepare(batch.adapter_spans)
+            hidden = self.model(tensors.input_ids, tensors.positions, self.layer_caches,
+                                [tensors.metas[g] for g in self.layer_group], tensors.rope_lengths)
+            sample_rows = tensors.sample_rows
         out = ModelRunnerOutput({})
-        if batch["prompt_rows"]:
-            out.prompt_logprobs = self._prompt_logprobs(hidden, batch["prompt_rows"])
-        sampled_ids = batch["sample_req_ids"]
-        keep_hidden = getattr(self.proposer, "keep", None) if self.driver else None  # (an EAGLE head's)
+        if batch.prompt_rows:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_rows)
+        sampled_ids = batch.sample_req_ids
+        proposer = self.proposer if self.driver else None
+        keep_hidden = proposer.keep if proposer is not None and proposer.wants_hidden else None  # (an EAGLE head's)
         if not sampled_ids:
             if keep_hidden is not None:
                 self._keep_hidden(keep_hidden, batch, hidden, sched, out)
@@ -260,7 +251,7 @@ class ModelRunner(BatchBuilder):
         all_logits = self.model.compute_logits(hidden[sample_rows])  # (a collective under TP)
         if not self.driver:
             return out
-        spans = batch["sample_spans"]
+        spans = batch.sample_spans
         if any(n > 1 for _, n in spans):  # drafts to verify: those requests apart
             self._verify(all_logits, spans, sampled_ids, sched.scheduled_spec_tokens, out)
             keep = [i for i, (_, n) in enumerate(spans) if n == 1]
@@ -273,15 +264,15 @@ class ModelRunner(BatchBuilder):
         if self.draft_format:
             self._complete_draft_kv(out)
         if sched.propose_drafts and self.proposer is not None:
-            self._propose(batch["sample_req_ids"], out)
+            self._propose(batch.sample_req_ids, out)
         return out
 
-    def _keep_hidden(self, keep, batch: dict, hidden: torch.Tensor, sched: SchedulerOutput,
+    def _keep_hidden(self, keep, batch: StepBatch, hidden: torch.Tensor, sched: SchedulerOutput,
                      out: ModelRunnerOutput) -> None:
         """Hand the proposer the hidden states of the step's positions whose tokens stand: each
         request's rows, less its rejected drafts'."""
         rows, row = [], 0
-        for (req_id, n), (start, _, _) in zip(batch["order"], batch["spans"]):
+        for (req_id, n), (start, _, _) in zip(batch.order, batch.spans):
             # With drafts (n = 1 + drafts): the last token's row and the kept drafts' (one per token out).
             kept = len(out.sampled_token_ids[req_id]) if req_id in sched.scheduled_spec_tokens else n
             rows.append((self.states[req_id], row, start, kept))

@@ -23,7 +23,7 @@ def use_attention(llm: LLM, path: str) -> None:
         require_cpu_kernel()
         assert llm.engine.runner.attention_backend == "cpu"
     else:
-        llm.engine.runner.attention_backend = "torch"
+        llm.engine.runner.batches.attention_backend = "torch"
 
 
 @pytest.mark.parametrize("attention", ["cpu kernel", "reference, one group", "reference, per length"])
@@ -32,7 +32,7 @@ def test_batch_of_mixed_lengths(tiny_model, hf, attention):
     llm = LLM(tiny_model, dtype="float32", device="cpu", enable_prefix_caching=False)
     use_attention(llm, attention.split(",")[0])
     if attention == "reference, per length":  # no padding allowed: every context length its own group
-        llm.engine.runner.decode_padding_elems = 0
+        llm.engine.runner.batches.decode_padding_elems = 0
     assert_matches_hf(hf, tiny_model, prompts, llm.generate(prompts, GREEDY))
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 

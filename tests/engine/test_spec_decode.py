@@ -18,13 +18,14 @@ from baton.engine.common.errors import InvalidArgument
 from baton.engine.common.sampling_params import SamplingParams as Params
 from baton.engine.worker.spec_decode.ngram import NgramProposer
 from baton.engine.worker.spec_decode.verify import greedy_accept, sampled_accept
+from baton.engine.worker.spec_decode import Proposer
 
 from helpers import random_prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Drafts of the continuation a run without drafts produced, every `wrong`-th one off by one:
     accepted drafts, rejections at every position, and whole accepted runs."""
 

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton")
 from baton.engine.worker.block_tables import Staging
-from baton.engine.worker.model_runner import ModelRunner
+from baton.engine.worker.batch_builder import BatchBuilder
 from baton.kernels import triton_attention
 
 KERNELS = ("_decode_split", "combine_splits", "_write_kv", "_prefill")
@@ -96,7 +96,7 @@ def test_a_3000_step_trace_compiles_few_variants_and_all_early(monkeypatch, bloc
     for step, (decodes, prefills) in enumerate(serving_trace(3000, block_size)):
         for recorder in recorders.values():
             recorder.step = step
-        (meta,) = ModelRunner._triton_batches(runner, [decodes + prefills], len(decodes))  # one KV cache group
+        (meta,) = BatchBuilder._triton_batches(runner, [decodes + prefills], len(decodes))  # one KV cache group
         num_tokens = len(decodes) + sum(end - start for start, end, _ in prefills)
         q = torch.empty(num_tokens, num_kv_heads * group, head_dim)
         kv = torch.empty(num_tokens, num_kv_heads, head_dim)

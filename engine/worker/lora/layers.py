@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from baton.engine.worker.lora.adapter import PROJECTIONS, LoRAWeights
+from baton.engine.worker.parallel.tensor_parallel import RowParallelLinear
 
 
 @dataclass(slots=True)
@@ -45,12 +46,12 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A row-parallel projection (tensor parallelism): the deltas join this rank's partial
         # sum, which the ranks then add up (x here is this rank's share of the input).
-        reduce = getattr(self.base, "reduce", None)
-        y = self.base(x) if reduce is None else self.base.partial(x)
+        row_parallel = isinstance(self.base, RowParallelLinear)
+        y = self.base.partial(x) if row_parallel else self.base(x)
         batch = self.state.batch
         if batch is not None:
             self._add_deltas(x, y, batch)
-        return y if reduce is None else reduce(y)
+        return self.base.reduce(y) if row_parallel else y
 
     def _add_deltas(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         for rows, weights in batch.groups:

@@ -6,17 +6,26 @@ model would have produced (greedy: equal to its argmax; sampled: rejection sampl
 the target's distribution) and one token more."""
 from __future__ import annotations
 
-from typing import Protocol
-
 from baton.engine.common.speculative import SpeculativeConfig
 
 
-class Proposer(Protocol):
+class Proposer:
+    """What every proposer does (propose), and the hooks the runner calls on each, no-ops here."""
+
+    wants_hidden = False  # keep() is handed the target's hidden states after each step (eagle.py's heads)
+
     def propose(self, states: list, k: int) -> list[list[int]]:
         """Up to k drafts to follow each request's tokens (its runner state: token_ids, block_ids,
         draft_computed, proposer_state: the proposer's own, per request); none where nothing is
-        worth verifying. A proposer may also have finished(state), called as a request ends, and
-        keep(rows, hidden), handed the target's hidden states after each step (eagle.py)."""
+        worth verifying."""
+        raise NotImplementedError
+
+    def finished(self, state) -> None:
+        """A request ended (its runner state): what the proposer keeps of it may go."""
+
+    def keep(self, rows: list[tuple], hidden) -> None:
+        """Where wants_hidden: the target's hidden states of the step's positions whose tokens
+        stand, per request (its state, first row, first position, rows kept)."""
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:

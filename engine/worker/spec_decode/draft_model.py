@@ -30,9 +30,10 @@ import torch
 from baton.engine.common.errors import check
 from baton.engine.worker.models import CausalLM
 from baton.kernels.attention import AttentionMetadata
+from baton.engine.worker.spec_decode import Proposer
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_model_len: int, group: int,
                  metadata: Callable[[list, torch.Tensor, int], AttentionMetadata], device: torch.device,
                  max_rows: int = 8192):

@@ -67,6 +67,7 @@ from baton.engine.worker.models.basic import Embedding, Linear, norm
 from baton.engine.worker.models.layers import DecoderLayer
 from baton.engine.worker.models.rope import RotaryTable
 from baton.kernels.attention import AttentionMetadata
+from baton.engine.worker.spec_decode import Proposer
 
 FIELD = "speculative_config.model"
 
@@ -241,7 +242,9 @@ class _Slots:
         self.last: torch.Tensor | None = None
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
+    wants_hidden = True  # the head reads the target's hidden states
+
     def __init__(self, head: EagleHead, target: CausalLM, num_blocks: int, block_size: int, max_model_len: int,
                  group: int, flush_rows: int, metadata: Callable[[list, torch.Tensor, int], AttentionMetadata],
                  device: torch.device):

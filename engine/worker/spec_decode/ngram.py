@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+from baton.engine.worker.spec_decode import Proposer
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 

@@ -16,6 +16,7 @@ when none is likely.
 from __future__ import annotations
 
 from collections import deque
+from baton.engine.worker.spec_decode import Proposer
 
 
 class Node:
@@ -91,7 +92,7 @@ def continuation(node: Node, length: int, k: int, min_prob: float, spec_factor: 
     return drafts, score
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     def __init__(self, max_depth: int, max_cached_requests: int, min_token_prob: float, max_spec_factor: float):
         self.depth, self.min_prob, self.factor = max_depth, min_token_prob, max_spec_factor
         self.shared = SuffixTree(max_depth)
