@@ -21,7 +21,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from baton import LLM, SamplingParams
-from baton.engine.core.engine_core import StepTimes
+from baton.engine.core.step_loop import StepTimes
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODELS = ["models/tiny-llama", "models/smollm2-135m-instruct"]
@@ -107,7 +107,7 @@ def baton_runner(model_dir: Path, workload: list[Request], args: argparse.Namesp
 
     def timed_run() -> Result:
         llm.reset_prefix_cache()  # a repeat must not hit the previous run's prompts
-        llm.engine.core.times = StepTimes()
+        llm.engine.core.loop.times = StepTimes()
         preempted_before = llm.engine.scheduler.num_preemptions
         t0 = time.perf_counter()
         outs = llm.generate([r.prompt for r in workload], [greedy(r.output_len) for r in workload], use_tqdm=True)

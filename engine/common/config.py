@@ -84,6 +84,10 @@ class EngineConfig:
     # of 8 up to max_num_seqs, at most 512); enforce_eager: never (every step launches its kernels).
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None
+    # vLLM's name: the scheduler prepares step N+1 while the device runs step N (the tokens N samples
+    # reach the next step on the device), for steps whose requests need nothing of the host between
+    # (engine/core/engine_core.py says which); others step one at a time.
+    async_scheduling: bool = False
 
     def __post_init__(self):
         check(isinstance(self.model, (str, os.PathLike)) and os.path.isdir(self.model), "model",
@@ -121,8 +125,8 @@ class EngineConfig:
         self._check_graphs()
 
     def _check_graphs(self) -> None:
-        check(isinstance(self.enforce_eager, bool), "enforce_eager",
-              f"must be true or false, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "async_scheduling"):
+            check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
         sizes = self.cudagraph_capture_sizes
         if sizes is None:
             most = min(self.max_num_seqs, 512)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -28,9 +27,12 @@ from baton.engine.worker.lora.registry import LoRARegistry, start_lora
 from baton.engine.worker.memory import measure_kv_cache_bytes, memory_before_loading
 from baton.engine.worker.models import ModelArgs, model_args
 from baton.engine.worker.model_runner import ModelRunner
-from baton.engine.core.request import Request, RequestStatus
+from baton.engine.core.request import Request, RequestStatus, RequestUpdate
 from baton.engine.core.scheduler import Scheduler
+from baton.engine.core.step_loop import StepLoop, StepTimes, async_off_because
 from baton.engine.worker.grammar import Grammars
+from baton.engine.common.sampling_params import SamplingParams
+from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton.engine.common.stats import EngineSnapshot, EventType, StepEvents
 from baton.engine.common.tokenizer import eos_token_ids, load_tokenizer
 from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
@@ -45,14 +47,6 @@ from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 log = logging.getLogger(__name__)
 
 _CPU_KV_BUDGET = 1 << 30
-
-
-@dataclass(slots=True)
-class StepTimes:
-    """Wall time spent, for the benchmark's scheduler share."""
-    steps: int = 0
-    step_s: float = 0.0
-    scheduler_s: float = 0.0  # schedule() + update_from_output()
 
 
 class EngineCore:
@@ -136,6 +130,12 @@ class EngineCore:
         if self.runner.model.rope_recompute_at is not None:  # LongRoPE: see Scheduler.recompute_at
             self.scheduler.recompute_at = self.runner.model.rope_recompute_at
             self.scheduler.rekey = self._rope_rekey
+        # Async scheduling where nothing needs the host between steps (see async_off_because).
+        off = async_off_because(config, self.workers is not None, connector_worker is not None, self.host is not None,
+                                self.runner.model.rope_by_length) if config.async_scheduling else "off"
+        if config.async_scheduling and off is not None:
+            log.warning("async_scheduling: steps run one at a time with %s", off)
+        self.loop = StepLoop(self.scheduler, self.runner, self.workers, ahead=off is None)
         start = time.perf_counter()
         self.runner.capture_graphs()
         if self.runner.graphs is not None:
@@ -147,7 +147,6 @@ class EngineCore:
         self.grammars = self.runner.grammars = Grammars(config.model, args.vocab_size, self.eos_token_ids)
         self.awaiting_grammar: list[Request] = []  # WAITING_FOR_FSM: held back until their grammar compiled
         self.failures: list[CoreFailure] = []  # requests refused after add (a grammar that does not compile)
-        self.times = StepTimes()
         self.num_taken = 0  # requests taken in since start
         self._step_tokens: list[int] | None = None  # per step, while events are recorded
 
@@ -350,7 +349,8 @@ class EngineCore:
             self.workers.close()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self.awaiting_grammar) or self.host_copies_pending
+        return (self.scheduler.num_unfinished > 0 or bool(self.awaiting_grammar) or self.host_copies_pending
+                or self.step_in_flight)
 
     @property
     def host_copies_pending(self) -> bool:
@@ -411,21 +411,26 @@ class EngineCore:
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
+        """The outputs of the steps that ended now (under async scheduling, the step before's:
+        the next one was queued first; StepLoop)."""
         if self.awaiting_grammar:
             self._admit_compiled()
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        result = (self.runner.execute_model(sched) if self.workers is None else
-                  self.workers.execute(self.runner, sched))
-        t2 = time.perf_counter()
-        updates = self.scheduler.update_from_output(sched, result)
-        t3 = time.perf_counter()
+        plain = self.loop.ahead and all(_plain(r.sampling_params) for r in self.scheduler.requests.values())
+        return [out for done in self.loop.step(plain) for out in self._outputs(*done)]
+
+    @property
+    def step_in_flight(self) -> bool:
+        """A step queued on the device whose tokens were not taken yet (async scheduling)."""
+        return self.loop.in_flight is not None
+
+    @property
+    def times(self) -> StepTimes:
+        return self.loop.times
+
+    def _outputs(self, sched: SchedulerOutput, result: ModelRunnerOutput, updates: list[RequestUpdate]
+                 ) -> list[CoreOutput]:
         if self._step_tokens is not None and sched.total_num_scheduled_tokens:
             self._step_tokens.append(sched.total_num_scheduled_tokens)
-        self.times.steps += 1
-        self.times.step_s += t3 - t0
-        self.times.scheduler_s += (t1 - t0) + (t3 - t2)
         logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
         outputs = []
         for u in updates:
@@ -441,3 +446,11 @@ class EngineCore:
                                                                        req.kv_handle)
             outputs.append(out)
         return outputs
+
+
+def _plain(params: SamplingParams) -> bool:
+    """Whether a request may be scheduled ahead: nothing of it needs its tokens on the host before
+    its next step (a grammar's state, penalties over its history, logprobs, min_tokens' count)."""
+    return (params.structured_output is None and not params.penalized and params.logprobs is None
+            and params.prompt_logprobs is None and not params.min_tokens)
+

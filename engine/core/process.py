@@ -148,7 +148,7 @@ class CoreLoop:
         core = self.core
         try:
             while True:
-                busy = core.scheduler.num_unfinished > 0
+                busy = core.scheduler.num_unfinished > 0 or core.step_in_flight
                 # Held blocks and compiling grammars are polled, not stepped for.
                 polled = core.num_held_requests or core.awaiting_grammar or core.host_copies_pending
                 wait = None if busy else (_HELD_POLL_S if polled else 3600.0)

@@ -53,7 +53,7 @@ class Request:
                  "num_cached_tokens", "num_external_tokens", "num_preemptions", "block_hashes", "hold_for_remote",
                  "remote_kv", "kv_handle", "scheduled_time", "kv_ready_time", "first_token_time", "last_token_time",
                  "finished_time", "stop_token_id", "grammar", "lora_id", "hash_root", "spec_token_ids",
-                 "num_draft_tokens", "num_accepted_tokens", "draft_start")
+                 "num_draft_tokens", "num_accepted_tokens", "draft_start", "num_pending_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, arrival_time: float | None = None,
@@ -96,6 +96,9 @@ class Request:
         self.stop_token_id: int | None = None  # the stop token id that ended it (stop strings are the front's)
         self.spec_token_ids: list[int] = []  # drafts to verify with its next token (speculative decoding)
         self.num_draft_tokens = self.num_accepted_tokens = 0  # drafts verified for it, and kept
+        # Under async scheduling: tokens sampled in steps whose output has not come back (0 or 1 but
+        # between scheduling ahead and taking the step before's output, 2).
+        self.num_pending_tokens = 0
 
     @property
     def num_tokens(self) -> int:

@@ -70,6 +70,9 @@ class Scheduler(KVArrivals):
         self.spec_stats = SpecDecodeStats()  # since start
         # Slots past a caught-up request's tokens that its drafting writes (a draft model's KV).
         self.lookahead = self.speculative.lookahead if self.speculative is not None else 0
+        # Async scheduling: a step may be scheduled before the last one's tokens came back, each
+        # request then counting the tokens on their way (Request.num_pending_tokens).
+        self.ahead = config.async_scheduling
 
     def record(self, request: Request | None, kind: EventType, when: float, **fields) -> None:
         if self.events is not None and request is not None:
@@ -171,6 +174,8 @@ class Scheduler(KVArrivals):
             request = self.requests[req_id]
             if chunks is not None and request.num_computed_tokens < request.num_prompt_tokens:
                 chunks.append((request, n))
+            if self.ahead and request.num_computed_tokens + n >= request.num_tokens + request.num_pending_tokens:
+                request.num_pending_tokens += 1  # it samples in this step
             request.num_computed_tokens += n
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
@@ -200,8 +205,13 @@ class Scheduler(KVArrivals):
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            pending = request.num_pending_tokens
+            if pending and self._ends_with_pending(request):  # nothing more to compute for it
+                i += 1
+                continue
             drafts = self._drafts(request) if speculating and request.spec_token_ids else ()
-            n = min(request.num_tokens - request.num_computed_tokens + len(drafts), budget, threshold or budget)
+            n = min(request.num_tokens + pending - request.num_computed_tokens + len(drafts), budget,
+                    threshold or budget)
             extra = self.lookahead if request.num_computed_tokens + n >= request.num_tokens else 0
             while (new_blocks := allocate(request, n + extra)) is None:
                 victim = self._preempt_one(out)
@@ -222,6 +232,12 @@ class Scheduler(KVArrivals):
             budget -= n
             i += 1
         return budget
+
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Whether the tokens on their way take a request to its max_tokens or the model's length."""
+        length = request.num_tokens + request.num_pending_tokens
+        return (request.num_output_tokens + request.num_pending_tokens >= request.sampling_params.max_tokens
+                or length >= self.config.max_model_len)
 
     def _preempt_one(self, out: SchedulerOutput) -> Request:
         """Preempt the lowest running request (FCFS: the latest) for room."""
@@ -343,8 +359,9 @@ class Scheduler(KVArrivals):
                 self.requests[req_id].draft_start = start
         for req_id, token_ids in result.sampled_token_ids.items():
             request = self.requests.get(req_id)
-            if request is None:  # aborted while the step ran
+            if request is None:  # aborted while the step ran (or, scheduled ahead, ended in the step before)
                 continue
+            request.num_pending_tokens = max(request.num_pending_tokens - 1, 0)
             drafts = sched.scheduled_spec_tokens.get(req_id)
             if drafts:  # the rejected drafts' positions are computed again, with the tokens that replace them
                 request.num_computed_tokens -= len(drafts) + 1 - len(token_ids)
@@ -361,7 +378,8 @@ class Scheduler(KVArrivals):
             if status is None and req_id in result.grammar_ended:  # ignore_eos cannot go past the grammar's end
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
-                self.running.remove(request)
+                # (Scheduled ahead, a request preempted for the next step ends waiting.)
+                (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
                 self._finish(request, status)
                 if req_id in self.handing_off:  # its output goes out with the handle, once the copy landed
                     continue

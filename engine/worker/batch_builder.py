@@ -37,6 +37,9 @@ class StepBatch:
     prompt_rows: list[tuple[str, int, int, int]]  # (request, first row, start, end) of requests wanting prompt logprobs
     adapter_spans: list[tuple[int, int, int]]  # (adapter id, first row, end row) per request, with LoRA on
     rope_rows: list[tuple[int, int, int, int]]  # (start, end, prompt length, length) per request, where RoPE needs them
+    # Async scheduling: (row, index in the last step's sampled tokens) of the rows whose token is
+    # still on the device (a request's last token, sampled in the step before).
+    unknown_inputs: list[tuple[int, int]]
 
 
 @dataclass(slots=True)
@@ -71,6 +74,7 @@ class BatchBuilder:
         order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: (
             kv[1] != 1, states[kv[0]].lora_id if by_adapter else 0, -starts[kv[0]]))
         input_ids, positions, sample_rows, sample_req_ids, rows, prompt_rows = [], [], [], [], [], []
+        unknown_inputs = []
         sample_spans = []  # per sampled request: its first row in sample_rows, and its rows (1 + drafts)
         drafts_of = sched.scheduled_spec_tokens
         rope_rows = []  # (start, end, prompt length, length) per request: what the RoPE of its rows takes
@@ -84,13 +88,18 @@ class BatchBuilder:
                 prompt_rows.append((req_id, len(input_ids), start, end))
             if by_lora:
                 adapter_spans.append((state.lora_id, len(input_ids), len(input_ids) + n))
-            input_ids.extend(state.token_ids[start:end - len(drafts)])
+            known = state.token_ids[start:end - len(drafts)]
+            input_ids.extend(known)
+            if len(known) < end - len(drafts) - start:  # its last token: sampled in the step still running
+                unknown_inputs.append((len(input_ids), state.pending_index))
+                input_ids.append(0)
             input_ids.extend(drafts)
             positions.extend(range(start, end))
             rows.append((start, end, state.block_ids))
             if by_length:
                 rope_rows.append((start, end, state.num_prompt_tokens, len(state.token_ids)))
-            if end - len(drafts) == len(state.token_ids):  # caught up: the last rows' logits give the next tokens
+            # Caught up (tokens on their way counted): the last rows' logits give the next tokens.
+            if end - len(drafts) == len(state.token_ids) + state.num_pending:
                 sample_spans.append((len(sample_rows), 1 + len(drafts)))
                 sample_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
                 sample_req_ids.append(req_id)
@@ -98,7 +107,8 @@ class BatchBuilder:
         group_spans = [[(start, end, blocks[group]) for start, end, blocks in rows]
                        for group in range(len(self.kv_groups.layers))]
         return StepBatch(input_ids, positions, order, rows, group_spans, sum(1 for _, n in order if n == 1),
-                         sample_rows, sample_req_ids, sample_spans, prompt_rows, adapter_spans, rope_rows)
+                         sample_rows, sample_req_ids, sample_spans, prompt_rows, adapter_spans, rope_rows,
+                         unknown_inputs)
 
     def tensors(self, batch: StepBatch) -> DeviceBatch:
         """The host batch's token ids, positions, sampled rows and attention metadata on the device."""

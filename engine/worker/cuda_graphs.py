@@ -122,11 +122,12 @@ class DecodeGraphs:
             self.graphs[size] = (graph, outputs)
         torch.cuda.synchronize(self.device)
 
-    def run(self, input_ids: list[int], positions: list[int], group_spans: list[list[block_tables.Span]]
-            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def run(self, input_ids: list[int], positions: list[int], group_spans: list[list[block_tables.Span]],
+            unknown: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The forward's outputs for B one-token decodes (B <= the largest size), each padded to
         the captured size (the first B rows are theirs): their token ids, positions, and per KV
-        cache group each request's span (as the batch builder makes them: start, end, block ids)."""
+        cache group each request's span (as the batch builder makes them: start, end, block ids);
+        `unknown`: (rows, tokens) of rows whose token is on the device only (async scheduling)."""
         n = len(input_ids)
         size = self.padded_size(n)
         self.input_ids.array[:n] = input_ids
@@ -141,6 +142,8 @@ class DecodeGraphs:
                 rows[row, :used] = blocks[:used]
         self._pad(n, size)
         self._upload(size)
+        if unknown is not None:  # after the upload, on the same stream
+            self.input_ids.device.index_copy_(0, *unknown)
         if size not in self.graphs:  # not captured (capture=False): the same padded batch, eagerly
             return self.forward(self.input_ids.device[:size], self.positions.device[:size], self._metas(size))
         graph, outputs = self.graphs[size]

@@ -22,7 +22,8 @@ from baton.engine.worker.host_kv_copier import HostKVCopier
 from baton.engine.worker.loader import checkpoint_fingerprint, draft_fingerprint
 from baton.engine.worker.lora.layers import LoRASlots
 from baton.engine.worker.models import CausalLM, model_args
-from baton.engine.worker.sampler import apply_processors, sample, skip_draws, token_logprobs
+from baton.engine.worker.queued_step import PinnedRing, QueuedStep
+from baton.engine.worker.sampler import apply_processors, sample, sample_on_device, skip_draws, token_logprobs
 from baton.engine.worker.spec_decode import make_proposer
 from baton.engine.worker.spec_decode.verify import greedy_accept, sampled_accept
 from baton.engine.common.sampling_params import SamplingParams
@@ -46,7 +47,8 @@ def kv_attention(args) -> str:
 
 class RequestState:
     __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens", "prompt_logprobs",
-                 "matcher", "lora_id", "draft_computed", "proposer_state", "hold_for_remote")
+                 "matcher", "lora_id", "draft_computed", "proposer_state", "hold_for_remote", "num_pending",
+                 "pending_index")
 
     def __init__(self, token_ids, block_ids, sampling_params: SamplingParams, generator, num_prompt_tokens,
                  prompt_logprobs: list | None, lora_id: int = 0, hold_for_remote: bool = False):
@@ -61,6 +63,9 @@ class RequestState:
         self.draft_computed = 0  # a draft model's KV is right for its first this many tokens
         self.proposer_state = None  # the speculative proposer's, for this request (suffix: its tree)
         self.hold_for_remote = hold_for_remote  # a prefill's: its blocks (its draft's KV too) go to a decode peer
+        # Async scheduling: its tokens sampled in queued steps not taken yet (token_ids lacks them),
+        # the last one's row in the runner's last_sampled.
+        self.num_pending, self.pending_index = 0, -1
 
 
 class ModelRunner:
@@ -97,6 +102,8 @@ class ModelRunner:
         self.host_kv = HostKVCopier(self.kv_cache, num_host_blocks) if num_host_blocks else None
         self.states: dict[str, RequestState] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.last_sampled: torch.Tensor | None = None  # async scheduling: the last queued step's tokens, on the device
+        self.token_ring = PinnedRing(config.max_num_seqs, self.device) if config.async_scheduling else None
         self.grammars = None  # structured_output.Grammars, set by the engine core
         spec = config.speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
@@ -201,18 +208,38 @@ class ModelRunner:
         with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
             return self._execute(sched)
 
+    @torch.inference_mode()
+    def submit(self, sched: SchedulerOutput) -> QueuedStep:
+        """A step of async scheduling (its requests plain: no logprobs, penalties, grammar,
+        min_tokens, drafts; no connector, host tier or ranks), queued on the device: a request
+        whose last token is still on its way reads it there. The tokens come back by a
+        non-blocking copy to pinned memory, taken with QueuedStep.result()."""
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+            self._apply(sched)
+            if not sched.total_num_scheduled_tokens:
+                return QueuedStep([], None, self._take_tokens)
+            batch = self.batches.rows(sched, self.states)
+            hidden, sample_rows = self._forward(batch, sched)
+            states = [self.states[r] for r in batch.sample_req_ids]
+            tokens = sample_on_device(self.model.compute_logits(hidden[sample_rows]),
+                                      [s.sampling_params for s in states], [s.generator for s in states])
+            for i, state in enumerate(states):
+                state.num_pending += 1
+                state.pending_index = i
+            self.last_sampled = tokens
+            return QueuedStep(batch.sample_req_ids, tokens, self._take_tokens, self.token_ring)
+
+    def _take_tokens(self, req_ids: list[str], tokens: list[int]) -> ModelRunnerOutput:
+        """A queued step's tokens, come back: each request's (one dropped meanwhile gets none)."""
+        for req_id, token in zip(req_ids, tokens):
+            state = self.states.get(req_id)
+            if state is not None and state.num_pending:
+                state.token_ids.append(token)
+                state.num_pending -= 1
+        return ModelRunnerOutput({req_id: [token] for req_id, token in zip(req_ids, tokens)})
+
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        for req_id in sched.finished_req_ids:
-            state = self.states.pop(req_id, None)
-            if self.proposer is not None and state is not None:
-                self.proposer.finished(state)
-        for new in sched.scheduled_new_reqs:
-            self._add_request(new)
-        for cached in sched.scheduled_cached_reqs:
-            if any(cached.new_block_ids):
-                state = self.states[cached.req_id]
-                state.block_ids = [block_tables.grow(blocks, new) for blocks, new in zip(state.block_ids,
-                                                                                         cached.new_block_ids)]
+        self._apply(sched)
         if sched.host_kv_ops is not None:  # before the forward: a swap-out's device blocks are reused in it
             self.host_kv.submit(sched.host_kv_ops)
         if self.connector is not None:
@@ -224,20 +251,44 @@ class ModelRunner:
             out.host_kv_finished = self.host_kv.poll(0.0 if sched.total_num_scheduled_tokens else _IDLE_WAIT_S)
         return out
 
-    def _run(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        batch = self.batches.rows(sched, self.states)
+    def _apply(self, sched: SchedulerOutput) -> None:
+        """The step's changes to the requests: ended ones dropped, new ones added, blocks grown."""
+        for req_id in sched.finished_req_ids:
+            state = self.states.pop(req_id, None)
+            if self.proposer is not None and state is not None:
+                self.proposer.finished(state)
+        for new in sched.scheduled_new_reqs:
+            self._add_request(new)
+        for cached in sched.scheduled_cached_reqs:
+            if any(cached.new_block_ids):
+                state = self.states[cached.req_id]
+                state.block_ids = [block_tables.grow(blocks, new) for blocks, new in zip(state.block_ids,
+                                                                                         cached.new_block_ids)]
+
+    def _forward(self, batch: StepBatch, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor | slice]:
+        """The step's hidden states (a decode graph's, or an eager forward's) and the rows sampled."""
+        unknown = None
+        if batch.unknown_inputs:  # (async scheduling) those rows' tokens, from the last step's on the device
+            rows, picks = zip(*batch.unknown_inputs)
+            unknown = (torch.tensor(rows, device=self.device),
+                       self.last_sampled[torch.tensor(picks, device=self.device)])
         if self.graphs is not None and self.graphs.takes(batch, bool(sched.scheduled_spec_tokens)):
-            hidden, aux = self.graphs.run(batch.input_ids, batch.positions, batch.group_spans)
+            hidden, aux = self.graphs.run(batch.input_ids, batch.positions, batch.group_spans, unknown)
             if aux:
                 self.model.aux_hidden = aux
-            sample_rows = slice(0, len(batch.order))  # (hidden is padded to the graph's size)
-        else:
-            tensors = self.batches.tensors(batch)
-            if self.lora is not None:
-                self.lora.prepare(batch.adapter_spans)
-            hidden = self.model(tensors.input_ids, tensors.positions, self.layer_caches,
-                                [tensors.metas[g] for g in self.layer_group], tensors.rope_lengths)
-            sample_rows = tensors.sample_rows
+            return hidden, slice(0, len(batch.order))  # (hidden is padded to the graph's size)
+        tensors = self.batches.tensors(batch)
+        if unknown is not None:
+            tensors.input_ids.index_copy_(0, *unknown)
+        if self.lora is not None:
+            self.lora.prepare(batch.adapter_spans)
+        hidden = self.model(tensors.input_ids, tensors.positions, self.layer_caches,
+                            [tensors.metas[g] for g in self.layer_group], tensors.rope_lengths)
+        return hidden, tensors.sample_rows
+
+    def _run(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.batches.rows(sched, self.states)
+        hidden, sample_rows = self._forward(batch, sched)
         out = ModelRunnerOutput({})
         if batch.prompt_rows:
             out.prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_rows)

@@ -84,16 +84,22 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
     """logits: [B, V] float32, one row per request; generators: one per row."""
+    return sample_on_device(logits, params, generators).tolist()
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+                     ) -> torch.Tensor:
+    """`sample`'s tokens [B] (int64), left on the logits' device."""
     greedy = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
-        return greedy.tolist()
+        return greedy
     rows = torch.tensor(random_rows, device=logits.device)
     probs = sampling_probs(logits[rows], [params[i] for i in random_rows])
     # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples from p;
     # each row's E from its own generator. On the device until one copy of every token to the host.
     noise = _noises(probs.shape[-1], probs.device, [generators[i] for i in random_rows])
-    return greedy.index_copy(0, rows, (probs / noise).argmax(dim=-1)).tolist()
+    return greedy.index_copy(0, rows, (probs / noise).argmax(dim=-1))
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:

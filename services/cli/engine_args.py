@@ -56,6 +56,10 @@ def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
                         "rather than split each")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU, launch every step's kernels rather than replay CUDA graphs of decode steps")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="prepare each step while the device runs the one before (requests without logprobs, "
+                        "penalties, grammars or min_tokens; not with speculative decoding, tensor parallelism, a KV "
+                        "connector or the host KV tier)")
     g.add_argument("--cudagraph-capture-sizes", nargs="+", type=int, metavar="N",
                    help="decode batch sizes to capture CUDA graphs for (default: 1 2 4, then every multiple of 8 up to "
                         "--max-num-seqs, at most 512)")
@@ -95,6 +99,7 @@ def engine_config(args):
                                                                             False),
                                     enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
                                     enforce_eager=getattr(args, "enforce_eager", False),
+                                    async_scheduling=getattr(args, "async_scheduling", False),
                                     cudagraph_capture_sizes=getattr(args, "cudagraph_capture_sizes", None),
                                     lora_modules=dict(m.split("=", 1) for m in modules), **kwargs)
 
@@ -108,7 +113,8 @@ def engine_argv(args) -> list[str]:
                                    ("--enable-lora", args.enable_lora),
                                    ("--disable-hybrid-kv-cache-manager", args.disable_hybrid_kv_cache_manager),
                                    ("--enable-expert-parallel", args.enable_expert_parallel),
-                                   ("--enforce-eager", args.enforce_eager)) if on]
+                                   ("--enforce-eager", args.enforce_eager),
+                                   ("--async-scheduling", args.async_scheduling)) if on]
     if args.cudagraph_capture_sizes:
         argv += ["--cudagraph-capture-sizes", *map(str, args.cudagraph_capture_sizes)]
     if args.lora_modules:  # every engine of the stack serves the adapters

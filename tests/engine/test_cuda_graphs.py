@@ -37,9 +37,9 @@ def graphed(llm: LLM, sizes=SIZES) -> list[tuple[int, int]]:
     graphs.capture_all()
     runner.graphs, taken, run = graphs, [], graphs.run
 
-    def counted(input_ids, positions, group_spans):
+    def counted(input_ids, *rest):
         taken.append((len(input_ids), graphs.padded_size(len(input_ids))))
-        return run(input_ids, positions, group_spans)
+        return run(input_ids, *rest)
     graphs.run = counted
     return taken
 
@@ -147,3 +147,33 @@ def test_the_graph_flags_reach_the_engine_and_the_stacks_engines(tiny_llama):
     assert engine_config(again).enforce_eager and engine_config(again).cudagraph_capture_sizes == [1, 4, 16]
     plain = build_parser().parse_args(["serve", "--model", tiny_llama])
     assert not engine_config(plain).enforce_eager and "--enforce-eager" not in engine_argv(plain)
+
+
+def test_async_scheduling_through_the_graphs(tiny_llama, hf, monkeypatch):
+    """Steps queued ahead (async scheduling) replay the graphs with each request's last token read
+    on the device: outputs equal transformers', and queuing a step reads nothing of the device
+    (its tokens come back in QueuedStep.result, from pinned host memory)."""
+    prompts = random_prompts([4, 20, 33, 9], seed=17)
+    llm = engine(tiny_llama, async_scheduling=True)
+    taken = graphed(llm)
+    runner = llm.engine.runner
+    reads, submit, per_submit = [], runner.submit, []
+    for name in _READS:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _name=name, _original=original):
+            reads.append(_name)
+            return _original(self, *args)
+        monkeypatch.setattr(torch.Tensor, name, counting)
+
+    def queued(sched):
+        reads.clear()
+        step = submit(sched)
+        per_submit.append(list(reads))
+        return step
+    monkeypatch.setattr(runner, "submit", queued)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf.greedy(tiny_llama, prompt, 10)
+    assert len(taken) >= 5 and not any(per_submit), per_submit
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks

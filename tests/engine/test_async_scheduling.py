@@ -1,0 +1,104 @@
+"""Async scheduling (engine/core/engine_core.py, worker/queued_step.py): step N+1 is scheduled and
+queued before step N's tokens are taken, a request's last token read on the device. What it
+must keep: every output as one step at a time makes it (greedy equal to transformers, seeded
+samples equal to a synchronous engine's), with requests ending at different steps, stop tokens
+that end one while its next step is already queued, preemption, and requests that need the host
+between steps (logprobs) mixed in; the pool full afterwards."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from baton import LLM, SamplingParams
+from helpers import random_prompts
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def counted_ahead(llm: LLM) -> list[bool]:
+    """Per queued step, whether the step before was still in flight when it was queued."""
+    core, ahead = llm.engine.core, []
+    submit = core.runner.submit
+
+    def counted(sched):
+        ahead.append(core.step_in_flight and sched.total_num_scheduled_tokens > 0)
+        return submit(sched)
+    core.runner.submit = counted
+    return ahead
+
+
+def engine(model_dir: str, **extra) -> LLM:
+    return LLM(model_dir, **{"dtype": "float32", "device": "cpu", "async_scheduling": True,
+                             "max_num_batched_tokens": 48, "max_model_len": 192, **extra})
+
+
+def test_greedy_outputs_equal_transformers_with_ends_stops_and_preemption(tiny_llama, hf):
+    prompts = random_prompts([3, 17, 40, 75, 9, 30], seed=21)
+    counts = [12, 5, 9, 3, 7, 11]
+    want = [hf.greedy(tiny_llama, p, n) for p, n in zip(prompts, counts)]
+    # The fourth token of the second prompt's output stops it (while its next step is queued).
+    stop = want[1][3]
+    llm = engine(tiny_llama, num_kv_blocks=8, max_model_len=96)
+    ahead = counted_ahead(llm)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in counts]
+    params[1] = SamplingParams(max_tokens=counts[1], temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
+    outs = llm.generate(prompts, params)
+    for i, (out, tokens) in enumerate(zip(outs, want)):
+        expected = tokens[:tokens.index(stop) + 1] if i == 1 else tokens
+        assert out.token_ids == expected, f"prompt {i}"
+    assert outs[1].finish_reason == "stop"
+    assert sum(ahead) >= 10, ahead  # most steps were queued behind the one before
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+    assert not llm.engine.core.step_in_flight
+
+
+def test_seeded_samples_equal_a_synchronous_engine(tiny_llama):
+    prompts = random_prompts([5, 23, 11, 60], seed=4)
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.9, top_p=0.95, seed=100 + i) for i in range(4)]
+    sync = LLM(tiny_llama, dtype="float32", device="cpu", max_num_batched_tokens=48, max_model_len=192)
+    want = [o.token_ids for o in sync.generate(prompts, params)]
+    assert [o.token_ids for o in engine(tiny_llama).generate(prompts, params)] == want
+
+
+def test_requests_that_need_the_host_between_steps_run_one_step_at_a_time(tiny_llama, hf):
+    """A request asking for logprobs makes the steps it is in synchronous; the others' outputs do
+    not change, and its logprobs are there."""
+    prompts = random_prompts([7, 19, 33], seed=8)
+    llm = engine(tiny_llama)
+    ahead = counted_ahead(llm)
+    params = [GREEDY, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2), GREEDY]
+    outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf.greedy(tiny_llama, prompt, 12)
+    assert len(outs[1].outputs[0].logprobs) == 12
+    assert not any(ahead)  # the logprobs request lived through every step
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_engines_that_cannot_schedule_ahead_say_why(tiny_llama, caplog):
+    with caplog.at_level(logging.WARNING, logger="baton.engine.core.engine_core"):
+        llm = engine(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert "speculative decoding" in caplog.text
+    prompts = random_prompts([9, 14], seed=2)
+    ahead = counted_ahead(llm)
+    llm.generate(prompts, GREEDY)
+    assert not any(ahead)
+
+
+def test_the_flag_reaches_the_engine_and_the_stacks_engines(tiny_llama):
+    from baton.services.cli.engine_args import engine_argv, engine_config
+    from baton.services.cli.main import build_parser
+
+    args = build_parser().parse_args(["up", "--model", tiny_llama, "--async-scheduling"])
+    assert engine_config(args).async_scheduling and "--async-scheduling" in engine_argv(args)
+    assert not engine_config(build_parser().parse_args(["serve", "--model", tiny_llama])).async_scheduling
+
+
+@pytest.mark.parametrize("bad", ["yes", 1])
+def test_a_bad_value_is_refused_naming_the_field(tiny_llama, bad):
+    from baton.engine.common.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="async_scheduling"):
+        LLM(tiny_llama, device="cpu", async_scheduling=bad)
