@@ -49,8 +49,8 @@ class StepLoop:
             return ([self._take()] if self.in_flight is not None else []) + [self._step_now()]
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        queued = self.runner.submit(sched)
         self.times.scheduler_s += time.perf_counter() - t0
+        queued = self.runner.submit(sched)
         done = [self._take()] if self.in_flight is not None else []
         self.in_flight = (sched, queued)
         if not sched.total_num_scheduled_tokens:  # nothing ahead: take it now

@@ -103,7 +103,7 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.last_sampled: torch.Tensor | None = None  # async scheduling: the last queued step's tokens, on the device
-        self.token_ring = PinnedRing(config.max_num_seqs, self.device) if config.async_scheduling else None
+        self.token_ring = PinnedRing(config.max_num_seqs, self.device)  # (async scheduling's)
         self.grammars = None  # structured_output.Grammars, set by the engine core
         spec = config.speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
