@@ -3,9 +3,10 @@ with numpy from each request's block ids (an int32 array the runner keeps per re
 grows as blocks are added), packed into one buffer and copied to the device in one transfer.
 
 Python lists cost a step milliseconds at large batches (3.1 ms at 256 decodes × 2k context,
-14 ms at 8k, measured on CPU); row copies of arrays cost a fraction. On a GPU the buffer is
-pinned host memory, reused from step to step, so the copy is asynchronous; the step's one
-sync (the sampled tokens to the host) comes after it, so the next step may refill it.
+14 ms at 8k, measured on CPU); row copies of arrays cost a fraction. On a GPU the buffers are
+pinned host memory, two used in turn, so the copy is asynchronous: a step's buffer is refilled two
+steps later, after that step's tokens came back (also under async scheduling, where the next
+step is filled while this one's copy may still wait on the device).
 """
 from __future__ import annotations
 
@@ -45,27 +46,32 @@ def padded_table(spans: list[Span], block_size: int) -> np.ndarray:
 
 
 class Staging:
-    """One host buffer for a step's int32 metadata, pinned where the device is a GPU; parts are
+    """Host buffers for a step's int32 metadata, pinned where the device is a GPU; parts are
     laid out 16 bytes apart (Triton compiles a kernel again when a pointer's alignment
-    changes) and reach the device as views of one copy."""
+    changes) and reach the device as views of one copy. On a GPU two buffers, a step's each in
+    turn: under async scheduling a step is filled while the copy of the step before may still
+    wait on the device."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.host = torch.empty(0, dtype=torch.int32)
+        self.buffers = [torch.empty(0, dtype=torch.int32) for _ in range(2 if device.type == "cuda" else 1)]
+        self.turn = 0
 
     def to_device(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
         sizes = [p.size for p in parts]
         padded = [n + -n % 4 for n in sizes]
         total = sum(padded)
-        if self.host.numel() < total:
-            self.host = torch.empty(max(total, 2 * self.host.numel()), dtype=torch.int32,
-                                    pin_memory=self.device.type == "cuda")
-        view, at = self.host.numpy(), 0
+        self.turn = (self.turn + 1) % len(self.buffers)
+        if self.buffers[self.turn].numel() < total:
+            self.buffers[self.turn] = torch.empty(max(total, 2 * self.buffers[self.turn].numel()), dtype=torch.int32,
+                                                  pin_memory=self.device.type == "cuda")
+        host = self.buffers[self.turn]
+        view, at = host.numpy(), 0
         for part, n in zip(parts, padded):
             view[at:at + part.size] = part.ravel()
             at += n
         if self.device.type == "cpu":  # the step reads it before the next one writes it
-            flat = self.host[:total]
+            flat = host[:total]
         else:
-            flat = self.host[:total].to(self.device, non_blocking=True)
+            flat = host[:total].to(self.device, non_blocking=True)
         return [view[:n] for view, n in zip(flat.split(padded), sizes)]

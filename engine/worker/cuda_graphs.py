@@ -26,6 +26,7 @@ import bisect
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from baton.engine.worker import block_tables
@@ -40,18 +41,30 @@ Forward = Callable[[torch.Tensor, torch.Tensor, list[AttentionMetadata]], tuple[
 
 
 class _Buffer:
-    """A persistent device tensor the graphs read, and its host copy (pinned on a GPU) that a
-    step fills; `upload(rows)` copies its first rows over. On a CPU the two are one tensor."""
+    """A persistent device tensor the graphs read, and its host copies (pinned on a GPU) that a
+    step fills; `upload(rows)` copies its first rows over. Two host copies, a step's each in turn:
+    under async scheduling a step is filled while the copy of the step before may still wait on
+    the device. On a CPU host and device are one tensor."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         on_gpu = device.type == "cuda"
-        self.host = torch.zeros(shape, dtype=dtype, pin_memory=on_gpu)
-        self.device = self.host.to(device) if on_gpu else self.host
-        self.array = self.host.numpy()
+        hosts = [torch.zeros(shape, dtype=dtype, pin_memory=on_gpu) for _ in range(2 if on_gpu else 1)]
+        self.device = hosts[0].to(device) if on_gpu else hosts[0]
+        self.hosts, self.arrays = hosts, [h.numpy() for h in hosts]
+        self.turn = 0
+
+    @property
+    def array(self) -> np.ndarray:
+        return self.arrays[self.turn]
+
+    def flip(self) -> None:
+        """The next step's host copy (the other one, where there are two)."""
+        self.turn = (self.turn + 1) % len(self.hosts)
 
     def upload(self, rows: int) -> None:
-        if self.device is not self.host:
-            self.device[:rows].copy_(self.host[:rows], non_blocking=True)
+        host = self.hosts[self.turn]
+        if self.device is not host:
+            self.device[:rows].copy_(host[:rows], non_blocking=True)
 
 
 class DecodeGraphs:
@@ -99,8 +112,11 @@ class DecodeGraphs:
             slots.array[start:size] = -1
             table.array[start:size, 0] = 0
 
+    def _buffers(self) -> list[_Buffer]:
+        return [self.input_ids, self.positions, self.lens, *self.slots, *self.tables]
+
     def _upload(self, size: int) -> None:
-        for buffer in (self.input_ids, self.positions, self.lens, *self.slots, *self.tables):
+        for buffer in self._buffers():
             buffer.upload(size)
 
     @torch.inference_mode()
@@ -130,6 +146,8 @@ class DecodeGraphs:
         `unknown`: (rows, tokens) of rows whose token is on the device only (async scheduling)."""
         n = len(input_ids)
         size = self.padded_size(n)
+        for buffer in self._buffers():
+            buffer.flip()
         self.input_ids.array[:n] = input_ids
         self.positions.array[:n] = positions
         bs = self.block_size
