@@ -17,10 +17,11 @@ server gets both).
 --telemetry runs each service mode again with observability on: `metrics` (/metrics
 served), `traced` (metrics, and every request traced over OTLP/gRPC to a sink in this process
 that takes the spans and drops them unread, as a collector on another machine would cost
-these cores nothing). --structured FILE runs the offline and gRPC modes again with every
-request under that JSON schema (`MODE+json`: a request ends where its JSON does, or at its
-output length). --rounds N repeats all runs N times, in ABBA order, and keeps each one's fastest,
-so that the machine's drift does not land on one side.
+these cores nothing); an HTTP front serves /metrics, so in an -http mode the service that has
+one collects metrics even with telemetry off (as vLLM does). --structured FILE runs the offline
+and gRPC modes again with every request under that JSON schema (`MODE+json`: a request ends
+where its JSON does, or at its output length). --rounds N repeats all runs N times, in ABBA
+order, and keeps each one's fastest, so that the machine's drift does not land on one side.
 
     .venv/bin/python bench/serve.py --max-concurrency 32
     .venv/bin/python bench/serve.py --modes colocated,disaggregated,router --long-every 4

@@ -184,14 +184,18 @@ class Stack:
 def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
                 policy: str, http_port: int | None = None, placements: list[Placement] | None = None) -> Stack:
     """`placements`: each engine's device and tensor parallel size (prefill engines first;
-    default: the engine's own device, one rank)."""
+    default: the engine's own device, one rank). `http_port`: the router's OpenAI front, which
+    serves its /metrics too (None or 0: none; the router then gets a metrics port, as engines do)."""
     serve = [sys.executable, "-m", "baton.services.cli", "serve", "--host", host, "--model", model]
 
-    def service(name: str, role: str, port: int, *argv: str) -> Service:
-        metrics = free_port(host)
-        return Service(name, role, f"{host}:{port}", [*serve, "--role", role, "--port", str(port),
-                                                      "--metrics-port", str(metrics), *argv],
-                       f"http://{host}:{metrics}/metrics")
+    def service(name: str, role: str, port: int, *argv: str, http_port: int | None = None) -> Service:
+        if http_port:  # /metrics on the API's port, where vLLM's scrape configs and guides look
+            endpoint, url_port = ["--http-port", str(http_port)], http_port
+        else:
+            url_port = free_port(host)
+            endpoint = ["--metrics-port", str(url_port)]
+        return Service(name, role, f"{host}:{port}", [*serve, "--role", role, "--port", str(port), *endpoint, *argv],
+                       f"http://{host}:{url_port}/metrics")
     roles = [(role, i) for role, n in (("prefill", num_prefill), ("decode", num_decode)) for i in range(n)]
     placements = placements or [Placement(None)] * len(roles)
     engines = [service(f"{role}-{i}", role, free_port(host), *engine_argv, *place.argv())
@@ -199,8 +203,7 @@ def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: 
     for engine, place in zip(engines, placements):
         engine.placement = place
     backends = [arg for e in engines for arg in ("--" + e.role, e.address)]
-    http = ["--http-port", str(http_port)] if http_port is not None else []
-    return Stack([service("router", "router", port, "--policy", policy, *backends, *http), *engines])
+    return Stack([service("router", "router", port, "--policy", policy, *backends, http_port=http_port), *engines])
 
 
 def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],

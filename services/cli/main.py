@@ -63,7 +63,7 @@ def _serve(args) -> None:
             await server.stop(0)
             sys.exit(f"baton serve: {e}")
         if server.http is not None:
-            print(f"OpenAI API on {server.http.url}/v1", flush=True)
+            print(f"OpenAI API on {server.http.url}/v1 (metrics: {server.http.url}/metrics)", flush=True)
         # Under `baton up` the stack is not ready when one service is: its own line invites requests.
         invite = "" if os.environ.get(UP_CHILD_ENV) else (
             f"; try:\n  baton generate --target {server.address} 'What is the capital of France?'")
@@ -252,14 +252,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "the prompt itself after that")
     t = s.add_argument_group("observability")
     t.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics over HTTP on this port (0: a free "
-                                                    "one, printed); default: no metrics endpoint")
+                                                    "one, printed); --http-port serves it too, so this is for a "
+                                                    "server without one; default: no metrics endpoint")
     t.add_argument("--otlp-traces-endpoint", help="export OpenTelemetry traces over OTLP/gRPC to this collector "
                                                   "(host:port or URL; default: $OTEL_EXPORTER_OTLP_ENDPOINT; unset: "
                                                   "no tracing)")
     t.add_argument("--served-model-name", help="the model's name in spans, metric labels and the OpenAI API "
                                                "(default: the model directory's name)")
-    s.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port too (0: a free "
-                                                 "one, printed), on a colocated server or the router; default: none")
+    s.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API, and Prometheus /metrics, "
+                                                 "on this port too (0: a free one, printed), on a colocated server or "
+                                                 "the router; default: none")
     r = s.add_argument_group("router (--role router)")
     r.add_argument("--prefill", action="append", metavar="HOST:PORT[,…]",
                    help="prefill instances; a DNS name stands for every address it resolves to (re-resolved "
@@ -289,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--host", default="127.0.0.1", help="address every service listens on (default: %(default)s)")
     u.add_argument("--port", type=int, default=50051, help="the router's port (default: %(default)s)")
     u.add_argument("--http-port", type=int, default=8000,
-                   help="the router's OpenAI-compatible HTTP API (default: %(default)s, vLLM's; 0: none)")
+                   help="the router's OpenAI-compatible HTTP API and its /metrics (default: %(default)s, vLLM's; "
+                        "0: none, and a metrics port of its own)")
     u.add_argument("--prefill", type=int, default=1, help="prefill instances (default: %(default)s; 0: decode "
                                                            "instances compute prompts themselves)")
     u.add_argument("--decode", type=int, default=1, help="decode instances (default: %(default)s)")

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front of a colocated server or the router: /v1/completions and
 /v1/chat/completions (server-sent events or whole), /v1/models, /health, /tokenize and
-/detokenize, on aiohttp in the gRPC server's own event loop.
+/detokenize, on aiohttp in the gRPC server's own event loop; and the service's Prometheus
+/metrics, the page its metrics port serves, where vLLM serves it (on the API's port).
 
 A request takes the same path as a gRPC call, not an extra hop: its JSON becomes a
 GenerateRequest (one request id across both) handed to the service's own Generate with a
@@ -10,6 +11,7 @@ handler, which aborts the request and frees its blocks.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -24,6 +26,7 @@ from baton.services.openai.tools import constrain_to_tools, plan_from_body
 from baton.services.openai.protocol import (ApiError, Completion, in_range, typed, chat_messages_from_body,
                                             check_parameters, error_for_status, int_list, prompts_from_body,
                                             sampling_from_body, sse)
+from baton.services.telemetry.metrics import exposition
 from baton.v1 import generate_pb2 as pb
 
 
@@ -66,9 +69,10 @@ class CallContext:
 
 class OpenAIFront:
     """The HTTP front over `service`, the servicer of baton.v1.TextGeneration (an engine server's
-    or the router's): its Generate, GetModelInfo, Tokenize and Detokenize answer."""
+    or the router's): its Generate, GetModelInfo, Tokenize and Detokenize answer. With a
+    `metrics_registry` (the service's), GET /metrics serves it."""
 
-    def __init__(self, service, host: str, port: int, is_serving, tokenizer=None, tls=None):
+    def __init__(self, service, host: str, port: int, is_serving, tokenizer=None, tls=None, metrics_registry=None):
         self.service, self.host, self.port = service, host, port
         self.ssl_context = tls.http_context() if tls is not None else None
         self.is_serving = is_serving
@@ -80,6 +84,9 @@ class OpenAIFront:
                              web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
                              web.post("/v1/load_lora_adapter", self.load_lora_adapter),
                              web.post("/v1/unload_lora_adapter", self.unload_lora_adapter)])
+        self.metrics_registry = metrics_registry
+        if metrics_registry is not None:
+            self.app.add_routes([web.get("/metrics", self.metrics)])
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         self._model_info: pb.ModelInfo | None = None
 
@@ -130,6 +137,13 @@ class OpenAIFront:
     # ---- endpoints ----------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.is_serving() else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """What the metrics port answers (metrics.exposition: the same negotiation and names).
+        Collected on a thread: an engine's load figures are asked of this event loop, which
+        would otherwise wait on itself."""
+        body, kind = await asyncio.to_thread(exposition, self.metrics_registry, request.headers.get("Accept", ""))
+        return web.Response(body=body, headers={"Content-Type": kind})
 
     async def models(self, request: web.Request) -> web.Response:
         return await _answer(self._models(request))

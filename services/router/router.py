@@ -78,9 +78,9 @@ class RouterOptions:
     max_message_bytes: int = 16 << 20
     grace_s: float = 10.0
     served_model_name: str | None = None  # in spans and metric labels; default: the tokenizer directory's name
-    metrics_port: int | None = None  # /metrics over HTTP (0: any free port); None: no metrics
+    metrics_port: int | None = None  # /metrics over HTTP (0: any free port); None: none (http_port serves it too)
     otlp_traces_endpoint: str | None = None  # default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; none: no tracing
-    http_port: int | None = None  # the OpenAI-compatible HTTP front (0: any free port); None: none
+    http_port: int | None = None  # the OpenAI-compatible HTTP front, with /metrics (0: any free port); None: none
     max_migrations: int = 2  # moves of a request to another decode instance after failures
     max_in_flight: int | None = 4096  # streams at once; beyond it, RESOURCE_EXHAUSTED at once (None: no bound)
     tls: TLSConfig | None = None  # serve TLS, and call the backends over it
@@ -258,10 +258,11 @@ class Router:
         self.model_name = o.served_model_name or (os.path.basename(os.path.normpath(o.tokenizer_dir))
                                                   if o.tokenizer_dir else "baton")
         self.tracer = tracing.make_tracer("router", f"router-{uuid.uuid4().hex[:12]}", o.otlp_traces_endpoint)
-        registry = make_registry() if o.metrics_port is not None else None
+        # Metrics exist where they can be read: the metrics port, or the HTTP front's /metrics.
+        registry = make_registry() if o.metrics_port is not None or o.http_port is not None else None
         self.metrics = (RouterMetrics(registry, self.model_name, lambda: self.num_in_flight)
                         if registry is not None else None)
-        self.metrics_server = MetricsServer(registry, o.host, o.metrics_port) if registry is not None else None
+        self.metrics_server = MetricsServer(registry, o.host, o.metrics_port) if o.metrics_port is not None else None
         self.health = health.aio.HealthServicer()
         self.grpc, self.port = make_grpc_server(o.host, o.port, o.max_message_bytes, tls=o.tls)
         service = self.service = RouterService(self)
@@ -296,7 +297,8 @@ class Router:
         self._resolver = asyncio.ensure_future(self._resolve_periodically())
         if o.http_port is not None:
             from baton.services.openai.front import OpenAIFront
-            self.http = OpenAIFront(self.service, o.host, o.http_port, lambda: self.serving, self.tokenizer, o.tls)
+            self.http = OpenAIFront(self.service, o.host, o.http_port, lambda: self.serving, self.tokenizer, o.tls,
+                                    self.metrics.registry if self.metrics is not None else None)
             await self.http.start()
         self.serving = True
         self._health_changed()

@@ -58,9 +58,9 @@ class ServerOptions:
     kv_hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S  # prefill: free blocks nobody pulled by then
     engine_id: str | None = None  # the NIXL agent's name; default: role + a random suffix
     served_model_name: str | None = None  # in spans and metric labels; default: the model directory's name
-    metrics_port: int | None = None  # /metrics over HTTP (0: any free port); None: no metrics
+    metrics_port: int | None = None  # /metrics over HTTP (0: any free port); None: none (http_port serves it too)
     otlp_traces_endpoint: str | None = None  # default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; none: no tracing
-    http_port: int | None = None  # the OpenAI-compatible HTTP front (0: any free port); None: none
+    http_port: int | None = None  # the OpenAI-compatible HTTP front, with /metrics (0: any free port); None: none
     tls: TLSConfig | None = None  # serve TLS (mTLS with a CA), and call peers over it
     advertise_host: str | None = None  # in KV handles; default: host, or this host's IP when host is a wildcard
 
@@ -115,9 +115,10 @@ class Server:
         self.model_name = o.served_model_name or os.path.basename(os.path.normpath(config.model))
         self.tracer = tracing.make_tracer(o.role, self.engine_id, o.otlp_traces_endpoint)
         self.telemetry = EngineTelemetry(self.tracer, None)
-        self.metrics_registry = make_registry() if o.metrics_port is not None else None
+        # Metrics exist where they can be read: the metrics port, or the HTTP front's /metrics.
+        self.metrics_registry = make_registry() if o.metrics_port is not None or o.http_port is not None else None
         self.metrics_server = (MetricsServer(self.metrics_registry, o.host, o.metrics_port)
-                               if self.metrics_registry is not None else None)
+                               if o.metrics_port is not None else None)
         self.background: set[asyncio.Task] = set()
         self.kv_peers = KVPeers(self)
         self.kv_events = KVEventHub(self.engine_id, config.block_size)  # for a router's index (kv_events.py)
@@ -147,7 +148,7 @@ class Server:
         if o.http_port is not None:
             from baton.services.openai.front import OpenAIFront
             self.http = OpenAIFront(self.generation, o.host, o.http_port, lambda: self.serving, self.core.tokenizer,
-                                    o.tls)
+                                    o.tls, self.metrics_registry)
             await self.http.start()
         self.serving = True
         await set_health(self.health, True)

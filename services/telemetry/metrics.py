@@ -1,4 +1,5 @@
-"""Prometheus metrics of every Baton service, and the HTTP endpoint that serves them.
+"""Prometheus metrics of every Baton service, and their /metrics page (on `--metrics-port`, and
+on the HTTP front's port).
 
 Names, suffixes, labels and bucket boundaries are vLLM's (v0.33, `vllm/v1/metrics/loggers.py`
 and the NIXL connector's stats) with the prefix `baton:` for `vllm:`, so dashboards, alerts
@@ -316,9 +317,20 @@ def openmetrics_text(registry: CollectorRegistry) -> bytes:
     return openmetrics.generate_latest(registry, escaping=openmetrics.ALLOWUTF8)
 
 
+def exposition(registry: CollectorRegistry, accept: str) -> tuple[bytes, str]:
+    """A scrape's body and Content-Type, for the request's Accept header: OpenMetrics (with
+    exemplars) when it asks for it, else the Prometheus text format. Both /metrics endpoints
+    (the metrics port's and the HTTP front's) answer with it. It may wait on the service's
+    event loop (an engine's load figures: `on_loop`), so call it from another thread."""
+    if "application/openmetrics-text" in accept:
+        return openmetrics_text(registry), openmetrics.CONTENT_TYPE_LATEST
+    return generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4
+
+
 class MetricsServer:
-    """/metrics over HTTP on its own thread: the Prometheus text format, or OpenMetrics (with
-    exemplars) when the scraper's Accept header asks for it."""
+    """/metrics over HTTP on its own thread (`--metrics-port`): the Prometheus text format, or
+    OpenMetrics (with exemplars) when the scraper's Accept header asks for it. A service with
+    an HTTP front serves the same page on its port too (openai/front.py)."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int):
         class Handler(BaseHTTPRequestHandler):
@@ -326,10 +338,7 @@ class MetricsServer:
                 if self.path.split("?")[0] != "/metrics":
                     self.send_error(404, "only /metrics is served here")
                     return
-                if "application/openmetrics-text" in self.headers.get("Accept", ""):
-                    body, kind = openmetrics_text(registry), openmetrics.CONTENT_TYPE_LATEST
-                else:
-                    body, kind = generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4
+                body, kind = exposition(registry, self.headers.get("Accept", ""))
                 self.send_response(200)
                 self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(body)))

@@ -65,6 +65,7 @@ def test_baton_up_answers_traces_and_stops_cleanly(tiny_llama):
         assert len(pids) == 3
         metrics = [line.split()[1] for line in wait_for("Metrics:")[1:4]]
         assert all(urllib.request.urlopen(url, timeout=10).read().startswith(b"#") for url in metrics)
+        assert metrics[0] == f"http://127.0.0.1:{http_port}/metrics"  # the router's: on its API port, as vLLM's
         answer = subprocess.run([sys.executable, "-m", "baton.services.cli", "generate", "--target",
                                  f"127.0.0.1:{port}", "--raw", "--max-tokens", "5", "hello"],
                                 capture_output=True, text=True, timeout=60)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front, driven by the official `openai` client and by plain HTTP:
 on a colocated server and on the router in front of prefill and decode processes, its text
 equals the gRPC API's; parameters carry over; errors get OpenAI's body with the right status;
-a client that disconnects mid-stream leaves every pool full."""
+a client that disconnects mid-stream leaves every pool full; /metrics answers on the front's
+port as on the metrics port (vLLM serves it on its API port)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,9 +16,11 @@ import openai
 import pytest
 
 from baton.services.client import AsyncClient
+from baton.services.cli.launcher import free_port
 
-from servers import pd_stack
+from servers import ServerProcess, pd_stack
 from helpers import collect, pools_full, random_prompts, wait_serving
+from telemetry_stack import metrics_url, samples
 
 CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
 
@@ -53,6 +56,28 @@ def disconnect_mid_stream(url: str, after_events: int = 3) -> int:
             events += 1
     conn.close()
     return resp.status
+
+
+def scrape(url: str, openmetrics: bool = False) -> tuple[str, set[str]]:
+    """A /metrics page's Content-Type and sample names (through the parser of its format)."""
+    if openmetrics:
+        from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse
+    else:
+        from prometheus_client.parser import text_string_to_metric_families as parse
+    accept = "application/openmetrics-text; version=1.0.0" if openmetrics else "text/plain"
+    with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": accept}), timeout=10) as resp:
+        text = resp.read().decode()
+        return resp.headers["Content-Type"], {s.name for family in parse(text) for s in family.samples}
+
+
+def check_metrics_pages_agree(front: str, port: str, counter: tuple) -> None:
+    """The front's /metrics is the metrics port's page: the same Content-Type and names in both
+    formats (`baton:` names kept in OpenMetrics too), and the same count of `counter`."""
+    for openmetrics in (False, True):
+        (kind, names), (port_kind, port_names) = scrape(front, openmetrics), scrape(port, openmetrics)
+        assert kind == port_kind and kind.startswith("application/openmetrics-text" if openmetrics else "text/plain")
+        assert names == port_names and counter[0] in names, names ^ port_names
+    assert samples(front)[counter] == samples(port)[counter] >= 1
 
 
 def check_the_openai_client_equals_grpc(url: str, grpc_address: str, model: str) -> None:
@@ -180,6 +205,33 @@ def test_a_full_queue_gets_429_and_a_draining_server_503(serve, tiny_llama):
     assert [s for s, _ in results] == [200, 200, 200]  # the one in flight finished during the drain
 
 
+def test_a_colocated_server_serves_metrics_on_its_http_port(serve, tiny_llama):
+    srv = serve(tiny_llama, {"http_port": 0, "metrics_port": 0})
+    status, _ = post(srv.server.http.url, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3,
+                                                              "temperature": 0, "ignore_eos": True})
+    assert status == 200
+    check_metrics_pages_agree(srv.server.http.url + "/metrics", srv.server.metrics_server.url,
+                              ("baton:request_success_total", (("finished_reason", "length"),)))
+    # The engine's load figures come from the event loop the front runs on: collected off it.
+    assert samples(srv.server.http.url + "/metrics")[("baton:num_requests_running", ())] == 0
+
+
+def test_an_http_front_without_a_metrics_port_serves_metrics(tiny_llama):
+    """`baton serve --http-port` alone: metrics exist, on the front's port (printed with it)."""
+    router = ServerProcess(tiny_llama, "--role", "router", "--http-port", "0",
+                           "--decode", f"127.0.0.1:{free_port('127.0.0.1')}")  # nothing there: no engine needed
+    try:
+        router.address  # noqa: B018 - waits until it serves (the front's line comes first)
+        line = next(ln for ln in router.lines if ln.startswith("OpenAI API on "))
+        url = line.split()[-1].removesuffix(")")
+        assert url == line.split()[3].removesuffix("/v1") + "/metrics"
+        assert not any(ln.startswith("metrics on ") for ln in router.lines)
+        kind, names = scrape(url)
+        assert kind.startswith("text/plain") and "baton:router_requests_in_flight" in names
+    finally:
+        router.stop()
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(serve, tiny_llama):
     srv = serve(tiny_llama, {"http_port": 0})
     assert disconnect_mid_stream(srv.server.http.url) == 200
@@ -188,7 +240,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(serve, tiny_llama
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama):
-    with pd_stack(tiny_llama, router=("--http-port", "0", "--served-model-name", "tiny")) as (
+    with pd_stack(tiny_llama, router=("--http-port", "0", "--metrics-port", "0", "--served-model-name", "tiny")) as (
             (prefill,), (decode,), router):
         wait_serving(router.address)
         url = next(line.split()[3].removesuffix("/v1") for line in router.lines if line.startswith("OpenAI API on"))
@@ -208,3 +260,5 @@ def test_the_openai_client_through_the_router(stack):
                                                  "ignore_eos": True, "logprobs": 1})
     want, _ = grpc_text(router.address, prompt, max_tokens=6, temperature=0, ignore_eos=True)
     assert status == 200 and body["choices"][0]["text"] == want and len(body["choices"][0]["logprobs"]["tokens"]) == 6
+    decode_calls = ("baton:router_backend_requests_total", (("backend", decode.address), ("tier", "decode")))
+    check_metrics_pages_agree(url + "/metrics", metrics_url(router), decode_calls)
