@@ -1,9 +1,24 @@
-"""A child process that must not outlive its parent (an engine core, a tensor-parallel rank)."""
+"""A child process that must not outlive its parent (an engine core, a tensor-parallel rank), and
+that leaves Ctrl-C to it.
+
+`python -m baton.engine.common.lifetime MODULE` (child_argv) runs MODULE as `python -m MODULE`
+would, with SIGINT ignored from its first line, before MODULE's imports (seconds of torch's): a
+terminal's Ctrl-C reaches every process of its foreground group, and the parent, which gets it
+too, stops the child in its order, so a KeyboardInterrupt in the child would only print a
+traceback that says something broke. What the child starts inherits the ignored SIGINT.
+"""
 from __future__ import annotations
 
 import ctypes
 import os
+import runpy
 import signal
+import sys
+
+
+def child_argv(module: str) -> list[str]:
+    """The command line of a child process that runs `module` as its main module, SIGINT ignored."""
+    return [sys.executable, "-m", "baton.engine.common.lifetime", module]
 
 
 def die_with_parent(parent: int) -> None:
@@ -15,3 +30,8 @@ def die_with_parent(parent: int) -> None:
         pass
     if os.getppid() != parent:  # the parent died before the signal was set
         os._exit(1)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)

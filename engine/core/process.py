@@ -8,7 +8,9 @@ one CoreStep per step over: the GIL is free while torch computes, and the thread
 overlaps the model's.
 
 The core dies with its front: PR_SET_PDEATHSIG, and a check of the parent every second (the
-signal is lost when the parent died before it was set).
+signal is lost when the parent died before it was set). It ignores SIGINT from its first line
+(started through lifetime.child_argv): a terminal's Ctrl-C is the front's, which stops the core
+in order (CoreShutdown).
 """
 from __future__ import annotations
 

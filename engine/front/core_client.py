@@ -7,7 +7,9 @@ The core process is a fresh interpreter (`python -m baton.engine.core.process`: 
 the front's threads, sockets or main module is inherited), watched through a pidfd: when it
 exits, every stream fails with EngineDead at once, pending
 calls too, and `on_dead` tells the server (which reports NOT_SERVING and exits, so that its
-supervisor restarts the pair). The core dies with the front (engine/core/process.py).
+supervisor restarts the pair). The core dies with the front (engine/core/process.py), and
+ignores SIGINT (lifetime.child_argv): a terminal's Ctrl-C is the front's, which stops the core
+in order (CoreShutdown).
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import logging
 import os
 import pickle
 import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -30,6 +31,7 @@ from baton.engine.common.config import EngineConfig
 from baton.engine.common.messages import (Call, CallResult, CoreAbort, CoreOptions, CoreCall, CoreFailed, CoreMessage,
                                         CoreReady, CoreRequest, CoreShutdown, CoreStep, EngineFacts, error_from)
 from baton.engine.common.errors import StartupError
+from baton.engine.common.lifetime import child_argv
 from baton.engine.front.input_processor import InputProcessor
 from baton.engine.common.kv_events import KVEvent
 from baton.engine.front.output_processor import OutputProcessor, StepOutput
@@ -130,7 +132,7 @@ class CoreClient:
         loop = asyncio.get_running_loop()
         options = CoreOptions(self.engine_id, self.hold_timeout_s, self.on_step is not None, *self._addresses,
                               kv_events=self.on_kv_events is not None)
-        self._proc = subprocess.Popen([sys.executable, "-m", "baton.engine.core.process"], stdin=subprocess.PIPE)
+        self._proc = subprocess.Popen(child_argv("baton.engine.core.process"), stdin=subprocess.PIPE)
         self._proc.stdin.write(pickle.dumps((self.config, options, os.getpid())))
         self._proc.stdin.close()
         self._exited = loop.create_future()

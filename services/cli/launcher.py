@@ -3,7 +3,10 @@ and M decode engines on free ports, and the router in front of them on the publi
 
 It waits until every process reports SERVING over the health protocol, prints where to
 talk to it (and each service's /metrics; the services it starts invite no request of their
-own, since one serving is not the stack serving), and stops them all on Ctrl-C. It supervises as
+own, since one serving is not the stack serving), and stops them all on Ctrl-C: the router
+first, then the engines, each told with SIGTERM. The services ignore SIGINT (a terminal's Ctrl-C
+reaches every process of its foreground group, theirs included), so a clean stop keeps that
+order and prints no traceback. It supervises as
 Kubernetes would: a service that dies is started again on its address after a backoff
 (doubling from RESTART_BACKOFF_S, reset once it has run for a minute), while the router serves
 on the survivors; only a crash loop (CRASH_LOOP deaths within CRASH_WINDOW_S) stops the stack.
@@ -49,12 +52,14 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launcher goes away, however it goes."""
+def _child_setup() -> None:
+    """In the child before exec: SIGTERM when the launcher goes away, however it goes, and
+    SIGINT ignored (kept across exec, and by what the service starts: its engine core and ranks)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: Ctrl-C still reaches the whole process group
+    except OSError:  # not Linux: the launcher's stop still ends the services
         pass
 
 
@@ -77,7 +82,7 @@ class Service:
     def start(self, env: dict) -> None:
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env, preexec_fn=_die_with_parent)
+                                     env=env, preexec_fn=_child_setup)
         threading.Thread(target=self._relay, daemon=True).start()
 
     def _relay(self) -> None:
@@ -146,11 +151,12 @@ class Stack:
     def dead(self) -> Service | None:
         return next((s for s in self.services if s.proc is not None and s.proc.poll() is not None), None)
 
-    def wait_serving(self, timeout_s: float) -> None:
-        """Until all serve; raises with the reason when one dies or time runs out."""
+    def wait_serving(self, timeout_s: float, stopping: threading.Event | None = None) -> bool:
+        """Until all serve (True), or `stopping` is set (False: Ctrl-C while starting); raises with
+        the reason when one dies or time runs out."""
         deadline = time.monotonic() + timeout_s
         pending = list(self.services)
-        while True:
+        while stopping is None or not stopping.is_set():
             dead = self.dead()
             if dead is not None:
                 raise RuntimeError(f"{dead.name} exited with status {dead.proc.returncode} while starting:\n"
@@ -160,19 +166,21 @@ class Stack:
             # The router's own view lags by a health watch: until it sees every engine, a request
             # could skip a prefill that is in fact up.
             if not pending and sum(backend_health(self.services[0].address) or ()) >= len(self.services) - 1:
-                return
+                return True
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not serving after {timeout_s:g}s: "
                                    f"{', '.join(s.name for s in pending) or 'the router, seeing every engine'}")
             time.sleep(0.2)
+        return False
 
     def stop(self, grace_s: float) -> None:
-        """Router first (no new requests), then the engines; SIGKILL whatever outlives the grace."""
+        """Router first (no new requests), then the engines, each drained on SIGTERM (they ignore
+        SIGINT; one still importing ends at once, quietly); SIGKILL whatever outlives the grace."""
         for group in (self.services[:1], self.services[1:]):
             group = [s for s in group if s.proc is not None]  # (never started: waited for a shared GPU)
             for s in group:
                 if s.proc.poll() is None:
-                    s.proc.send_signal(signal.SIGINT)
+                    s.proc.send_signal(signal.SIGTERM)
             for s in group:
                 try:
                     s.proc.wait(grace_s + 5)
@@ -234,7 +242,8 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
     receiver, printing = _start_trace_receiver(host, trace_port) if trace else (None, None)
     try:
         try:
-            stack.wait_serving(start_timeout_s)
+            if not stack.wait_serving(start_timeout_s, stopping):
+                return 130
         except RuntimeError as e:
             if stopping.is_set():
                 return 130

@@ -47,14 +47,16 @@ def _serve(args) -> None:
         make = lambda: Server(engine_config(args), options)  # noqa: E731
 
     async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        # Under `baton up` SIGINT stays ignored (launcher._child_setup): a terminal's Ctrl-C reaches
+        # the launcher too, which stops the services in order, with SIGTERM.
+        for sig in (signal.SIGTERM,) if os.environ.get(UP_CHILD_ENV) else (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
         try:
             server = make()
         except (OSError, ValueError) as e:
             sys.exit(f"baton serve: {e}")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         if server.metrics_server is not None:  # listening already: scrapes answer while the model loads
             print(f"metrics on {server.metrics_server.url}", flush=True)
         try:
@@ -226,8 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve a model over gRPC (the public Generate API)",
                        description="Serve one engine behind the baton.v1.TextGeneration API, with gRPC "
-                                   "health and reflection. Ctrl-C drains: in-flight streams get the grace "
-                                   "period to finish.")
+                                   "health and reflection. Ctrl-C (or SIGTERM) drains: in-flight streams get "
+                                   "the grace period to finish.")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     s.add_argument("--port", type=int, default=50051,
                    help="port to listen on; 0 picks a free one (default: %(default)s)")
@@ -381,7 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except KeyboardInterrupt:  # a Ctrl-C before the command took SIGINT over (while importing, say)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -220,7 +220,7 @@ def test_cpu_threads_are_split_over_ranks_not_engines(monkeypatch, tmp_path, pre
     monkeypatch.setattr(launcher.signal, "signal", lambda *args: None)  # pytest keeps its own Ctrl-C
     monkeypatch.setattr(Stack, "start", lambda self, e: env.update(e))
 
-    def stop_here(self, timeout_s):
+    def stop_here(self, timeout_s, stopping=None):
         raise RuntimeError("stopped by the test")
     monkeypatch.setattr(Stack, "wait_serving", stop_here)
     placements = [Placement(None, tensor_parallel_size=prefill_tp), Placement(None, tensor_parallel_size=decode_tp)]

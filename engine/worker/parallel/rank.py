@@ -6,7 +6,8 @@ core hands over until told to stop. It never samples: rank 0's tokens come with 
 It tells the core, on a ring of its own, which KV loads and host-tier copies ended here.
 
 Exits 0 when told to stop, 1 when it fails (the core sees that and fails the engine), and is
-killed with the core (PR_SET_PDEATHSIG, and a check of the parent while it waits)."""
+killed with the core (PR_SET_PDEATHSIG, and a check of the parent while it waits). Started
+through lifetime.child_argv: it ignores SIGINT, the core's front stops the engine on Ctrl-C."""
 from __future__ import annotations
 
 import datetime

@@ -14,8 +14,9 @@ likewise: each rank copies its heads of the blocks, and a job is done once every
 
 A rank that dies is the engine's death: `on_dead` is called from a watcher thread at once (the
 core process exits non-zero, so its front fails every stream UNAVAILABLE), and a step waiting on
-the dead rank raises. The ranks die with the core (PR_SET_PDEATHSIG), and the ring's file is
-unlinked as soon as every rank has it mapped.
+the dead rank raises. The ranks die with the core (PR_SET_PDEATHSIG) and ignore SIGINT (a
+terminal's Ctrl-C is the front's, which stops the core, which stops them: lifetime.child_argv),
+and the ring's file is unlinked as soon as every rank has it mapped.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ import logging
 import os
 import pickle
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from baton.engine.common.config import EngineConfig
 from baton.engine.common.errors import StartupError
+from baton.engine.common.lifetime import child_argv
 from baton.engine.common.messages import error_from
 from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton.engine.worker.parallel.messages import (RankAdapter, RankAddPeer, RankReady, RankReport, RankStart,
@@ -83,8 +84,7 @@ class TPWorkers:
         self.procs: list[subprocess.Popen] = []
         try:
             for rank in range(1, self.size):
-                proc = subprocess.Popen([sys.executable, "-m", "baton.engine.worker.parallel.rank"],
-                                        stdin=subprocess.PIPE)
+                proc = subprocess.Popen(child_argv("baton.engine.worker.parallel.rank"), stdin=subprocess.PIPE)
                 self.procs.append(proc)
                 proc.stdin.write(pickle.dumps(RankStart(
                     config, rank, self.store.port, self.ring.path, os.getpid(), self.threads, self.back[rank - 1].path,
