@@ -124,3 +124,12 @@ def drafted_and_plain(model_dir, speculative_config):
     assert scheduler.spec_stats.num_draft_tokens > 0
     assert [o.token_ids for o in run_llm(model_dir, ps, params, **engine)[1]] == [o.token_ids for o in got]
     return ps, [o.token_ids for o in want], [o.token_ids for o in got]
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie has exited: it only waits to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

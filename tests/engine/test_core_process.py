@@ -23,7 +23,7 @@ from baton.engine.front.output_processor import StepOutput
 from baton.engine.common.sampling_params import SamplingParams
 from baton.services.client import Client
 
-from helpers import stats
+from helpers import alive, stats
 
 
 def step(tokens, text, finished=False):
@@ -68,14 +68,6 @@ def _client(model_dir: str, **kwargs) -> CoreClient:
     config = EngineConfig.from_kwargs(model_dir, dtype="float32", device="cpu")
     return CoreClient(config, f"test-{os.getpid()}-{time.monotonic_ns()}", 30.0, **kwargs)
 
-
-def alive(pid: int) -> bool:
-    """Whether pid runs (a zombie has exited: it only waits to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_an_id_reused_right_after_its_stream_left_gets_a_run_of_its_own(tiny_llama):

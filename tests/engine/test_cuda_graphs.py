@@ -91,12 +91,8 @@ def test_steps_the_graphs_cannot_take_run_eagerly(tiny_llama, hf):
 _READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
 
 
-def test_a_graphed_decode_step_reads_the_device_once(tiny_llama, monkeypatch):
-    """The only read of a device tensor on the host in a decode step is the sampled tokens'
-    (counted on CPU by patching every way a tensor becomes a Python value)."""
-    llm = engine(tiny_llama)
-    taken = graphed(llm)
-    runner = llm.engine.runner
+def count_reads(monkeypatch) -> list[str]:
+    """Every way a tensor becomes a Python value (a device read on a GPU), recorded by name as it happens."""
     reads: list[str] = []
     for name in _READS:
         original = getattr(torch.Tensor, name)
@@ -105,6 +101,16 @@ def test_a_graphed_decode_step_reads_the_device_once(tiny_llama, monkeypatch):
             reads.append(_name)
             return _original(self, *args)
         monkeypatch.setattr(torch.Tensor, name, counting)
+    return reads
+
+
+def test_a_graphed_decode_step_reads_the_device_once(tiny_llama, monkeypatch):
+    """The only read of a device tensor on the host in a decode step is the sampled tokens'
+    (counted on CPU by patching every way a tensor becomes a Python value)."""
+    llm = engine(tiny_llama)
+    taken = graphed(llm)
+    runner = llm.engine.runner
+    reads = count_reads(monkeypatch)
     per_step, execute = [], runner.execute_model
 
     def step(sched):
@@ -157,14 +163,7 @@ def test_async_scheduling_through_the_graphs(tiny_llama, hf, monkeypatch):
     llm = engine(tiny_llama, async_scheduling=True)
     taken = graphed(llm)
     runner = llm.engine.runner
-    reads, submit, per_submit = [], runner.submit, []
-    for name in _READS:
-        original = getattr(torch.Tensor, name)
-
-        def counting(self, *args, _name=name, _original=original):
-            reads.append(_name)
-            return _original(self, *args)
-        monkeypatch.setattr(torch.Tensor, name, counting)
+    reads, submit, per_submit = count_reads(monkeypatch), runner.submit, []
 
     def queued(sched):
         reads.clear()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from baton.services.cli.launcher import free_port
 from baton.services.client import Client
+from helpers import alive
 
 STOP_LINE = re.compile(r"^(\[[\w-]+\] )?draining \(up to |^stopping$")
 
@@ -39,14 +40,6 @@ def descendants(pid: int) -> set[int]:
             todo.extend(children)
     return found
 
-
-def alive(pid: int) -> bool:
-    """Whether pid runs (a zombie has exited: it only waits to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def group_gone(pgid: int) -> bool:
