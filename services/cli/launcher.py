@@ -174,9 +174,13 @@ class Stack:
         return False
 
     def stop(self, grace_s: float) -> None:
-        """Router first (no new requests), then the engines, each drained on SIGTERM (they ignore
-        SIGINT; one still importing ends at once, quietly); SIGKILL whatever outlives the grace."""
-        for group in (self.services[:1], self.services[1:]):
+        """Router first (no new requests), then the decode engines (the prefills' clients: a
+        prefill going first would close their channels under them, and gRPC logs the GOAWAY),
+        then the rest, each drained on SIGTERM (they ignore SIGINT; one still importing ends at
+        once, quietly); SIGKILL whatever outlives the grace."""
+        engines = self.services[1:]
+        for group in (self.services[:1], [s for s in engines if s.role == "decode"],
+                      [s for s in engines if s.role != "decode"]):
             group = [s for s in group if s.proc is not None]  # (never started: waited for a shared GPU)
             for s in group:
                 if s.proc.poll() is None:
