@@ -100,6 +100,14 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or bool(self.logit_bias))
 
+    @property
+    def needs_host_between_steps(self) -> bool:
+        """Whether a request's next step needs its tokens on the host first (a grammar's state,
+        penalties over its history, logprobs, min_tokens' count): async scheduling does not
+        schedule ahead of its steps."""
+        return (self.structured_output is not None or self.penalized or self.logprobs is not None
+                or self.prompt_logprobs is not None or bool(self.min_tokens))
+
     def child(self, index: int) -> SamplingParams:
         """The index-th of n completions: a request of its own whose seed, when there is one, is
         offset by the index (a different but reproducible stream); only the first asks for the

@@ -31,7 +31,6 @@ from baton.engine.core.request import Request, RequestStatus, RequestUpdate
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.core.step_loop import StepLoop, StepTimes, async_off_because
 from baton.engine.worker.grammar import Grammars
-from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton.engine.common.stats import EngineSnapshot, EventType, StepEvents
 from baton.engine.common.tokenizer import eos_token_ids, load_tokenizer
@@ -132,10 +131,10 @@ class EngineCore:
             self.scheduler.rekey = self._rope_rekey
         # Async scheduling where nothing needs the host between steps (see async_off_because).
         off = async_off_because(config, self.workers is not None, connector_worker is not None, self.host is not None,
-                                self.runner.model.rope_by_length) if config.async_scheduling else "off"
+                                self.runner.model.rope_by_length)
         if config.async_scheduling and off is not None:
             log.warning("async_scheduling: steps run one at a time with %s", off)
-        self.loop = StepLoop(self.scheduler, self.runner, self.workers, ahead=off is None)
+        self.loop = StepLoop(self.scheduler, self.runner, self.workers, ahead=config.async_scheduling and off is None)
         start = time.perf_counter()
         self.runner.capture_graphs()
         if self.runner.graphs is not None:
@@ -415,8 +414,7 @@ class EngineCore:
         the next one was queued first; StepLoop)."""
         if self.awaiting_grammar:
             self._admit_compiled()
-        plain = self.loop.ahead and all(_plain(r.sampling_params) for r in self.scheduler.requests.values())
-        return [out for done in self.loop.step(plain) for out in self._outputs(*done)]
+        return [out for done in self.loop.step() for out in self._outputs(*done)]
 
     @property
     def step_in_flight(self) -> bool:
@@ -446,11 +444,4 @@ class EngineCore:
                                                                        req.kv_handle)
             outputs.append(out)
         return outputs
-
-
-def _plain(params: SamplingParams) -> bool:
-    """Whether a request may be scheduled ahead: nothing of it needs its tokens on the host before
-    its next step (a grammar's state, penalties over its history, logprobs, min_tokens' count)."""
-    return (params.structured_output is None and not params.penalized and params.logprobs is None
-            and params.prompt_logprobs is None and not params.min_tokens)
 

@@ -73,6 +73,7 @@ class Scheduler(KVArrivals):
         # Async scheduling: a step may be scheduled before the last one's tokens came back, each
         # request then counting the tokens on their way (Request.num_pending_tokens).
         self.ahead = config.async_scheduling
+        self.num_host_bound = 0  # live requests whose next step needs their tokens on the host first
 
     def record(self, request: Request | None, kind: EventType, when: float, **fields) -> None:
         if self.events is not None and request is not None:
@@ -84,6 +85,7 @@ class Scheduler(KVArrivals):
     # ---- requests in and out --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        self.num_host_bound += request.sampling_params.needs_host_between_steps
         self._enqueue(request)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
@@ -119,6 +121,7 @@ class Scheduler(KVArrivals):
         request.finished_time = time.monotonic()
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
+        self.num_host_bound -= request.sampling_params.needs_host_between_steps
         hold = was_loading  # freed when the worker reports the load over, not before
         if not was_loading and self.connector is not None:
             hold, request.kv_handle = self.connector.request_finished(request, self.kv.block_ids(request.request_id))

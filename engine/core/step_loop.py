@@ -6,9 +6,9 @@ Scheduling ahead needs nothing of step N on the host: the scheduler counts each 
 on their way (Request.num_pending_tokens) and does not schedule a request they end by length; the
 runner reads a request's last token on the device (ModelRunner.submit). A stop token found in step
 N's output ends its request while step N+1 computes one more position for it, which nobody reads
-(its KV is the right KV of that position, its token dropped). A step whose requests need the host
-between steps (the engine core says which: logprobs, penalties, grammars, min_tokens) takes the
-step in flight first and runs alone, as does every step of an engine that cannot schedule ahead
+(its KV is the right KV of that position, its token dropped). A step while some request needs the
+host between its steps (SamplingParams.needs_host_between_steps: logprobs, penalties, grammars,
+min_tokens) takes the step in flight first and runs alone, as does every step of an engine that cannot schedule ahead
 (async_off_because)."""
 from __future__ import annotations
 
@@ -41,11 +41,11 @@ class StepLoop:
         self.in_flight: tuple[SchedulerOutput, QueuedStep] | None = None  # queued, its tokens not taken yet
         self.times = StepTimes()
 
-    def step(self, plain: bool) -> list[Done]:
-        """The steps that ended now. `plain`: no request needs the host between its steps."""
+    def step(self) -> list[Done]:
+        """The steps that ended now."""
         if not self.ahead:
             return [self._step_now()]
-        if not plain:
+        if self.scheduler.num_host_bound:  # a request needs its tokens on the host before its next step
             return ([self._take()] if self.in_flight is not None else []) + [self._step_now()]
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()

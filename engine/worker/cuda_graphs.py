@@ -23,7 +23,6 @@ CPU (Triton under its interpreter) checks the padding that way in CI.
 from __future__ import annotations
 
 import bisect
-import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -32,8 +31,6 @@ import torch
 from baton.engine.worker import block_tables
 from baton.engine.worker.batch_builder import StepBatch
 from baton.kernels.attention import AttentionMetadata, TritonBatch
-
-log = logging.getLogger(__name__)
 
 # (input_ids, positions, one AttentionMetadata per KV cache group) -> the hidden states and what
 # else of the forward a step reads (EAGLE-3's layer inputs, CausalLM.aux_hidden; else empty).

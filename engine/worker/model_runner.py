@@ -158,7 +158,7 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture the decode steps' CUDA graphs (where this runner uses them)."""
         if self.graphs is not None:
-            with torch.cuda.device(self.device):
+            with self._on_device():
                 self.graphs.capture_all()
 
     def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: list
@@ -201,11 +201,14 @@ class ModelRunner:
             if state is not None:
                 state.token_ids.extend(tokens)
 
-    @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def _on_device(self):
         # Triton launches on the calling thread's current CUDA device, whatever the tensors':
         # make it this engine's (cuda:1 stepped from a thread whose current device is 0).
-        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        with self._on_device():
             return self._execute(sched)
 
     @torch.inference_mode()
@@ -214,7 +217,7 @@ class ModelRunner:
         min_tokens, drafts; no connector, host tier or ranks), queued on the device: a request
         whose last token is still on its way reads it there. The tokens come back by a
         non-blocking copy to pinned memory, taken with QueuedStep.result()."""
-        with torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext():
+        with self._on_device():
             self._apply(sched)
             if not sched.total_num_scheduled_tokens:
                 return QueuedStep([], None, self._take_tokens)
