@@ -16,6 +16,9 @@ from safetensors import safe_open
 from baton.engine.common.config import read_config
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.worker.models import CausalLM, ModelArgs, model_args
+from baton.engine.worker.models.basic import MLP
+from baton.engine.worker.models.layers import Attention
+from baton.engine.worker.models.moe import SparseMoE
 
 # checkpoint name -> (our parameter, index of the slice in a merged projection)
 _MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -223,8 +226,8 @@ def _part(model: CausalLM, params: dict, name: str) -> tuple[str | None, slice |
         return f"{prefix}.gate_up", (expert, slice(index * size, (index + 1) * size))
     merged, index = _MERGED.get(parts[-2], (None, 0)) if len(parts) >= 2 else (None, 0)
     prefix = ".".join(parts[:-2])
-    if merged is not None and hasattr(model.get_submodule(prefix), merged):  # (MLA's q_proj stays its own)
-        module = model.get_submodule(prefix)
+    module = model.get_submodule(prefix) if merged is not None else None
+    if isinstance(module, (Attention, MLP)):  # the layers with merged projections (MLA's q_proj stays its own)
         if merged == "qkv_proj":
             sizes = [module.q_size, module.kv_size, module.kv_size]
         else:
@@ -243,14 +246,16 @@ def _check_complete(model: CausalLM, args: ModelArgs, loaded: set[str], filled: 
     # A merged projection is whole when the checkpoint has it fused (Phi-3) or has every part;
     # stacked experts when every expert's three are there.
     for i in range(args.num_layers):
-        sparse = hasattr(model.layers[i].mlp, "experts")
+        mlp = model.layers[i].mlp
+        sparse = isinstance(mlp, SparseMoE)
         stacked = {f"layers.{i}.mlp.experts.{p}" for p in ("gate_up_proj", "down_proj")} <= have  # (gpt-oss's)
         for j in range(args.num_experts if sparse and not stacked else 0):
             for part in ("gate_proj", "up_proj", "down_proj"):
                 if f"layers.{i}.mlp.experts.{j}.{part}.weight" not in have:
                     raise InvalidArgument("model", f"checkpoint lacks weight layers.{i}.mlp.experts.{j}.{part}.weight")
         # The MLP with merged projections: the dense one, or a sparse layer's shared expert(s).
-        mlps = ([f"mlp.{name}" for name in ("shared_expert", "shared_experts") if hasattr(model.layers[i].mlp, name)]
+        mlps = ([f"mlp.{name}" for name, part in (("shared_expert", mlp.shared_expert),
+                                                  ("shared_experts", mlp.shared_experts)) if part is not None]
                 if sparse else ["mlp"])
         dense = [(f"{m}.{fused}", tuple(f"{m}.{p}" for p in parts))
                  for m in mlps for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ()))]

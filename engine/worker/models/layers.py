@@ -36,8 +36,8 @@ class Attention(nn.Module):
         self.rotary_dim = args.rotary_dim or args.head_dim
         self.scale = args.attn_scale or args.head_dim ** -0.5
         self.softcap = args.attn_softcap
-        if args.attn_sinks:  # gpt-oss: one score per query head that takes weight and gives nothing
-            self.sinks = nn.Parameter(torch.empty(args.num_heads))
+        # gpt-oss: one score per query head that takes weight and gives nothing
+        self.sinks = nn.Parameter(torch.empty(args.num_heads)) if args.attn_sinks else None
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
@@ -56,7 +56,7 @@ class Attention(nn.Module):
             qk = torch.cat((rotate(qk[..., :self.rotary_dim], cos, sin), qk[..., self.rotary_dim:]), dim=-1)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        sinks = self.sinks.float() if hasattr(self, "sinks") else None
+        sinks = self.sinks.float() if self.sinks is not None else None
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.softcap, self.window, sinks)
         return self.o_proj(out.flatten(1))
 

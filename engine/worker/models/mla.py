@@ -55,8 +55,7 @@ class MLAttention(nn.Module):
             self.q_a_proj = Linear(h, args.q_lora_rank, bias=args.qkv_bias)
             self.q_a_layernorm = norm(args, args.q_lora_rank)
             self.q_b_proj = Linear(args.q_lora_rank, q_out, bias=False)
-        else:
-            self.q_proj = Linear(h, q_out, bias=False)
+        self.q_proj = None if args.q_lora_rank else Linear(h, q_out, bias=False)
         self.kv_a_proj_with_mqa = Linear(h, self.rank + self.rope, bias=args.qkv_bias)
         self.kv_a_layernorm = norm(args, self.rank)
         self.kv_b_proj = Linear(self.rank, self.num_heads * (self.nope + self.v_dim), bias=False)
@@ -66,7 +65,7 @@ class MLAttention(nn.Module):
         self.window = None  # (CausalLM.prepare sets every layer's; DeepSeek's never slide)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
-        if hasattr(self, "q_proj"):
+        if self.q_proj is not None:
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))

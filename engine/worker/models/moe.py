@@ -154,8 +154,7 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.bias = nn.Parameter(torch.empty(num_experts)) if biased else None
-        if corrected:
-            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts)) if corrected else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -173,18 +172,20 @@ class SparseMoE(nn.Module):
         self.gate = Router(args.hidden_size, args.num_experts, args.routing == "noaux_tc", args.moe_bias)
         self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size, args.moe_bias,
                                args.expert_glu)
-        if args.shared_expert_intermediate_size:  # Qwen2-MoE: one more expert every token takes, gated
-            self.shared_expert = MLP(args, args.shared_expert_intermediate_size)
-            self.shared_expert_gate = Linear(args.hidden_size, 1, bias=False)
-        if args.num_shared_experts:  # DeepSeek: experts every token takes, as one MLP, ungated
-            self.shared_experts = MLP(args, args.moe_intermediate_size * args.num_shared_experts)
+        # Qwen2-MoE: one more expert every token takes, gated
+        gated = args.shared_expert_intermediate_size
+        self.shared_expert = MLP(args, gated) if gated else None
+        self.shared_expert_gate = Linear(args.hidden_size, 1, bias=False) if gated else None
+        # DeepSeek: experts every token takes, as one MLP, ungated
+        self.shared_experts = (MLP(args, args.moe_intermediate_size * args.num_shared_experts)
+                               if args.num_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize, **self.routing,
-                             bias=getattr(self.gate, "e_score_correction_bias", None))
+                             bias=self.gate.e_score_correction_bias)
         out = self.experts(x, weights, ids)
-        if hasattr(self, "shared_expert"):
+        if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        if hasattr(self, "shared_experts"):
+        if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -165,9 +165,11 @@ class LocalExperts(nn.Module):
         self.n = experts.gate_up.shape[0] // tp.size
         self.start = tp.rank * self.n
         mine = slice(self.start, self.start + self.n)
-        for name in ("gate_up", "down", "gate_up_bias", "down_bias"):  # (each expert's biases go with it)
-            if getattr(experts, name) is not None:
-                setattr(experts, name, _param(getattr(experts, name).data[mine]))
+        experts.gate_up, experts.down = _param(experts.gate_up.data[mine]), _param(experts.down.data[mine])
+        if experts.gate_up_bias is not None:  # (each expert's biases go with it)
+            experts.gate_up_bias = _param(experts.gate_up_bias.data[mine])
+        if experts.down_bias is not None:
+            experts.down_bias = _param(experts.down_bias.data[mine])
         self.experts = experts
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -240,7 +242,8 @@ def shard_model(model, tp: TPGroup, expert_parallel: bool = False) -> None:
     model.lm_head = ParallelLMHead(head, args.vocab_size, tp)
     attn = model.layers[0].self_attn
     # MLA keeps its one latent "KV head" (and its width): whole on every rank.
-    model.args = replace(args, num_heads=attn.num_heads, num_kv_heads=getattr(attn, "num_kv_heads", args.num_kv_heads))
+    model.args = replace(args, num_heads=attn.num_heads,
+                         num_kv_heads=attn.num_kv_heads if isinstance(attn, Attention) else args.num_kv_heads)
 
 
 def _shard_attention(attn: Attention, tp: TPGroup) -> None:
@@ -262,13 +265,13 @@ def _shard_attention(attn: Attention, tp: TPGroup) -> None:
                                      max(1, tp.size // attn.num_kv_heads), tp)
     attn.num_heads, attn.num_kv_heads = q.stop - q.start, kv.stop - kv.start
     attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
-    if hasattr(attn, "sinks"):
+    if attn.sinks is not None:
         attn.sinks = nn.Parameter(attn.sinks.data[q].clone(), requires_grad=False)
 
 
 def _shard_latent_attention(attn: MLAttention, tp: TPGroup) -> None:
     heads = tp.share(attn.num_heads)
-    _keep_rows(attn.q_proj if hasattr(attn, "q_proj") else attn.q_b_proj, _per_head(heads, attn.nope + attn.rope))
+    _keep_rows(attn.q_proj if attn.q_proj is not None else attn.q_b_proj, _per_head(heads, attn.nope + attn.rope))
     _keep_rows(attn.kv_b_proj, _per_head(heads, attn.nope + attn.v_dim))  # the heads' W_UK and W_UV
     attn.o_proj = RowParallelLinear(attn.o_proj, _per_head(heads, attn.v_dim), tp)
     attn.num_heads = heads.stop - heads.start
@@ -303,9 +306,9 @@ def _shard_moe(moe: SparseMoE, tp: TPGroup, expert_parallel: bool) -> PartialSum
     else:
         _split_experts(moe.experts, tp)
     # (Qwen2-MoE's shared_expert_gate stays whole: a per-token scale of a partial sum scales the sum.)
-    for shared in ("shared_expert", "shared_experts"):
-        if hasattr(moe, shared):
-            _shard_mlp(getattr(moe, shared), tp, reduce=False)
+    for shared in (moe.shared_expert, moe.shared_experts):
+        if shared is not None:
+            _shard_mlp(shared, tp, reduce=False)
     return PartialSum(moe, tp)
 
 
