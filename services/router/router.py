@@ -11,7 +11,7 @@ Failures before the client saw a token are retried once elsewhere; with no healt
 instance the decode computes the prompt itself; a decode that fails mid-stream hands the
 request to another (decode_leg.py), up to max_migrations times. Each instance a request is
 sent to is a Lease (backends.py), counted until its call there ends. Each request's spans and
-metrics: telemetry.py.
+metrics: router_telemetry.py.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from baton.services.router.backends import Backend, Lease, Tier, split_host_port
 from baton.services.router.decode_leg import DecodeRoute, Relay, aborted_response, decode_leg, pass_on_or_take_out
 from baton.services.router.kv_index import KVEventSubscription, KVIndex
 from baton.services.router.policies import POLICIES, make_policy
-from baton.services.router.runtime_api import RouterRuntime
-from baton.services.router.telemetry import RouterTrace
+from baton.services.router.router_runtime_api import RouterRuntime
+from baton.services.router.router_telemetry import RouterTrace
 from baton.services.rpc.names import ROUTER_LIVENESS, SERVICE_NAME, TOKEN_KEY, token_metadata
 from baton.services.rpc.chat import chat_messages, chat_tools
 from baton.services.rpc.errors import abort_invalid
@@ -108,7 +108,7 @@ class RouterOptions:
 
 class RouterService(RouterRuntime):
     """baton.v1.TextGeneration: Generate's responses passed through as serialized bytes, and
-    the runtime API (runtime_api.py)."""
+    the runtime API (router_runtime_api.py)."""
 
     def __init__(self, router: Router):
         self.router = router

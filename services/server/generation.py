@@ -22,7 +22,7 @@ from baton.services.rpc.kv_wire import handle_from_proto
 from baton.services.rpc.calls import CallRegistry
 from baton.services.server.responses import (ENGINE_ERRORS, abort_for_engine_error, api_field, decode_timing,
                                               response_from_output)
-from baton.services.server.runtime_api import EngineRuntime
+from baton.services.server.engine_runtime_api import EngineRuntime
 from baton.kv_transfer.base import handle_block_counts
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc

@@ -29,12 +29,12 @@ from baton.services.rpc.errors import abort
 from baton.services.rpc.serving import advertised_host, drain, in_background, make_grpc_server, set_health
 from baton.services.rpc.tls import TLSConfig
 from baton.services.server.generation import GenerationService
-from baton.services.server.kv_events import KVEventHub
+from baton.services.server.kv_event_hub import KVEventHub
 from baton.services.server.kv_peers import KVPeers, KVPeerService
 from baton.services.server.prefill import PrefillService
-from baton.services.server.runtime_api import model_info
+from baton.services.server.engine_runtime_api import model_info
 from baton.services.server.snapshots import load_to_proto, stats_to_proto
-from baton.services.server.telemetry import EngineTelemetry
+from baton.services.server.engine_telemetry import EngineTelemetry
 from baton.services.telemetry import tracing
 from baton.services.telemetry.metrics import EngineMetrics, MetricsServer, make_registry, on_loop
 from baton.v1 import generate_pb2 as pb
@@ -121,7 +121,7 @@ class Server:
                                if o.metrics_port is not None else None)
         self.background: set[asyncio.Task] = set()
         self.kv_peers = KVPeers(self)
-        self.kv_events = KVEventHub(self.engine_id, config.block_size)  # for a router's index (kv_events.py)
+        self.kv_events = KVEventHub(self.engine_id, config.block_size)  # for a router's index (kv_event_hub.py)
         self.http = None  # the OpenAI front, once started
 
     @property

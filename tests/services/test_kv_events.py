@@ -22,7 +22,7 @@ from baton.services.router.kv_index import DEVICE, KVIndex
 from baton.services.router.kv_index import HOST as HOST_BIT
 from baton.services.router.router import Router, RouterOptions
 from baton.kv_transfer.base import KVTier
-from baton.services.server.kv_events import KVBlockMirror, KVEventHub, to_proto
+from baton.services.server.kv_event_hub import KVBlockMirror, KVEventHub, to_proto
 
 from helpers import collect, random_prompts
 
@@ -89,7 +89,7 @@ def test_the_index_follows_tiers_and_clears():
 
 
 def test_a_subscriber_far_behind_gets_a_snapshot_instead_of_the_batches_it_missed(monkeypatch):
-    import baton.services.server.kv_events as hub_module
+    import baton.services.server.kv_event_hub as hub_module
 
     monkeypatch.setattr(hub_module, "MAX_BEHIND", 3)
 
