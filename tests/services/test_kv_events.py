@@ -209,7 +209,7 @@ def test_kv_aware_sends_the_follow_up_turn_to_the_instance_holding_the_conversat
             router = await start_router(engines, tiny_llama, otlp_traces_endpoint=trace_receiver.endpoint)
         finally:
             os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
-        tokenizer = router.tokenizer
+        tokenizer = router.prompts.tokenizer
         try:
             async with AsyncClient(router.address) as client:
                 holders = []
