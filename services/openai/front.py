@@ -4,10 +4,10 @@
 /metrics, the page its metrics port serves, where vLLM serves it (on the API's port).
 
 A request takes the same path as a gRPC call, not an extra hop: its JSON becomes a
-GenerateRequest (one request id across both) handed to the service's own Generate with a
-stand-in for the gRPC context, whose aborts become OpenAI error bodies with the HTTP status
-that fits (400 naming the parameter, 404, 429, 503). A client that goes away cancels the
-handler, which aborts the request and frees its blocks.
+GenerateRequest (one request id across both) handed to the service's own Generate (bound
+methods, ServiceCalls) with a stand-in for the gRPC context, whose aborts become OpenAI error
+bodies with the HTTP status that fits (400 naming the parameter, 404, 429, 503). A client
+that goes away cancels the handler, which aborts the request and frees its blocks.
 """
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
 
 from baton.services.rpc.errors import failure_of
 from baton.services.rpc.fan_out import merge
+from baton.services.rpc.serving import RuntimeApi
 from baton.services.openai.tools import constrain_to_tools, plan_from_body
 from baton.services.openai.protocol import (ApiError, Completion, in_range, typed, chat_messages_from_body,
                                             check_parameters, error_for_status, int_list, prompts_from_body,
@@ -67,13 +69,32 @@ class CallContext:
         return error_for_status(self._code, self._details, self._field)
 
 
-class OpenAIFront:
-    """The HTTP front over `service`, the servicer of baton.v1.TextGeneration (an engine server's
-    or the router's): its Generate, GetModelInfo, Tokenize and Detokenize answer. With a
-    `metrics_registry` (the service's), GET /metrics serves it."""
+@dataclass(frozen=True, slots=True)
+class ServiceCalls:
+    """The baton.v1.TextGeneration methods the HTTP front calls, bound to the units that serve
+    them (an engine server's or the router's): each takes the request and a context."""
+    generate: Callable[..., AsyncIterator]  # responses as messages, or as bytes (the router's)
+    get_model_info: Callable[..., Awaitable]
+    list_adapters: Callable[..., Awaitable]
+    load_adapter: Callable[..., Awaitable]
+    unload_adapter: Callable[..., Awaitable]
+    tokenize: Callable[..., Awaitable]
+    detokenize: Callable[..., Awaitable]
 
-    def __init__(self, service, host: str, port: int, is_serving, tokenizer=None, tls=None, metrics_registry=None):
-        self.service, self.host, self.port = service, host, port
+    @classmethod
+    def of(cls, generate: Callable[..., AsyncIterator], runtime: RuntimeApi) -> ServiceCalls:
+        """Generate, and the runtime API's methods the front calls."""
+        return cls(generate, runtime.GetModelInfo, runtime.ListAdapters, runtime.LoadAdapter, runtime.UnloadAdapter,
+                   runtime.Tokenize, runtime.Detokenize)
+
+
+class OpenAIFront:
+    """The HTTP front over `calls`, baton.v1.TextGeneration's methods as the service answers
+    them. With a `metrics_registry` (the service's), GET /metrics serves it."""
+
+    def __init__(self, calls: ServiceCalls, host: str, port: int, is_serving, tokenizer=None, tls=None,
+                 metrics_registry=None):
+        self.calls, self.host, self.port = calls, host, port
         self.ssl_context = tls.http_context() if tls is not None else None
         self.is_serving = is_serving
         self.tokenizer = tokenizer  # token strings of logprobs; without one, "token_id:N" (vLLM's spelling)
@@ -107,16 +128,17 @@ class OpenAIFront:
         await self.runner.cleanup()
 
     # ---- what the service knows -----------------------------------------------------------
-    async def _call(self, method: str, msg, request: web.Request):
+    async def _call(self, call: Callable[..., Awaitable], msg, request: web.Request):
+        """One of `calls`' unary methods, its aborts as ApiErrors."""
         context = CallContext(request.headers)
         try:
-            return await getattr(self.service, method)(msg, context)
+            return await call(msg, context)
         except _Aborted:
             raise context.error() from None
 
     async def model_info(self, request: web.Request) -> pb.ModelInfo:
         if self._model_info is None:
-            self._model_info = await self._call("GetModelInfo", pb.GetModelInfoRequest(), request)
+            self._model_info = await self._call(self.calls.get_model_info, pb.GetModelInfoRequest(), request)
         return self._model_info
 
     async def _check_model(self, body: dict, request: web.Request) -> tuple[str, str]:
@@ -124,7 +146,7 @@ class OpenAIFront:
         name, asked = (await self.model_info(request)).model_name, body.get("model")
         if asked in (None, name):
             return name, ""
-        adapters = await self._call("ListAdapters", pb.ListAdaptersRequest(), request)
+        adapters = await self._call(self.calls.list_adapters, pb.ListAdaptersRequest(), request)
         if any(a.name == asked for a in adapters.adapters):
             return asked, asked
         served = ", ".join([name] + [a.name for a in adapters.adapters])
@@ -150,32 +172,36 @@ class OpenAIFront:
 
     async def _models(self, request):
         info = await self.model_info(request)
-        adapters = await self._call("ListAdapters", pb.ListAdaptersRequest(), request)
+        adapters = await self._call(self.calls.list_adapters, pb.ListAdaptersRequest(), request)
         base = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "baton", "root": info.model_path,
                 "parent": None, "max_model_len": info.max_model_len}
         return {"object": "list", "data": [base] + [
             dict(base, id=a.name, root=a.path, parent=info.model_name) for a in adapters.adapters]}
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        return await self._adapter_call(request, "LoadAdapter", "added")
+        return await self._adapter_call(request, load=True)
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        return await self._adapter_call(request, "UnloadAdapter", "removed")
+        return await self._adapter_call(request, load=False)
 
-    async def _adapter_call(self, request: web.Request, method: str, done: str) -> web.Response:
+    async def _adapter_call(self, request: web.Request, load: bool) -> web.Response:
         """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: a JSON body with lora_name
         (and lora_path), a line of text on success."""
         try:
             body = await _json(request)
-            for name in ("lora_name", "lora_path") if method == "LoadAdapter" else ("lora_name",):
+            for name in ("lora_name", "lora_path") if load else ("lora_name",):
                 if not isinstance(body.get(name), str) or not body[name]:
                     raise ApiError(400, f"{name}: must be a non-empty string", name)
-            msg = (pb.LoadAdapterRequest(lora_name=body["lora_name"], lora_path=body["lora_path"])
-                   if method == "LoadAdapter" else pb.UnloadAdapterRequest(lora_name=body["lora_name"]))
-            await self._call(method, msg, request)
+            if load:
+                await self._call(self.calls.load_adapter, pb.LoadAdapterRequest(
+                    lora_name=body["lora_name"], lora_path=body["lora_path"]), request)
+            else:
+                await self._call(self.calls.unload_adapter, pb.UnloadAdapterRequest(lora_name=body["lora_name"]),
+                                 request)
         except ApiError as e:
             return _error_response(e)
-        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' {done} successfully.")
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' {'added' if load else 'removed'} "
+                                 "successfully.")
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return await _answer(self._tokenize(request))
@@ -189,7 +215,7 @@ class OpenAIFront:
             msg.text = body["prompt"]
         else:
             raise ApiError(400, "prompt: give a text prompt, or messages", "prompt")
-        out = await self._call("Tokenize", msg, request)
+        out = await self._call(self.calls.tokenize, msg, request)
         return {"tokens": list(out.token_ids), "count": len(out.token_ids), "max_model_len": out.max_model_len}
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -197,7 +223,7 @@ class OpenAIFront:
 
     async def _detokenize(self, request):
         body = await _json(request)
-        out = await self._call("Detokenize", pb.DetokenizeRequest(token_ids=int_list(body, "tokens")
+        out = await self._call(self.calls.detokenize, pb.DetokenizeRequest(token_ids=int_list(body, "tokens")
                                                                   if "tokens" in body else []), request)
         return {"prompt": out.text}
 
@@ -222,7 +248,7 @@ class OpenAIFront:
                 if tools is not None:
                     msg.chat.tools_json = json.dumps([{"type": "function", "function": f} for f in tools.tools])
                 if not sampling.HasField("max_tokens"):  # as vLLM: up to the context length
-                    tokens = await self._call("Tokenize", pb.TokenizeRequest(chat=msg.chat), request)
+                    tokens = await self._call(self.calls.tokenize, pb.TokenizeRequest(chat=msg.chat), request)
                     msg.sampling.max_tokens = max(1, tokens.max_model_len - len(tokens.token_ids))
                 requests = [msg]
             else:
@@ -290,7 +316,7 @@ class OpenAIFront:
         async def one(i: int, msg: pb.GenerateRequest):
             context = CallContext(request.headers)
             try:
-                async for resp in self.service.Generate(msg, context):
+                async for resp in self.calls.generate(msg, context):
                     resp = pb.GenerateResponse.FromString(resp) if isinstance(resp, bytes) else resp
                     yield i * n + resp.index, resp
             except _Aborted:

@@ -101,6 +101,13 @@ class Backend:
             return
         self.adapters = {a.name: a for a in listed.adapters}
 
+    def adapter_loaded(self, adapter: pb.Adapter) -> None:
+        """The router had it load `adapter` (LoadAdapter): routable there before the next refresh."""
+        self.adapters[adapter.name] = adapter
+
+    def adapter_unloaded(self, name: str) -> None:
+        self.adapters.pop(name, None)
+
     async def _watch_health(self) -> None:
         stub = health_pb2_grpc.HealthStub(self.channel)
         while True:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 POLICIES = ("round_robin", "least_outstanding", "prefix_affinity", "kv_aware")
 
@@ -20,6 +20,10 @@ class Choice(NamedTuple):
     prefix_hit_blocks: int = 0  # how deep the prompt's prefix matched what the instance served
     inputs: dict | None = None  # what the decision weighed, per candidate (kv_aware), for the route span
     charge: tuple[int, int] = (0, 0)  # blocks the request adds to the instance: to compute, in all (kv_aware)
+
+
+class Policy(Protocol):
+    def choose(self, backends: list, hashes: list[int]) -> Choice: ...
 
 
 class RoundRobin:
@@ -69,7 +73,7 @@ class PrefixAffinity:
 
 
 def make_policy(name: str, load_factor: float, slack: int, table_size: int, kv_index=None,
-                kv_weights: tuple[float, float, float] = (8.0, 0.5, 0.25)):
+                kv_weights: tuple[float, float, float] = (8.0, 0.5, 0.25)) -> Policy:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_outstanding":

@@ -1,13 +1,16 @@
-"""A listening gRPC server, its health reporting and its drain."""
+"""A listening gRPC server, the public service on it, its health reporting and its drain."""
 from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from baton.services.rpc.names import SERVICE_NAME
+from baton.v1 import generate_pb2 as pb
 
 
 def advertised_host(host: str, advertise_host: str | None) -> str:
@@ -34,6 +37,44 @@ def make_grpc_server(host: str, port: int, max_message_bytes: int, extra_options
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (in use?)")
     return server, bound
+
+
+class RuntimeApi(Protocol):
+    """baton.v1.TextGeneration but Generate: the runtime API, a unit of its own beside Generate
+    in an engine server (engine_runtime_api.py) and in the router (router_runtime_api.py)."""
+
+    async def GetModelInfo(self, msg: pb.GetModelInfoRequest, context) -> pb.ModelInfo: ...
+    async def GetLoad(self, msg: pb.GetLoadRequest, context) -> pb.Load: ...
+    def WatchLoad(self, msg: pb.GetLoadRequest, context) -> AsyncIterator[pb.Load]: ...
+    async def Abort(self, msg: pb.AbortRequest, context) -> pb.AbortResponse: ...
+    async def Tokenize(self, msg: pb.TokenizeRequest, context) -> pb.TokenizeResponse: ...
+    async def Detokenize(self, msg: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse: ...
+    async def LoadAdapter(self, msg: pb.LoadAdapterRequest, context) -> pb.Adapter: ...
+    async def UnloadAdapter(self, msg: pb.UnloadAdapterRequest, context) -> pb.Adapter: ...
+    async def ListAdapters(self, msg: pb.ListAdaptersRequest, context) -> pb.ListAdaptersResponse: ...
+
+
+def add_text_generation(server: grpc.aio.Server, generate: Callable[..., AsyncIterator], runtime: RuntimeApi,
+                        generate_serialized: bool = False) -> None:
+    """Serve baton.v1.TextGeneration from its two units: `generate` answers Generate, `runtime`
+    every other method. gRPC takes one servicer per service, so the method table is built here
+    from both. `generate_serialized`: Generate yields its responses as bytes already (the
+    router passes a backend's through)."""
+    behaviours = {"Generate": generate, "GetModelInfo": runtime.GetModelInfo, "GetLoad": runtime.GetLoad,
+                  "WatchLoad": runtime.WatchLoad, "Abort": runtime.Abort, "Tokenize": runtime.Tokenize,
+                  "Detokenize": runtime.Detokenize, "LoadAdapter": runtime.LoadAdapter,
+                  "UnloadAdapter": runtime.UnloadAdapter, "ListAdapters": runtime.ListAdapters}
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["TextGeneration"].methods:
+        if method.name not in behaviours:  # the proto gained a method: it needs a unit to answer it
+            raise TypeError(f"{SERVICE_NAME}/{method.name}: no unit answers it (add it to add_text_generation)")
+        request, response = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+        serialize = None if generate_serialized and method.name == "Generate" else response.SerializeToString
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(behaviours[method.name], request_deserializer=request.FromString,
+                                     response_serializer=serialize)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)])
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 async def set_health(servicer, serving: bool) -> None:

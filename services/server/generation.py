@@ -1,133 +1,46 @@
 """The public Generate of an engine server: a GenerateRequest made into the engine's request
-(validated, errors naming the API's field), streamed from the engine core, its outputs as the
-API's responses; n completions fanned out."""
+(core_requests.py), streamed from the engine core, its outputs as the API's responses; n
+completions fanned out. At a decode, a request with a KV handle meets the handle's prefill
+engine first (kv_peers.py)."""
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 
-from baton.engine.common.messages import CoreRequest
 from baton.engine.common.errors import InvalidArgument, check
-from baton.engine.common.sampling_params import SamplingParams
-from baton.services.rpc.chat import chat_messages, chat_tools
-from baton.services.rpc.errors import abort, abort_invalid
-from baton.engine.common.structured_output import StructuredOutput
-from baton.services.rpc.fan_out import child_requests, merge, num_completions
-from baton.services.rpc.kv_wire import handle_from_proto
+from baton.engine.front.core_client import CoreClient
 from baton.services.rpc.calls import CallRegistry
-from baton.services.server.responses import (ENGINE_ERRORS, abort_for_engine_error, api_field, decode_timing,
-                                              response_from_output)
-from baton.services.server.runtime_api import EngineRuntime
-from baton.kv_transfer.base import handle_block_counts
+from baton.services.rpc.errors import abort, abort_invalid
+from baton.services.rpc.fan_out import child_requests, merge, num_completions
+from baton.services.server.call_checks import CallChecks
+from baton.services.server.core_requests import MadeRequest, core_request_from_proto
+from baton.services.server.engine_telemetry import EngineTelemetry
+from baton.services.server.kv_peers import KVPeers
+from baton.services.server.responses import ENGINE_ERRORS, abort_for_engine_error, decode_timing, response_from_output
 from baton.v1 import generate_pb2 as pb
-from baton.v1 import generate_pb2_grpc
-
-if TYPE_CHECKING:
-    from baton.services.server.server import Server
-
-MAX_REQUEST_ID_CHARS = 256
-_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens",
-                             "include_stop_str_in_output", "repetition_penalty", "presence_penalty",
-                             "frequency_penalty", "min_p", "logprobs", "prompt_logprobs", "skip_special_tokens", "n")
 
 
-def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
-    kwargs = {name: getattr(p, name) for name in _OPTIONAL_SAMPLING_FIELDS if p.HasField(name)}
-    for name in ("stop_token_ids", "stop"):
-        if getattr(p, name):
-            kwargs[name] = list(getattr(p, name))
-    if p.logit_bias:
-        kwargs["logit_bias"] = dict(p.logit_bias)
-    try:
-        kind = p.WhichOneof("structured_output")
-        if kind is not None:
-            spec = {"json_object": "", "choice": tuple(p.choice.options)}.get(kind, getattr(p, kind))
-            kwargs["structured_output"] = StructuredOutput(kind, spec)
-        return SamplingParams(**kwargs)
-    except InvalidArgument as e:
-        raise InvalidArgument(api_field(e.field), e.reason) from None
+class GenerationService:
+    """baton.v1.TextGeneration/Generate (the service's other methods are the runtime API's,
+    engine_runtime_api.py). `calls`: the Generate calls in flight, which Abort looks up."""
 
-
-@dataclass(slots=True)
-class MadeRequest:
-    """A GenerateRequest as the engine core takes it, and how to answer."""
-    request: CoreRequest
-    output: int  # pb.Output
-    min_tokens: int | None = None  # a prefill's: the request's own (the core runs one token)
-
-
-class GenerationService(EngineRuntime, generate_pb2_grpc.TextGenerationServicer):
-    def __init__(self, server: Server):
-        self.server = server
-        self.calls = CallRegistry()  # for Abort
-
-    def make_request(self, msg: pb.GenerateRequest, for_prefill: bool = False) -> MadeRequest:
-        """The engine request for a GenerateRequest; raises InvalidArgument naming the API
-        field. `for_prefill`: only the first token, with the blocks held for a decode peer."""
-        inputs = self.server.core.inputs
-        check(msg.output in pb.Output.values(), "output", f"unknown value {msg.output}")
-        check(len(msg.request_id) <= MAX_REQUEST_ID_CHARS, "request_id",
-              f"is {len(msg.request_id)} characters, more than {MAX_REQUEST_ID_CHARS}")
-        params = sampling_params_from_proto(msg.sampling)
-        check(not (msg.resume.ids and msg.HasField("kv_handle")), "resume", "cannot come with a kv_handle")
-        min_tokens, hold, remote_kv = None, False, None
-        if for_prefill:
-            # The first token is sampled as colocated (EOS cannot end it before min_tokens); a stop
-            # string in it must not end the request before the request's own min_tokens either.
-            min_tokens = params.min_tokens
-            hold = params.max_tokens > 1  # one token wanted in all: nothing to hand over
-            params = dataclasses.replace(params, max_tokens=1, min_tokens=min(min_tokens, 1))
-        elif msg.HasField("kv_handle"):
-            check(self.server.options.role != "prefill", "kv_handle", "this server runs the prefill role only")
-            check(params.max_tokens >= 2, "sampling.max_tokens",
-                  "must be >= 2 with a kv_handle: the first token came from the prefill")
-            remote_kv = handle_from_proto(msg.kv_handle)
-        if not for_prefill and (remote_kv is not None or msg.resume.ids):  # the prompt's logprobs went out already
-            params = dataclasses.replace(params, prompt_logprobs=None)
-        try:
-            request = inputs.make_request(msg.request_id or uuid.uuid4().hex, self._prompt(msg), params, msg.priority,
-                                          hold_for_remote=hold, remote_kv=remote_kv,
-                                          resumed_output=list(msg.resume.ids), adapter=msg.adapter)
-        except InvalidArgument as e:
-            raise type(e)(api_field(e.field), e.reason) from None
-        num_prompt = len(request.prompt_token_ids)
-        if remote_kv is not None:
-            facts = self.server.core.facts
-            check(remote_kv.num_tokens == num_prompt, "kv_handle.num_tokens",
-                  f"is {remote_kv.num_tokens}, the prompt has {num_prompt} tokens")
-            windows = tuple(w or None for w in facts.kv_group_windows) or (None,)
-            expected = sum(handle_block_counts(remote_kv.num_tokens, windows, facts.block_size))
-            check(len(remote_kv.block_ids) == expected, "kv_handle.block_ids",
-                  f"has {len(remote_kv.block_ids)} ids for {remote_kv.num_tokens} tokens; this engine's KV cache "
-                  f"groups (windows {list(facts.kv_group_windows) or [0]}, blocks of {facts.block_size}) take "
-                  f"{expected}")
-        limit = inputs.max_model_len
-        check(num_prompt + params.max_tokens <= limit, "sampling.max_tokens",
-              f"{params.max_tokens} new tokens after a prompt of {num_prompt} exceed max_model_len {limit}")
-        return MadeRequest(request, msg.output or pb.OUTPUT_TEXT_AND_TOKEN_IDS, min_tokens)
-
-    def _prompt(self, msg: pb.GenerateRequest) -> str | list[int]:
-        kind = msg.WhichOneof("prompt")
-        check(kind is not None, "prompt", "set one of text, token_ids or chat")
-        if kind == "chat":
-            check(len(msg.chat.messages) > 0, "chat.messages", "must not be empty")
-            return self.server.core.inputs.apply_chat_template(chat_messages(msg.chat), chat_tools(msg.chat))
-        return msg.text if kind == "text" else list(msg.token_ids.ids)
+    def __init__(self, core: CoreClient, role: str, checks: CallChecks, calls: CallRegistry,
+                 telemetry: EngineTelemetry, kv_peers: KVPeers):
+        self.core = core
+        self.role = role
+        self.checks = checks
+        self.calls = calls
+        self.telemetry = telemetry
+        self.kv_peers = kv_peers
 
     async def Generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        server = self.server
         handle = msg.kv_handle if msg.HasField("kv_handle") else None
-        with server.server_span(context, msg, "Generate") as span:
-            if not server.serving:
-                await abort(context, grpc.StatusCode.UNAVAILABLE, "the server is loading or draining",
-                            pb.FAILURE_REASON_ENGINE_UNAVAILABLE)
+        with self.telemetry.server_span(context, msg, "Generate") as span:
+            await self.checks.serving(context)
             if handle is not None:
-                await server.check_token(context)
+                await self.checks.from_stack(context)
             msg.request_id = msg.request_id or uuid.uuid4().hex
             if msg.request_id in self.calls.live:
                 await abort(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {msg.request_id!r} is already "
@@ -135,7 +48,8 @@ class GenerationService(EngineRuntime, generate_pb2_grpc.TextGenerationServicer)
             try:
                 n = num_completions(msg)
                 check(n == 1 or handle is None, "sampling.n", "must be 1 with a kv_handle")
-                made = [self.make_request(child) for child in (child_requests(msg, n) if n > 1 else [msg])]
+                made = [core_request_from_proto(child, self.core, self.role)
+                        for child in (child_requests(msg, n) if n > 1 else [msg])]
             except InvalidArgument as e:
                 await abort_invalid(context, e)
             streams = [self._completion(m, i, msg.request_id, handle, span, context) for i, m in enumerate(made)]
@@ -149,21 +63,21 @@ class GenerationService(EngineRuntime, generate_pb2_grpc.TextGenerationServicer)
     async def _completion(self, made: MadeRequest, index: int, request_id: str, handle: pb.KVHandle | None, span,
                           context: grpc.aio.ServicerContext):
         """One engine request's responses (one of n completions)."""
-        server = self.server
-        rt = server.telemetry.track(made.request, span, dict(handle.trace_context) if handle is not None else None)
+        telemetry = self.telemetry
+        rt = telemetry.track(made.request, span, dict(handle.trace_context) if handle is not None else None)
         if handle is not None:
             try:
-                await server.kv_peers.ensure(handle, context, rt)
+                await self.kv_peers.ensure(handle, context, rt)
             except BaseException as e:  # never reached the engine: nothing else ends its telemetry
-                server.telemetry.drop(rt, time.monotonic(), f"no KV peer: {e!r}")
+                telemetry.drop(rt, time.monotonic(), f"no KV peer: {e!r}")
                 raise
         try:
             # Token ids only and no stop strings: nothing to detokenize.
-            async for out in server.core.generate(made.request, detokenize=made.output != pb.OUTPUT_TOKEN_IDS):
+            async for out in self.core.generate(made.request, detokenize=made.output != pb.OUTPUT_TOKEN_IDS):
                 if handle is not None:  # the router's P/D breakdown needs the decode's side of it
                     await context.send_initial_metadata(decode_timing(out))
                     handle = None
                 yield response_from_output(out, made.output, index, request_id)
         except ENGINE_ERRORS as e:
-            server.telemetry.drop(rt, time.monotonic(), str(e))
+            telemetry.drop(rt, time.monotonic(), str(e))
             await abort_for_engine_error(context, e)

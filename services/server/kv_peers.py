@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 
 from baton.engine.common.messages import AddPeer
+from baton.engine.front.core_client import CoreClient
 from baton.kv_transfer.base import KVFormatMismatch
 from baton.services.rpc.names import token_metadata
 from baton.services.rpc.errors import abort, failure_of_error
 from baton.services.rpc.kv_wire import layout_from_proto, layout_to_proto
-from baton.services.rpc.tls import aio_channel
+from baton.services.rpc.tls import TLSConfig, aio_channel
+from baton.services.server.call_checks import CallChecks
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2, internal_pb2_grpc
-
-if TYPE_CHECKING:
-    from baton.services.server.server import Server
 
 
 class PeerUnusable(Exception):
@@ -32,25 +30,30 @@ class PeerUnusable(Exception):
 
 
 class KVPeerService(internal_pb2_grpc.KVPeerServicer):
-    def __init__(self, server: Server):
-        self.server = server
+    """The side a peer calls: its layout to the core, which refuses another KV format; ours back."""
+
+    def __init__(self, core: CoreClient, checks: CallChecks):
+        self.core = core
+        self.checks = checks
 
     async def Handshake(self, theirs: internal_pb2.KVLayout, context: grpc.aio.ServicerContext):
-        await self.server.check_internal(context)
+        await self.checks.internal(context)
         try:
-            await self.server.core.call(AddPeer(layout_from_proto(theirs)))
+            await self.core.call(AddPeer(layout_from_proto(theirs)))
         except KVFormatMismatch as e:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"kv_layout.format.{e}",
                         pb.FAILURE_REASON_KV_FORMAT_MISMATCH, f"kv_layout.format.{e.field}")
-        return layout_to_proto(self.server.core.facts.kv_layout)
+        return layout_to_proto(self.core.facts.kv_layout)
 
 
 class KVPeers:
     """The decode side: meets each prefill engine its handles name (trading layouts) before
-    the first pull from it."""
+    the first pull from it, over `tls` when given, with the stack's `internal_token`."""
 
-    def __init__(self, server: Server):
-        self.server = server
+    def __init__(self, core: CoreClient, tls: TLSConfig | None, internal_token: str | None):
+        self.core = core
+        self.tls = tls
+        self.internal_token = internal_token
         self.known: set[str] = set()  # prefill engine ids met (the core has their layouts)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._handshakes: dict[str, asyncio.Future] = {}  # prefill engine id -> the handshake under way
@@ -85,14 +88,13 @@ class KVPeers:
             handshake.exception()  # retrieved, even when every waiting stream was cancelled
 
     async def _handshake(self, handle: pb.KVHandle) -> None:
-        server = self.server
         self.num_handshakes += 1
         channel = self._channels.get(handle.address)
         if channel is None:
-            channel = self._channels[handle.address] = aio_channel(handle.address, server.options.tls)
+            channel = self._channels[handle.address] = aio_channel(handle.address, self.tls)
         try:
             theirs = await internal_pb2_grpc.KVPeerStub(channel).Handshake(
-                layout_to_proto(server.core.facts.kv_layout), metadata=token_metadata(server.options.internal_token),
+                layout_to_proto(self.core.facts.kv_layout), metadata=token_metadata(self.internal_token),
                 timeout=10)
         except grpc.aio.AioRpcError as e:
             failure = failure_of_error(e)
@@ -108,7 +110,7 @@ class KVPeers:
                                f"kv_handle: {handle.address} is now engine {theirs.engine_id}, not "
                                f"{handle.engine_id} (it restarted; its blocks are gone)")
         try:
-            await server.core.call(AddPeer(layout_from_proto(theirs)))
+            await self.core.call(AddPeer(layout_from_proto(theirs)))
         except KVFormatMismatch as e:
             raise PeerUnusable(grpc.StatusCode.FAILED_PRECONDITION, pb.FAILURE_REASON_KV_FORMAT_MISMATCH,
                                f"kv_handle: prefill {handle.address} holds KV of another format: "

@@ -3,41 +3,50 @@ token and holds its blocks for a decode peer, returning their handle; and `Relea
 lets go of a handle's blocks that no decode will pull."""
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 
 from baton.engine.common.errors import InvalidArgument, check
+from baton.engine.common.messages import ReleaseHold
+from baton.engine.front.core_client import CoreClient
 from baton.engine.front.output_processor import StepOutput
+from baton.services.rpc.calls import CallRegistry
 from baton.services.rpc.errors import abort, abort_invalid
 from baton.services.rpc.fan_out import num_completions
-from baton.services.rpc.serving import in_background
 from baton.services.rpc.kv_wire import handle_to_proto
+from baton.services.rpc.serving import in_background
+from baton.services.server.call_checks import CallChecks
+from baton.services.server.core_requests import core_request_from_proto
+from baton.services.server.engine_telemetry import EngineTelemetry
 from baton.services.server.responses import ENGINE_ERRORS, abort_for_engine_error, response_from_output
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2, internal_pb2_grpc
 
-if TYPE_CHECKING:
-    from baton.services.server.generation import GenerationService
-    from baton.services.server.server import Server
-
 
 class PrefillService(internal_pb2_grpc.PrefillServicer):
-    def __init__(self, server: Server, generation: GenerationService):
-        self.server = server
-        self.generation = generation
+    """`calls`: the server's calls in flight (Generate's too), which Abort looks up; `address`:
+    where decodes reach this server, in the handles it gives out."""
+
+    def __init__(self, core: CoreClient, role: str, checks: CallChecks, calls: CallRegistry,
+                 telemetry: EngineTelemetry, address: str):
+        self.core = core
+        self.role = role
+        self.checks = checks
+        self.calls = calls
+        self.telemetry = telemetry
+        self.address = address
+        self._background: set[asyncio.Task] = set()  # releases of holds whose caller went away
 
     async def Prefill(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        server = self.server
-        with server.server_span(context, msg, "Prefill") as span:
-            await server.check_token(context)
-            if not server.serving:
-                await abort(context, grpc.StatusCode.UNAVAILABLE, "the server is loading or draining",
-                            pb.FAILURE_REASON_ENGINE_UNAVAILABLE)
+        telemetry = self.telemetry
+        with telemetry.server_span(context, msg, "Prefill") as span:
+            await self.checks.from_stack(context)
+            await self.checks.serving(context)
             try:
                 check(num_completions(msg) == 1, "sampling.n", "must be 1 at a prefill (the router fans n out)")
-                made = self.generation.make_request(msg, for_prefill=True)
+                made = core_request_from_proto(msg, self.core, self.role, for_prefill=True)
             except InvalidArgument as e:
                 await abort_invalid(context, e)
             request = made.request
@@ -46,15 +55,15 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             # cancelled, where the stream's own abort comes too late. Releasing a request that
             # is not held does nothing.
             context.add_done_callback(lambda ctx: ctx.cancelled() and in_background(
-                server.background, server.release_hold(request.request_id)))
-            rt = server.telemetry.track(request, span)
-            last, calls = None, self.generation.calls
+                self._background, self._release_hold(request.request_id)))
+            rt = telemetry.track(request, span)
+            last, calls = None, self.calls
             calls.started(request.request_id, [request.request_id])
             try:
-                async for last in server.core.generate(request, min_tokens=made.min_tokens):  # noqa: B007 - the last one
+                async for last in self.core.generate(request, min_tokens=made.min_tokens):  # noqa: B007 - the last one
                     pass
             except ENGINE_ERRORS as e:
-                server.telemetry.drop(rt, time.monotonic(), str(e))
+                telemetry.drop(rt, time.monotonic(), str(e))
                 await abort_for_engine_error(context, e)
             finally:
                 calls.ended(request.request_id)
@@ -71,8 +80,12 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
         first.ClearField("finish_reason")  # the request goes on at the decode side
         first.ClearField("usage")
         return internal_pb2.PrefillResponse(first=first, handle=handle_to_proto(
-            handle, self.server.address, rt.hold_context() if rt is not None else {}))
+            handle, self.address, rt.hold_context() if rt is not None else {}))
 
     async def Release(self, handle: pb.KVHandle, context: grpc.aio.ServicerContext):
-        await self.server.check_internal(context)
-        return internal_pb2.ReleaseResponse(released=await self.server.release_hold(handle.request_id))
+        await self.checks.internal(context)
+        return internal_pb2.ReleaseResponse(released=await self._release_hold(handle.request_id))
+
+    async def _release_hold(self, request_id: str) -> bool:
+        """Let go of blocks held for a decode that will not pull them; false when none are held."""
+        return await self.core.call(ReleaseHold(request_id))

@@ -20,25 +20,26 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from baton.engine.common.config import EngineConfig
-from baton.engine.common.messages import GetSnapshot, GetStats, ReleaseHold
-from baton.engine.front.core_client import CoreClient
 from baton.engine.common.errors import check
+from baton.engine.common.messages import GetSnapshot, GetStats
+from baton.engine.front.core_client import CoreClient
 from baton.kv_transfer.base import DEFAULT_HOLD_TIMEOUT_S
-from baton.services.rpc.names import SERVICE_NAME, TOKEN_KEY
-from baton.services.rpc.errors import abort
-from baton.services.rpc.serving import advertised_host, drain, in_background, make_grpc_server, set_health
+from baton.services.rpc.calls import CallRegistry
+from baton.services.rpc.names import SERVICE_NAME
+from baton.services.rpc.serving import (add_text_generation, advertised_host, drain, in_background,
+                                        make_grpc_server, set_health)
 from baton.services.rpc.tls import TLSConfig
+from baton.services.server.call_checks import CallChecks
+from baton.services.server.engine_runtime_api import EngineRuntimeApi
+from baton.services.server.engine_telemetry import EngineTelemetry
 from baton.services.server.generation import GenerationService
-from baton.services.server.kv_events import KVEventHub
+from baton.services.server.kv_event_hub import KVEventHub
 from baton.services.server.kv_peers import KVPeers, KVPeerService
 from baton.services.server.prefill import PrefillService
-from baton.services.server.runtime_api import model_info
-from baton.services.server.snapshots import load_to_proto, stats_to_proto
-from baton.services.server.telemetry import EngineTelemetry
+from baton.services.server.snapshots import stats_to_proto
 from baton.services.telemetry import tracing
 from baton.services.telemetry.metrics import EngineMetrics, MetricsServer, make_registry, on_loop
-from baton.v1 import generate_pb2 as pb
-from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
+from baton.v1 import internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("baton.server")
 
@@ -71,132 +72,105 @@ class ServerOptions:
 
 
 class AdminService(internal_pb2_grpc.AdminServicer):
-    def __init__(self, server: Server):
-        self.server = server
+    """The stack's own calls: the engine's counters (Stats) and its KV cache events (for a
+    router's index)."""
+
+    def __init__(self, core: CoreClient, role: str, checks: CallChecks, kv_events: KVEventHub):
+        self.core = core
+        self.role = role
+        self.checks = checks
+        self.kv_events = kv_events
 
     async def Stats(self, msg: internal_pb2.StatsRequest, context: grpc.aio.ServicerContext):
-        await self.server.check_internal(context)
-        core = self.server.core
-        return stats_to_proto(await core.call(GetStats()), self.server.options.role, core.num_in_flight,
-                              core.num_requests, core.pid)
+        await self.checks.internal(context)
+        core = self.core
+        return stats_to_proto(await core.call(GetStats()), self.role, core.num_in_flight, core.num_requests, core.pid)
 
     async def SubscribeKVEvents(self, msg: internal_pb2.SubscribeKVEventsRequest, context: grpc.aio.ServicerContext):
-        await self.server.check_internal(context)
-        async for batch in self.server.kv_events.subscribe():
+        await self.checks.internal(context)
+        async for batch in self.kv_events.subscribe():
             yield batch
 
 
 class Server:
-    """Listens at once (health answers NOT_SERVING while the model loads), then serves."""
+    """Listens at once (health answers NOT_SERVING while the model loads), then serves. Each
+    service on its gRPC server is a unit given what it needs here: the engine core's client,
+    the checks a call must pass (call_checks.py), the calls in flight, the telemetry."""
 
     def __init__(self, config: EngineConfig, options: ServerOptions | None = None):
         self.config = config
-        self.options = options or ServerOptions()
-        self.core: CoreClient | None = None
+        self.options = o = options or ServerOptions()
         self.serving = False
         self.dead = asyncio.Event()  # the engine core died: the process should exit
         self.health = health.aio.HealthServicer()
-        o = self.options
         streams = [("grpc.max_concurrent_streams", o.max_concurrent_streams)] if o.max_concurrent_streams else []
         self.grpc, self.port = make_grpc_server(o.host, o.port, o.max_message_bytes, streams, o.tls)
-        self.advertised_host = advertised_host(o.host, o.advertise_host)
-        generation = self.generation = GenerationService(self)
-        generate_pb2_grpc.add_TextGenerationServicer_to_server(generation, self.grpc)
-        internal_pb2_grpc.add_KVPeerServicer_to_server(KVPeerService(self), self.grpc)
-        internal_pb2_grpc.add_AdminServicer_to_server(AdminService(self), self.grpc)
-        services = [SERVICE_NAME, *(internal_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("KVPeer", "Admin"))]
-        if o.role != "decode":
-            internal_pb2_grpc.add_PrefillServicer_to_server(PrefillService(self, generation), self.grpc)
-            services.append(internal_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection(
-            [*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], self.grpc)
+        self.address = f"{advertised_host(o.host, o.advertise_host)}:{self.port}"  # peers': in its KV handles
         self.engine_id = o.engine_id or f"{o.role}-{uuid.uuid4().hex[:12]}"
         self.model_name = o.served_model_name or os.path.basename(os.path.normpath(config.model))
         self.tracer = tracing.make_tracer(o.role, self.engine_id, o.otlp_traces_endpoint)
-        self.telemetry = EngineTelemetry(self.tracer, None)
+        self.telemetry = EngineTelemetry(self.tracer, self.model_name)
         # Metrics exist where they can be read: the metrics port, or the HTTP front's /metrics.
         self.metrics_registry = make_registry() if o.metrics_port is not None or o.http_port is not None else None
         self.metrics_server = (MetricsServer(self.metrics_registry, o.host, o.metrics_port)
                                if o.metrics_port is not None else None)
         self.background: set[asyncio.Task] = set()
-        self.kv_peers = KVPeers(self)
-        self.kv_events = KVEventHub(self.engine_id, config.block_size)  # for a router's index (kv_events.py)
+        self.kv_events = KVEventHub(self.engine_id, config.block_size)  # for a router's index (kv_event_hub.py)
+        # The core's process starts with start(); until it has loaded, calls that need it are refused.
+        self.core = CoreClient(config, self.engine_id, o.kv_hold_timeout_s, o.max_waiting_requests,
+                               on_dead=self._on_core_dead,
+                               on_step=self.telemetry.on_step if self.tracer or self.metrics_registry else None,
+                               on_kv_events=self.kv_events.publish)
+        checks = CallChecks(self.core, o.internal_token, lambda: self.serving)
+        calls = CallRegistry()  # Generate and Prefill calls in flight, for Abort
+        self.kv_peers = KVPeers(self.core, o.tls, o.internal_token)
+        self.generation = GenerationService(self.core, o.role, checks, calls, self.telemetry, self.kv_peers)
+        self.runtime_api = EngineRuntimeApi(self.core, o.role, checks, calls, config.model, self.model_name,
+                                            self.address)
+        add_text_generation(self.grpc, self.generation.Generate, self.runtime_api)
+        internal_pb2_grpc.add_KVPeerServicer_to_server(KVPeerService(self.core, checks), self.grpc)
+        internal_pb2_grpc.add_AdminServicer_to_server(AdminService(self.core, o.role, checks, self.kv_events),
+                                                      self.grpc)
+        services = [SERVICE_NAME, *(internal_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("KVPeer", "Admin"))]
+        if o.role != "decode":
+            prefill = PrefillService(self.core, o.role, checks, calls, self.telemetry, self.address)
+            internal_pb2_grpc.add_PrefillServicer_to_server(prefill, self.grpc)
+            services.append(internal_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection(
+            [*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], self.grpc)
         self.http = None  # the OpenAI front, once started
-
-    @property
-    def address(self) -> str:
-        """Where peers reach this server (the address in its KV handles)."""
-        return f"{self.advertised_host}:{self.port}"
 
     async def start(self) -> None:
         """Listen, start the engine core (it loads the model), then report SERVING."""
         await set_health(self.health, False)
         await self.grpc.start()
         o = self.options
-        self.core = CoreClient(self.config, self.engine_id, o.kv_hold_timeout_s, o.max_waiting_requests,
-                               on_dead=self._on_core_dead,
-                               on_step=self.telemetry.on_step if self.tracer or self.metrics_registry else None,
-                               on_kv_events=self.kv_events.publish)
         facts = await self.core.start()
         self.config.max_model_len = facts.max_model_len  # resolved by the core
-        self.telemetry.block_bytes = facts.kv_layout.block_bytes
+        metrics = None
         if self.metrics_registry is not None:
             loop = asyncio.get_running_loop()
-            self.telemetry.metrics = EngineMetrics(self.metrics_registry, self.model_name, o.role,
-                                                   facts.max_model_len, lambda: self._snapshot(loop))
+            metrics = EngineMetrics(self.metrics_registry, self.model_name, o.role, facts.max_model_len,
+                                    lambda: self._snapshot(loop))
+        self.telemetry.engine_loaded(facts.kv_layout.block_bytes, metrics)
         if o.http_port is not None:
-            from baton.services.openai.front import OpenAIFront
-            self.http = OpenAIFront(self.generation, o.host, o.http_port, lambda: self.serving, self.core.tokenizer,
-                                    o.tls, self.metrics_registry)
+            from baton.services.openai.front import OpenAIFront, ServiceCalls
+            self.http = OpenAIFront(ServiceCalls.of(self.generation.Generate, self.runtime_api), o.host, o.http_port,
+                                    lambda: self.serving, self.core.tokenizer, o.tls, self.metrics_registry)
             await self.http.start()
         self.serving = True
         await set_health(self.health, True)
         log.info("serving %s on %s (engine core: pid %d, %s)", self.config.model, self.address, facts.pid, facts.device)
 
-    def server_span(self, context: grpc.aio.ServicerContext, msg: pb.GenerateRequest,
-                    method: str) -> tracing.ServerSpan:
-        """The SERVER span of a Generate or Prefill call (GenAI naming: `{operation} {model}`)."""
-        if self.tracer is None:
-            return tracing.ServerSpan(None, context, "", {})
-        operation = tracing.operation_of(msg)
-        service = SERVICE_NAME if method == "Generate" else internal_pb2.DESCRIPTOR.services_by_name[method].full_name
-        return tracing.ServerSpan(self.tracer, context, f"{operation} {self.model_name}", {
-            **tracing.rpc_attributes(service, method),
-            **tracing.genai_request_attributes(operation, self.model_name, msg.request_id, msg.sampling)})
-
-    def model_info(self) -> pb.ModelInfo:
-        return model_info(self.config.model, self.core.facts, self.core.tokenizer, self.model_name, self.options.role)
-
-    async def load(self) -> pb.Load:
-        snapshot = await self.core.call(GetSnapshot())
-        return load_to_proto(snapshot, self.options.role, self.address, self.core.num_in_flight)
-
-    async def release_hold(self, request_id: str) -> bool:
-        """Let go of blocks held for a decode that will not pull them; false when none are held."""
-        return await self.core.call(ReleaseHold(request_id))
-
     def _snapshot(self, loop: asyncio.AbstractEventLoop):
         """The engine's figures for a scrape (from the HTTP thread), or None when it cannot answer."""
-        if self.core is None or not self.serving:
+        if not self.serving:
             return None
         try:
             return on_loop(loop, lambda: self.core.call(GetSnapshot()))
         except Exception:  # noqa: BLE001 - a scrape during shutdown, or a dead core: no load figures
             return None
-
-    async def check_token(self, context: grpc.aio.ServicerContext) -> None:
-        """Internal calls must come from the stack: the shared token, when one is configured."""
-        token = self.options.internal_token
-        if token is not None and dict(context.invocation_metadata() or ()).get(TOKEN_KEY) != token:
-            await abort(context, grpc.StatusCode.PERMISSION_DENIED, f"internal call without the stack's {TOKEN_KEY}")
-
-    async def check_internal(self, context: grpc.aio.ServicerContext) -> None:
-        """An internal call that needs the engine: from the stack, and once it has loaded."""
-        await self.check_token(context)
-        if self.core is None or self.core.facts is None:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, "the server is loading",
-                        pb.FAILURE_REASON_ENGINE_UNAVAILABLE)
 
     def _on_core_dead(self, error: BaseException) -> None:
         self.serving = False
@@ -208,13 +182,11 @@ class Server:
         to finish, then cancel the rest (which aborts them in the engine); stop the core."""
         self.serving = False
         await set_health(self.health, False)
-        await drain(self.grpc, lambda: self.core.num_in_flight if self.core else 0,
-                    self.options.grace_s if grace_s is None else grace_s)
+        await drain(self.grpc, lambda: self.core.num_in_flight, self.options.grace_s if grace_s is None else grace_s)
         if self.http is not None:
             await self.http.stop()
         await self.kv_peers.close()
-        if self.core is not None:
-            await self.core.stop()
+        await self.core.stop()
         self.telemetry.close(time.monotonic())
         tracing.shutdown(self.tracer)
         if self.metrics_server is not None:

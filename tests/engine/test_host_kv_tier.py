@@ -300,7 +300,7 @@ def test_kv_events_follow_both_tiers(tiny_llama):
     """The KV cache events of an engine with a host tier replay to what each tier holds: blocks
     offloaded to the host are stored there, host evictions removed from there."""
     from baton.engine.common.kv_events import KVEventLog
-    from baton.services.server.kv_events import KVEventHub
+    from baton.services.server.kv_event_hub import KVEventHub
 
     llm = LLM(tiny_llama, dtype="float32", device="cpu", num_kv_blocks=14, max_model_len=200,
               kv_offloading_size=gib(24))

@@ -22,7 +22,7 @@ from baton.services.router.kv_index import DEVICE, KVIndex
 from baton.services.router.kv_index import HOST as HOST_BIT
 from baton.services.router.router import Router, RouterOptions
 from baton.kv_transfer.base import KVTier
-from baton.services.server.kv_events import KVBlockMirror, KVEventHub, to_proto
+from baton.services.server.kv_event_hub import KVBlockMirror, KVEventHub, to_proto
 
 from helpers import collect, random_prompts
 
@@ -89,7 +89,7 @@ def test_the_index_follows_tiers_and_clears():
 
 
 def test_a_subscriber_far_behind_gets_a_snapshot_instead_of_the_batches_it_missed(monkeypatch):
-    import baton.services.server.kv_events as hub_module
+    import baton.services.server.kv_event_hub as hub_module
 
     monkeypatch.setattr(hub_module, "MAX_BEHIND", 3)
 
@@ -209,7 +209,7 @@ def test_kv_aware_sends_the_follow_up_turn_to_the_instance_holding_the_conversat
             router = await start_router(engines, tiny_llama, otlp_traces_endpoint=trace_receiver.endpoint)
         finally:
             os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
-        tokenizer = router.tokenizer
+        tokenizer = router.prompts.tokenizer
         try:
             async with AsyncClient(router.address) as client:
                 holders = []

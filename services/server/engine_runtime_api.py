@@ -1,5 +1,7 @@
 """An engine server's runtime API beside Generate: GetModelInfo, GetLoad and WatchLoad,
-Abort, Tokenize and Detokenize."""
+Abort, Tokenize and Detokenize, and the LoRA adapters' LoadAdapter, UnloadAdapter and
+ListAdapters. A unit of its own, served under the same gRPC service as Generate
+(services/rpc/serving.py's add_text_generation)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,48 +10,59 @@ import os
 import grpc
 
 from baton.engine.common.config import read_config
-from baton.engine.common.messages import AdapterInfo, LoadAdapter, UnloadAdapter
 from baton.engine.common.errors import InvalidArgument
+from baton.engine.common.messages import AdapterInfo, GetSnapshot, LoadAdapter, ReleaseHold, UnloadAdapter
+from baton.engine.front.core_client import CoreClient
+from baton.services.rpc.calls import CallRegistry, watch
 from baton.services.rpc.chat import chat_messages, chat_tools
 from baton.services.rpc.errors import abort, abort_invalid
-from baton.services.rpc.calls import watch
+from baton.services.server.call_checks import CallChecks
+from baton.services.server.snapshots import load_to_proto
 from baton.services.telemetry.tracing import baton_version
 from baton.v1 import generate_pb2 as pb
 
 
-class EngineRuntime:
-    """Mixed into an engine server's TextGeneration servicer (which has `server` and `calls`)."""
+class EngineRuntimeApi:
+    """Served under baton.v1.TextGeneration beside Generate (generation.py). `calls`: the
+    server's Generate and Prefill calls in flight, by the client's request id; `model_dir`,
+    `model_name`, `role` and `address` are what GetModelInfo and GetLoad say of this server."""
 
-    async def _loaded(self, context):
-        """The server's engine core client; UNAVAILABLE while the model loads."""
-        core = self.server.core
-        if core is None or core.facts is None:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, "the server is loading",
-                        pb.FAILURE_REASON_ENGINE_UNAVAILABLE)
-        return core
+    def __init__(self, core: CoreClient, role: str, checks: CallChecks, calls: CallRegistry, model_dir: str,
+                 model_name: str, address: str):
+        self.core = core
+        self.role = role
+        self.checks = checks
+        self.calls = calls
+        self.model_dir = model_dir
+        self.model_name = model_name
+        self.address = address
 
     async def GetModelInfo(self, msg: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
-        await self._loaded(context)
-        return self.server.model_info()
+        await self.checks.loaded(context)
+        return model_info(self.model_dir, self.core.facts, self.core.tokenizer, self.model_name, self.role)
 
     async def GetLoad(self, msg: pb.GetLoadRequest, context) -> pb.Load:
-        await self._loaded(context)
-        return await self.server.load()
+        await self.checks.loaded(context)
+        return await self._load()
 
     async def WatchLoad(self, msg: pb.GetLoadRequest, context):
-        await self._loaded(context)
-        async for load in watch(self.server.load, msg):
+        await self.checks.loaded(context)
+        async for load in watch(self._load, msg):
             yield load
 
+    async def _load(self) -> pb.Load:
+        snapshot = await self.core.call(GetSnapshot())
+        return load_to_proto(snapshot, self.role, self.address, self.core.num_in_flight)
+
     async def Abort(self, msg: pb.AbortRequest, context) -> pb.AbortResponse:
-        server, results = self.server, []
-        await self._loaded(context)
+        results = []
+        await self.checks.loaded(context)
         for request_id in msg.request_ids:
             ids = self.calls.live.get(request_id)
             if ids is not None:
-                server.core.abort(ids)
+                self.core.abort(ids)
                 status = pb.ABORT_STATUS_ABORTED
-            elif server.options.role != "decode" and await server.release_hold(request_id):
+            elif self.role != "decode" and await self.core.call(ReleaseHold(request_id)):
                 status = pb.ABORT_STATUS_ABORTED  # a prefill's blocks, held for a decode that will not come
             else:
                 status = self.calls.status(request_id)
@@ -57,7 +70,8 @@ class EngineRuntime:
         return pb.AbortResponse(results=results)
 
     async def Tokenize(self, msg: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        core = await self._loaded(context)
+        core = self.core
+        await self.checks.loaded(context)
         kind = msg.WhichOneof("prompt")
         if kind is None or (kind == "chat" and not msg.chat.messages):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt: set text or chat (with messages)",
@@ -71,7 +85,8 @@ class EngineRuntime:
         return pb.TokenizeResponse(token_ids=await asyncio.to_thread(encode), max_model_len=inputs.max_model_len)
 
     async def Detokenize(self, msg: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
-        core = await self._loaded(context)
+        core = self.core
+        await self.checks.loaded(context)
         vocab_size = core.facts.vocab_size
         bad = next((t for t in msg.token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
@@ -82,29 +97,28 @@ class EngineRuntime:
         text = await asyncio.to_thread(core.tokenizer.decode, list(msg.token_ids), skip_special_tokens=skip)
         return pb.DetokenizeResponse(text=text)
 
-
     # ---- LoRA adapters ------------------------------------------------------------------------
     async def LoadAdapter(self, msg: pb.LoadAdapterRequest, context) -> pb.Adapter:
-        core = await self._loaded(context)
-        await self.server.check_token(context)
+        await self.checks.loaded(context)
+        await self.checks.from_stack(context)
         info = await self._adapter_call(context, LoadAdapter(msg.lora_name, msg.lora_path))
-        core.inputs.adapters[info.name] = info
+        self.core.inputs.adapters[info.name] = info
         return adapter_to_proto(info)
 
     async def UnloadAdapter(self, msg: pb.UnloadAdapterRequest, context) -> pb.Adapter:
-        core = await self._loaded(context)
-        await self.server.check_token(context)
+        await self.checks.loaded(context)
+        await self.checks.from_stack(context)
         info = await self._adapter_call(context, UnloadAdapter(msg.lora_name))
-        core.inputs.adapters.pop(info.name, None)
+        self.core.inputs.adapters.pop(info.name, None)
         return adapter_to_proto(info)
 
     async def ListAdapters(self, msg: pb.ListAdaptersRequest, context) -> pb.ListAdaptersResponse:
-        core = await self._loaded(context)
-        return pb.ListAdaptersResponse(adapters=[adapter_to_proto(a) for a in core.inputs.adapters.values()])
+        await self.checks.loaded(context)
+        return pb.ListAdaptersResponse(adapters=[adapter_to_proto(a) for a in self.core.inputs.adapters.values()])
 
     async def _adapter_call(self, context, call: LoadAdapter | UnloadAdapter) -> AdapterInfo:
         try:
-            return await self.server.core.call(call)
+            return await self.core.call(call)
         except InvalidArgument as e:  # NotFound and InUse too, each with its own status
             await abort_invalid(context, e)
 

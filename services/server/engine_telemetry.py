@@ -1,5 +1,6 @@
 """Live spans and per-request metrics of one engine server, made from the engine's plain events
-(engine/common/stats.py) as each step reports them.
+(engine/common/stats.py) as each step reports them, and the SERVER span of each Generate or
+Prefill call they hang under.
 
 Under the RPC's SERVER span, each request gets a span per phase, started and ended as the
 engine reports it (with the engine's own timestamps):
@@ -17,10 +18,16 @@ from __future__ import annotations
 
 import logging
 
+import grpc
+
 from baton.engine.common.messages import CoreRequest
 from baton.engine.common.stats import EventType, RequestEvent, RequestStats, StepEvents
+from baton.services.rpc.names import SERVICE_NAME
+from baton.services.telemetry import tracing
 from baton.services.telemetry.metrics import EngineMetrics
 from baton.services.telemetry.tracing import carrier_of, end_span, link_to, start_span, wall_ns
+from baton.v1 import generate_pb2 as pb
+from baton.v1 import internal_pb2
 
 log = logging.getLogger("baton.telemetry")
 _PHASES_WITH_EVENTS = ("decode", "prefill")  # where chunks, preemptions and resumptions are noted
@@ -239,19 +246,37 @@ EVENT_HANDLERS = {
 class EngineTelemetry:
     """Routes each step's events to the requests' telemetry (on the event loop, before the
     step's outputs reach their streams, so a finished prefill's hold span exists by the time
-    its handle is built)."""
+    its handle is built). `tracer`: None when tracing is off; the metrics come once the engine
+    has loaded (`engine_loaded`), when the server keeps any."""
 
-    def __init__(self, tracer, metrics: EngineMetrics | None):
+    def __init__(self, tracer, model_name: str):
         self.tracer = tracer
-        self.metrics = metrics
-        self.block_bytes = 0  # set once the KV cache exists
+        self.model_name = model_name  # in span names and attributes
+        self.metrics: EngineMetrics | None = None
+        self.block_bytes = 0  # of one KV block, once the KV cache exists
         # By the request's key, as events and outputs name it: an id can be reused once its request ended.
         self.active: dict[int, RequestTelemetry] = {}  # in the engine
         self.holding: dict[int, RequestTelemetry] = {}  # finished; blocks held for a decode
 
+    def engine_loaded(self, block_bytes: int, metrics: EngineMetrics | None) -> None:
+        """The engine core has loaded: its KV blocks' size, and the metrics that need its figures."""
+        self.block_bytes = block_bytes
+        self.metrics = metrics
+
     @property
     def enabled(self) -> bool:
         return self.tracer is not None or self.metrics is not None
+
+    def server_span(self, context: grpc.aio.ServicerContext, msg: pb.GenerateRequest,
+                    method: str) -> tracing.ServerSpan:
+        """The SERVER span of a Generate or Prefill call (GenAI naming: `{operation} {model}`)."""
+        if self.tracer is None:
+            return tracing.ServerSpan(None, context, "", {})
+        operation = tracing.operation_of(msg)
+        service = SERVICE_NAME if method == "Generate" else internal_pb2.DESCRIPTOR.services_by_name[method].full_name
+        return tracing.ServerSpan(self.tracer, context, f"{operation} {self.model_name}", {
+            **tracing.rpc_attributes(service, method),
+            **tracing.genai_request_attributes(operation, self.model_name, msg.request_id, msg.sampling)})
 
     def track(self, request: CoreRequest, span, kv_handle_context: dict | None = None) -> RequestTelemetry | None:
         if not self.enabled:

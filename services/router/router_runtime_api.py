@@ -1,5 +1,7 @@
 """The router's runtime API beside Generate: its load and its backends', Abort wherever a call
-went, the rest answered by a healthy backend."""
+went, LoRA adapters loaded and unloaded on every instance, the rest answered by a healthy
+backend. A unit of its own, served under the same gRPC service as Generate
+(services/rpc/serving.py's add_text_generation)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,19 +9,34 @@ from collections.abc import Callable
 
 import grpc
 
-from baton.services.rpc.names import token_metadata
-from baton.services.rpc.errors import pass_on
+from baton.services.router.backends import Backend, Tier
+from baton.services.router.in_flight import InFlight
 from baton.services.rpc.calls import watch
+from baton.services.rpc.errors import pass_on
+from baton.services.rpc.names import token_metadata
 from baton.v1 import generate_pb2 as pb
 
 
-class RouterRuntime:
-    """Mixed into the router's servicer (which has `router`): the load of the router and its
-    backends, Abort wherever a call went, the rest answered by a healthy backend."""
+class RouterRuntimeApi:
+    """Over the router's two tiers and its Generate calls in flight; `model_name` and `address`
+    are what GetModelInfo and GetLoad say of the router; `internal_token` goes with the calls
+    it makes to backends on the stack's behalf."""
+
+    def __init__(self, prefill: Tier, decode: Tier, in_flight: InFlight, model_name: str, address: str,
+                 internal_token: str | None):
+        self.prefill, self.decode = prefill, decode
+        self.in_flight = in_flight
+        self.model_name = model_name
+        self.address = address
+        self.internal_token = internal_token
+
+    def _backends(self) -> list[Backend]:
+        """Every instance of both tiers, healthy or not."""
+        return [b for tier in (self.prefill, self.decode) for b in tier.backends.values()]
 
     async def GetModelInfo(self, msg: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         info = await self._ask(lambda api: api.GetModelInfo, msg, context)
-        info.role, info.model_name = "router", self.router.model_name
+        info.role, info.model_name = "router", self.model_name
         return info
 
     async def GetLoad(self, msg: pb.GetLoadRequest, context) -> pb.Load:
@@ -38,16 +55,15 @@ class RouterRuntime:
     async def Abort(self, msg: pb.AbortRequest, context) -> pb.AbortResponse:
         """Abort calls through the router at every backend they reached (a prefill lets go of
         what it holds); a call still at its prefill ends with FINISH_REASON_ABORT here."""
-        r, results = self.router, []
+        results = []
         for request_id in msg.request_ids:
-            ids = r.calls.live.get(request_id)
-            if ids is None:
-                results.append(pb.AbortResult(request_id=request_id, status=r.calls.status(request_id)))
+            aborted = self.in_flight.abort(request_id)
+            if aborted is None:
+                results.append(pb.AbortResult(request_id=request_id, status=self.in_flight.status(request_id)))
                 continue
-            r.aborted.update(ids)
-            reached = set().union(*(r.routed.get(i, ()) for i in ids))
+            ids, reached = aborted
             request = pb.AbortRequest(request_ids=ids)
-            await asyncio.gather(*(b.api.Abort(request, metadata=token_metadata(r.options.internal_token), timeout=5)
+            await asyncio.gather(*(b.api.Abort(request, metadata=token_metadata(self.internal_token), timeout=5)
                                    for b in reached), return_exceptions=True)
             results.append(pb.AbortResult(request_id=request_id, status=pb.ABORT_STATUS_ABORTED))
         return pb.AbortResponse(results=results)
@@ -62,7 +78,7 @@ class RouterRuntime:
     async def ListAdapters(self, msg: pb.ListAdaptersRequest, context) -> pb.ListAdaptersResponse:
         """Each adapter the instances have loaded (as of their last refresh), with where."""
         merged: dict[str, pb.Adapter] = {}
-        for b in self.router.backends():
+        for b in self._backends():
             for name, adapter in b.adapters.items():
                 merged.setdefault(name, _where(adapter)).instances.append(b.address)
         return pb.ListAdaptersResponse(adapters=list(merged.values()))
@@ -73,8 +89,8 @@ class RouterRuntime:
         use) is the answer when no instance did it; instances that lack an adapter being
         unloaded are skipped."""
         loading = isinstance(msg, pb.LoadAdapterRequest)
-        backends = [b for b in self.router.backends() if b.healthy]
-        md = token_metadata(self.router.options.internal_token)
+        backends = [b for b in self._backends() if b.healthy]
+        md = token_metadata(self.internal_token)
         results = await asyncio.gather(*((b.api.LoadAdapter if loading else b.api.UnloadAdapter)(
             msg, metadata=md, timeout=30) for b in backends), return_exceptions=True)
         done, refusal = None, None
@@ -83,9 +99,9 @@ class RouterRuntime:
                 done = done or _where(result)
                 done.instances.append(backend.address)
                 if loading:
-                    backend.adapters[result.name] = result
+                    backend.adapter_loaded(result)
                 else:
-                    backend.adapters.pop(result.name, None)
+                    backend.adapter_unloaded(result.name)
             elif isinstance(result, grpc.aio.AioRpcError):
                 not_lacking = loading or result.code() != grpc.StatusCode.NOT_FOUND
                 if refusal is None or (not_lacking and refusal.code() == grpc.StatusCode.NOT_FOUND):
@@ -100,8 +116,7 @@ class RouterRuntime:
 
     async def _load(self) -> pb.Load:
         """The router's requests in flight, and each backend's own load (when it answers)."""
-        r = self.router
-        backends = [(tier.name, b) for tier in (r.prefill, r.decode) for b in tier.backends.values()]
+        backends = [(tier.name, b) for tier in (self.prefill, self.decode) for b in tier.backends.values()]
 
         async def ask(backend):
             if not backend.healthy:
@@ -111,7 +126,7 @@ class RouterRuntime:
             except grpc.aio.AioRpcError:
                 return None
         loads = await asyncio.gather(*(ask(b) for _, b in backends))
-        return pb.Load(role="router", address=r.address, num_in_flight=r.num_in_flight, backends=[
+        return pb.Load(role="router", address=self.address, num_in_flight=self.in_flight.count, backends=[
             pb.BackendLoad(address=b.address, tier=tier, healthy=b.healthy, outstanding=b.outstanding, load=load)
             for (tier, b), load in zip(backends, loads)])
 
@@ -119,7 +134,7 @@ class RouterRuntime:
         """A runtime call answered by a healthy backend (the decode tier first: it is always
         there); `rpc` picks the stub's method, e.g. `lambda api: api.Tokenize`."""
         tried = []
-        for tier in (self.router.decode, self.router.prefill):
+        for tier in (self.decode, self.prefill):
             for backend in tier.healthy():
                 try:
                     return await rpc(backend.api)(request, timeout=context.time_remaining() or 10)
@@ -128,7 +143,7 @@ class RouterRuntime:
                         await pass_on(context, e)
                     tried.append(backend.address)
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"no backend answered (tried {', '.join(tried)})" if tried
-                            else self.router.decode.why_none())
+                            else self.decode.why_none())
 
 
 def _where(adapter: pb.Adapter) -> pb.Adapter:
