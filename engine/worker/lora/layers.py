@@ -92,7 +92,8 @@ class LoRASlots:
                 parent = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
                 if hasattr(parent, name):
                     base = getattr(parent, name)
-                    share = getattr(base, "columns", None), getattr(base, "kept_rows", None)
+                    share = ((base.columns, None) if isinstance(base, RowParallelLinear)
+                             else (None, base.kept_rows))
                     if share != (None, None):
                         self.shares[i, name] = share
                     setattr(parent, name, LoRALinear(base, i, name, self))

@@ -35,6 +35,10 @@ def norm(args: ModelArgs, dim: int | None = None) -> RMSNorm:
 
 
 class Linear(nn.Linear):
+    # The rows of the whole layer this one keeps, where a tensor-parallel split took a share of
+    # them (a LoRA adapter's B keeps the same columns).
+    kept_rows: torch.Tensor | slice | None = None
+
     def reset_parameters(self) -> None:
         """No random init: every weight comes from the checkpoint (and initializing, even on
         the meta device, makes torch import its compiler: seconds of start-up)."""

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.common.errors import check
-from baton.engine.worker.models.basic import RMSNorm
+from baton.engine.worker.models.basic import Linear, RMSNorm
 from baton.engine.worker.models.layers import Attention
 from baton.engine.worker.models.mla import MLAttention
 from baton.engine.worker.models.moe import Experts, SparseMoE
@@ -331,9 +331,9 @@ def _gate_and_up(share: slice, size: int) -> torch.Tensor:
     return torch.cat([torch.arange(share.start, share.stop), size + torch.arange(share.start, share.stop)])
 
 
-def _keep_rows(linear: nn.Linear, rows: torch.Tensor | slice) -> None:
+def _keep_rows(linear: Linear, rows: torch.Tensor | slice) -> None:
     linear.weight = _param(linear.weight.data[rows])
-    linear.kept_rows = rows  # (a LoRA adapter's B keeps the same columns)
+    linear.kept_rows = rows
     if linear.bias is not None:
         linear.bias = _param(linear.bias.data[rows])
     linear.out_features = linear.weight.shape[0]
