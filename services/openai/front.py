@@ -115,8 +115,11 @@ class OpenAIFront:
         await self.runner.setup()
         # SO_REUSEADDR: a restarted server binds its port again at once (a port with a live
         # listener stays an error on Linux; SO_REUSEPORT, which would share it, stays off).
+        # The server's drain gave requests in flight their grace before it stops this front: what
+        # is left then is cancelled (and aborted in the engine) at once, not waited on for
+        # aiohttp's default minute.
         site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True, reuse_port=False,
-                           ssl_context=self.ssl_context)
+                           ssl_context=self.ssl_context, shutdown_timeout=0.5)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
 
