@@ -967,20 +967,11 @@ print(grpc.__version__, google.protobuf.__version__)
 
 def serve_argv(plan: Plan, path: str) -> list[str]:
     """`baton serve` with the offline engine's arguments (same pool, same graphs)."""
-    from baton.services.cli.engine_args import add_engine_flags
+    from baton.services.cli.engine_args import config_argv
 
-    kw = llama_engine_args(plan)
-    p = argparse.ArgumentParser()
-    add_engine_flags(p)
-    known = vars(p.parse_args([]))
-    argv = [sys.executable, "-m", "baton.services.cli", "serve", "--model", path, "--host", "127.0.0.1", "--port", "0",
-            "--grace-period", "2", "--max-waiting-requests", str(plan.serve_requests + 8), "--no-prefix-caching"]
-    for name, value in kw.items():
-        if name == "enable_prefix_caching" or name not in known:
-            continue
-        flag = "--" + name.replace("_", "-")
-        argv += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
-    return argv
+    return [sys.executable, "-m", "baton.services.cli", "serve", "--model", path, "--host", "127.0.0.1", "--port", "0",
+            "--grace-period", "2", "--max-waiting-requests", str(plan.serve_requests + 8),
+            *config_argv(llama_engine_args(plan))]
 
 
 def wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float) -> str | None:

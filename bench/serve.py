@@ -74,6 +74,8 @@ class Trace:
 
 
 def parse_args() -> argparse.Namespace:
+    from baton.engine.common.config import EngineConfig
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/smollm2-135m-instruct",
                    help="checkpoint dir (relative: from the repo root)")
@@ -84,8 +86,10 @@ def parse_args() -> argparse.Namespace:
                    help="lengths are uniform in [len * (1 - r), len * (1 + r)] (vLLM's random dataset)")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at t=0)")
     p.add_argument("--max-concurrency", type=int, default=32, help="most requests in flight (0: no cap)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine = EngineConfig.defaults()  # the engine's own, shown in the help
+    p.add_argument("--max-num-seqs", type=int, default=engine["max_num_seqs"], help="(default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=engine["max_num_batched_tokens"],
+                   help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--long-every", type=int, default=0, help="every Nth prompt is long (0: none)")
     p.add_argument("--long-input-len", type=int, default=2048, help="tokens of a long prompt")

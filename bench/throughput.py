@@ -21,6 +21,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from baton import LLM, SamplingParams
+from baton.engine.common.config import EngineConfig
 from baton.engine.core.step_loop import StepTimes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,8 +60,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine = EngineConfig.defaults()  # the engine's own, shown in the help
+    p.add_argument("--max-num-seqs", type=int, default=engine["max_num_seqs"], help="(default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=engine["max_num_batched_tokens"],
+                   help="(default: %(default)s)")
     p.add_argument("--hf-batch-size", type=int, default=64, help="transformers batch size (64 = all at once)")
     p.add_argument("--min-seconds", type=float, default=20.0,
                    help="repeat rounds of timed runs (one per engine, alternating) until this much time is spent "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from baton.engine.common.errors import InvalidArgument, check
 from baton.engine.common.speculative import SpeculativeConfig
@@ -184,6 +184,13 @@ class EngineConfig:
             self.device = f"cuda:{torch.cuda.current_device()}"
         index, count = int(self.device.split(":")[1]), torch.cuda.device_count()
         check(index < count, "device", f"{self.device} was asked for but {count} GPU(s) are visible")
+
+    @classmethod
+    def defaults(cls) -> dict[str, object]:
+        """Every field's default by name (a fresh value where a factory makes it; `model` has none):
+        what a caller that leaves a field out gets, for a command line's help and its own choices."""
+        return {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+                for f in fields(cls) if f.default is not MISSING or f.default_factory is not MISSING}
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:

@@ -8,6 +8,7 @@ import time
 
 from baton.services.cli.engine_args import (DEFAULT_MODELS_DIR, add_engine_flags, engine_argv, engine_config,
                                             model_dir)
+from baton.services.cli.tls_flags import add_tls_flags, tls_config
 
 
 
@@ -94,10 +95,8 @@ def _checked(make, **kwargs):
 
 def _tls(args):
     """The --tls-* flags as a TLSConfig (None: plaintext), or a one-line exit naming the bad one."""
-    from baton.services.rpc.tls import TLSConfig
-
     try:
-        return TLSConfig.from_args(args)
+        return tls_config(args)
     except ValueError as e:
         sys.exit(f"baton {args.command}: {e}")
 
@@ -147,7 +146,7 @@ def _up(args) -> None:
     if args.decode < 1 or args.prefill < 0:
         sys.exit("baton up: --decode must be >= 1 and --prefill >= 0")
     # Each tier's --tensor-parallel-size comes with its placement, not with the shared flags.
-    argv = engine_argv(argparse.Namespace(**{**vars(args), "tensor_parallel_size": None}))
+    argv = engine_argv(args, leave_out=("tensor_parallel_size",))
     try:
         tensor_parallel = tier_tensor_parallel(args.tensor_parallel_size, args.prefill_tensor_parallel_size,
                                                args.decode_tensor_parallel_size, args.prefill)
@@ -194,25 +193,6 @@ def _check_stack(args) -> None:
     from baton.services.cli.stack_check import check_stack
 
     sys.exit(check_stack(args))
-
-
-def _add_tls_flags(p: argparse.ArgumentParser, serving: bool) -> None:
-    g = p.add_argument_group("TLS")
-    if serving:
-        g.add_argument("--tls-cert-file", help="PEM certificate chain: serve gRPC (and HTTP) over TLS with it, and "
-                                               "present it as the client certificate on internal calls")
-        g.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
-        g.add_argument("--tls-ca-file", help="PEM CA bundle: require client certificates it signed (mTLS), and "
-                                             "verify the servers this one calls against it")
-        g.add_argument("--tls-server-name", help="the name to verify in the certificates of the servers this one "
-                                                 "calls (default: the host of their address; set it when they are "
-                                                 "called by IP, as behind a headless Service)")
-    else:
-        g.add_argument("--tls-ca-file", help="PEM CA bundle to verify the server with (turns TLS on)")
-        g.add_argument("--tls-cert-file", help="PEM client certificate, for a server that requires one (mTLS)")
-        g.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
-        g.add_argument("--tls-server-name", help="the name to verify in the server's certificate (default: the host "
-                                                 "of the address)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -282,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="streams the router carries at once; beyond it, RESOURCE_EXHAUSTED at once (default 4096)")
     r.add_argument("--router-config", metavar="FILE",
                    help="YAML/JSON with prefill, decode, policy and other router options; flags win")
-    _add_tls_flags(s, serving=True)
+    add_tls_flags(s, serving=True)
     add_engine_flags(s)
     s.set_defaults(func=_serve)
 
@@ -327,11 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", help="HOST:PORT of a Baton server (default: run the engine in this process)")
     g.add_argument("--max-tokens", type=int, default=64, help="most new tokens (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     g.add_argument("--timeout", type=float, default=None, help="deadline of the call, in seconds (with --target)")
     g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
-    _add_tls_flags(g, serving=False)
-    add_engine_flags(g, skip=("seed",))  # --seed is the sampling seed here
+    add_tls_flags(g, serving=False)
+    # --seed seeds the requests too (with --target, only them): every answer is reproducible.
+    add_engine_flags(g, helps={"seed": "seed for reproducible sampling"})
     g.set_defaults(func=_generate)
 
     c = sub.add_parser("check-stack", help="send one request through a stack and check that its tiers did their "
@@ -346,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--decode-metrics", action="append", default=[], metavar="HOST:PORT",
                    help="a decode tier's metrics endpoint; repeat for several")
     c.add_argument("--timeout", type=float, default=120.0, help="seconds the whole check may take")
-    _add_tls_flags(c, serving=False)
+    add_tls_flags(c, serving=False)
     c.set_defaults(func=_check_stack)
 
     h = sub.add_parser("health", help="exit 0 if a server reports SERVING (a probe that speaks TLS)",
@@ -357,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     h.add_argument("--service", default="", help="the health service to ask: \"\" (the server: ready to serve), or "
                                                  "baton.router.liveness (a router's own process, backends or not)")
-    _add_tls_flags(h, serving=False)
+    add_tls_flags(h, serving=False)
     h.set_defaults(func=_health)
 
     m = sub.add_parser("models", help="list the architectures Baton serves, or check checkpoints against them",

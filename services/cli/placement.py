@@ -18,11 +18,11 @@ tiers' sizes must let KV move between them: one divides the other.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from baton.engine.common.config import EngineConfig
 
-DEFAULT_UTILIZATION = next(f.default for f in fields(EngineConfig) if f.name == "gpu_memory_utilization")
+DEFAULT_UTILIZATION = EngineConfig.defaults()["gpu_memory_utilization"]
 
 
 @dataclass(frozen=True, slots=True)

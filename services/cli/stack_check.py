@@ -12,6 +12,7 @@ import urllib.request
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton.services.cli.tls_flags import tls_config
 from baton.services.client import Client
 from baton.services.router.backends import addresses, split_host_port
 from baton.services.rpc.tls import TLSConfig
@@ -75,7 +76,7 @@ def generate_once(target: str, tls: TLSConfig | None, deadline: float) -> tuple[
 
 def check_stack(args) -> int:
     deadline = time.monotonic() + args.timeout
-    tls = TLSConfig.from_args(args)
+    tls = tls_config(args)
     try:
         prefills, decodes = endpoints(args.prefill_metrics), endpoints(args.decode_metrics)
         before = counts(prefills, decodes)

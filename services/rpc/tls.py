@@ -28,13 +28,6 @@ class TLSConfig:
                 except OSError as e:
                     raise ValueError(f"tls_{name}: cannot read {path}: {e.strerror}") from None
 
-    @classmethod
-    def from_args(cls, args) -> TLSConfig | None:
-        """From the --tls-* flags; None when none is given (plaintext)."""
-        kwargs = {name: getattr(args, f"tls_{name}", None) for name in ("cert_file", "key_file", "ca_file",
-                                                                      "server_name")}
-        return cls(**kwargs) if any(v is not None for v in kwargs.values()) else None
-
     def _read(self, name: str) -> bytes | None:
         path = getattr(self, name)
         if path is None:

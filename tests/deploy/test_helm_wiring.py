@@ -262,7 +262,7 @@ def test_engine_flags_gpu_and_tier_overrides():
     router, _ = parsed[f"{FULLNAME}-router"]
     for a in (prefill, decode):
         assert (a.dtype, a.device, a.max_model_len, a.block_size) == ("bfloat16", "cuda", 4096, 32)
-        assert a.no_prefix_caching and a.served_model_name == "smol"
+        assert a.enable_prefix_caching is False and a.served_model_name == "smol"
     assert (prefill.max_num_seqs, decode.max_num_seqs) == (64, 256)
     assert (prefill.kv_cache_memory_bytes, decode.kv_cache_memory_bytes) == (None, 21474836480)
     assert (prefill.gpu_memory_utilization, decode.gpu_memory_utilization) == (0.45, None)
