@@ -126,7 +126,8 @@ def load() -> ctypes.CDLL | None:
         # one OpenMP thread pool, sized by torch.set_num_threads.
         lib = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
+        failed = isinstance(e, (subprocess.CalledProcessError, subprocess.TimeoutExpired))
+        detail = (e.stderr if failed else None) or e
         log.warning("building the CPU kernels failed, CPU attention uses the PyTorch reference: %s", detail)
         return None
     return _declare(lib)

@@ -71,7 +71,7 @@ def _serve(args) -> None:
         invite = "" if os.environ.get(UP_CHILD_ENV) else (
             f"; try:\n  baton generate --target {server.address} 'What is the capital of France?'")
         print(f"serving on {server.address}{invite}", flush=True)
-        dead = getattr(server, "dead", None)  # an engine server's core died (a router has none)
+        dead = None if args.role == "router" else server.dead  # an engine server's core died
         waits = [asyncio.ensure_future(stop.wait())] + ([asyncio.ensure_future(dead.wait())] if dead else [])
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
@@ -103,8 +103,9 @@ def _tls(args):
 
 def _telemetry_options(args) -> dict:
     """The observability flags that were given (a router's config file may set the others)."""
-    return {name: getattr(args, name) for name in ("metrics_port", "otlp_traces_endpoint", "served_model_name",
-                                                   "http_port") if getattr(args, name) is not None}
+    given = dict(metrics_port=args.metrics_port, otlp_traces_endpoint=args.otlp_traces_endpoint,
+                 served_model_name=args.served_model_name, http_port=args.http_port)
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def _router_options(args):
@@ -121,15 +122,15 @@ def _router_options(args):
         unknown = set(config) - set(RouterOptions.__slots__)
         if unknown:
             sys.exit(f"baton serve: {args.router_config}: unknown keys {', '.join(sorted(unknown))}")
-    for name in ("prefill", "decode"):
-        flags = [a for value in getattr(args, name) or () for a in value.split(",") if a]
+    for name, values in (("prefill", args.prefill), ("decode", args.decode)):
+        flags = [a for value in values or () for a in value.split(",") if a]
         if flags:
             config[name] = flags
     if args.policy:
         config["policy"] = args.policy
-    for name in ("max_migrations", "max_in_flight"):
-        if getattr(args, name) is not None:
-            config[name] = getattr(args, name)
+    for name, value in (("max_migrations", args.max_migrations), ("max_in_flight", args.max_in_flight)):
+        if value is not None:
+            config[name] = value
     tokenizer_dir = model_dir(args)
     config.setdefault("tokenizer_dir", tokenizer_dir if os.path.isdir(tokenizer_dir) else None)
     if args.block_size:
