@@ -19,8 +19,18 @@ class InputProcessor:
         self.max_model_len = facts.max_model_len
         self.vocab_size = facts.vocab_size
         self.enable_lora = facts.enable_lora
-        self.adapters: dict[str, AdapterInfo] = {a.name: a for a in facts.adapters}  # kept current by the front
+        self._adapters: dict[str, AdapterInfo] = {a.name: a for a in facts.adapters}
         self._keys = itertools.count(1)
+
+    # The adapters the core has loaded, as the front saw its load and unload calls answered.
+    def adapter_loaded(self, info: AdapterInfo) -> None:
+        self._adapters[info.name] = info
+
+    def adapter_unloaded(self, name: str) -> None:
+        self._adapters.pop(name, None)
+
+    def loaded_adapters(self) -> list[AdapterInfo]:
+        return list(self._adapters.values())
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
@@ -68,10 +78,10 @@ class InputProcessor:
     def adapter(self, name: str, field: str = "adapter") -> AdapterInfo:
         """A loaded adapter; raises NotFound naming `field` (InvalidArgument when LoRA is off)."""
         check(self.enable_lora, field, f"asks for LoRA adapter {name!r} but LoRA is not enabled (enable_lora)")
-        info = self.adapters.get(name)
+        info = self._adapters.get(name)
         if info is None:
             raise NotFound(field, f"no LoRA adapter named {name!r} is loaded "
-                                  f"(loaded: {', '.join(sorted(self.adapters)) or 'none'})")
+                                  f"(loaded: {', '.join(sorted(self._adapters)) or 'none'})")
         return info
 
     def _check_token_ids(self, field: str, token_ids) -> None:

@@ -75,12 +75,12 @@ class LLMEngine:
     # ---- LoRA adapters ------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str) -> AdapterInfo:
         info = self.core.load_adapter(LoadAdapter(name, path))
-        self.inputs.adapters[name] = info
+        self.inputs.adapter_loaded(info)
         return info
 
     def unload_adapter(self, name: str) -> AdapterInfo:
         info = self.core.unload_adapter(name)
-        del self.inputs.adapters[name]
+        self.inputs.adapter_unloaded(name)
         return info
 
     def abort_request(self, request_ids) -> list[StepOutput]:

@@ -102,19 +102,19 @@ class EngineRuntimeApi:
         await self.checks.loaded(context)
         await self.checks.from_stack(context)
         info = await self._adapter_call(context, LoadAdapter(msg.lora_name, msg.lora_path))
-        self.core.inputs.adapters[info.name] = info
+        self.core.inputs.adapter_loaded(info)
         return adapter_to_proto(info)
 
     async def UnloadAdapter(self, msg: pb.UnloadAdapterRequest, context) -> pb.Adapter:
         await self.checks.loaded(context)
         await self.checks.from_stack(context)
         info = await self._adapter_call(context, UnloadAdapter(msg.lora_name))
-        self.core.inputs.adapters.pop(info.name, None)
+        self.core.inputs.adapter_unloaded(info.name)
         return adapter_to_proto(info)
 
     async def ListAdapters(self, msg: pb.ListAdaptersRequest, context) -> pb.ListAdaptersResponse:
         await self.checks.loaded(context)
-        return pb.ListAdaptersResponse(adapters=[adapter_to_proto(a) for a in self.core.inputs.adapters.values()])
+        return pb.ListAdaptersResponse(adapters=[adapter_to_proto(a) for a in self.core.inputs.loaded_adapters()])
 
     async def _adapter_call(self, context, call: LoadAdapter | UnloadAdapter) -> AdapterInfo:
         try:

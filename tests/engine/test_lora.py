@@ -149,7 +149,7 @@ def test_bad_adapters_are_refused_naming_the_field(tiny_llama, tiny_qwen2, adapt
     with pytest.raises(InvalidArgument, match="lm_head") as e:
         llm.load_adapter("qwen", other)
     assert e.value.field == "target_modules"
-    assert llm.engine.inputs.adapters == {}  # nothing half-loaded
+    assert llm.engine.inputs.loaded_adapters() == []  # nothing half-loaded
 
 
 @pytest.mark.parametrize("args,field", [({"max_loras": 0}, "max_loras"), ({"max_lora_rank": -1}, "max_lora_rank"),
