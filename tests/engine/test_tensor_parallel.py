@@ -5,7 +5,9 @@ LM head (a vocabulary that does not divide, q/k/v biases, tied embeddings). The 
 (`tensor_parallel_size=2`: rank 0 in the engine's process, rank 1 its own, steps over shared
 memory): greedy-equal to transformers batched, chunked, preempted and prefix-cached, with
 speculative drafts and a grammar; its pool full after. A rank killed under a server's load ends
-its streams UNAVAILABLE and the server non-zero, leaving no process or shared memory behind.
+its streams UNAVAILABLE and the server non-zero, leaving no process or shared memory behind; one
+killed under an offline engine fails its generate naming the rank, and one dead before the
+ranks meet fails the start at once naming it.
 Mixtures of experts (each expert's intermediate split, or with expert parallelism whole experts
 spread; shared experts, gpt-oss's biases), latent attention (DeepSeek's heads split, the latent
 whole on each rank) and OLMo 2's QK-norm over every head: the same logits over 2 ranks, and the
@@ -277,6 +279,76 @@ def test_a_rank_killed_under_load_ends_the_streams_unavailable_and_leaves_nothin
     assert waited < 5 and "tensor-parallel rank 1 exited with status -9" in ends[0][1], (waited, ends[0])
     assert server.proc.wait(10) == 1
     assert not alive(core) and not alive(rank1)
+    assert set(os.listdir("/dev/shm")) <= shm
+
+
+def my_children() -> set[int]:
+    """This process's children (any thread's; a zombie too, until it is reaped)."""
+    pids = set()
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids |= {int(c) for c in f.read().split()}
+    return pids
+
+
+def test_a_rank_dead_before_the_rendezvous_fails_the_start_at_once_naming_it(tiny_llama, monkeypatch):
+    """Rank 1 exits after saying it loaded, before the group meets: rank 0's rendezvous gives
+    up within moments (not after the store's 600 s), naming the rank; nothing is left behind."""
+    from baton.engine.common.errors import StartupError
+    from baton.engine.worker.parallel.rank import EXIT_BEFORE_JOIN
+    from baton.engine.worker.parallel.tensor_parallel import TPGroup
+
+    monkeypatch.setenv(EXIT_BEFORE_JOIN, "1")
+    entered: list[float] = []
+    join = TPGroup.join
+
+    def timed_join(*args, **kwargs):
+        entered.append(time.monotonic())
+        return join(*args, **kwargs)
+
+    monkeypatch.setattr(TPGroup, "join", timed_join)
+    shm, before = set(os.listdir("/dev/shm")), my_children()
+    with pytest.raises(StartupError, match="tensor-parallel rank 1 exited with status 3 while joining the group"):
+        LLM(tiny_llama, dtype="float32", device="cpu", tensor_parallel_size=2)
+    waited = time.monotonic() - entered[0]
+    assert len(entered) == 1 and waited < 10, waited
+    assert my_children() <= before
+    assert set(os.listdir("/dev/shm")) <= shm
+
+
+def test_an_offline_engine_whose_rank_is_killed_fails_naming_it_and_leaves_nothing(tiny_llama):
+    """Rank 1 killed mid-generation: generate raises RankDied naming it within moments (gloo's
+    own error on the closed socket, or a step waiting on the ring, is not what it says), every
+    later generate too, and closing the engine leaves no process or shared memory behind."""
+    import threading
+
+    from baton.engine.worker.parallel.workers import RankDied
+
+    shm, before = set(os.listdir("/dev/shm")), my_children()
+    prompts = [[5, 6, 7 + i] for i in range(4)]
+    long = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+    with LLM(tiny_llama, dtype="float32", device="cpu", tensor_parallel_size=2) as llm:
+        (rank1,) = llm.engine.core.workers.procs
+        killed: list[float] = []
+
+        def kill_mid_generation():
+            deadline = time.monotonic() + 60
+            while llm.engine.times.steps < 10 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            killed.append(time.monotonic())
+            os.kill(rank1.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_mid_generation)
+        killer.start()
+        with pytest.raises(RankDied, match="tensor-parallel rank 1 exited with status -9"):
+            llm.generate(prompts, long)
+        waited = time.monotonic() - killed[0]
+        killer.join()
+        assert waited < 10, waited
+        with pytest.raises(RankDied, match="tensor-parallel rank 1 exited with status -9"):
+            llm.generate(prompts[:1], long)
+    assert rank1.poll() == -9
+    assert my_children() <= before
     assert set(os.listdir("/dev/shm")) <= shm
 
 

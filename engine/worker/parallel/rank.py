@@ -34,6 +34,10 @@ from baton.engine.worker.parallel.tensor_parallel import TPGroup, shard_model
 
 log = logging.getLogger("baton.tp")
 
+# Tests set it to a rank's number: that rank exits (status 3) between saying it is ready and
+# meeting the others, as a rank that crashed there would.
+EXIT_BEFORE_JOIN = "BATON_TEST_RANK_EXITS_BEFORE_JOIN"
+
 
 def rank_device(device: str, rank: int) -> str:
     """Rank r's device: the core's for rank 0, the r-th GPU after it for the others."""
@@ -66,6 +70,8 @@ def main() -> None:
         store.set(f"ready{start.rank}", pickle.dumps(RankReady(error_of(e))))
         sys.exit(1)
     store.set(f"ready{start.rank}", pickle.dumps(RankReady()))
+    if os.environ.get(EXIT_BEFORE_JOIN) == str(start.rank):  # a test's fault: dead before the rendezvous
+        os._exit(3)
     shard_model(model, TPGroup.join(start.rank, size, store, device), config.enable_expert_parallel)
     model.to(device)
     setup: RunnerSetup = ring.recv(alive)

@@ -5,7 +5,10 @@ A ring of slots in one file under /dev/shm. The writer pickles a message, writes
 chunks, and publishes each chunk by bumping the slot's sequence number last; a reader copies a
 chunk out once the sequence says it is there, then bumps its own count, which lets the writer
 reuse the slot. Each counter has one writer, so no locks: a fence (a lock taken and dropped, a
-full barrier on every CPU) keeps a chunk's bytes ahead of its sequence number.
+full barrier on every CPU) keeps a chunk's bytes and its size ahead of its sequence number. The
+sequence number is written on its own, after the size: struct's pack_into zeroes what it packs
+and then writes it field by field, so a reader that saw the new sequence amid one packing of
+both could read the size as 0 (an empty message).
 
 The file is unlinked as soon as every reader has it mapped (`unlink`), so a process killed later
 leaves nothing behind in /dev/shm.
@@ -27,7 +30,11 @@ import time
 import uuid
 from collections.abc import Callable
 
-_SLOT_HEAD = struct.Struct("<QII")  # sequence number (chunks published so far), size, more chunks follow
+# A slot's head: its sequence number (chunks published so far), then the chunk's size and whether
+# more chunks follow.
+_SEQ = struct.Struct("<Q")
+_CHUNK = struct.Struct("<II")
+_HEAD_BYTES = _SEQ.size + _CHUNK.size
 _COUNT = struct.Struct("<Q")
 _SPIN_S = 0.002  # wait without sleeping this long first
 _LONGEST_SLEEP_S = 0.001
@@ -51,7 +58,7 @@ def _shm_dir() -> str:
 class ShmBroadcast:
     def __init__(self, path: str, num_readers: int, slots: int, slot_bytes: int, create: bool):
         self.path, self.num_readers, self.slots, self.slot_bytes = path, num_readers, slots, slot_bytes
-        self._counts_at = slots * _SLOT_HEAD.size
+        self._counts_at = slots * _HEAD_BYTES
         self._data_at = -(-(self._counts_at + num_readers * _COUNT.size) // 64) * 64
         size = self._data_at + slots * slot_bytes
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -109,7 +116,10 @@ class ShmBroadcast:
             at = self._data_at + slot * self.slot_bytes
             self._buf[at:at + len(chunk)] = chunk
             _fence()
-            _SLOT_HEAD.pack_into(self._buf, slot * _SLOT_HEAD.size, self.count + 1, len(chunk), i < len(chunks) - 1)
+            head = slot * _HEAD_BYTES
+            _CHUNK.pack_into(self._buf, head + _SEQ.size, len(chunk), i < len(chunks) - 1)
+            _fence()
+            _SEQ.pack_into(self._buf, head, self.count + 1)
             self.count += 1
 
     def _slowest_reader(self) -> int:
@@ -119,17 +129,17 @@ class ShmBroadcast:
     # ---- reader ------------------------------------------------------------------------------
     def poll(self) -> bool:
         """Whether a message is there to receive."""
-        return _SLOT_HEAD.unpack_from(self._buf, (self.count % self.slots) * _SLOT_HEAD.size)[0] == self.count + 1
+        return _SEQ.unpack_from(self._buf, (self.count % self.slots) * _HEAD_BYTES)[0] == self.count + 1
 
     def recv(self, alive: Callable[[], bool] = lambda: True) -> object:
         parts = []
         while True:
             slot = self.count % self.slots
-            head = slot * _SLOT_HEAD.size
-            _wait(lambda h=head, n=self.count + 1: _SLOT_HEAD.unpack_from(self._buf, h)[0] == n, alive,
+            head = slot * _HEAD_BYTES
+            _wait(lambda h=head, n=self.count + 1: _SEQ.unpack_from(self._buf, h)[0] == n, alive,
                   "the engine core")
             _fence()
-            _, size, more = _SLOT_HEAD.unpack_from(self._buf, head)
+            size, more = _CHUNK.unpack_from(self._buf, head + _SEQ.size)
             at = self._data_at + slot * self.slot_bytes
             parts.append(bytes(self._buf[at:at + size]))
             _fence()

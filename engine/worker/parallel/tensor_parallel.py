@@ -31,6 +31,7 @@ their own.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -43,6 +44,7 @@ from baton.engine.worker.models.basic import Linear, RMSNorm
 from baton.engine.worker.models.layers import Attention
 from baton.engine.worker.models.mla import MLAttention
 from baton.engine.worker.models.moe import Experts, SparseMoE
+from baton.engine.worker.parallel.watched_store import WatchedStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,17 +53,31 @@ class TPGroup:
     rank: int
     size: int
     group: dist.ProcessGroup
+    store: dist.Store | None = None  # a Python store the group met at must outlive it (torch calls into it)
 
     @classmethod
     def join(cls, rank: int, size: int, store: dist.Store, device: torch.device,
-             timeout_s: float = 600.0) -> TPGroup:
-        """The group of `size` ranks meeting at `store`: gloo on CPU, NCCL on GPUs."""
+             timeout_s: float = 600.0, give_up: Callable[[], None] | None = None) -> TPGroup:
+        """The group of `size` ranks meeting at `store`: gloo on CPU, NCCL on GPUs. Gloo meets
+        here, waiting on the store for every rank: with `give_up` (which raises to end the wait)
+        those waits poll and call it in between (watched_store.py), so that a rank that died is
+        an error at once, not after the store's timeout. NCCL meets at the first collective."""
         timeout = datetime.timedelta(seconds=timeout_s)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             return cls(rank, size, dist.ProcessGroupNCCL(store, rank, size, options))
+        if give_up is not None:
+            store = WatchedStore(store, give_up)
+            return cls(rank, size, dist.ProcessGroupGloo(store, rank, size, timeout), store)
         return cls(rank, size, dist.ProcessGroupGloo(store, rank, size, timeout))
+
+    def abort(self) -> None:
+        """End the collectives under way, from another thread, where the backend can: NCCL's
+        communicators are aborted (a collective waiting on a dead rank would wait for ever). On
+        gloo torch does nothing; a collective on a dead rank fails by itself as soon as the
+        rank's sockets close, which the kernel does when the process ends."""
+        self.group.abort()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.group.allreduce([x]).wait()

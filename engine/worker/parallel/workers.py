@@ -12,11 +12,16 @@ its own heads of a load; a rank answers on a ring of its own when its part of a 
 rank 0 reports the load ended (and tells the peer) once every rank's did. Host KV tier jobs
 likewise: each rank copies its heads of the blocks, and a job is done once every rank's landed.
 
-A rank that dies is the engine's death: `on_dead` is called from a watcher thread at once (the
-core process exits non-zero, so its front fails every stream UNAVAILABLE), and a step waiting on
-the dead rank raises. The ranks die with the core (PR_SET_PDEATHSIG) and ignore SIGINT (a
-terminal's Ctrl-C is the front's, which stops the core, which stops them: lifetime.child_argv),
-and the ring's file is unlinked as soon as every rank has it mapped.
+A rank that dies is the engine's death. Before the group met, rank 0's rendezvous gives up at
+once (a StartupError naming the rank: watched_store.py), not after the store's timeout. After,
+a watcher thread per rank sees it exit: a core in a process of its own is told (`on_dead`: the
+process exits non-zero, so its front fails every stream UNAVAILABLE); an engine in this process
+(offline) has the group aborted (NCCL's collectives would wait for ever; gloo's fail by
+themselves once the dead rank's sockets close). Either way the step under way, and every step
+after, raises RankDied naming the rank, whatever error the collective or the ring raised. The
+ranks die with the core (PR_SET_PDEATHSIG) and ignore SIGINT (a terminal's Ctrl-C is the
+front's, which stops the core, which stops them: lifetime.child_argv), and the ring's file is
+unlinked as soon as every rank has it mapped.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ from baton.engine.common.messages import error_from
 from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton.engine.worker.parallel.messages import (RankAdapter, RankAddPeer, RankReady, RankReport, RankStart,
                                                   RankStep, RankStop, RunnerSetup)
-from baton.engine.worker.parallel.shm_broadcast import ShmBroadcast
+from baton.engine.worker.parallel.shm_broadcast import PeerGone, ShmBroadcast
 from baton.engine.worker.parallel.tensor_parallel import TPGroup
 from baton.kv_transfer.base import KVConnectorOutput, KVConnectorWorker, KVLayout, KVTransfer
 
@@ -48,6 +53,10 @@ log = logging.getLogger("baton.tp")
 _STORE_TIMEOUT = datetime.timedelta(seconds=600)
 _READY_POLL_S = 0.05
 _STOP_WAIT_S = 5.0
+# A collective on a dead rank can fail (its sockets closed) a moment before the rank's watcher
+# thread has seen the exit; a step that failed waits this long for the watcher's word (it comes
+# within milliseconds, even on a loaded machine) before taking its own error as the cause.
+_DEATH_GRACE_S = 2.0
 
 
 class RankDied(RuntimeError):
@@ -78,7 +87,9 @@ class TPWorkers:
         self._host_jobs: dict[int, int] = {}  # host KV tier job -> ranks whose copies landed
         self.sampled: dict[str, list[int]] = {}  # rank 0's tokens of the last step, for the others
         self.dead: tuple[int, int] | None = None  # (rank, exit status) of a rank that died
-        self.on_dead: Callable[[RankDied], None] | None = None
+        self._died = threading.Event()  # set with `dead`
+        self.on_dead: Callable[[RankDied], None] | None = None  # without it, the watcher aborts the group
+        self.group: TPGroup | None = None  # rank 0's, once the ranks met
         self.broadcast_s = 0.0  # time spent handing steps over (the benchmark's figure)
         self._stopping = False
         self.procs: list[subprocess.Popen] = []
@@ -104,14 +115,21 @@ class TPWorkers:
                 raise error_from(ready.error)
         for ring in [self.ring, *self.back]:  # every rank has them mapped by now
             ring.unlink()
-        group = TPGroup.join(0, self.size, self.store, device)
+        self.group = TPGroup.join(0, self.size, self.store, device, give_up=self._check_joining)
         for rank, proc in enumerate(self.procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-rank{rank}-watch", daemon=True).start()
-        return group
+        return self.group
+
+    def _check_joining(self) -> None:
+        """Between the rendezvous's looks at the store: a rank that exited ends it."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                raise StartupError(f"tensor-parallel rank {rank} exited with status {proc.returncode} "
+                                   "while joining the group")
 
     def setup(self, setup: RunnerSetup) -> list[KVLayout]:
         """Build every rank's runner; the KV layouts of ranks 1..N-1 (with a KV connector)."""
-        self.ring.send(setup, self._alive)
+        self._to_ranks(setup)
         if not self.has_connector:
             return []
         return [self._await(rank, "layout", "registering its KV cache") for rank in range(1, self.size)]
@@ -130,16 +148,30 @@ class TPWorkers:
 
     def send(self, message: RankAddPeer | RankAdapter) -> None:
         """What every rank must learn between steps (in order with the steps)."""
-        self.ring.send(message, self._alive)
+        self._to_ranks(message)
+
+    def _to_ranks(self, message: object) -> None:
+        try:
+            self.ring.send(message, self._alive)
+        except PeerGone as e:  # (only once a watcher saw a rank exit)
+            raise self._death() from e
 
     def execute(self, runner, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """One step on every rank: rank 0's output (its KV loads ended once every rank's did)."""
+        """One step on every rank: rank 0's output (its KV loads ended once every rank's did).
+        Raises RankDied once a rank died, whatever the step itself raised."""
         if self.dead is not None:
-            raise RankDied(f"tensor-parallel rank {self.dead[0]} exited with status {self.dead[1]}")
-        t0 = time.perf_counter()
-        self.ring.send(RankStep(sched, self.sampled), self._alive)
-        self.broadcast_s += time.perf_counter() - t0
-        out = runner.execute_model(sched)
+            raise self._death()
+        try:
+            t0 = time.perf_counter()
+            self.ring.send(RankStep(sched, self.sampled), self._alive)
+            self.broadcast_s += time.perf_counter() - t0
+            out = runner.execute_model(sched)
+        except Exception as e:
+            if self._died.wait(_DEATH_GRACE_S):
+                raise self._death() from e
+            raise
+        if self.dead is not None:  # (an aborted NCCL group: what the step computed is not to be trusted)
+            raise self._death()
         self.sampled = out.sampled_token_ids
         kv = out.kv_connector_output
         reports = [RankReport(0, kv.finished_recving if kv else set(), kv.invalid_by_request if kv else {},
@@ -186,14 +218,24 @@ class TPWorkers:
     def _alive(self) -> bool:
         return self.dead is None
 
+    def _death(self) -> RankDied:
+        rank, code = self.dead
+        return RankDied(f"tensor-parallel rank {rank} exited with status {code}")
+
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
         if self._stopping or self.dead is not None:
             return
         self.dead = (rank, code)
+        self._died.set()
         log.error("tensor-parallel rank %d (pid %d) exited with status %d", rank, proc.pid, code)
         if self.on_dead is not None:
-            self.on_dead(RankDied(f"tensor-parallel rank {rank} exited with status {code}"))
+            self.on_dead(self._death())
+            return
+        try:  # an engine in this process: the step waiting on the dead rank must end (then raise RankDied)
+            self.group.abort()
+        except Exception:  # (logged: the step still raises RankDied once it ends)
+            log.exception("could not abort the tensor-parallel group")
 
     def close(self) -> None:
         """Stop every rank (told to, then killed after a while) and let go of the ring."""
