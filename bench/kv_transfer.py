@@ -29,6 +29,7 @@ from baton.engine.common.config import read_config
 from baton.engine.worker.models import model_args
 from baton.engine.core.request import Request, RequestStatus
 from baton.engine.common.sampling_params import SamplingParams
+from baton.engine.common.scheduler_output import SchedulerOutput
 from baton.kv_transfer.base import KVFormat
 from baton.kv_transfer.nixl_connector import _new_agent, make_nixl_connector
 
@@ -99,12 +100,12 @@ def handoff(prefill: Side, decode: Side, n_tokens: int, tag: str) -> tuple[float
     hold, handle = prefill.sched.request_finished(p_req, prefill.kv.block_ids(p_req.request_id))
     if not hold:
         raise RuntimeError("the prefill side did not hold the blocks")
-    prefill.worker.start_load_kv(prefill.sched.build_connector_meta(None))  # registers the hold
+    prefill.worker.start_load_kv(prefill.sched.build_connector_meta(SchedulerOutput()))  # registers the hold
     d_req.remote_kv = handle
     num_external, _ = decode.sched.get_num_new_matched_tokens(d_req, 0)
     decode.kv.allocate_slots(d_req, num_external, cache=False)
     decode.sched.update_state_after_alloc(d_req, decode.kv.block_ids(d_req.request_id), num_external)
-    decode.worker.start_load_kv(decode.sched.build_connector_meta(None))
+    decode.worker.start_load_kv(decode.sched.build_connector_meta(SchedulerOutput()))
     # Both sides poll, as both engines' step loops do (a peer in this process makes no UCX
     # progress unless polled).
     t1 = t2 = None

@@ -2,7 +2,7 @@
 
 Like vLLM v1's connector it has two halves. The scheduler half answers questions about
 requests (how many prompt tokens can be loaded from a peer, must finished blocks be held for
-a remote reader) and builds one metadata object per step. The worker half sits next to the
+a remote reader) and builds one KVConnectorMetadata per step, its own subclass of it. The worker half sits next to the
 KV cache tensor: it registers the memory with a transport, starts the loads the metadata
 asks for, reports which transfers finished, lets go of holds, and learns its peers' layouts.
 Every engine server plugs the NIXL connector (nixl_connector.py, nixl_scheduler.py); the
@@ -17,7 +17,7 @@ import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
@@ -212,6 +212,22 @@ class ConnectorRequest(Protocol):
         """It ended at its max_tokens (a prefill's asked-for end), not at a stop or an abort."""
 
 
+class ScheduledStep(Protocol):
+    """What a scheduler half may read of the step it builds metadata for (the engine's
+    SchedulerOutput, engine/common/scheduler_output.py, which this module cannot import)."""
+    num_scheduled_tokens: dict[str, int]  # request id -> its tokens computed in the step
+    finished_req_ids: set[str]  # ended since the step before
+    preempted_req_ids: set[str]  # their blocks freed: they come back as new
+
+
+class KVConnectorMetadata:
+    """One step's instructions from a connector's scheduler half to its worker half (which
+    loads to start, into which blocks; which holds begin). Each connector subclasses it with
+    its own fields (NixlConnectorMeta); the engine only carries it, in the step's
+    SchedulerOutput, to the worker half of every tensor-parallel rank, pickled: plain data."""
+    __slots__ = ()
+
+
 class KVConnectorScheduler(ABC):
     # Each KV cache group's sliding window (None: full attention), as the engine's cache is
     # grouped: the block id lists it passes in and out have one list per group. Set by the engine.
@@ -229,9 +245,9 @@ class KVConnectorScheduler(ABC):
         request; remember where the external tokens go."""
 
     @abstractmethod
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        """The per-step instructions for the worker half (which loads to start, into which
-        blocks), from the step's SchedulerOutput (engine/common/scheduler_output.py)."""
+    def build_connector_meta(self, scheduler_output: ScheduledStep) -> KVConnectorMetadata:
+        """The step's instructions for the worker half: what this half gathered since the last
+        step (loads after `update_state_after_alloc`, holds after `request_finished`)."""
 
     @abstractmethod
     def request_finished(self, request: ConnectorRequest, block_ids: list[list[int]]
@@ -306,8 +322,10 @@ class KVConnectorWorker(ABC):
         brings them too. Raises KVUnreachable when a peer could not read it."""
 
     @abstractmethod
-    def start_load_kv(self, metadata: Any) -> None:
-        """Start the transfers the step's metadata asks for, without waiting for them."""
+    def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
+        """Start the transfers the step's metadata (its scheduler half's own subclass) asks for,
+        without waiting for them. None: a step built outside the scheduler (the runner's memory
+        profile) carries none."""
 
     @abstractmethod
     def get_finished(self) -> KVConnectorOutput:

@@ -234,6 +234,9 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     # ---- each step ----------------------------------------------------------------------------
     def start_load_kv(self, metadata: NixlConnectorMeta | None) -> None:
+        if metadata is not None and not isinstance(metadata, NixlConnectorMeta):
+            raise TypeError(f"kv_connector_metadata: the NIXL worker half takes its scheduler half's "
+                            f"NixlConnectorMeta, not {type(metadata).__name__}")
         if metadata is None or not (metadata.loads or metadata.holds):
             return
         self._stay_active()

@@ -8,8 +8,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from baton.kv_transfer.base import (DEFAULT_HOLD_TIMEOUT_S, ConnectorRequest, KVConnectorScheduler, KVHandle, KVTier,
-                                    first_needed_block, handle_block_counts)
+from baton.kv_transfer.base import (DEFAULT_HOLD_TIMEOUT_S, ConnectorRequest, KVConnectorMetadata, KVConnectorScheduler,
+                                    KVHandle, KVTier, ScheduledStep, first_needed_block, handle_block_counts)
 
 log = logging.getLogger("baton.kv_transfer")
 
@@ -19,6 +19,7 @@ _HANDOFF_SLACK = 0.1  # of a hold: the most a handle may spend between its prefi
 
 @dataclass(slots=True)
 class LoadSpec:
+    """One decode request's pull: which of the peer's blocks go into which of ours."""
     request_id: str
     local_block_ids: list[int]
     remote_engine_id: str
@@ -33,9 +34,10 @@ class LoadSpec:
 
 
 @dataclass(slots=True)
-class NixlConnectorMeta:
-    loads: list[LoadSpec] = field(default_factory=list)
-    holds: dict[str, float] = field(default_factory=dict)  # prefill: request id -> monotonic deadline
+class NixlConnectorMeta(KVConnectorMetadata):
+    """What the scheduler half hands its worker half (NixlConnectorWorker.start_load_kv) each step."""
+    loads: list[LoadSpec] = field(default_factory=list)  # decode: READs to start (each rank its heads)
+    holds: dict[str, float] = field(default_factory=dict)  # prefill: request id -> monotonic deadline (rank 0's)
 
 
 class NixlConnectorScheduler(KVConnectorScheduler):
@@ -100,7 +102,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if not num_external_tokens:
             request.remote_kv = None  # nothing to wait for: never released twice
 
-    def build_connector_meta(self, scheduler_output) -> NixlConnectorMeta:
+    def build_connector_meta(self, scheduler_output: ScheduledStep) -> NixlConnectorMeta:
         meta, self._meta = self._meta, NixlConnectorMeta()
         return meta
 

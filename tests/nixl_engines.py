@@ -54,7 +54,7 @@ def run_until_done(*engines, on_step=None, timeout_s=60.0) -> dict[str, list[int
             on_step()
         if not busy:
             return tokens
-    state = [(e.scheduler.waiting, e.scheduler.running, e.scheduler.held, e.runner.connector._loading,
+    state = [(e.scheduler.waiting, e.scheduler.running, e.scheduler.arrivals.held, e.runner.connector._loading,
               e.runner.connector._holds.deadlines) for e in engines]
     raise AssertionError(f"engines did not finish: {state}")  # bounded: never hangs
 

@@ -4,10 +4,9 @@ core's own process)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from baton.engine.common.sampling_params import SamplingParams
-from baton.kv_transfer.base import KVConnectorOutput
+from baton.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput
 
 
 @dataclass(slots=True)
@@ -57,7 +56,7 @@ class SchedulerOutput:
     # Preempted: they come back as new, and the runner keeps their sampling state (generator,
     # grammar, logprob buffers) for then.
     preempted_req_ids: set[str] = field(default_factory=set)
-    kv_connector_metadata: Any = None
+    kv_connector_metadata: KVConnectorMetadata | None = None  # the connector's scheduler half to its worker half
     host_kv_ops: HostKVOps | None = None  # copies between the device pool and the host KV tier
     # Speculative decoding: the drafts verified this step, per request (they follow its last
     # token; num_scheduled_tokens counts them), and whether to draft for the next step.

@@ -299,7 +299,7 @@ class EngineCore:
     def release_hold(self, request_id: str) -> bool:
         """Let go of the blocks a finished prefill request holds for a decode peer; false when it
         holds none."""
-        held = self.scheduler.held.get(request_id)
+        held = self.scheduler.arrivals.held.get(request_id)
         if held is None or held.kv_handle is None:  # (a decode aborted mid-load holds until it lands)
             return False
         self.connector.release(request_id)
@@ -364,20 +364,20 @@ class EngineCore:
     @property
     def num_held_requests(self) -> int:
         """Finished requests whose blocks wait for a transfer (the loop keeps stepping)."""
-        return len(self.scheduler.held)
+        return len(self.scheduler.arrivals.held)
 
     def snapshot(self) -> EngineSnapshot:
         """Load and running totals."""
-        sched, kv = self.scheduler, self.kv
+        sched, kv, held = self.scheduler, self.kv, self.scheduler.arrivals.held
         return EngineSnapshot(
             num_running=len(sched.running), num_waiting=self.num_waiting,
             num_waiting_for_kvs=sum(1 for r in sched.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS),
-            num_held_requests=len(sched.held),
-            num_held_blocks=sum(b is not None for req_id in sched.held for blocks in kv.req_blocks.get(req_id, ())
+            num_held_requests=len(held),
+            num_held_blocks=sum(b is not None for req_id in held for blocks in kv.req_blocks.get(req_id, ())
                                 for b in blocks),
             num_kv_blocks=self.num_kv_blocks, num_free_kv_blocks=kv.num_free_blocks,
             prefix_cache_queries=kv.prefix_queries, prefix_cache_hits=kv.prefix_hits,
-            num_preemptions=sched.num_preemptions, num_failed_loads=sched.num_failed_loads,
+            num_preemptions=sched.num_preemptions, num_failed_loads=sched.arrivals.num_failed_loads,
             num_prompt_tokens=sched.num_prompt_tokens, num_prompt_tokens_cached=sched.num_prompt_tokens_cached,
             num_prompt_tokens_external=sched.num_prompt_tokens_external,
             num_generation_tokens=sched.num_generation_tokens, **self._host_figures(), **self._lora_figures(),

@@ -20,11 +20,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-
 from baton.engine.common.config import EngineConfig
 from baton.engine.core.host_kv_tier import HostKVTier
 from baton.engine.core.kv_cache_manager import KVCacheManager, num_hits
-from baton.engine.core.kv_arrivals import KVArrivals
+from baton.engine.core.kv_arrivals import RemoteKVArrivals
 from baton.engine.core.request import Request, RequestStatus, RequestUpdate
 from baton.engine.common.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                                   SchedulerOutput)
@@ -32,7 +31,7 @@ from baton.engine.common.stats import EventType, RequestEvent, SpecDecodeStats
 from baton.kv_transfer.base import KVConnectorScheduler
 
 
-class Scheduler(KVArrivals):
+class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, connector: KVConnectorScheduler | None = None,
                  host: HostKVTier | None = None):
         self.config = config
@@ -44,13 +43,7 @@ class Scheduler(KVArrivals):
         self.running: list[Request] = []
         self.by_priority = config.scheduling_policy == "priority"
         self._finished_ids: set[str] = set()  # finished since the last schedule()
-        # Finished, but their blocks wait for a transfer: a remote reader (prefill side), or a
-        # load still landing in them (a decode request aborted in WAITING_FOR_REMOTE_KVS).
-        self.held: dict[str, Request] = {}
-        # Held prefill requests whose blocks are being copied to the host tier (request id -> the
-        # request and the host block ids): their outputs, which carry the handle, wait for the copy.
-        self.handing_off: dict[str, tuple[Request, list[int]]] = {}
-        self.num_failed_loads = 0
+        self.arrivals = RemoteKVArrivals(kv, host, self.record, self._free)  # held requests; KV that lands
         self.num_preemptions = 0
         # Prompts of requests that got their first token here, by where their KV came from
         # (vLLM's prompt_tokens[_by_source]), and tokens sampled.
@@ -78,9 +71,6 @@ class Scheduler(KVArrivals):
     def record(self, request: Request | None, kind: EventType, when: float, **fields) -> None:
         if self.events is not None and request is not None:
             self.events.append(RequestEvent(request.request_id, request.key, kind, when, **fields))
-
-    def _live_or_held(self, request_id: str) -> Request | None:
-        return self.requests.get(request_id) or self.held.get(request_id)
 
     # ---- requests in and out --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -126,25 +116,11 @@ class Scheduler(KVArrivals):
         if not was_loading and self.connector is not None:
             hold, request.kv_handle = self.connector.request_finished(request, self.kv.block_ids(request.request_id))
         if hold:
-            self.held[request.request_id] = request
-            if self.host is not None and request.kv_handle is not None and self._device_short():
-                host_ids = self.host.hand_off(request, len(request.kv_handle.block_ids))
-                if host_ids is not None:
-                    self.handing_off[request.request_id] = (request, host_ids)
+            self.arrivals.hold(request, needing=itertools.chain(self.running, self.waiting))
         else:
             self._free(request)
         if self.events is not None:
             self.record(request, EventType.FINISHED, request.finished_time, stats=request.stats())
-
-    def _device_short(self) -> bool:
-        """Whether the device pool lacks the blocks that the requests here still need for their
-        tokens: blocks held for a decode peer would then keep prompts waiting."""
-        need, free = 0, self.kv.num_free_blocks
-        for r in itertools.chain(self.running, self.waiting):
-            need += self.kv.num_blocks_missing(r)
-            if need > free:
-                return True
-        return False
 
     def _free(self, request: Request) -> None:
         if self.host is not None:  # its cached blocks written back, host blocks it owns (swapped, or held) let go
@@ -384,18 +360,21 @@ class Scheduler(KVArrivals):
                 # (Scheduled ahead, a request preempted for the next step ends waiting.)
                 (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
                 self._finish(request, status)
-                if req_id in self.handing_off:  # its output goes out with the handle, once the copy landed
+                if self.arrivals.output_waits(req_id):  # it goes out with the handle, once the copy landed
                     continue
             else:
                 request.spec_token_ids = result.spec_token_ids.get(req_id, [])
             updates.append(RequestUpdate(request, new, status is not None))
         if result.kv_connector_output is not None:
-            self._update_from_connector(result.kv_connector_output)
+            for request in self.arrivals.connector_reported(result.kv_connector_output, self.requests, now,
+                                                            self.recompute_at):
+                self.rekey(request)  # restarted long (LongRoPE): its blocks hash under a root of their own
         if self.host is not None and result.host_kv_finished:
             loaded, handed_off = self.host.finished(result.host_kv_finished)
-            for req_id in loaded:
-                self._host_loaded(req_id)
-            updates += map(self._handed_off, handed_off)
+            for request in self.arrivals.host_loaded(loaded, self.requests):  # first in line (see there)
+                self.waiting.remove(request)
+                self.waiting.appendleft(request)
+            updates += map(self.arrivals.handed_off, handed_off)
         return updates
 
     def _append(self, request: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:

@@ -119,7 +119,7 @@ def test_randomized_bookkeeping_of_both_tiers(tmp_path, seed):
         sched.update_from_output(out, runner.run(out))
         if not pending and not sched.requests and not host.has_pending:
             break
-    assert not sched.requests and not pending and not sched.held and not host.has_pending
+    assert not sched.requests and not pending and not sched.arrivals.held and not host.has_pending
     assert kv.num_free_blocks == kv.num_blocks and host.num_free_blocks == host.num_blocks and not host.swapped
     check_refcounts(sched, kv, host)
 

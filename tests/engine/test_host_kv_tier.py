@@ -190,7 +190,7 @@ def test_no_leaks_with_aborts_while_copies_are_in_flight(tiny_llama):
     s = engine.snapshot()
     assert s.num_host_kv_loaded_blocks and s.num_swap_preemptions
     core = engine.core
-    assert core.kv.num_free_blocks == core.num_kv_blocks and not core.kv.req_blocks and not core.scheduler.held
+    assert core.kv.num_free_blocks == core.num_kv_blocks and not core.kv.req_blocks and not core.scheduler.arrivals.held
     assert core.host.num_free_blocks == core.host.num_blocks and not core.host.swapped
 
 

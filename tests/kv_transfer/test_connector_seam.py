@@ -8,13 +8,22 @@ output must equal transformers'.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from baton.engine.common.config import EngineConfig
 from baton.engine.offline.llm_engine import LLMEngine
 from baton.engine.core.request import RequestStatus
 from baton.engine.common.sampling_params import SamplingParams
-from baton.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker, KVHandle
+from baton.kv_transfer.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker,
+                                    KVHandle)
 
 from helpers import random_prompts
+
+
+@dataclass(slots=True)
+class CopyMeta(KVConnectorMetadata):
+    """A step's copies: (request id, local block ids, remote connector, remote block ids, remote id)."""
+    copies: list[tuple] = field(default_factory=list)
 
 
 class CopyConnector(KVConnectorScheduler, KVConnectorWorker):
@@ -27,7 +36,7 @@ class CopyConnector(KVConnectorScheduler, KVConnectorWorker):
         self.by_id[self.engine_id] = self
         self.block_size = block_size
         self.kv_cache = None
-        self.pending = []  # (request id, local block ids, remote connector, remote block ids, remote id)
+        self.pending = CopyMeta()  # copies for the next step
         self.in_flight: set[str] = set()  # copied, reported one step later like a real transfer
         self.done = KVConnectorOutput()
 
@@ -43,11 +52,11 @@ class CopyConnector(KVConnectorScheduler, KVConnectorWorker):
             handle = request.remote_kv
             first = (handle.num_tokens - num_external_tokens) // self.block_size
             last = -(-handle.num_tokens // self.block_size)
-            self.pending.append((request.request_id, block_ids[0][first:last], self.by_id[handle.engine_id],
-                                 handle.block_ids[first:last], handle.request_id))
+            self.pending.copies.append((request.request_id, block_ids[0][first:last], self.by_id[handle.engine_id],
+                                        handle.block_ids[first:last], handle.request_id))
 
     def build_connector_meta(self, scheduler_output):
-        meta, self.pending = self.pending, []
+        meta, self.pending = self.pending, CopyMeta()
         return meta
 
     def request_finished(self, request, block_ids):
@@ -61,7 +70,7 @@ class CopyConnector(KVConnectorScheduler, KVConnectorWorker):
         self.kv_cache = kv_cache
 
     def start_load_kv(self, metadata):
-        for req_id, local, source, remote, remote_req_id in metadata or ():
+        for req_id, local, source, remote, remote_req_id in metadata.copies if metadata is not None else ():
             self.kv_cache[local] = source.kv_cache[remote]
             self.in_flight.add(req_id)
             source.done.finished_sending.add(remote_req_id)

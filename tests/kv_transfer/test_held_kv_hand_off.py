@@ -20,7 +20,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 def assert_host_free(*engines) -> None:
     for eng in engines:
         host = eng.core.host
-        assert not eng.scheduler.handing_off and not host.holds and not host.storing
+        assert not eng.scheduler.arrivals.handing_off and not host.holds and not host.storing
         assert host.num_free_blocks == host.num_blocks and all(b.ref_cnt == 0 for b in host.blocks)
 
 
@@ -88,10 +88,10 @@ def test_a_caller_gone_while_its_hand_off_copy_is_in_flight_frees_both_tiers(tin
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     reqs = [prefill.add_request(f"p{next(agent_ids)}", p, one, hold_for_remote=True) for p in prompts]
     outs = {}
-    while not prefill.scheduler.handing_off:
+    while not prefill.scheduler.arrivals.handing_off:
         for out in prefill.step():
             outs[out.request_id] = out
-    gone = next(iter(prefill.scheduler.handing_off))
+    gone = next(iter(prefill.scheduler.arrivals.handing_off))
     assert prefill.core.release_hold(gone)
     while prefill.has_unfinished_requests() or prefill.num_held_requests:
         for out in prefill.step():

@@ -125,7 +125,7 @@ def test_failed_loads_recompute_with_the_same_output(tiny_llama):
            for i, (p, h) in enumerate(zip(prompts, handles))]
     tokens = run_until_done(prefill, decode)
     assert [[h.first_token] + tokens[r] for h, r in zip(handles, ids)] == want
-    assert decode.scheduler.num_failed_loads == 1
+    assert decode.scheduler.arrivals.num_failed_loads == 1
     assert_pools_full(prefill, decode)
 
 
@@ -147,7 +147,7 @@ def test_transfers_that_fail_arrive_late_or_fail_half_way_give_the_clean_output(
            for i, (p, sp, h) in enumerate(zip(prompts, params, handles))]
     tokens = run_until_done(prefill, decode)
     assert [[h.first_token] + tokens[r] for h, r in zip(handles, ids)] == want
-    assert decode.scheduler.num_failed_loads == 3  # the failed and the two half-way ones, not the late ones
+    assert decode.scheduler.arrivals.num_failed_loads == 3  # the failed and the two half-way ones, not the late ones
     assert_pools_full(prefill, decode)
 
 
@@ -160,7 +160,7 @@ def test_a_load_that_never_finishes_times_out_and_recomputes(tiny_llama):
     decode = nixl_engine(tiny_llama, "decode", agent=stuck, load_timeout_s=0.2)
     connect(prefill, decode)
     assert disaggregated(prefill, decode, [prompt], [greedy]) == [want]
-    assert decode.scheduler.num_failed_loads == 1
+    assert decode.scheduler.arrivals.num_failed_loads == 1
     assert_pools_full(prefill, decode)
 
 
@@ -196,7 +196,7 @@ def test_a_malformed_handle_fails_its_own_load_not_the_engine(tiny_llama):
            for i, (p, h) in enumerate(zip(prompts, handles))]
     tokens = run_until_done(prefill, decode)
     assert [[h.first_token] + tokens[r] for h, r in zip(handles, ids)] == want  # the first recomputed
-    assert decode.scheduler.num_failed_loads == 1
+    assert decode.scheduler.arrivals.num_failed_loads == 1
     assert_pools_full(prefill, decode)  # the short handle's hold expired or was released, not leaked
 
 
