@@ -42,7 +42,7 @@ def test_disaggregated_equals_colocated_greedy_and_seeded(tiny_model, hf):
 
     decode.scheduler.schedule = schedule_and_watch
     assert disaggregated(prefill, decode, prompts, [greedy] * len(prompts)) == want_greedy
-    decode.scheduler.schedule = schedule
+    del decode.scheduler.schedule  # (the class's again; its bound method kept here would be a cycle)
     assert want_greedy == [hf.greedy(tiny_model, p, 20) for p in prompts]
     assert len(seen_waiting) == len(prompts)
     assert disaggregated(prefill, decode, prompts, seeded) == want_seeded
