@@ -11,7 +11,7 @@ import torch
 from baton.services.cli.demo_models import SMOLLM2_DIR_NAME, prepare_smollm2
 from baton.testing.checkpoints import write_tiny_checkpoint
 
-from leftovers import Garbage, children, left_behind, threads
+from leftovers import Garbage, Snapshot
 from servers import ServerProcess, ServerThread
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
@@ -35,23 +35,27 @@ _garbage = Garbage()
 
 @pytest.fixture(autouse=True, scope="module")
 def _nothing_left_by_the_module(request):
-    """A module's fixtures stop what they started (leftovers.py); checked once they are torn
-    down, this fixture being set up before them and torn down after."""
-    procs, live = children(), threads()
+    """A module's tests and fixtures stop the processes and non-daemon threads they started
+    (leftovers.py); checked once its fixtures are torn down, this one being set up before them
+    and torn down after."""
+    before = Snapshot(f"module {request.module.__name__}")
     yield
-    if (message := left_behind(procs, live, f"module {request.module.__name__}")) is not None:
+    if (message := before.left_behind(with_threads=True)) is not None:
         pytest.fail(message, pytrace=False)
 
 
 @pytest.fixture(autouse=True)
 def _nothing_left_by_the_test(request):
-    """A test and its function fixtures stop the processes (engine cores, servers, tensor-parallel
-    ranks) and non-daemon threads they started: whatever runs at setup (a module's servers
-    included) is not the test's. Then the garbage, where the process grew (leftovers.Garbage)."""
-    procs, live = children(), threads()
+    """A test and its function fixtures stop the processes they started (engine cores, servers,
+    tensor-parallel ranks): whatever ran at setup (a module's servers included) is not the test's.
+    Its threads are checked at the module's end. Then the garbage, where the process grew
+    (leftovers.Garbage)."""
+    before = Snapshot(request.node.nodeid)
     yield
     _garbage.maybe_collect()
-    if (message := left_behind(procs, live, request.node.nodeid)) is not None:
+    message = before.left_behind(with_threads=False)
+    before.note_threads()
+    if message is not None:
         pytest.fail(message, pytrace=False)
 
 
