@@ -461,6 +461,7 @@ def _poll(worker: weakref.ref, closed: threading.Event, wake: threading.Event, d
             wake.wait(0.1)
             wake.clear()
 
+
 def make_nixl_connector(engine_id: str, block_size: int, hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
                         agent=None, load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
                         ) -> tuple[NixlConnectorScheduler, NixlConnectorWorker]:
