@@ -45,6 +45,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -159,7 +160,9 @@ class NixlConnectorWorker(KVConnectorWorker):
             self.layout.draft_block_bytes = draft_cache[0].numel() * draft_cache.element_size()
         if on_gpu:
             self.check_reachable(kv_cache)
-        self._poller = threading.Thread(target=self._poll, args=(kv_cache.device,), name="nixl-progress", daemon=True)
+        # The thread holds the worker weakly: one dropped unclosed is freed, with its cache and agent.
+        self._poller = threading.Thread(target=_poll, args=(weakref.ref(self), self._closed, self._wake,
+                                                            kv_cache.device), name="nixl-progress", daemon=True)
         self._poller.start()
 
     def check_reachable(self, kv_cache: torch.Tensor, probe_agent=None) -> None:
@@ -207,22 +210,17 @@ class NixlConnectorWorker(KVConnectorWorker):
         return merge_runs(spec.local_block_ids[start:end], spec.remote_block_ids[start:end])
 
     # ---- polling during steps ----------------------------------------------------------------
-    def _poll(self, device: torch.device) -> None:
-        """Keep UCX moving while a forward pass runs: the GIL is free then, the agent is not.
-        On the engine's GPU: a thread starts on device 0, where UCX's CUDA transports would
-        otherwise make their context for an engine placed on another."""
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        while not self._closed.is_set():
-            if not (self._loading or self._holds or time.monotonic() < self._active_until):
-                self._wake.wait(0.1)
-                self._wake.clear()
-                continue
-            time.sleep(0.001)
-            with self._lock:
-                if self.layout is None:
-                    return
-                self._collect_notifs()
+    def _poll_once(self) -> bool:
+        """One turn of the progress thread (_poll): whether there was work to poll for; False
+        once closed."""
+        if not (self._loading or self._holds or time.monotonic() < self._active_until):
+            return False
+        time.sleep(0.001)
+        with self._lock:
+            if self.layout is None:
+                return False
+            self._collect_notifs()
+        return True
 
     def _collect_notifs(self) -> None:  # under self._lock
         for messages in self.agent.get_new_notifs().values():
@@ -428,8 +426,12 @@ class NixlConnectorWorker(KVConnectorWorker):
         return out
 
     def close(self) -> None:
+        """Stop the progress thread, end the loads under way and let the agent go of the memory
+        (the cache too: a closed worker keeps no tensor). Twice is once."""
         self._closed.set()
         self._wake.set()
+        if self._poller is not None and self._poller is not threading.current_thread():
+            self._poller.join(1.0)  # it waits 0.1 s at most before it sees _closed
         with self._lock:
             for entry in self._loading.values():
                 self._release(entry)
@@ -439,6 +441,28 @@ class NixlConnectorWorker(KVConnectorWorker):
                 for reg in self._regs:
                     self.agent.deregister_memory(reg)
                 self.layout = None
+                self._regs, self._cache = [], None
+
+
+def _poll(worker: weakref.ref, closed: threading.Event, wake: threading.Event, device) -> None:
+    """The progress thread: keep UCX moving while a forward pass runs (the GIL is free then, the
+    agent is not). It holds its worker only for a turn, so that a worker its engine dropped
+    without closing it is freed (and this thread ends) rather than kept, cache and all, for the
+    life of the process. On the engine's GPU: a thread starts on device 0, where UCX's CUDA
+    transports would otherwise make their context for an engine placed on another."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+    while not closed.is_set():
+        w = worker()
+        if w is None:
+            return
+        busy = w._poll_once()
+        del w
+        if not busy:
+            wake.wait(0.1)
+            wake.clear()
 
 
 def make_nixl_connector(engine_id: str, block_size: int, hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,

@@ -11,6 +11,7 @@ import torch
 from baton.services.cli.demo_models import SMOLLM2_DIR_NAME, prepare_smollm2
 from baton.testing.checkpoints import write_tiny_checkpoint
 
+from leftovers import Garbage, Snapshot
 from servers import ServerProcess, ServerThread
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
@@ -27,6 +28,35 @@ def require_cpu_kernel() -> None:
         if os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++"):
             pytest.fail("a C++ compiler is present but the CPU kernel did not build (see the log)")
         pytest.skip("no C++ compiler: the CPU kernel falls back to the PyTorch reference")
+
+
+_garbage = Garbage()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _nothing_left_by_the_module(request):
+    """A module's tests and fixtures stop the processes and non-daemon threads they started
+    (leftovers.py); checked once its fixtures are torn down, this one being set up before them
+    and torn down after."""
+    before = Snapshot(f"module {request.module.__name__}")
+    yield
+    if (message := before.left_behind(with_threads=True)) is not None:
+        pytest.fail(message, pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_by_the_test(request):
+    """A test and its function fixtures stop the processes they started (engine cores, servers,
+    tensor-parallel ranks): whatever ran at setup (a module's servers included) is not the test's.
+    Its threads are checked at the module's end. Then the garbage, where the process grew
+    (leftovers.Garbage)."""
+    before = Snapshot(request.node.nodeid)
+    yield
+    _garbage.maybe_collect()
+    message = before.left_behind(with_threads=False)
+    before.note_threads()
+    if message is not None:
+        pytest.fail(message, pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -66,18 +96,27 @@ def smollm2() -> str:
 
 
 class HFReference:
-    """Greedy continuations from transformers `generate`, one prompt at a time (no padding)."""
+    """Greedy continuations from transformers `generate`, one prompt at a time (no padding).
+    Every result is kept for the session; the models only up to `keep_bytes` of weights, the
+    least recently used let go first (the tiny checkpoints stay; SmolLM2's half GiB does not
+    outlive the tests that use it)."""
 
-    def __init__(self):
+    def __init__(self, keep_bytes: int = 128 << 20):
         self._models = {}
         self._cache = {}
+        self.keep_bytes = keep_bytes
 
     def model(self, model_dir: str, dtype=torch.float32, device: str = "cpu"):
-        if (model_dir, dtype, device) not in self._models:
+        key = (model_dir, dtype, device)
+        model, size = self._models.pop(key, (None, 0))
+        if model is None:
             from transformers import AutoModelForCausalLM
-            self._models[model_dir, dtype, device] = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=dtype).to(device).eval()
-        return self._models[model_dir, dtype, device]
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+            size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        self._models[key] = model, size  # (model, its weights' bytes), the last used last
+        while len(self._models) > 1 and sum(size for _, size in self._models.values()) > self.keep_bytes:
+            del self._models[next(iter(self._models))]
+        return model
 
     def greedy(self, model_dir: str, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = False,
                dtype=torch.float32, device: str = "cpu") -> list[int]:

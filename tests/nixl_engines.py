@@ -129,6 +129,5 @@ def head_across_pd(model_dir: str, spec: dict, prompts, params: SamplingParams, 
         layout, pulled = reader.layout, reader.num_bytes_pulled
     finally:
         for eng in (prefill, decode):
-            eng.core.close()
-            eng.core.connector.close()
+            eng.close()
     return want, got, colocated_drafts, decode_drafts, layout, pulled

@@ -80,8 +80,13 @@ class ServerThread:
         try:
             self.call(self.server.stop(grace_s))
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
+            try:  # its threads (asyncio.to_thread's) end now, not once the loop is garbage collected
+                self.call(self.loop.shutdown_default_executor(), timeout=10)
+            finally:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self.thread.join(10)
+                if not self.thread.is_alive():
+                    self.loop.close()
 
 
 class ServerProcess:

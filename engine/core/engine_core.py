@@ -67,6 +67,8 @@ class EngineCore:
         except BaseException:
             if self.workers is not None:
                 self.workers.close()
+            if kv_connector is not None:  # (its cache may be registered already)
+                kv_connector[1].close()
             raise
 
     def _start_ranks(self, args: ModelArgs, connector: KVConnectorWorker | None) -> TPWorkers | None:
@@ -343,9 +345,16 @@ class EngineCore:
             self.workers.add_peer(layout)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do on one device)."""
+        """Stop everything that runs beside the steps: the other tensor-parallel ranks, the KV
+        connector (its progress thread; its agent lets go of the cache), the grammar compiler's
+        thread and the host tier's copier. Twice is once. What is left (the model, the caches) is
+        freed with this object: nothing of it refers back to the core from a thread or a cycle."""
         if self.workers is not None:
             self.workers.close()
+        if self.connector is not None:
+            self.connector.close()
+        self.grammars.close()
+        self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.num_unfinished > 0 or bool(self.awaiting_grammar) or self.host_copies_pending

@@ -91,8 +91,7 @@ def run_engine_core(config: EngineConfig, options: CoreOptions, parent: int) -> 
     if core.workers is not None:
         core.workers.on_dead = loop.rank_died
     code = loop.run()
-    core.close()
-    connector[1].close()
+    core.close()  # (its KV connector's too)
     os._exit(code)  # NIXL's and torch's threads must not hold the exit up
 
 

@@ -56,8 +56,8 @@ class LLM:
 
     def close(self) -> None:
         """Stop the engine's other processes (its tensor-parallel ranks; they also end with this
-        process)."""
-        self.engine.core.close()
+        process) and threads (LLMEngine.close). Twice is once."""
+        self.engine.close()
 
     def __enter__(self) -> LLM:
         return self

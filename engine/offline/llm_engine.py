@@ -41,6 +41,17 @@ class LLMEngine:
     def take_events(self) -> StepEvents:
         return self.core.take_events()
 
+    def close(self) -> None:
+        """Stop what runs beside the steps (EngineCore.close): the tensor-parallel ranks, the KV
+        connector, the compiler and copier threads. Twice is once."""
+        self.core.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
         return self.inputs.tokenize(prompt)

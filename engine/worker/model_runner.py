@@ -8,6 +8,7 @@ step's plain output, as vLLM v1's does; it never decides what to run.
 """
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 
 import numpy as np
@@ -145,15 +146,20 @@ class ModelRunner:
         latent = a.attention == "mla"
         backend = choose_backend(self.config.attention_backend, self.kv_cache.dtype, self.device, a.num_heads,
                                  a.num_kv_heads, a.head_dim, latent=latent)
-
-        def metadata(spans, positions, num_decodes):
-            return self.batches.metadata(spans, positions, num_decodes, backend, latent)
+        # Of the batch builder, not of self: the proposer is the runner's, and a closure over the
+        # runner would make a cycle that only the garbage collector frees (the model and caches with it).
+        metadata = functools.partial(self.batches.metadata, backend=backend, latent=latent)
         group = self.kv_groups.windows.index(None)
         if not isinstance(draft, CausalLM):  # a head: it reads the target's hidden states
             return EagleProposer(draft, self.model, num_blocks, self.block_size, self.config.max_model_len, group,
                                  self.config.max_num_batched_tokens, metadata, self.device)
         return DraftModelProposer(draft, num_blocks, self.block_size, self.config.max_model_len, group, metadata,
                                   self.device, self.config.max_num_batched_tokens)
+
+    def close(self) -> None:
+        """Stop the host tier's copier thread (where there is a host tier)."""
+        if self.host_kv is not None:
+            self.host_kv.close()
 
     def capture_graphs(self) -> None:
         """Capture the decode steps' CUDA graphs (where this runner uses them)."""

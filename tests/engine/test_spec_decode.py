@@ -9,6 +9,8 @@ of them wrong on purpose); the n-gram proposer is checked on its own and end to 
 """
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -400,3 +402,14 @@ def test_a_migrated_request_resumes_speculating(tiny_llama, spec):
     if spec["method"] == "draft_model":  # the target as its own draft: right wherever it caught up
         assert stats.num_draft_tokens >= 9 and stats.num_accepted_tokens == stats.num_draft_tokens
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_an_engine_with_a_draft_model_is_freed_when_dropped(tiny_llama, tiny_draft):
+    """Nothing of the draft's proposer refers back to the runner: an engine dropped is freed at
+    once, its caches with it, not at the garbage collector's next full pass (rare in a large process)."""
+    spec = {"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 2}
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=spec)
+    llm.generate(prompts()[:2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    runner, cache = weakref.ref(llm.engine.runner), weakref.ref(llm.engine.runner.kv_cache)
+    del llm
+    assert runner() is None and cache() is None

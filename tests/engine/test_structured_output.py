@@ -47,7 +47,8 @@ def constrained(so: StructuredOutput, **kw) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(tiny_llama, dtype="float32", device="cpu")
+    with LLM(tiny_llama, dtype="float32", device="cpu") as llm:  # (its grammar compiler's thread stopped after)
+        yield llm
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=3)])

@@ -231,8 +231,7 @@ def test_prefill_and_decode_of_other_tensor_parallel_sizes_equal_colocated(tiny_
         assert_pools_full(prefill, decode)
     finally:
         for engine in (prefill, decode):
-            engine.core.close()
-            engine.core.connector.close()
+            engine.close()
 
 
 def children(pid: int) -> list[int]:

@@ -4,12 +4,16 @@ WAITING_FOR_REMOTE_KVS, and the output equals one colocated engine's (and transf
 Transport faults and the start-up probe: test_nixl_faults.py."""
 from __future__ import annotations
 
+import threading
+import weakref
+
 from baton import LLM, SamplingParams
+from baton.engine.common.structured_output import StructuredOutput
 from baton.engine.core.request import RequestStatus
 from baton.engine.common.stats import EventType
 from baton.kv_transfer.nixl_connector import merge_runs
 
-from helpers import random_prompts
+from helpers import gib, random_prompts
 from nixl_engines import (agent_ids, assert_pools_full, connect, disaggregated, events_by_request, nixl_engine,
                           run_prefill, run_until_done)
 
@@ -42,7 +46,7 @@ def test_disaggregated_equals_colocated_greedy_and_seeded(tiny_model, hf):
 
     decode.scheduler.schedule = schedule_and_watch
     assert disaggregated(prefill, decode, prompts, [greedy] * len(prompts)) == want_greedy
-    decode.scheduler.schedule = schedule
+    del decode.scheduler.schedule  # (the class's again; its bound method kept here would be a cycle)
     assert want_greedy == [hf.greedy(tiny_model, p, 20) for p in prompts]
     assert len(seen_waiting) == len(prompts)
     assert disaggregated(prefill, decode, prompts, seeded) == want_seeded
@@ -188,3 +192,31 @@ def test_a_hold_released_twice_ends_once_and_a_reused_id_is_held_again(tiny_llam
     assert_pools_full(prefill)
 
 
+
+
+def test_an_engine_stops_its_threads_when_closed_and_is_freed_when_dropped(tiny_llama):
+    """close() stops the connector's progress thread, the grammar compiler's and the host tier's
+    copier, and the connector lets its cache go; twice is once. An engine dropped unclosed is
+    freed at once, its cache with it (no thread and no reference cycle keeps it), and its
+    progress thread ends."""
+    before = set(threading.enumerate())
+    engine = nixl_engine(tiny_llama, "prefill", num_kv_blocks=14, max_model_len=200, kv_offloading_size=gib(8))
+    grammar = SamplingParams(max_tokens=4, temperature=0, structured_output=StructuredOutput("regex", "[ab]+"))
+    engine.add_request("g", random_prompts([40], seed=5)[0], grammar)  # its full blocks are written back
+    run_until_done(engine)
+    started = {t.name for t in set(threading.enumerate()) - before}
+    assert {"nixl-progress", "grammar-compiler_0", "host-kv_0"} <= started, started
+    engine.close()
+    engine.close()
+    assert engine.runner.connector._cache is None
+    for t in set(threading.enumerate()) - before:
+        t.join(5)  # (a pool's worker ends at its next look at the queue)
+    assert not [t.name for t in set(threading.enumerate()) - before]
+
+    dropped = nixl_engine(tiny_llama, "decode")
+    poller, core, cache = (dropped.runner.connector._poller, weakref.ref(dropped.core),
+                           weakref.ref(dropped.runner.kv_cache))
+    del dropped
+    assert core() is None and cache() is None  # without the garbage collector's help
+    poller.join(5)
+    assert not poller.is_alive()

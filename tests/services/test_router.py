@@ -46,25 +46,34 @@ def stack(tiny_llama):
     """Two prefill and two decode engines, shared by the tests that leave them running."""
     procs = [engine(tiny_llama, "prefill", "--max-num-batched-tokens", "48") for _ in range(2)]
     procs += [engine(tiny_llama, "decode") for _ in range(2)]
+    try:
+        for p in procs:
+            p.address  # noqa: B018 - wait until each serves
+        yield procs[:2], procs[2:]
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.fixture
+def start_router(stack, tiny_llama):
+    """start_router(policy) -> a serving router in front of the stack's engines; each is the
+    test's, stopped at its teardown."""
     routers: list[ServerProcess] = []
 
-    def start_router(policy: str) -> ServerProcess:
-        r = router(tiny_llama, policy, procs[:2], procs[2:])
+    def start(policy: str) -> ServerProcess:
+        r = router(tiny_llama, policy, *stack)
         routers.append(r)
         wait_serving(r.address)
         return r
 
-    try:
-        for p in procs:
-            p.address  # noqa: B018 - wait until each serves
-        yield procs[:2], procs[2:], start_router
-    finally:
-        for p in routers + procs:
-            p.stop()
+    yield start
+    for r in routers:
+        r.stop()
 
 
-def test_through_the_router_equals_colocated_for_32_streams(stack, tiny_llama):
-    prefill, decode, start_router = stack
+def test_through_the_router_equals_colocated_for_32_streams(stack, start_router, tiny_llama):
+    prefill, decode = stack
     r = start_router("round_robin")
     prompts, params = workload(32, seed=71)
     want = LLM(tiny_llama, dtype="float32", device="cpu").generate(prompts, [SamplingParams(**p) for p in params])
@@ -81,8 +90,8 @@ def test_through_the_router_equals_colocated_for_32_streams(stack, tiny_llama):
     assert stats(prefill[0].address).num_held == stats(prefill[1].address).num_held == 0
 
 
-def test_round_robin_and_least_outstanding_spread_requests(stack):
-    prefill, decode, start_router = stack
+def test_round_robin_and_least_outstanding_spread_requests(stack, start_router):
+    prefill, decode = stack
     prompt = random_prompts([40], seed=72)[0]
 
     async def sequential(address: str, n: int):
@@ -110,8 +119,8 @@ def test_round_robin_and_least_outstanding_spread_requests(stack):
     assert run(one_long_then_short()) == [0, 6]  # all went to the idle decode instance
 
 
-def test_prefix_affinity_keeps_a_shared_prefix_on_one_prefill_instance(stack):
-    prefill, _, start_router = stack
+def test_prefix_affinity_keeps_a_shared_prefix_on_one_prefill_instance(stack, start_router):
+    prefill, _ = stack
     r = start_router("prefix_affinity")
     shared = random_prompts([64], seed=73)[0]  # four blocks
     suffixes = random_prompts([5, 9, 13, 17, 21, 25], seed=74)
@@ -274,7 +283,7 @@ class BrokenBackend:
 
 
 def test_a_failure_before_the_first_token_is_retried_on_another_instance(stack, tiny_llama, spawn):
-    prefill, decode, _ = stack
+    prefill, decode = stack
     broken = BrokenBackend()
     prompt = random_prompts([40], seed=79)[0]
     greedy = dict(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -317,8 +326,8 @@ def test_a_failure_before_the_first_token_is_retried_on_another_instance(stack, 
         broken.server.stop(0)
 
 
-def test_cancelling_50_streams_at_the_router_frees_both_tiers(stack):
-    prefill, decode, start_router = stack
+def test_cancelling_50_streams_at_the_router_frees_both_tiers(stack, start_router):
+    prefill, decode = stack
     r = start_router("round_robin")
     rng = random.Random(77)
     prompts = random_prompts([rng.randint(10, 100) for _ in range(50)], seed=78)
