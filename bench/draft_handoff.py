@@ -35,8 +35,9 @@ from baton.engine.offline.llm_engine import LLMEngine
 from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv_transfer import raw_read  # bench/kv_transfer.py
 from spec_decode import random_draft  # bench/spec_decode.py
+
+from kv_transfer import raw_read  # bench/kv_transfer.py
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -301,7 +301,6 @@ def check_engine(tmp: str) -> dict:
 def check_spec_decode(tmp: str) -> dict:
     from baton import LLM, SamplingParams
     from baton.testing.checkpoints import write_random_checkpoint
-
     from baton.testing.eagle_heads import write_head
 
     model_dir = write_random_checkpoint(os.path.join(tmp, "spec"), "LlamaConfig", seed=7, hidden_size=128,

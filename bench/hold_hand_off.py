@@ -15,9 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from baton import SamplingParams
 from helpers import random_prompts
 from nixl_engines import nixl_engine
+
+from baton import SamplingParams
 
 
 def run(args, hand_off: bool) -> str:

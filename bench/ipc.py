@@ -16,7 +16,7 @@ import time
 import msgspec
 import zmq
 
-from baton.engine.common.messages import CoreMessage, CoreOutput, CoreStep, TokenLogprobs
+from baton.engine.common.core_messages import CoreMessage, CoreOutput, CoreStep, TokenLogprobs
 
 
 def step(num_requests: int, logprobs: bool) -> CoreStep:

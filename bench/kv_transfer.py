@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.common.config import read_config
-from baton.engine.worker.models import model_args
-from baton.engine.core.request import Request, RequestStatus
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.scheduler_output import SchedulerOutput
+from baton.engine.core.kv_cache_manager import KVCacheManager
+from baton.engine.core.request import Request, RequestStatus
+from baton.engine.worker.models import model_args
 from baton.kv_transfer.base import KVFormat
 from baton.kv_transfer.nixl_connector import _new_agent, make_nixl_connector
 

@@ -179,8 +179,8 @@ def long_run(engine: LLMEngine, args, vocab: int) -> dict[str, float]:
 
 # ---- the copier's cost ------------------------------------------------------------------------
 def measure_copies(engine: LLMEngine, num_blocks: int = 64, reps: int = 20) -> None:
-    from baton.engine.worker.host_kv_copier import HostKVCopier
     from baton.engine.common.scheduler_output import HostKVOps
+    from baton.engine.worker.host_kv_copier import HostKVCopier
 
     copier = HostKVCopier(engine.runner.kv_cache, num_blocks)
     pairs = [(2 * i, i) for i in range(num_blocks)]  # every other device block: no runs to merge

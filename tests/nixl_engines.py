@@ -6,8 +6,8 @@ import itertools
 import time
 
 from baton.engine.common.config import EngineConfig
-from baton.engine.offline.llm_engine import LLMEngine
 from baton.engine.common.sampling_params import SamplingParams
+from baton.engine.offline.llm_engine import LLMEngine
 from baton.kv_transfer.nixl_connector import make_nixl_connector
 
 agent_ids = itertools.count()  # NIXL agent names must be unique among peers, across modules

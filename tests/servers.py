@@ -16,9 +16,9 @@ import sys
 import threading
 import time
 
-from baton.engine.common.messages import GetSnapshot
-
 from helpers import TOKEN
+
+from baton.engine.common.core_messages import GetSnapshot
 
 
 class ServerThread:

@@ -7,7 +7,6 @@ import urllib.parse
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
-
 from servers import ServerProcess
 
 

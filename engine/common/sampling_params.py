@@ -2,8 +2,8 @@
 the field."""
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from baton.engine.common.errors import check

@@ -12,35 +12,43 @@ import time
 
 import torch
 
+from baton.engine.common.block_hashes import hash_block
 from baton.engine.common.config import EngineConfig, read_config
-from baton.engine.common.messages import (AdapterInfo, CallError, CoreFailure, CoreOutput, CoreRequest, CoreStats,
-                                          EngineFacts, ErrorKind, LoadAdapter)
+from baton.engine.common.core_messages import (
+    AdapterInfo,
+    CallError,
+    CoreFailure,
+    CoreOutput,
+    CoreRequest,
+    CoreStats,
+    EngineFacts,
+    ErrorKind,
+    LoadAdapter,
+)
 from baton.engine.common.errors import InvalidArgument, check
+from baton.engine.common.kv_cache_events import KVEventLog
+from baton.engine.common.kv_groups import group_layers
+from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from baton.engine.common.stats import EngineSnapshot, EventType, StepEvents
+from baton.engine.common.tokenizer import eos_token_ids, load_tokenizer
 from baton.engine.core.host_kv_tier import HostKVTier
 from baton.engine.core.kv_cache_manager import KVCacheManager
-from baton.engine.common.kv_groups import group_layers
-from baton.engine.common.block_hashes import hash_block
-from baton.engine.common.kv_events import KVEventLog
-from baton.engine.worker.loader import load_model
-from baton.engine.worker.lora.adapter import adapter_bytes
-from baton.engine.worker.lora.registry import LoRARegistry, start_lora
-from baton.engine.worker.memory import measure_kv_cache_bytes, memory_before_loading
-from baton.engine.worker.models import ModelArgs, model_args
-from baton.engine.worker.model_runner import ModelRunner
 from baton.engine.core.request import Request, RequestStatus, RequestUpdate
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.core.step_loop import StepLoop, StepTimes, async_off_because
 from baton.engine.worker.grammar import Grammars
-from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from baton.engine.common.stats import EngineSnapshot, EventType, StepEvents
-from baton.engine.common.tokenizer import eos_token_ids, load_tokenizer
+from baton.engine.worker.loader import load_model
+from baton.engine.worker.lora.adapter import adapter_bytes
+from baton.engine.worker.lora.registry import LoRARegistry, start_lora
+from baton.engine.worker.memory import measure_kv_cache_bytes, memory_before_loading
+from baton.engine.worker.model_runner import ModelRunner
+from baton.engine.worker.models import ModelArgs, model_args
+from baton.engine.worker.parallel.rank_messages import RankAdapter, RunnerSetup
+from baton.engine.worker.parallel.tensor_parallel import check_split, shard_model
+from baton.engine.worker.parallel.workers import TPWorkers
 from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
 from baton.engine.worker.spec_decode.eagle import load_head
 from baton.engine.worker.spec_decode.mtp import load_mtp
-from baton.engine.worker.parallel.messages import RankAdapter, RunnerSetup
-from baton.engine.worker.parallel.tensor_parallel import check_split, shard_model
-from baton.engine.worker.parallel.workers import TPWorkers
-
 from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 
 log = logging.getLogger(__name__)

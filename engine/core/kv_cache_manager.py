@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from baton.engine.common.block_hashes import extend_block_hashes
-from baton.engine.common.kv_events import NO_KV_EVENTS
+from baton.engine.common.kv_cache_events import NO_KV_EVENTS
 from baton.engine.core.request import Request
 from baton.kv_transfer.base import first_needed_block
 

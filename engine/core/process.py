@@ -25,13 +25,32 @@ import msgspec
 import zmq
 
 from baton.engine.common.config import EngineConfig
-from baton.engine.core.engine_core import EngineCore
-from baton.engine.common.messages import (AddPeer, Call, CallResult, CoreAbort, CoreCall, CoreFailed, CoreFailure,
-                                          CoreInput, CoreOptions, CoreReady, CoreRequest, CoreShutdown, CoreStep,
-                                          GetKVBlockHashes, GetSnapshot, GetStats, ListAdapters, LoadAdapter,
-                                          ReleaseHold, UnloadAdapter, error_of)
+from baton.engine.common.core_messages import (
+    AddPeer,
+    Call,
+    CallResult,
+    CoreAbort,
+    CoreCall,
+    CoreFailed,
+    CoreFailure,
+    CoreInput,
+    CoreOptions,
+    CoreReady,
+    CoreRequest,
+    CoreShutdown,
+    CoreStep,
+    GetKVBlockHashes,
+    GetSnapshot,
+    GetStats,
+    ListAdapters,
+    LoadAdapter,
+    ReleaseHold,
+    UnloadAdapter,
+    error_of,
+)
 from baton.engine.common.errors import InvalidArgument, StartupError
 from baton.engine.common.lifetime import die_with_parent
+from baton.engine.core.engine_core import EngineCore
 from baton.kv_transfer.base import KVUnreachable
 from baton.kv_transfer.nixl_connector import make_nixl_connector
 

@@ -5,7 +5,6 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from baton.engine.common.block_hashes import ROOT_HASH

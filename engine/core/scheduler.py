@@ -21,13 +21,12 @@ from collections import deque
 from collections.abc import Callable
 
 from baton.engine.common.config import EngineConfig
-from baton.engine.core.host_kv_tier import HostKVTier
-from baton.engine.core.kv_cache_manager import KVCacheManager, num_hits
-from baton.engine.core.kv_arrivals import RemoteKVArrivals
-from baton.engine.core.request import Request, RequestStatus, RequestUpdate
-from baton.engine.common.scheduler_output import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                                  SchedulerOutput)
+from baton.engine.common.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from baton.engine.common.stats import EventType, RequestEvent, SpecDecodeStats
+from baton.engine.core.host_kv_tier import HostKVTier
+from baton.engine.core.kv_arrivals import RemoteKVArrivals
+from baton.engine.core.kv_cache_manager import KVCacheManager, num_hits
+from baton.engine.core.request import Request, RequestStatus, RequestUpdate
 from baton.kv_transfer.base import KVConnectorScheduler
 
 

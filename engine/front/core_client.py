@@ -28,15 +28,28 @@ import zmq
 import zmq.asyncio
 
 from baton.engine.common.config import EngineConfig
-from baton.engine.common.messages import (Call, CallResult, CoreAbort, CoreOptions, CoreCall, CoreFailed, CoreMessage,
-                                        CoreReady, CoreRequest, CoreShutdown, CoreStep, EngineFacts, error_from)
+from baton.engine.common.core_messages import (
+    Call,
+    CallResult,
+    CoreAbort,
+    CoreCall,
+    CoreFailed,
+    CoreMessage,
+    CoreOptions,
+    CoreReady,
+    CoreRequest,
+    CoreShutdown,
+    CoreStep,
+    EngineFacts,
+    error_from,
+)
 from baton.engine.common.errors import StartupError
+from baton.engine.common.kv_cache_events import KVEvent
 from baton.engine.common.lifetime import child_argv
-from baton.engine.front.input_processor import InputProcessor
-from baton.engine.common.kv_events import KVEvent
-from baton.engine.front.output_processor import OutputProcessor, StepOutput
 from baton.engine.common.stats import StepEvents
 from baton.engine.common.tokenizer import load_tokenizer
+from baton.engine.front.input_processor import InputProcessor
+from baton.engine.front.output_processor import OutputProcessor, StepOutput
 
 log = logging.getLogger("baton.engine")
 _STOP_WAIT_S = 10.0  # a core told to stop gets this long before it is killed
@@ -226,7 +239,7 @@ class CoreClient:
 
     async def generate(self, request: CoreRequest, detokenize: bool = True,
                        min_tokens: int | None = None) -> AsyncIterator[StepOutput]:
-        """Run a request made by `inputs.make_request`; yields its outputs as steps produce them.
+        """Run a request made by `inputs.core_request`; yields its outputs as steps produce them.
         Leaving the iteration early (cancellation included) aborts it in the core.
         `min_tokens`: OutputProcessor.add's."""
         self._check_alive()

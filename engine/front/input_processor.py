@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from baton.engine.common.messages import AdapterInfo, CoreRequest, EngineFacts
+from baton.engine.common.core_messages import AdapterInfo, CoreRequest, EngineFacts
 from baton.engine.common.errors import NotFound, check
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.tokenizer import apply_chat_template
@@ -38,7 +38,7 @@ class InputProcessor:
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return apply_chat_template(self.tokenizer, messages, tools)
 
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def core_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                      priority: int = 0, arrival_time: float | None = None, hold_for_remote: bool = False,
                      remote_kv: KVHandle | None = None, resumed_output: list[int] = (),
                      adapter: str = "") -> CoreRequest:

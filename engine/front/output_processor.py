@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from baton.engine.common.messages import CoreOutput, CoreRequest, TokenLogprobs
+from baton.engine.common.core_messages import CoreOutput, CoreRequest, TokenLogprobs
 from baton.engine.front.detokenizer import TextStream
 from baton.kv_transfer.base import KVHandle
 

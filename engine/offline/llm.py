@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from baton.engine.common.config import EngineConfig
 from baton.engine.common.errors import check
-from baton.engine.offline.llm_engine import LLMEngine, StepOutput
 from baton.engine.common.sampling_params import SamplingParams
+from baton.engine.offline.llm_engine import LLMEngine, StepOutput
 
 
 @dataclass(slots=True)

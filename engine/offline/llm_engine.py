@@ -4,15 +4,15 @@ same three pieces with the core in a process of its own (core_client.py)."""
 from __future__ import annotations
 
 from baton.engine.common.config import EngineConfig
-from baton.engine.core.engine_core import EngineCore
-from baton.engine.common.messages import AdapterInfo, CoreRequest, LoadAdapter
+from baton.engine.common.core_messages import AdapterInfo, CoreRequest, LoadAdapter
 from baton.engine.common.errors import InvalidArgument
-from baton.engine.front.input_processor import InputProcessor
-from baton.engine.front.output_processor import OutputProcessor, StepOutput
-from baton.engine.core.request import Request, RequestStatus
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.stats import EngineSnapshot, StepEvents
 from baton.engine.common.tokenizer import load_tokenizer
+from baton.engine.core.engine_core import EngineCore
+from baton.engine.core.request import Request, RequestStatus
+from baton.engine.front.input_processor import InputProcessor
+from baton.engine.front.output_processor import OutputProcessor, StepOutput
 from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker, KVHandle
 
 
@@ -59,16 +59,8 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.inputs.apply_chat_template(messages)
 
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                     priority: int = 0, arrival_time: float | None = None, hold_for_remote: bool = False,
-                     remote_kv: KVHandle | None = None, resumed_output: list[int] = (),
-                     adapter: str = "") -> CoreRequest:
-        """Validate and tokenize a request (InputProcessor.make_request)."""
-        return self.inputs.make_request(request_id, prompt, params, priority, arrival_time, hold_for_remote,
-                                        remote_kv, resumed_output, adapter)
-
     def add(self, request: CoreRequest, detokenize: bool = True) -> Request:
-        """Queue a request made by make_request; returns the core's view of it. A grammar is
+        """Queue a request made by `inputs.core_request`; returns the core's view of it. A grammar is
         compiled first (offline, waiting is fine), so one that does not compile raises here."""
         so = request.sampling_params.structured_output
         if so is not None:
@@ -80,8 +72,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, detokenize: bool = True,
                     hold_for_remote: bool = False, remote_kv: KVHandle | None = None, adapter: str = "") -> Request:
-        return self.add(self.make_request(request_id, prompt, params, priority, arrival_time, hold_for_remote,
-                                          remote_kv, adapter=adapter), detokenize)
+        return self.add(self.inputs.core_request(request_id, prompt, params, priority, arrival_time, hold_for_remote,
+                                                 remote_kv, adapter=adapter), detokenize)
 
     # ---- LoRA adapters ------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str) -> AdapterInfo:

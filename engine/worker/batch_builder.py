@@ -17,8 +17,15 @@ import torch
 from baton.engine.common.kv_groups import KVGroups
 from baton.engine.common.scheduler_output import SchedulerOutput
 from baton.engine.worker import block_tables
-from baton.kernels.attention import (DECODE_PADDING_ELEMS, AttentionMetadata, DecodeGroup, KernelBatch, PrefillSeq,
-                                     TritonBatch, group_decodes)
+from baton.kernels.attention import (
+    DECODE_PADDING_ELEMS,
+    AttentionMetadata,
+    DecodeGroup,
+    KernelBatch,
+    PrefillSeq,
+    TritonBatch,
+    group_decodes,
+)
 from baton.kv_transfer.base import first_needed_block
 
 

@@ -19,9 +19,9 @@ import torch
 
 from baton.engine.common.config import EngineConfig
 from baton.engine.common.errors import check
-from baton.engine.worker.model_runner import PROMPT_LOGPROB_ROWS, ModelRunner
 from baton.engine.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from baton.engine.common.scheduler_output import NewRequestData, SchedulerOutput
+from baton.engine.worker.model_runner import PROMPT_LOGPROB_ROWS, ModelRunner
 
 _GIB = 1 << 30
 

@@ -14,11 +14,15 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from baton.engine.worker import block_tables
-from baton.engine.worker.batch_builder import BatchBuilder, StepBatch
-from baton.engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_because
 from baton.engine.common.config import EngineConfig, read_config
 from baton.engine.common.kv_groups import KVGroups, group_layers
+from baton.engine.common.sampling_params import SamplingParams
+from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from baton.engine.worker import block_tables
+from baton.engine.worker.attention_backend import choose_backend
+from baton.engine.worker.batch_builder import BatchBuilder, StepBatch
+from baton.engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_because
+from baton.engine.worker.grammar import mask_logits
 from baton.engine.worker.host_kv_copier import HostKVCopier
 from baton.engine.worker.loader import checkpoint_fingerprint, draft_fingerprint
 from baton.engine.worker.lora.layers import LoRASlots
@@ -27,12 +31,7 @@ from baton.engine.worker.queued_step import PinnedRing, QueuedStep
 from baton.engine.worker.sampler import apply_processors, sample, sample_on_device, skip_draws, token_logprobs
 from baton.engine.worker.spec_decode import make_proposer
 from baton.engine.worker.spec_decode.verify import greedy_accept, sampled_accept
-from baton.engine.common.sampling_params import SamplingParams
-from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from baton.engine.worker.grammar import mask_logits
-from baton.engine.worker.attention_backend import choose_backend
 from baton.kv_transfer.base import KVConnectorWorker, KVFormat
-
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are materialized at once
 _IDLE_WAIT_S = 0.002  # a step with nothing to compute waits this long for host-tier copies rather than spin

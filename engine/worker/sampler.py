@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.engine.common.messages import TokenLogprobs
+from baton.engine.common.core_messages import TokenLogprobs
 from baton.engine.common.sampling_params import SamplingParams
 
 

@@ -27,8 +27,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from baton.services.rpc.health import backend_health, is_serving
 from baton.services.cli.placement import Placement
+from baton.services.rpc.health import backend_health, is_serving
 
 RESTART_BACKOFF_S, MAX_BACKOFF_S = 0.5, 30.0
 CRASH_LOOP, CRASH_WINDOW_S = 5, 60.0  # this many deaths of one service within the window stop the stack

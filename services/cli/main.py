@@ -6,16 +6,13 @@ import os
 import sys
 import time
 
-from baton.services.cli.engine_args import (DEFAULT_MODELS_DIR, add_engine_flags, engine_argv, engine_config,
-                                            model_dir)
+from baton.services.cli.engine_args import DEFAULT_MODELS_DIR, add_engine_flags, engine_argv, engine_config, model_dir
 from baton.services.cli.tls_flags import add_tls_flags, tls_config
 
 
-
 def _prepare(args) -> None:
-    from baton.services.cli.demo_models import prepare_models
-
     from baton.kernels import cpu_kernels
+    from baton.services.cli.demo_models import prepare_models
 
     t0 = time.perf_counter()
     paths = prepare_models(args.models_dir)

@@ -21,13 +21,23 @@ from dataclasses import dataclass
 import grpc
 from aiohttp import web
 
+from baton.services.openai.protocol import (
+    ApiError,
+    Completion,
+    chat_messages_from_body,
+    check_parameters,
+    error_for_status,
+    in_range,
+    int_list,
+    prompts_from_body,
+    sampling_from_body,
+    sse,
+    typed,
+)
+from baton.services.openai.tools import constrain_to_tools, plan_from_body
 from baton.services.rpc.errors import failure_of
 from baton.services.rpc.fan_out import merge
 from baton.services.rpc.serving import RuntimeApi
-from baton.services.openai.tools import constrain_to_tools, plan_from_body
-from baton.services.openai.protocol import (ApiError, Completion, in_range, typed, chat_messages_from_body,
-                                            check_parameters, error_for_status, int_list, prompts_from_body,
-                                            sampling_from_body, sse)
 from baton.services.telemetry.metrics import exposition
 from baton.v1 import generate_pb2 as pb
 

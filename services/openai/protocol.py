@@ -9,8 +9,8 @@ import json
 import grpc
 
 from baton.engine.common.errors import InvalidArgument
-from baton.services.rpc.names import FINISH_REASON_NAMES
 from baton.services.rpc.chat import tool_calls_for_template
+from baton.services.rpc.names import FINISH_REASON_NAMES
 from baton.v1 import generate_pb2 as pb
 
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,

@@ -16,8 +16,8 @@ import time
 
 import grpc
 
-from baton.services.telemetry import tracing
 from baton.services.rpc.names import DECODE_STEP_KEY, FINISH_REASON_NAMES, SERVICE_NAME
+from baton.services.telemetry import tracing
 from baton.services.telemetry.metrics import RouterMetrics
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2

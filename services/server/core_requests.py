@@ -7,8 +7,8 @@ import dataclasses
 import uuid
 from dataclasses import dataclass
 
+from baton.engine.common.core_messages import CoreRequest
 from baton.engine.common.errors import InvalidArgument, check
-from baton.engine.common.messages import CoreRequest
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.structured_output import StructuredOutput
 from baton.engine.front.core_client import CoreClient
@@ -75,7 +75,7 @@ def core_request_from_proto(msg: pb.GenerateRequest, core: CoreClient, role: str
     if not for_prefill and (remote_kv is not None or msg.resume.ids):  # the prompt's logprobs went out already
         params = dataclasses.replace(params, prompt_logprobs=None)
     try:
-        request = inputs.make_request(msg.request_id or uuid.uuid4().hex, _prompt(msg, core), params, msg.priority,
+        request = inputs.core_request(msg.request_id or uuid.uuid4().hex, _prompt(msg, core), params, msg.priority,
                                       hold_for_remote=hold, remote_kv=remote_kv,
                                       resumed_output=list(msg.resume.ids), adapter=msg.adapter)
     except InvalidArgument as e:

@@ -10,8 +10,8 @@ import os
 import grpc
 
 from baton.engine.common.config import read_config
+from baton.engine.common.core_messages import AdapterInfo, GetSnapshot, LoadAdapter, ReleaseHold, UnloadAdapter
 from baton.engine.common.errors import InvalidArgument
-from baton.engine.common.messages import AdapterInfo, GetSnapshot, LoadAdapter, ReleaseHold, UnloadAdapter
 from baton.engine.front.core_client import CoreClient
 from baton.services.rpc.calls import CallRegistry, watch
 from baton.services.rpc.chat import chat_messages, chat_tools

@@ -20,7 +20,7 @@ import logging
 
 import grpc
 
-from baton.engine.common.messages import CoreRequest
+from baton.engine.common.core_messages import CoreRequest
 from baton.engine.common.stats import EventType, RequestEvent, RequestStats, StepEvents
 from baton.services.rpc.names import SERVICE_NAME
 from baton.services.telemetry import tracing

@@ -1,5 +1,5 @@
 """An engine server's KV cache events (internal Admin.SubscribeKVEvents): its engine core's
-events (engine/common/kv_events.py), numbered and fanned out to subscribers, a router's index above all.
+events (engine/common/kv_cache_events.py), numbered and fanned out to subscribers, a router's index above all.
 
 The hub keeps a mirror of what the core holds, built from the same events from the core's start
 on, so that a subscriber joining at any time gets a snapshot first: ALL_CLEARED, then STORED for
@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 
-from baton.engine.common.kv_events import KVEvent, KVEventKind, KVEventLog
+from baton.engine.common.kv_cache_events import KVEvent, KVEventKind, KVEventLog
 from baton.kv_transfer.base import KVTier
 from baton.services.rpc.kv_wire import TIER_TO_WIRE
 from baton.v1 import internal_pb2 as ipb

@@ -9,12 +9,12 @@ import time
 
 import grpc
 
-from baton.engine.common.messages import AddPeer
+from baton.engine.common.core_messages import AddPeer
 from baton.engine.front.core_client import CoreClient
 from baton.kv_transfer.base import KVFormatMismatch
-from baton.services.rpc.names import token_metadata
 from baton.services.rpc.errors import abort, failure_of_error
 from baton.services.rpc.kv_wire import layout_from_proto, layout_to_proto
+from baton.services.rpc.names import token_metadata
 from baton.services.rpc.tls import TLSConfig, aio_channel
 from baton.services.server.call_checks import CallChecks
 from baton.v1 import generate_pb2 as pb

@@ -8,8 +8,8 @@ import time
 
 import grpc
 
+from baton.engine.common.core_messages import ReleaseHold
 from baton.engine.common.errors import InvalidArgument, check
-from baton.engine.common.messages import ReleaseHold
 from baton.engine.front.core_client import CoreClient
 from baton.engine.front.output_processor import StepOutput
 from baton.services.rpc.calls import CallRegistry

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import grpc
 
-from baton.engine.front.core_client import DuplicateRequest, EngineDead, QueueFull
-from baton.engine.common.messages import TokenLogprobs
+from baton.engine.common.core_messages import TokenLogprobs
 from baton.engine.common.errors import InvalidArgument
-from baton.engine.front.output_processor import StepOutput
 from baton.engine.common.sampling_params import SamplingParams
-from baton.services.rpc.names import DECODE_STEP_KEY, FINISH_REASONS
+from baton.engine.front.core_client import DuplicateRequest, EngineDead, QueueFull
+from baton.engine.front.output_processor import StepOutput
 from baton.services.rpc.errors import abort, abort_invalid
+from baton.services.rpc.names import DECODE_STEP_KEY, FINISH_REASONS
 from baton.v1 import generate_pb2 as pb
 
 ENGINE_ERRORS = (InvalidArgument, DuplicateRequest, QueueFull, EngineDead)  # raised by CoreClient.generate

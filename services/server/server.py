@@ -20,14 +20,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from baton.engine.common.config import EngineConfig
+from baton.engine.common.core_messages import GetSnapshot, GetStats
 from baton.engine.common.errors import check
-from baton.engine.common.messages import GetSnapshot, GetStats
 from baton.engine.front.core_client import CoreClient
 from baton.kv_transfer.base import DEFAULT_HOLD_TIMEOUT_S
 from baton.services.rpc.calls import CallRegistry
 from baton.services.rpc.names import SERVICE_NAME
-from baton.services.rpc.serving import (add_text_generation, advertised_host, drain, in_background,
-                                        make_grpc_server, set_health)
+from baton.services.rpc.serving import (
+    add_text_generation,
+    advertised_host,
+    drain,
+    in_background,
+    make_grpc_server,
+    set_health,
+)
 from baton.services.rpc.tls import TLSConfig
 from baton.services.server.call_checks import CallChecks
 from baton.services.server.engine_runtime_api import EngineRuntimeApi

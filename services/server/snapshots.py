@@ -2,7 +2,7 @@
 router's view) and the internal EngineStats (Admin.Stats, with the KV connector's counters)."""
 from __future__ import annotations
 
-from baton.engine.common.messages import CoreStats
+from baton.engine.common.core_messages import CoreStats
 from baton.engine.common.stats import EngineSnapshot
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2

@@ -7,10 +7,28 @@ import re
 import shutil
 
 import pytest
-
-from helm_render import (CHART, CRD_GROUPS, MIN_VERSION, NAMESPACE, NEWEST, OLDEST, RELEASE, ROOT, VALUE_SETS,
-                         chart, component, env_of, helm_python, kubernetes_validate, manifests, of_kind,
-                         pod_specs, render, render_golden, yaml)
+from helm_render import (
+    CHART,
+    CRD_GROUPS,
+    MIN_VERSION,
+    NAMESPACE,
+    NEWEST,
+    OLDEST,
+    RELEASE,
+    ROOT,
+    VALUE_SETS,
+    chart,
+    component,
+    env_of,
+    helm_python,
+    kubernetes_validate,
+    manifests,
+    of_kind,
+    pod_specs,
+    render,
+    render_golden,
+    yaml,
+)
 
 # --- render, lint, validate -------------------------------------------------------------------
 

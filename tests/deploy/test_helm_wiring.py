@@ -8,11 +8,28 @@ import json
 import re
 
 import pytest
+from helm_render import (
+    ENGINE_COMPONENTS,
+    FULLNAME,
+    NAMESPACE,
+    RELEASE,
+    VALUE_SETS,
+    build_parser,
+    by_name,
+    chart,
+    component,
+    container_ports,
+    env_of,
+    host_port,
+    manifests,
+    of_kind,
+    parse,
+    pod_specs,
+    selects,
+    yaml,
+)
 
 from baton.services.rpc.names import ROUTER_LIVENESS
-from helm_render import (ENGINE_COMPONENTS, FULLNAME, NAMESPACE, RELEASE, VALUE_SETS, build_parser, by_name,
-                         chart, component, container_ports, env_of, host_port, manifests, of_kind, parse,
-                         pod_specs, selects, yaml)
 
 # --- command lines and the ports, names and probes around them -----------------------------------
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from baton.services.cli.launcher import free_port
 from baton.services.client import Client
 from baton.services.rpc.health import is_serving
-from baton.services.cli.launcher import free_port
 
 pytestmark = [pytest.mark.container,
               pytest.mark.skipif(os.environ.get("BATON_TEST_CONTAINER") != "1",

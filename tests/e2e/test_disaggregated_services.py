@@ -9,6 +9,7 @@ import os
 
 import grpc
 import pytest
+from helpers import AUTH, TOKEN, pools_full, random_prompts, stats
 
 from baton import LLM, SamplingParams
 from baton.services.client import build_request, chunk_from_response
@@ -16,8 +17,6 @@ from baton.services.router.decode_leg import instance_failed, prefill_gone
 from baton.services.rpc.errors import Failure, details, failure_of_error
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
-
-from helpers import AUTH, TOKEN, pools_full, random_prompts, stats
 
 
 async def prefill_on(prefill_addr: str, prompt, **sampling):

@@ -10,13 +10,12 @@ import random
 
 import jsonschema
 import pytest
+from helpers import TOKEN, collect, pools_full, random_prompts, stats, wait_serving
+from servers import pd_stack
 
 from baton import LLM, SamplingParams
 from baton.engine.common.structured_output import StructuredOutput
 from baton.services.client import AsyncClient
-
-from servers import pd_stack
-from helpers import TOKEN, collect, pools_full, random_prompts, stats, wait_serving
 
 NUM_STREAMS = 24
 
@@ -112,9 +111,9 @@ def test_a_read_against_a_killed_prefill_recomputes_fast_and_a_restarted_one_is_
     the same port as a new engine: the decode meets it again and pulls from it."""
     import time
 
-    from baton.services.cli.launcher import free_port
-
     from test_disaggregated_services import decode_on, prefill_on
+
+    from baton.services.cli.launcher import free_port
 
     port = free_port("127.0.0.1")
     prefill = spawn(tiny_llama, "--role", "prefill", "--internal-token", TOKEN, "--port", str(port))

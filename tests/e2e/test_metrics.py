@@ -14,13 +14,12 @@ import urllib.request
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
-
-from baton.services.client import AsyncClient
-from baton.services.cli.launcher import free_port
-
 from helpers import collect, pools_full, random_prompts, stats
+from prometheus_client.parser import text_string_to_metric_families
 from telemetry_stack import metrics_url, run, samples, scrape
+
+from baton.services.cli.launcher import free_port
+from baton.services.client import AsyncClient
 
 
 def test_metrics_count_a_known_workload(traced_stack, trace_receiver):

@@ -13,11 +13,10 @@ import time
 
 import grpc
 import pytest
+from helpers import pools_full, random_prompts, stats, wait_serving
+from servers import pd_stack
 
 from baton.services.client import AsyncClient
-
-from servers import pd_stack
-from helpers import pools_full, random_prompts, stats, wait_serving
 
 pytestmark = [pytest.mark.soak,
               pytest.mark.skipif(os.environ.get("BATON_TEST_SOAK") != "1",

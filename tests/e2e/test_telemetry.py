@@ -14,14 +14,13 @@ import sys
 
 import grpc
 import pytest
-
-from baton.services.client import AsyncClient, build_request
-from baton.services.cli.launcher import free_port
-from baton.services.telemetry.trace_view import KIND_CLIENT, KIND_SERVER, TraceReceiver, roots, waterfall
-from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
-
 from helpers import AUTH, TOKEN, collect, pools_full, random_prompts, wait_serving
 from telemetry_stack import metrics_url, run, samples
+
+from baton.services.cli.launcher import free_port
+from baton.services.client import AsyncClient, build_request
+from baton.services.telemetry.trace_view import KIND_CLIENT, KIND_SERVER, TraceReceiver, roots, waterfall
+from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
 
 PHASES = ("queue", "prefill", "decode", "kv_wait", "kv_transfer", "kv_handshake")
 

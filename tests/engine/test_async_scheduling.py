@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 
 import pytest
+from helpers import random_prompts
 
 from baton import LLM, SamplingParams
-from helpers import random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -9,11 +9,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import require_cpu_kernel
 
 from baton.kernels import attention, cpu_kernels
-from baton.kernels.attention import (AttentionMetadata, DecodeGroup, KernelBatch, PrefillSeq, group_decodes,
-                                     paged_attention)
-from conftest import require_cpu_kernel
+from baton.kernels.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    KernelBatch,
+    PrefillSeq,
+    group_decodes,
+    paged_attention,
+)
 
 
 def test_group_decodes_bounds_padding():

@@ -14,16 +14,15 @@ from typing import ClassVar
 
 import msgspec
 import pytest
+from helpers import alive, stats
 
 from baton.engine.common.config import EngineConfig
+from baton.engine.common.core_messages import CoreCallFailed, GetSnapshot, LoadAdapter, ReleaseHold
 from baton.engine.common.errors import InvalidArgument
-from baton.engine.common.messages import CoreCallFailed, GetSnapshot, LoadAdapter, ReleaseHold
+from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.front.core_client import CoreClient, EngineDead, merge_queued
 from baton.engine.front.output_processor import StepOutput
-from baton.engine.common.sampling_params import SamplingParams
 from baton.services.client import Client
-
-from helpers import alive, stats
 
 
 def step(tokens, text, finished=False):
@@ -81,11 +80,11 @@ def test_an_id_reused_right_after_its_stream_left_gets_a_run_of_its_own(tiny_lla
         try:
             results = []
             for _ in range(5):
-                first = core.generate(core.inputs.make_request("x", [5, 6, 7, 8], params))
+                first = core.generate(core.inputs.core_request("x", [5, 6, 7, 8], params))
                 await anext(first)
                 await anext(first)
                 await first.aclose()  # the client leaves: the abort is on its way
-                outs = [o async for o in core.generate(core.inputs.make_request("x", [5, 6, 7, 8], params))]
+                outs = [o async for o in core.generate(core.inputs.core_request("x", [5, 6, 7, 8], params))]
                 results.append((outs[-1].finish_reason, sum(len(o.new_token_ids) for o in outs)))
             snapshot = await core.call(GetSnapshot())
             return results, snapshot
@@ -129,7 +128,7 @@ def test_an_unknown_or_failing_call_is_its_caller_s_error_and_the_core_serves_on
             with pytest.raises(InvalidArgument, match="LoRA is not enabled"):  # a known call that fails
                 await asyncio.wait_for(core.call(LoadAdapter("a", "/nowhere")), 10)
             params = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0)
-            outs = [o async for o in core.generate(core.inputs.make_request("after", [5, 6, 7], params))]
+            outs = [o async for o in core.generate(core.inputs.core_request("after", [5, 6, 7], params))]
             return outs, await core.call(GetSnapshot())
         finally:
             await core.stop()
@@ -146,7 +145,7 @@ def test_a_killed_core_fails_its_streams_and_calls_at_once(tiny_llama):
         core = _client(tiny_llama, on_dead=deaths.append)
         await core.start()
         params = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0.0)
-        streams = [core.generate(core.inputs.make_request(f"r{i}", [5, 6, 7 + i], params)) for i in range(8)]
+        streams = [core.generate(core.inputs.core_request(f"r{i}", [5, 6, 7 + i], params)) for i in range(8)]
         for s in streams:
             await anext(s)
         os.kill(core.pid, signal.SIGKILL)

@@ -16,12 +16,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton")
 
+from helpers import random_prompts
+from test_families import FAMILIES
+
 from baton import LLM, SamplingParams
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from baton.testing.checkpoints import write_random_checkpoint
-from helpers import random_prompts
-from test_families import FAMILIES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = [1, 2, 4, 8]

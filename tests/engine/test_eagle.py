@@ -18,13 +18,12 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import drafted_and_plain, random_prompts, run_llm
 
 from baton import LLM, SamplingParams
 from baton.engine.common.errors import InvalidArgument
-
 from baton.testing.eagle_heads import AUX_LAYERS, HEADS, KV_HEADS, write_head
 
-from helpers import drafted_and_plain, random_prompts, run_llm
 
 @pytest.fixture(scope="module")
 def heads(tiny_llama, tmp_path_factory) -> dict[str, str]:
@@ -141,7 +140,8 @@ def test_a_migrated_request_drafts_with_a_head(tiny_llama, heads):
     prompt = random_prompts([40], seed=31)[0]
     _, (whole,) = run_llm(tiny_llama, [prompt], GREEDY)
     llm = LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=spec("eagle3", heads["eagle3"]))
-    request = llm.engine.add(llm.engine.make_request("moved", prompt, GREEDY, resumed_output=whole.token_ids[:12]))
+    moved = llm.engine.inputs.core_request("moved", prompt, GREEDY, resumed_output=whole.token_ids[:12])
+    request = llm.engine.add(moved)
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     assert request.output_token_ids == whole.token_ids

@@ -19,15 +19,14 @@ import os
 
 import pytest
 import torch
-
-from baton import LLM, SamplingParams
-from baton.engine.common.errors import InvalidArgument
-from baton.testing.checkpoints import write_random_checkpoint
-
 from conftest import require_cpu_kernel
 from helpers import assert_matches_hf, pools_full, random_prompts, stats, wait_serving
 from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
 from servers import pd_stack
+
+from baton import LLM, SamplingParams
+from baton.engine.common.errors import InvalidArgument
+from baton.testing.checkpoints import write_random_checkpoint
 
 FAMILIES = {
     "qwen3": ("Qwen3Config", dict(hidden_size=80, intermediate_size=144, num_attention_heads=4, num_key_value_heads=1,

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import GREEDY, assert_matches_hf, random_prompts
 
 from baton import LLM, SamplingParams
-
-from helpers import GREEDY, assert_matches_hf, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -9,19 +9,18 @@ import weakref
 
 import pytest
 import torch
+from helpers import TOKEN
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from baton.engine.common.config import EngineConfig
 from baton.engine.common.errors import InvalidArgument
+from baton.engine.worker.attention_backend import choose_backend
 from baton.engine.worker.loader import load_model
 from baton.engine.worker.memory import kv_cache_bytes, profile_batch
 from baton.engine.worker.model_runner import ModelRunner
-from baton.engine.worker.attention_backend import choose_backend
-from baton.services.rpc.health import is_serving
 from baton.services.cli.launcher import build_stack, free_port
 from baton.services.cli.placement import Placement, place_engines
-
-from helpers import TOKEN
+from baton.services.rpc.health import is_serving
 
 GIB = 1 << 30
 

@@ -9,12 +9,12 @@ import random
 import pytest
 
 from baton.engine.common.config import EngineConfig
+from baton.engine.common.sampling_params import SamplingParams
+from baton.engine.common.scheduler_output import ModelRunnerOutput
 from baton.engine.core.host_kv_tier import HostKVTier
 from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.core.request import Request
-from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.core.scheduler import Scheduler
-from baton.engine.common.scheduler_output import ModelRunnerOutput
 
 
 class FakeRunner:

@@ -13,13 +13,13 @@ import random
 from collections import deque
 
 import pytest
+from helpers import gib, random_prompts
 
 from baton import LLM, SamplingParams
 from baton.engine.common.config import EngineConfig
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.core.request import RequestStatus
 from baton.kv_transfer.base import KVTier
-from helpers import gib, random_prompts
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 def assert_tiers_settled(llm: LLM) -> None:
@@ -299,7 +299,7 @@ def test_disaggregated_with_host_tiers_on_both_sides(tiny_llama):
 def test_kv_events_follow_both_tiers(tiny_llama):
     """The KV cache events of an engine with a host tier replay to what each tier holds: blocks
     offloaded to the host are stored there, host evictions removed from there."""
-    from baton.engine.common.kv_events import KVEventLog
+    from baton.engine.common.kv_cache_events import KVEventLog
     from baton.services.server.kv_event_hub import KVEventHub
 
     llm = LLM(tiny_llama, dtype="float32", device="cpu", num_kv_blocks=14, max_model_len=200,

@@ -1,7 +1,7 @@
 """The block pool: allocation, refcounts, prefix caching and eviction."""
+from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.core.request import Request
-from baton.engine.common.sampling_params import SamplingParams
 
 
 def make(req_id, tokens):

@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
+from helpers import random_prompts
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from baton import LLM, SamplingParams
 from baton.engine.common.errors import InUse, InvalidArgument, NotFound
-from helpers import random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

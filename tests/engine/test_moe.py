@@ -44,12 +44,13 @@ def test_lora_on_a_mixture_of_experts_attention_equals_peft_and_experts_are_refu
     """Qwen3-MoE (its first layer dense), gpt-oss (biased q/k/v/o, sinks): a PEFT adapter on
     attention equals PEFT; one on Qwen3-MoE's MLPs (PEFT puts it on the experts' stacked weights)
     is refused at load, naming the field."""
-    from baton import LLM, SamplingParams
-    from baton.engine.common.errors import InvalidArgument
-    from baton.testing.checkpoints import write_random_checkpoint
     from helpers import random_prompts
     from lora_adapters import PeftReference, write_adapter
     from test_families import FAMILIES
+
+    from baton import LLM, SamplingParams
+    from baton.engine.common.errors import InvalidArgument
+    from baton.testing.checkpoints import write_random_checkpoint
 
     config_class, shape = FAMILIES[name]
     base = write_random_checkpoint(str(tmp_path / "base"), config_class, seed=7, spread_norms=True, **shape)
@@ -75,10 +76,11 @@ def test_logprobs_equal_transformers_log_softmax(tmp_path, hf, name):
     form and the grouped experts against its up-projected K/V and per-expert loop). DeepSeek-V3's
     correction biases are drawn (zero at init), and its checkpoint carries a multi-token-prediction
     layer past num_hidden_layers, which is not loaded."""
-    from baton import LLM, SamplingParams
-    from baton.testing.checkpoints import write_random_checkpoint
     from helpers import random_prompts
     from test_families import FAMILIES
+
+    from baton import LLM, SamplingParams
+    from baton.testing.checkpoints import write_random_checkpoint
 
     config_class, shape = FAMILIES[name]
     model_dir = write_random_checkpoint(str(tmp_path / name), config_class, seed=7, spread_norms=True, **shape)
@@ -97,11 +99,12 @@ def test_mla_caches_one_latent_per_token_and_refuses_lora(tmp_path):
     """DeepSeek-V2's cache: one "head" of kv_lora_rank + qk_rope_head_dim per token and layer, no
     separate values: (32 + 8) x 4 bytes, against 2 x 4 heads x 24 x 4 bytes for its attention
     computed as plain multi-head attention. LoRA on MLA is refused at start, naming the field."""
+    from test_families import FAMILIES
+
     from baton import LLM
     from baton.engine.common.errors import InvalidArgument
     from baton.engine.worker.model_runner import kv_attention
     from baton.testing.checkpoints import write_random_checkpoint
-    from test_families import FAMILIES
 
     config_class, shape = FAMILIES["deepseek-v2"]
     model_dir = write_random_checkpoint(str(tmp_path / "ds"), config_class, seed=7, **shape)
@@ -116,10 +119,11 @@ def test_mla_caches_one_latent_per_token_and_refuses_lora(tmp_path):
 
 def test_a_routing_baton_lacks_is_refused_naming_it(tmp_path):
     """A routing method Baton lacks, or a scoring that does not go with the method: refused at load."""
+    from test_families import FAMILIES, edited
+
     from baton import LLM
     from baton.engine.common.errors import InvalidArgument
     from baton.testing.checkpoints import write_random_checkpoint
-    from test_families import FAMILIES, edited
 
     config_class, shape = FAMILIES["deepseek-v2"]
     model_dir = write_random_checkpoint(str(tmp_path / "ds"), config_class, seed=7, **shape)
@@ -158,11 +162,12 @@ def test_swap_to_the_host_tier_and_a_grammar(tmp_path, hf, name):
     equal to transformers; a regex constrains their output."""
     import re
 
+    from helpers import assert_matches_hf
+    from test_families import FAMILIES, GREEDY, prompts
+
     from baton import LLM, SamplingParams
     from baton.engine.common.structured_output import StructuredOutput
     from baton.testing.checkpoints import write_random_checkpoint
-    from helpers import assert_matches_hf
-    from test_families import FAMILIES, GREEDY, prompts
 
     config_class, shape = FAMILIES[name]
     model_dir = write_random_checkpoint(str(tmp_path / name), config_class, seed=7, spread_norms=True, **shape)

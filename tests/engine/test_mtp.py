@@ -18,16 +18,15 @@ import os
 
 import pytest
 import torch
+from helpers import drafted_and_plain, random_prompts
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from test_families import FAMILIES
 
 from baton import LLM, SamplingParams
 from baton.engine.common.errors import InvalidArgument
 from baton.testing.checkpoints import write_random_checkpoint
 from baton.testing.mtp_checkpoint import write_mtp
-
-from helpers import drafted_and_plain, random_prompts
-from test_families import FAMILIES
 
 CONFIG_CLASS, SHAPE = FAMILIES["deepseek-v3"]
 LAYERS = SHAPE["num_hidden_layers"]  # the MTP layer: model.layers.3

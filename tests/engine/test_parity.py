@@ -2,12 +2,12 @@
 scheduler slices the work (batching, chunked prefill, preemption, prefix caching, priorities)."""
 from __future__ import annotations
 
-
 import pytest
-
-from baton import LLM, SamplingParams
 from conftest import require_cpu_kernel
 from helpers import GREEDY, assert_matches_hf, random_prompts
+
+from baton import LLM, SamplingParams
+
 
 def test_one_text_prompt(tiny_model, hf):
     llm = LLM(tiny_model, dtype="float32", device="cpu")

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import torch
+from helpers import random_prompts
 
 from baton import LLM, SamplingParams
 from baton.engine.worker.sampler import _apply_top_k_top_p, sample
-
-from helpers import random_prompts
 
 
 def test_seeded_sampling_is_independent_of_the_batch(tiny_llama):

@@ -8,12 +8,11 @@ import math
 
 import pytest
 import torch
+from helpers import random_prompts
 
 from baton import LLM, SamplingParams
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.worker.sampler import sample
-
-from helpers import random_prompts
 
 LOGPROB_TOL = 1e-4  # float32 on both sides; the engine's attention kernel sums in another order
 
@@ -211,7 +210,7 @@ def test_a_resumed_request_continues_as_the_uninterrupted_one(tiny_llama):
 
     def run(prompt, params, resumed=()):
         """Token ids, the text the client had after each token, and the finish reason."""
-        engine.add(engine.make_request("r", prompt, params, resumed_output=list(resumed)))
+        engine.add(engine.inputs.core_request("r", prompt, params, resumed_output=list(resumed)))
         ids, texts, finish = [], [""], None
         while engine.has_unfinished_requests():
             for out in engine.step():

@@ -6,11 +6,11 @@ import random
 import pytest
 
 from baton.engine.common.config import EngineConfig
+from baton.engine.common.sampling_params import SamplingParams
+from baton.engine.common.scheduler_output import ModelRunnerOutput
 from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.core.request import Request, RequestStatus
-from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.core.scheduler import Scheduler
-from baton.engine.common.scheduler_output import ModelRunnerOutput
 
 
 def make_scheduler(tmp_path, num_blocks, **kwargs):

@@ -13,16 +13,15 @@ import weakref
 
 import pytest
 import torch
+from helpers import random_prompts
 
 from baton import LLM, SamplingParams
-from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.common.sampling_params import SamplingParams as Params
+from baton.engine.worker.spec_decode import Proposer
+from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
 from baton.engine.worker.spec_decode.ngram import NgramProposer
 from baton.engine.worker.spec_decode.verify import greedy_accept, sampled_accept
-from baton.engine.worker.spec_decode import Proposer
-
-from helpers import random_prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 
@@ -231,10 +230,11 @@ def test_the_decode_tier_speculates_through_the_router(tiny_llama, tmp_path, met
     without them, pools full at the end."""
     import json
 
-    from baton.services.client import Client
-    from baton.testing.eagle_heads import write_head
     from helpers import pools_full, wait_serving
     from servers import pd_stack
+
+    from baton.services.client import Client
+    from baton.testing.eagle_heads import write_head
 
     ps = [p + p for p in random_prompts([12, 30], seed=21)] + random_prompts([45], seed=22)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -393,7 +393,8 @@ def test_a_migrated_request_resumes_speculating(tiny_llama, spec):
     spec = {**spec, "model": tiny_llama} if spec["method"] == "draft_model" else spec
     _, (whole,) = run(tiny_llama, [prompt], params)
     llm = LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=spec)
-    request = llm.engine.add(llm.engine.make_request("moved", prompt, params, resumed_output=whole.token_ids[:12]))
+    moved = llm.engine.inputs.core_request("moved", prompt, params, resumed_output=whole.token_ids[:12])
+    request = llm.engine.add(moved)
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     assert request.output_token_ids == whole.token_ids

@@ -14,14 +14,13 @@ import grpc
 import jsonschema
 import openai
 import pytest
+from helpers import TOKEN, collect, wait_serving
 
 from baton import LLM, SamplingParams
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.common.structured_output import StructuredOutput
 from baton.services.client import AsyncClient
 from baton.services.rpc.errors import failure_of_error
-
-from helpers import TOKEN, collect, wait_serving
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from baton import SamplingParams
-from baton.engine.worker.spec_decode.suffix import SuffixProposer, SuffixTree
-
 from helpers import random_prompts
 from test_spec_decode import run
+
+from baton import SamplingParams
+from baton.engine.worker.spec_decode.suffix import SuffixProposer, SuffixTree
 
 
 def state(tokens, prompt_len=0):

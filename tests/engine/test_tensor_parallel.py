@@ -21,13 +21,11 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-from baton.engine.common.errors import InvalidArgument
-
-from baton import LLM, SamplingParams
-
 from helpers import assert_matches_hf, random_prompts, stats
 from tp_workers import prompt_logits, run_rank
+
+from baton import LLM, SamplingParams
+from baton.engine.common.errors import InvalidArgument
 
 
 def logits_over(model_dir: str, world: int, prompt: list[int], out, expert_parallel: bool = False
@@ -240,12 +238,12 @@ def children(pid: int) -> list[int]:
 
 
 def test_a_rank_killed_under_load_ends_the_streams_unavailable_and_leaves_nothing(spawn, tiny_llama):
-    import grpc
     from concurrent.futures import ThreadPoolExecutor
 
-    from baton.services.client import Client
-
+    import grpc
     from test_core_process import alive
+
+    from baton.services.client import Client
 
     shm = set(os.listdir("/dev/shm"))
     server = spawn(tiny_llama, "--tensor-parallel-size", "2")
@@ -361,9 +359,9 @@ SHAPES = {"deepseek-v2-lite-width": ("DeepseekV2Config", dict(
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     """family(name) -> its tiny checkpoint (test_families' shapes), written once per module."""
-    from baton.testing.checkpoints import write_random_checkpoint
-
     from test_families import FAMILIES
+
+    from baton.testing.checkpoints import write_random_checkpoint
 
     written: dict[str, str] = {}
 
@@ -482,10 +480,10 @@ def test_experts_the_ranks_do_not_split_are_refused_naming_the_field(families):
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
 def test_through_the_router_to_a_decode_of_another_tensor_parallel_size(tiny_llama, prefill_tp, decode_tp):
     """Servers: the handshake trades every rank's layout over gRPC; output equals offline."""
-    from baton.services.client import Client
-
     from helpers import pools_full, wait_serving
     from servers import pd_stack
+
+    from baton.services.client import Client
 
     prompts = random_prompts([5, 40, 70], seed=13)
     with LLM(tiny_llama, dtype="float32", device="cpu") as llm:

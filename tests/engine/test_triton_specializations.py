@@ -18,8 +18,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton")
-from baton.engine.worker.block_tables import Staging
 from baton.engine.worker.batch_builder import BatchBuilder
+from baton.engine.worker.block_tables import Staging
 from baton.kernels import triton_attention
 
 KERNELS = ("_decode_split", "combine_splits", "_write_kv", "_prefill")

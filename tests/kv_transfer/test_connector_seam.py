@@ -10,14 +10,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from baton.engine.common.config import EngineConfig
-from baton.engine.offline.llm_engine import LLMEngine
-from baton.engine.core.request import RequestStatus
-from baton.engine.common.sampling_params import SamplingParams
-from baton.kv_transfer.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker,
-                                    KVHandle)
-
 from helpers import random_prompts
+
+from baton.engine.common.config import EngineConfig
+from baton.engine.common.sampling_params import SamplingParams
+from baton.engine.core.request import RequestStatus
+from baton.engine.offline.llm_engine import LLMEngine
+from baton.kv_transfer.base import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    KVHandle,
+)
 
 
 @dataclass(slots=True)

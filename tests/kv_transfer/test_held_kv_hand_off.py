@@ -9,10 +9,11 @@ leaves while a hand-off copy is in flight.
 """
 from __future__ import annotations
 
-from baton import LLM, SamplingParams
-from baton.kv_transfer.base import KVTier
 from helpers import gib, random_prompts
 from nixl_engines import agent_ids, assert_pools_full, connect, disaggregated, nixl_engine
+
+from baton import LLM, SamplingParams
+from baton.kv_transfer.base import KVTier
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -109,9 +110,10 @@ def test_through_the_router_the_decode_reads_handed_off_blocks_from_the_prefills
     through router -> prefill (short of device blocks) -> decode equal the offline engine."""
     import asyncio
 
-    from baton.services.client import AsyncClient
-    from servers import pd_stack
     from helpers import collect, pools_full, stats, wait_serving
+    from servers import pd_stack
+
+    from baton.services.client import AsyncClient
 
     prompts = random_prompts([70, 90, 60, 80, 75, 65], seed=63)
     tier = ("--max-model-len", "192", "--kv-offloading-size", str(gib(64)))

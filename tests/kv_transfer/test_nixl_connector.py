@@ -7,15 +7,23 @@ from __future__ import annotations
 import threading
 import weakref
 
+from helpers import gib, random_prompts
+from nixl_engines import (
+    agent_ids,
+    assert_pools_full,
+    connect,
+    disaggregated,
+    events_by_request,
+    nixl_engine,
+    run_prefill,
+    run_until_done,
+)
+
 from baton import LLM, SamplingParams
+from baton.engine.common.stats import EventType
 from baton.engine.common.structured_output import StructuredOutput
 from baton.engine.core.request import RequestStatus
-from baton.engine.common.stats import EventType
 from baton.kv_transfer.nixl_connector import merge_runs
-
-from helpers import gib, random_prompts
-from nixl_engines import (agent_ids, assert_pools_full, connect, disaggregated, events_by_request, nixl_engine,
-                          run_prefill, run_until_done)
 
 
 def test_merge_runs_joins_blocks_consecutive_on_both_sides():

@@ -4,18 +4,24 @@ and nothing else; and the start-up READ that finds a cache peers cannot read."""
 from __future__ import annotations
 
 import msgspec
-
 import pytest
 import torch
+from helpers import random_prompts
+from nixl_engines import (
+    agent_ids,
+    assert_pools_full,
+    connect,
+    disaggregated,
+    events_by_request,
+    nixl_engine,
+    run_prefill,
+    run_until_done,
+)
 
 from baton import LLM, SamplingParams
-from baton.engine.core.request import RequestStatus
 from baton.engine.common.stats import EventType
+from baton.engine.core.request import RequestStatus
 from baton.kv_transfer.nixl_connector import decode_notification
-
-from helpers import random_prompts
-from nixl_engines import (agent_ids, assert_pools_full, connect, disaggregated, events_by_request, nixl_engine,
-                          run_prefill, run_until_done)
 
 
 def test_decode_preempts_while_others_wait_for_remote_kv(tiny_llama, hf):

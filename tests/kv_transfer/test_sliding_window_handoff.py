@@ -5,13 +5,12 @@ differ are refused at the handshake, naming the field."""
 from __future__ import annotations
 
 import pytest
+from helpers import random_prompts
+from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
 
 from baton import LLM, SamplingParams
 from baton.kv_transfer.base import KVFormatMismatch, handle_block_counts
 from baton.testing.checkpoints import write_random_checkpoint
-
-from helpers import random_prompts
-from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 WINDOW = 20

@@ -8,12 +8,11 @@ import asyncio
 
 import grpc
 import pytest
+from helpers import pools_full, random_prompts, wait_serving
+from servers import ServerProcess, pd_stack
 
 from baton import LLM, SamplingParams
 from baton.services.client import AsyncClient
-
-from servers import ServerProcess, pd_stack
-from helpers import pools_full, random_prompts, wait_serving
 
 LOGPROB_TOL = 1e-4
 

@@ -15,13 +15,12 @@ import urllib.request
 
 import openai
 import pytest
+from servers import Up, baton
 
 from baton.services.cli import launcher, placement
 from baton.services.cli.launcher import Service, Stack, build_stack, free_port
 from baton.services.cli.main import build_parser, main
 from baton.services.cli.placement import Placement, place_engines
-
-from servers import Up, baton
 
 
 def waterfalls(lines: list[str]) -> list[list[list[str]]]:

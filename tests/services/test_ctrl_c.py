@@ -14,9 +14,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from helpers import alive
+
 from baton.services.cli.launcher import free_port
 from baton.services.client import Client
-from helpers import alive
 
 STOP_LINE = re.compile(r"^(\[[\w-]+\] )?draining \(up to |^stopping$")
 

@@ -9,22 +9,21 @@ import os
 import random
 
 import pytest
+from helpers import collect, random_prompts
 
 from baton.engine.common.block_hashes import extend_block_hashes
-from baton.engine.core.kv_cache_manager import KVCacheManager
-from baton.engine.common.kv_events import KVEvent, KVEventKind, KVEventLog
-from baton.engine.common.messages import GetKVBlockHashes
-from baton.engine.core.request import Request
+from baton.engine.common.core_messages import GetKVBlockHashes
+from baton.engine.common.kv_cache_events import KVEvent, KVEventKind, KVEventLog
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.tokenizer import apply_chat_template
+from baton.engine.core.kv_cache_manager import KVCacheManager
+from baton.engine.core.request import Request
+from baton.kv_transfer.base import KVTier
 from baton.services.client import AsyncClient
 from baton.services.router.kv_index import DEVICE, KVIndex
 from baton.services.router.kv_index import HOST as HOST_BIT
 from baton.services.router.router import Router, RouterOptions
-from baton.kv_transfer.base import KVTier
 from baton.services.server.kv_event_hub import KVBlockMirror, KVEventHub, to_proto
-
-from helpers import collect, random_prompts
 
 BLOCK = 8
 ENGINE = dict(block_size=BLOCK, num_kv_blocks=16, max_model_len=128)  # 16 blocks: evictions come soon

@@ -10,13 +10,13 @@ import urllib.request
 
 import grpc
 import pytest
+from helpers import AUTH, collect, pools_full, random_prompts, wait_serving
+from servers import pd_stack
 
 from baton.services.client import AsyncClient
 from baton.services.rpc.errors import failure_of_error
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
-from servers import pd_stack
-from helpers import AUTH, collect, pools_full, random_prompts, wait_serving
 
 MAX_TOKENS = 10
 

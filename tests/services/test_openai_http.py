@@ -14,13 +14,12 @@ import urllib.request
 
 import openai
 import pytest
-
-from baton.services.client import AsyncClient
-from baton.services.cli.launcher import free_port
-
-from servers import ServerProcess, pd_stack
 from helpers import collect, pools_full, random_prompts, wait_serving
+from servers import ServerProcess, pd_stack
 from telemetry_stack import metrics_url, samples
+
+from baton.services.cli.launcher import free_port
+from baton.services.client import AsyncClient
 
 CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
 

@@ -10,16 +10,15 @@ import time
 import grpc
 import openai
 import pytest
+from helpers import TOKEN, collect, pools_full, random_prompts, stats, wait_serving, workload
+from servers import ServerProcess
 
 from baton import LLM, SamplingParams
-from baton.services.client import AsyncClient
 from baton.services.cli.launcher import free_port
+from baton.services.client import AsyncClient
 from baton.services.router.policies import PrefixAffinity
-from baton.services.rpc.names import ROUTER_LIVENESS
 from baton.services.rpc.health import is_serving
-
-from servers import ServerProcess
-from helpers import TOKEN, collect, pools_full, random_prompts, stats, wait_serving, workload
+from baton.services.rpc.names import ROUTER_LIVENESS
 
 
 def engine(model: str, role: str, *flags: str, start=ServerProcess) -> ServerProcess:

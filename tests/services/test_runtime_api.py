@@ -12,14 +12,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers import pools_full, random_prompts, stats, wait_serving
+from servers import pd_stack
 
 from baton import LLM
 from baton.services.client import AsyncClient
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
-
-from servers import pd_stack
-from helpers import pools_full, random_prompts, stats, wait_serving
 
 
 def run(coro):

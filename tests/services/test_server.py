@@ -16,13 +16,13 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from helpers import collect, health_status, random_prompts, workload
 
 from baton import LLM, SamplingParams
-from baton.services.server import server as server_module
 from baton.services.client import AsyncClient, Client, build_request
+from baton.services.server import server as server_module
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
-from helpers import collect, health_status, random_prompts, workload
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 256

@@ -7,12 +7,11 @@ import os
 import subprocess
 import time
 
-from baton.services.client import Client
-from baton.services.cli.launcher import free_port
-
+from helpers import stats
 from servers import Up
 
-from helpers import stats
+from baton.services.cli.launcher import free_port
+from baton.services.client import Client
 
 
 def generate(address: str, n: int = 4) -> list[str]:

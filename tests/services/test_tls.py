@@ -16,12 +16,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from helpers import TOKEN, wait_serving
 
 from baton import LLM, SamplingParams
 from baton.services.client import Client
 from baton.services.rpc.tls import TLSConfig
-
-from helpers import TOKEN, wait_serving
 
 SERVER_NAME = "baton.internal"  # the only name in the servers' certificate: calls by IP need the override
 

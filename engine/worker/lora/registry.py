@@ -10,7 +10,7 @@ from collections import OrderedDict
 import torch
 
 from baton.engine.common.config import EngineConfig
-from baton.engine.common.messages import AdapterInfo
+from baton.engine.common.core_messages import AdapterInfo
 from baton.engine.common.errors import InUse, InvalidArgument, NotFound, check
 from baton.engine.worker.lora.adapter import LoRAWeights, adapter_fingerprint, load_adapter
 from baton.engine.worker.lora.layers import LoRASlots

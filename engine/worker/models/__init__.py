@@ -4,8 +4,20 @@ rope.py, moe.py, mla.py) are shared."""
 from __future__ import annotations
 
 from baton.engine.common.errors import InvalidArgument
-from baton.engine.worker.models import (deepseek, gemma2, gemma3, gpt_oss, llama, mistral, mixtral, olmo2, phi3,
-                                        qwen2, qwen3, qwen_moe)
+from baton.engine.worker.models import (
+    deepseek,
+    gemma2,
+    gemma3,
+    gpt_oss,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen_moe,
+)
 from baton.engine.worker.models.args import ModelArgs
 from baton.engine.worker.models.layers import CausalLM
 

@@ -22,16 +22,20 @@ over c keys then costs c · rank · heads · (nope + v) for the projection and q
 """
 from __future__ import annotations
 
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.worker.models.basic import Linear, norm
 from baton.engine.worker.models.rope import rotate, rotate_interleaved, yarn_mscale
-import torch.nn.functional as F
-
-from baton.kernels.attention import (AttentionMetadata, causal_mask, dense_attention, gather_blocks, paged_attention,
-                                     write_kv)
+from baton.kernels.attention import (
+    AttentionMetadata,
+    causal_mask,
+    dense_attention,
+    gather_blocks,
+    paged_attention,
+    write_kv,
+)
 
 
 def yarn_softmax_mscale(scaling: dict | None) -> float:

@@ -15,15 +15,13 @@ them from the checkpoints' per-expert tensors.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from dataclasses import dataclass
-
 from torch import nn
 
 from baton.engine.worker.models.basic import MLP, Linear
-
 
 ROUTINGS = ("softmax", "group_limited_greedy", "noaux_tc", "topk_softmax")
 

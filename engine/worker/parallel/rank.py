@@ -20,15 +20,23 @@ import torch
 import torch.distributed as dist
 
 from baton.engine.common.config import read_config
+from baton.engine.common.core_messages import error_of
 from baton.engine.common.lifetime import die_with_parent
-from baton.engine.common.messages import error_of
 from baton.engine.worker.loader import load_model
 from baton.engine.worker.lora.layers import LoRASlots
 from baton.engine.worker.lora.registry import LoRARegistry, start_lora
 from baton.engine.worker.model_runner import ModelRunner
 from baton.engine.worker.models import model_args
-from baton.engine.worker.parallel.messages import (RankAdapter, RankAddPeer, RankReady, RankReport, RankStart, RankStep,
-                                                  RankStop, RunnerSetup)
+from baton.engine.worker.parallel.rank_messages import (
+    RankAdapter,
+    RankAddPeer,
+    RankReady,
+    RankReport,
+    RankStart,
+    RankStep,
+    RankStop,
+    RunnerSetup,
+)
 from baton.engine.worker.parallel.shm_broadcast import ShmBroadcast
 from baton.engine.worker.parallel.tensor_parallel import TPGroup, shard_model
 

@@ -38,12 +38,20 @@ import torch
 import torch.distributed as dist
 
 from baton.engine.common.config import EngineConfig
+from baton.engine.common.core_messages import error_from
 from baton.engine.common.errors import StartupError
 from baton.engine.common.lifetime import child_argv
-from baton.engine.common.messages import error_from
 from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from baton.engine.worker.parallel.messages import (RankAdapter, RankAddPeer, RankReady, RankReport, RankStart,
-                                                  RankStep, RankStop, RunnerSetup)
+from baton.engine.worker.parallel.rank_messages import (
+    RankAdapter,
+    RankAddPeer,
+    RankReady,
+    RankReport,
+    RankStart,
+    RankStep,
+    RankStop,
+    RunnerSetup,
+)
 from baton.engine.worker.parallel.shm_broadcast import PeerGone, ShmBroadcast
 from baton.engine.worker.parallel.tensor_parallel import TPGroup
 from baton.kv_transfer.base import KVConnectorOutput, KVConnectorWorker, KVLayout, KVTransfer

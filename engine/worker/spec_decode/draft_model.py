@@ -29,8 +29,8 @@ import torch
 
 from baton.engine.common.errors import check
 from baton.engine.worker.models import CausalLM
-from baton.kernels.attention import AttentionMetadata
 from baton.engine.worker.spec_decode import Proposer
+from baton.kernels.attention import AttentionMetadata
 
 
 class DraftModelProposer(Proposer):

@@ -66,8 +66,8 @@ from baton.engine.worker.models.args import ModelArgs, decoder_args
 from baton.engine.worker.models.basic import Embedding, Linear, norm
 from baton.engine.worker.models.layers import DecoderLayer
 from baton.engine.worker.models.rope import RotaryTable
-from baton.kernels.attention import AttentionMetadata
 from baton.engine.worker.spec_decode import Proposer
+from baton.kernels.attention import AttentionMetadata
 
 FIELD = "speculative_config.model"
 

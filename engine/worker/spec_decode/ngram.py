@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
 from baton.engine.worker.spec_decode import Proposer
 
 

@@ -16,6 +16,7 @@ when none is likely.
 from __future__ import annotations
 
 from collections import deque
+
 from baton.engine.worker.spec_decode import Proposer
 
 

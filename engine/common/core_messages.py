@@ -16,7 +16,7 @@ from typing import ClassVar
 import msgspec
 
 from baton.engine.common.errors import InUse, InvalidArgument, NotFound, StartupError
-from baton.engine.common.kv_events import KVEvent
+from baton.engine.common.kv_cache_events import KVEvent
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.stats import EngineSnapshot, StepEvents
 from baton.kv_transfer.base import KVFormatMismatch, KVHandle, KVLayout, KVUnreachable

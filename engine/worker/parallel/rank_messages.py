@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton.engine.common.config import EngineConfig
+from baton.engine.common.core_messages import CallError
 from baton.engine.common.kv_groups import KVGroups
-from baton.engine.common.messages import CallError
 from baton.engine.common.scheduler_output import SchedulerOutput
 from baton.kv_transfer.base import KVConnectorWorker, KVLayout
 
