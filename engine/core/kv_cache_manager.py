@@ -78,7 +78,7 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}  # how many leading blocks of a request are in the caches
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
-        self.events = NO_KV_EVENTS  # told each hash that enters or leaves `cached` (kv_events.py)
+        self.events = NO_KV_EVENTS  # told each hash that enters or leaves `cached` (kv_cache_events.py)
 
     # ---- figures -------------------------------------------------------------------------
     @property

@@ -93,7 +93,7 @@ class CoreClient:
                  on_kv_events: Callable[[list[KVEvent]], None] | None = None):
         """`engine_id`: the core's NIXL agent name. `on_step`: given each step's request events and
         outputs, before the outputs reach their streams (telemetry); without it the core records
-        no events. `on_kv_events`: given the KV cache's events (kv_events.py) in the order they
+        no events. `on_kv_events`: given the KV cache's events (kv_cache_events.py) in the order they
         happened, from the core's start on; without it the core records none."""
         self.config = config
         self.engine_id = engine_id
