@@ -1,7 +1,7 @@
 """Load a Hugging Face checkpoint directory (config.json + safetensors, sharded or not). Experts come
 one tensor per expert and projection (Mixtral, Qwen, DeepSeek) or stacked (gpt-oss: gate and up
-interleaved, transposed, in MXFP4 for the published weights, dequantized here to the model's
-dtype)."""
+interleaved, transposed). A quantized checkpoint's layers stay in its format (quant/: FP8, GPTQ,
+AWQ, compressed-tensors, gpt-oss's MXFP4 experts)."""
 from __future__ import annotations
 
 import contextlib
@@ -19,6 +19,8 @@ from baton.engine.worker.models import CausalLM, ModelArgs, model_args
 from baton.engine.worker.models.basic import MLP
 from baton.engine.worker.models.layers import Attention
 from baton.engine.worker.models.moe import SparseMoE
+from baton.engine.worker.quant.formats import MXFP4, CheckpointFormat, checkpoint_format
+from baton.engine.worker.quant.placement import QuantizedPlacement
 
 # checkpoint name -> (our parameter, index of the slice in a merged projection)
 _MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -26,8 +28,6 @@ _MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv
 # Mixtral's names for what the others call mlp and an expert's gate, up and down projections;
 # gpt-oss's for the router.
 _ALIASES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", "router": "gate"}
-# MXFP4's 4-bit values (E2M1), by code; a byte holds two, the low nibble first.
-_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def _safetensors_files(model_dir: str) -> list[str]:
@@ -98,34 +98,31 @@ def files_fingerprint(config_path: str, weight_paths: list[str], samples: int = 
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
-    args = model_args(read_config(model_dir))
+    config = read_config(model_dir)
+    args, fmt = model_args(config), checkpoint_format(config)
     # Allocated in place, in the target dtype, and left uninitialized (see models/layers.Linear): the
     # checkpoint fills it. Built in float32 and cast, a bf16 model would peak at three times
     # its size. (The meta device + to_empty would make torch import sympy: seconds of start-up.)
-    with torch.device(device), default_dtype(dtype):
+    # A quantized checkpoint's model is built in host memory, where the float layers it replaces
+    # are never written (their pages never touched), and moved once it holds what it keeps.
+    with torch.device("cpu" if fmt is not None else device), default_dtype(dtype):
         model = CausalLM(args)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()  # checkpoint names
     filled: set[str] = set()  # our parameters written (a merged one by any of its parts)
-    halves: dict[str, torch.Tensor] = {}  # an MXFP4 tensor's blocks or scales, until the other comes
+    quantized: dict[str, dict[str, torch.Tensor]] = {}  # a quantized layer's tensors, by module and field
     for path in _safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 if "rotary_emb" in name or _skipped(name, args):
                     continue
-                if name.endswith(("_blocks", "_scales")):  # MXFP4: dequantized once both halves are read
-                    stem, _, half = name.rpartition("_")
-                    halves[name] = f.get_tensor(name)
-                    if f"{stem}_{'scales' if half == 'blocks' else 'blocks'}" not in halves:
-                        continue
-                    blocks, scales = halves.pop(f"{stem}_blocks"), halves.pop(f"{stem}_scales")
-                    loaded.update((f"{stem}_blocks", f"{stem}_scales"))
-                    # [experts, out, in], seen as the unquantized checkpoints lay it out: [experts, in, out]
-                    name, tensor = stem, dequantize_mxfp4(blocks, scales, dtype).transpose(1, 2)
-                else:
-                    tensor = f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                field = None if fmt is None else fmt.split(name, tensor)
+                if field is not None:
+                    quantized.setdefault(field[0], {})[field[1]] = tensor
+                    continue
                 target, rows, layout = _target(model, params, name)
                 if target is None:
                     raise InvalidArgument("model", f"unexpected weight {name!r} in {os.path.basename(path)}")
@@ -135,11 +132,39 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
                     (params[target] if rows is None else params[target][rows]).copy_(tensor)
                 loaded.add(name)
                 filled.add(target)
-    if halves:
-        raise InvalidArgument("model", f"checkpoint has {sorted(halves)[0]} without its other MXFP4 half")
+    if quantized:
+        for name, target in install_quantized(model, params, fmt, quantized, dtype):
+            loaded.add(name)
+            filled.add(target)
     _check_complete(model, args, loaded, filled, params)
     model.eval()
-    return model
+    return model if fmt is None else model.to(device)
+
+
+def install_quantized(model: CausalLM, params: dict, fmt: CheckpointFormat, tensors: dict[str, dict[str, torch.Tensor]],
+                      dtype: torch.dtype) -> list[tuple[str, str]]:
+    """Each quantized layer's weight (weights.py), read by `fmt` from its tensors, put where the
+    float one would have gone: a projection becomes a QuantizedLinear of its checkpoint parts,
+    experts ExpertStacks. Returns (checkpoint weight name, our parameter) of each."""
+    placed = QuantizedPlacement(model, dtype)
+    done = []
+    for module, fields in tensors.items():
+        # What the float checkpoint would call this layer's weight (gpt-oss's stacked experts: the module).
+        name = module if isinstance(fmt, MXFP4) else f"{module}.weight"
+        target, rows, layout = _target(model, params, name)
+        if target is None:
+            raise InvalidArgument("model", f"unexpected quantized weight {module!r} ({', '.join(sorted(fields))})")
+        weight = fmt.read(module, fields)  # (stacked experts come [experts, out, in] already)
+        if layout is not None and target.endswith(".gate_up"):  # gpt-oss's gate/up rows interleaved: gate's, up's
+            weight = weight.rows_taken(_deinterleaved_rows(weight.out_features))
+        placed.add(target, rows, weight)
+        done.append((name, target))
+    placed.install()
+    return done
+
+
+def _deinterleaved_rows(n: int) -> torch.Tensor:
+    return torch.cat((torch.arange(0, n, 2), torch.arange(1, n, 2)))
 
 
 @contextlib.contextmanager
@@ -165,19 +190,6 @@ def _canonical(name: str) -> str:
     """A checkpoint tensor's name as the Llama family spells it, without the model. prefix."""
     parts = name.removeprefix("model.").split(".")
     return ".".join(_ALIASES.get(p, p) if i < len(parts) - 1 else p for i, p in enumerate(parts))
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """MXFP4 (OCP microscaling, gpt-oss's experts): blocks [..., G, 16] bytes of two E2M1 codes
-    each, the low nibble first, scales [..., G] biased exponents (2^(s - 127)) each shared by a
-    block's 32 values. Returns [..., G * 32] in `dtype`."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
-        raise InvalidArgument("model", f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not go with scales "
-                                       f"{tuple(scales.shape)} {scales.dtype} (uint8 [..., G, 16] and [..., G])")
-    lut = torch.tensor(_FP4, dtype=torch.float32)
-    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-2)
-    values = torch.ldexp(values, (scales.to(torch.int32) - 127)[..., None].float())
-    return values.flatten(-2).to(dtype)
 
 
 def _deinterleaved(t: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,8 @@ ALLOWED = {
     ("engine/common/speculative.py", "SpeculativeConfig.__post_init__"): _CONFIG,
     ("engine/front/detokenizer.py", "IncrementalDetokenizer.__init__"):
         "transformers' tokenizers: a slow one has no backend_tokenizer, old ones no clean_up flag",
+    ("engine/worker/quant/placement.py", "QuantizedPlacement.install"):
+        "a float layer replaced by its quantized form at the module path the checkpoint names",
     ("engine/worker/lora/layers.py", "LoRASlots.attach"): "PEFT's target modules are names: the layer's parts by them",
     ("kv_transfer/base.py", "KVFormat.check_peer"): _CONFIG + " (both sides' KV formats, compared)",
     ("services/cli/demo_models.py", "prepare_smollm2"): "a transformers config with or without quantization_config",

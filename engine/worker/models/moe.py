@@ -135,7 +135,8 @@ class Experts(nn.Module):
         self.intermediate, self.glu = intermediate, glu
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cuda" and _TRITON:
+        # (Quantized experts, quant/linear.ExpertStack, run grouped: the fused kernel reads float weights.)
+        if x.device.type == "cuda" and _TRITON and isinstance(self.gate_up, torch.Tensor):
             from baton.kernels.triton_moe import fused_moe  # imported where used only: triton is optional
             return fused_moe(x, weights, ids, self.gate_up, self.down, self.gate_up_bias, self.down_bias,
                              self.glu.kind, self.glu.alpha, self.glu.limit)

@@ -1,0 +1,82 @@
+"""Layers over quantized weights (weights.py), computing in the activations' dtype with the
+weights dequantized a tile at a time: the weights stay as shipped in memory, and a tile of
+float32 rows lives only for its matmul.
+
+A merged projection (q/k/v, gate/up) keeps each checkpoint tensor as a part of its own: each
+has its own scales and groups, which need not line up with the others' rows. A part's rows are
+its output rows, in order; the layer's output is the parts' outputs side by side.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.engine.worker.quant.weights import QuantizedWeight
+
+# A tile of dequantized rows: at most this many float32 values (4 MiB), so that it stays in cache
+# and a large layer never has its whole float copy at once.
+_TILE_VALUES = 1 << 20
+
+
+def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight, index: tuple[int, ...] = ()) -> torch.Tensor:
+    """x [T, in] times weight (at leading `index`) transposed: [T, out], in x's dtype."""
+    out, cols = weight.out_features, weight.in_features
+    step = max(1, _TILE_VALUES // cols)
+    if step >= out:
+        return F.linear(x, weight.dequantize(index).to(x.dtype))
+    y = torch.empty(x.shape[0], out, dtype=x.dtype, device=x.device)
+    for start in range(0, out, step):
+        rows = slice(start, min(start + step, out))
+        y[:, rows] = F.linear(x, weight.dequantize(index, rows).to(x.dtype))
+    return y
+
+
+def dequantized(parts: list[QuantizedWeight], index: tuple[int, ...] = ()) -> torch.Tensor:
+    """The parts' whole float32 weight, rows one after the other."""
+    return torch.cat([p.dequantize(index) for p in parts]) if len(parts) > 1 else parts[0].dequantize(index)
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight is `parts` (output rows one after the other); `bias` in the
+    compute dtype or None."""
+
+    def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        # (models/basic.Linear's: the rows of the whole layer a tensor-parallel split kept)
+        self.kept_rows: torch.Tensor | slice | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        outs = [quantized_matmul(flat, part) for part in self.parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"parts={[type(p).__name__ for p in self.parts]}")
+
+
+class ExpertStack(nn.Module):
+    """Every expert's weight of one projection, as grouped_experts (models/moe.py) reads it:
+    `stack[e]` is expert e's weight [out, in] in `dtype`, the compute dtype (its parts' rows one
+    after the other: the gate's, then up's)."""
+
+    def __init__(self, parts: list[QuantizedWeight], dtype: torch.dtype):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.dtype = dtype
+        self.num_experts = parts[0].lead[0]
+        self.shape = (self.num_experts, sum(p.out_features for p in parts), parts[0].in_features)
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    def __getitem__(self, expert: int) -> torch.Tensor:
+        return dequantized(list(self.parts), (expert,)).to(self.dtype)

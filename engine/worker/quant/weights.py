@@ -1,0 +1,159 @@
+"""Weights kept as their checkpoint ships them: FP8 values with a grid of scales (per tensor, per
+channel, per block), integer codes with scales and zero points per group (GPTQ, AWQ,
+compressed-tensors' int formats), and MXFP4 (gpt-oss's experts). Each holds the bytes the
+checkpoint had (4-bit codes two to a byte) and turns a span of its rows into float32 on demand:
+what a linear layer multiplies by, a tile at a time (linear.py), and what an expert runs with.
+
+A weight may carry leading dimensions (a stack of experts: [experts, out, in]); `index` picks
+one. Every dequantization happens here, in float32, so that a layer computes with exactly the
+values a reference dequantizing the whole checkpoint in float32 has.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# MXFP4's 4-bit values (E2M1), by code; a byte holds two, the low nibble first.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class QuantizedWeight(nn.Module):
+    """A [*lead, out, in] weight in a quantized format; its tensors are buffers (they move with
+    the model and are not trained)."""
+    out_features: int
+    in_features: int
+
+    def dequantize(self, index: tuple[int, ...] = (), rows: slice = slice(None)) -> torch.Tensor:
+        """Rows `rows` of the weight at leading `index`, in float32: [rows, in]."""
+        raise NotImplementedError
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """The leading dimensions (experts), () for a plain layer's weight."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def stacked(self, others: list[QuantizedWeight]) -> QuantizedWeight:
+        """This weight and `others` (the same format and shape) as one with a leading dimension."""
+        raise NotImplementedError
+
+
+def _expand(grid: torch.Tensor, block: tuple[int, int], rows: slice, out: int, cols: int) -> torch.Tensor:
+    """A grid of per-block values ([ceil(out / bo), ceil(in / bi)]) spread over rows `rows` (of
+    `out`) and `cols` columns: each element's block's value."""
+    start, stop, _ = rows.indices(out)
+    bo, bi = block
+    first, last = start // bo, -(-stop // bo)
+    per_row = grid[first:last].repeat_interleave(bo, dim=0)[start - first * bo:stop - first * bo]
+    return per_row.repeat_interleave(bi, dim=1)[:, :cols] if bi > 1 else per_row[:, :cols]
+
+
+class FP8Weight(QuantizedWeight):
+    """float8 values [*lead, out, in] times float32 scales, one per (bo, bi) block of the grid
+    [*lead, ceil(out / bo), ceil(in / bi)]: per tensor a block of the whole weight, per channel
+    (1, in), DeepSeek's (128, 128); partial blocks at the edges."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale.float())
+        self.block = block
+        self.out_features, self.in_features = weight.shape[-2:]
+
+    @property
+    def lead(self):
+        return tuple(self.weight.shape[:-2])
+
+    def dequantize(self, index=(), rows=slice(None)):
+        w = self.weight[index][rows].float()
+        return w * _expand(self.scale[index], self.block, rows, self.out_features, self.in_features)
+
+    def stacked(self, others):
+        parts = [self, *others]
+        return FP8Weight(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]), self.block)
+
+
+class IntWeight(QuantizedWeight):
+    """Integer codes of `bits` (4: two to a byte, the low nibble the even column; 8: one byte)
+    [*lead, out, in * bits / 8], scales [*lead, out, groups] and zero points (codes, the same
+    shape; None: `zero` for every group): W = (code - zero) * scale. Input column i is in group
+    g_idx[i] (GPTQ's act-order), else i // group_size."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, zero: int, bits: int,
+                 group_size: int, g_idx: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        self.register_buffer("g_idx", g_idx)
+        self.zero, self.bits, self.group_size = zero, bits, group_size
+        self.out_features, self.in_features = codes.shape[-2], codes.shape[-1] * 8 // bits
+
+    @property
+    def lead(self):
+        return tuple(self.codes.shape[:-2])
+
+    def dequantize(self, index=(), rows=slice(None)):
+        codes = self.codes[index][rows]
+        if self.bits == 4:
+            codes = torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2)
+        values = codes.float()
+        scales = self._per_column(self.scales[index][rows].float())
+        if self.zeros is None:
+            return (values - self.zero) * scales
+        return (values - self._per_column(self.zeros[index][rows].float())) * scales
+
+    def _per_column(self, grouped: torch.Tensor) -> torch.Tensor:
+        if self.g_idx is not None:
+            return grouped[:, self.g_idx.long()]
+        return grouped.repeat_interleave(self.group_size, dim=1)[:, :self.in_features]
+
+    def stacked(self, others):
+        parts = [self, *others]
+        zeros = None if self.zeros is None else torch.stack([p.zeros for p in parts])
+        g_idx = self.g_idx  # (a stack's members share one: experts quantized with act-order each have their own)
+        if g_idx is not None and any(not torch.equal(p.g_idx, g_idx) for p in others):
+            raise ValueError("experts with different g_idx cannot share one stack")
+        return IntWeight(torch.stack([p.codes for p in parts]), torch.stack([p.scales for p in parts]), zeros,
+                         self.zero, self.bits, self.group_size, g_idx)
+
+
+class MXFP4Weight(QuantizedWeight):
+    """OCP microscaling FP4 (gpt-oss's experts): blocks [*lead, out, G, 16] bytes of two E2M1
+    codes each, the low nibble first, and scales [*lead, out, G], biased exponents (2^(s - 127))
+    each shared by a block's 32 values: in = G * 32."""
+
+    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("scales", scales)
+        self.register_buffer("lut", torch.tensor(FP4_VALUES, dtype=torch.float32), persistent=False)
+        self.out_features, self.in_features = blocks.shape[-3], blocks.shape[-2] * 32
+
+    @property
+    def lead(self):
+        return tuple(self.blocks.shape[:-3])
+
+    def nbytes(self):
+        return self.blocks.numel() + self.scales.numel()
+
+    def dequantize(self, index=(), rows=slice(None)):
+        return dequantize_mxfp4(self.blocks[index][rows], self.scales[index][rows], self.lut)
+
+    def stacked(self, others):
+        parts = [self, *others]
+        return MXFP4Weight(torch.stack([p.blocks for p in parts]), torch.stack([p.scales for p in parts]))
+
+    def rows_taken(self, rows: torch.Tensor) -> MXFP4Weight:
+        """The same weight with its output rows reordered or picked (every row has its own scales)."""
+        return MXFP4Weight(self.blocks[..., rows, :, :].contiguous(), self.scales[..., rows, :].contiguous())
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, lut: torch.Tensor | None = None) -> torch.Tensor:
+    """MXFP4 blocks [..., G, 16] and scales [..., G] (MXFP4Weight) as float32 [..., G * 32]."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device) if lut is None else lut
+    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-2)
+    return torch.ldexp(values, (scales.to(torch.int32) - 127)[..., None].float()).flatten(-2)
