@@ -60,6 +60,20 @@ def tensors_under(model_dir: str, prefix: str):
                     yield name, f.get_tensor(name)
 
 
+def checkpoint_bytes(model_dir: str) -> dict[str, int]:
+    """The bytes of a checkpoint's tensors by safetensors dtype ("F8_E4M3", "I32", "BF16"...), read
+    from the files' headers alone (no weight is read)."""
+    sizes: dict[str, int] = {}
+    for path in _safetensors_files(model_dir):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                start, end = entry["data_offsets"]
+                sizes[entry["dtype"]] = sizes.get(entry["dtype"], 0) + end - start
+    return sizes
+
+
 def checkpoint_fingerprint(model_dir: str) -> str:
     """A short digest of a checkpoint's contents: its config.json, and each weight file's size
     and ranges spread over it. The same checkpoint gives the same digest wherever it is

@@ -10,9 +10,12 @@ def describe(model_dir: str, max_model_len: int | None) -> list[str]:
     from baton.engine.common.config import read_config
     from baton.engine.common.errors import check
     from baton.engine.common.kv_groups import group_layers
+    from baton.engine.worker.loader import checkpoint_bytes
     from baton.engine.worker.models import model_args
+    from baton.engine.worker.quant.formats import checkpoint_format
 
-    a = model_args(read_config(model_dir))
+    config = read_config(model_dir)
+    a, fmt = model_args(config), checkpoint_format(config)
     max_len = max_model_len or min(a.max_position_embeddings, 8192)
     check(max_len <= a.max_position_embeddings, "max_model_len",
           f"{max_len} exceeds the model's max_position_embeddings {a.max_position_embeddings}")
@@ -30,7 +33,22 @@ def describe(model_dir: str, max_model_len: int | None) -> list[str]:
             f"  at max_model_len {max_len}: {sliding} sliding-window layers"
             + (f" (window {max(w for w in windows if w)})" if sliding else "")
             + f", {len(groups.windows)} KV cache group(s) of {groups.layers_per_block} layer(s); "
-              f"{kv_per_token} of {a.num_layers} layers keep every token's KV"]
+              f"{kv_per_token} of {a.num_layers} layers keep every token's KV",
+            _weights_line(checkpoint_bytes(model_dir), fmt)]
+
+
+def _weights_line(sizes: dict[str, int], fmt) -> str:
+    """The checkpoint's weights: their format and the memory they take as Baton holds them (a
+    quantized checkpoint's layers stay as stored; a float one's in the dtype it is served in,
+    given by --dtype, here as stored)."""
+    kinds = ", ".join(f"{dtype} {_size(n)}" for dtype, n in sorted(sizes.items(), key=lambda kv: -kv[1]))
+    what = (f"quantized ({fmt.describe()}), kept as stored: {_size(sum(sizes.values()))} in memory"
+            if fmt is not None else f"unquantized, {_size(sum(sizes.values()))} as stored (in memory: at --dtype)")
+    return f"  weights: {what} ({kinds})"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def models(args) -> None:
