@@ -100,6 +100,10 @@ class KVFormat(msgspec.Struct, frozen=True):
     draft_method: str = ""
     draft_model: str = ""
     draft_kv: tuple[int, ...] = ()
+    # Fingerprints of other checkpoints whose KV this engine takes as its own model's (another
+    # quantization of the same model, named by the operator: accept_kv_from). Not compared:
+    # either side naming the other's checkpoint pairs them.
+    accepts_models: tuple[str, ...] = ()
 
     def check_peer(self, theirs: KVFormat) -> None:
         """Raises KVFormatMismatch naming the first field that differs."""
@@ -109,14 +113,17 @@ class KVFormat(msgspec.Struct, frozen=True):
                                                            f"one size must divide the other")
         for name in self.__struct_fields__:
             mine, other = getattr(self, name), getattr(theirs, name)
-            if mine == other or name == "tensor_parallel_size":
+            if mine == other or name in ("tensor_parallel_size", "accepts_models"):
+                continue
+            if name == "model" and (other in self.accepts_models or mine in theirs.accepts_models):
                 continue
             if name.startswith("draft_"):
                 raise KVFormatMismatch(name, f"the peer's is {other!r}, this engine's {mine!r}: a draft's KV "
                                              f"(draft_model, eagle, eagle3, mtp) goes from prefill to decode, so both "
                                              f"must run the same speculative_config method and model")
             raise KVFormatMismatch(name, f"the peer's KV cache has {other!r}, this engine's {mine!r}; prefill and "
-                                         f"decode must serve the same checkpoint with the same dtype, block size, "
+                                         f"decode must serve the same checkpoint (or name the other's in "
+                                         f"accept_kv_from) with the same dtype, block size, "
                                          f"attention backend, max_model_len (it decides which windows slide) and "
                                          f"hybrid KV cache setting")
 

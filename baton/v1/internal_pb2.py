@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from baton.v1 import generate_pb2 as baton_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62\x61ton/v1/internal.proto\x12\x08\x62\x61ton.v1\x1a\x17\x62\x61ton/v1/generate.proto\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"`\n\x0fPrefillResponse\x12\"\n\x06handle\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVHandle\x12)\n\x05\x66irst\x18\x02 \x01(\x0b\x32\x1a.baton.v1.GenerateResponse\"\xbf\x02\n\x08KVLayout\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x10\n\x08mem_type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65v_id\x18\x07 \x01(\r\x12\"\n\x06\x66ormat\x18\x08 \x01(\x0b\x32\x12.baton.v1.KVFormat\x12\x16\n\x0ehost_base_addr\x18\t \x01(\x04\x12\x17\n\x0fhost_num_blocks\x18\n \x01(\r\x12!\n\x05ranks\x18\x0b \x03(\x0b\x32\x12.baton.v1.KVLayout\x12\x17\n\x0f\x64raft_base_addr\x18\x0c \x01(\x04\x12\x19\n\x11\x64raft_block_bytes\x18\r \x01(\x04\"\xad\x02\n\x08KVFormat\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x11\n\thead_size\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12)\n\tkv_groups\x18\x08 \x03(\x0b\x32\x16.baton.v1.KVCacheGroup\x12\x11\n\tattention\x18\t \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x14\n\x0c\x64raft_method\x18\x0b \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x0c \x01(\t\x12\x10\n\x08\x64raft_kv\x18\r \x03(\r\".\n\x0cKVCacheGroup\x12\x0e\n\x06layers\x18\x01 \x03(\r\x12\x0e\n\x06window\x18\x02 \x01(\r\"\x1a\n\x18SubscribeKVEventsRequest\"\x88\x01\n\x0cKVEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x10\n\x08snapshot\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12!\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x11.baton.v1.KVEvent\"\x8e\x01\n\x07KVEvent\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.baton.v1.KVEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x12\x12\x18\n\x0bparent_hash\x18\x03 \x01(\x12H\x00\x88\x01\x01\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.baton.v1.KVTierB\x0e\n\x0c_parent_hash\"\x0e\n\x0cStatsRequest\"\xcd\x03\n\x0b\x45ngineStats\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x10\n\x08num_held\x18\x07 \x01(\r\x12\x1d\n\x15num_in_flight_streams\x18\x08 \x01(\r\x12\x1d\n\x15num_prefix_hit_tokens\x18\t \x01(\x04\x12\x19\n\x11num_expired_holds\x18\n \x01(\x04\x12\x18\n\x10num_failed_loads\x18\x0b \x01(\x04\x12\x19\n\x11num_blocks_pulled\x18\x0c \x01(\x04\x12\x14\n\x0cnum_requests\x18\r \x01(\x04\x12\x17\n\x0f\x65ngine_core_pid\x18\x0e \x01(\r\x12\x1a\n\x12num_host_kv_blocks\x18\x0f \x01(\r\x12\x1f\n\x17num_free_host_kv_blocks\x18\x10 \x01(\r\x12\x1a\n\x12num_host_hand_offs\x18\x11 \x01(\x04\x12\x18\n\x10num_bytes_pulled\x18\x12 \x01(\x04*\x9e\x01\n\x0bKVEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02\x12\x1c\n\x18KV_EVENT_KIND_TIER_MOVED\x10\x03\x12\x1d\n\x19KV_EVENT_KIND_ALL_CLEARED\x10\x04\x32\x84\x01\n\x07Prefill\x12?\n\x07Prefill\x12\x19.baton.v1.GenerateRequest\x1a\x19.baton.v1.PrefillResponse\x12\x38\n\x07Release\x12\x12.baton.v1.KVHandle\x1a\x19.baton.v1.ReleaseResponse2=\n\x06KVPeer\x12\x33\n\tHandshake\x12\x12.baton.v1.KVLayout\x1a\x12.baton.v1.KVLayout2\x92\x01\n\x05\x41\x64min\x12\x36\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x15.baton.v1.EngineStats\x12Q\n\x11SubscribeKVEvents\x12\".baton.v1.SubscribeKVEventsRequest\x1a\x16.baton.v1.KVEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62\x61ton/v1/internal.proto\x12\x08\x62\x61ton.v1\x1a\x17\x62\x61ton/v1/generate.proto\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"`\n\x0fPrefillResponse\x12\"\n\x06handle\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVHandle\x12)\n\x05\x66irst\x18\x02 \x01(\x0b\x32\x1a.baton.v1.GenerateResponse\"\xbf\x02\n\x08KVLayout\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x10\n\x08mem_type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65v_id\x18\x07 \x01(\r\x12\"\n\x06\x66ormat\x18\x08 \x01(\x0b\x32\x12.baton.v1.KVFormat\x12\x16\n\x0ehost_base_addr\x18\t \x01(\x04\x12\x17\n\x0fhost_num_blocks\x18\n \x01(\r\x12!\n\x05ranks\x18\x0b \x03(\x0b\x32\x12.baton.v1.KVLayout\x12\x17\n\x0f\x64raft_base_addr\x18\x0c \x01(\x04\x12\x19\n\x11\x64raft_block_bytes\x18\r \x01(\x04\"\xc5\x02\n\x08KVFormat\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x11\n\thead_size\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12)\n\tkv_groups\x18\x08 \x03(\x0b\x32\x16.baton.v1.KVCacheGroup\x12\x11\n\tattention\x18\t \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x14\n\x0c\x64raft_method\x18\x0b \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x0c \x01(\t\x12\x10\n\x08\x64raft_kv\x18\r \x03(\r\x12\x16\n\x0e\x61\x63\x63\x65pts_models\x18\x0e \x03(\t\".\n\x0cKVCacheGroup\x12\x0e\n\x06layers\x18\x01 \x03(\r\x12\x0e\n\x06window\x18\x02 \x01(\r\"\x1a\n\x18SubscribeKVEventsRequest\"\x88\x01\n\x0cKVEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x10\n\x08snapshot\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12!\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x11.baton.v1.KVEvent\"\x8e\x01\n\x07KVEvent\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.baton.v1.KVEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x12\x12\x18\n\x0bparent_hash\x18\x03 \x01(\x12H\x00\x88\x01\x01\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.baton.v1.KVTierB\x0e\n\x0c_parent_hash\"\x0e\n\x0cStatsRequest\"\xcd\x03\n\x0b\x45ngineStats\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x10\n\x08num_held\x18\x07 \x01(\r\x12\x1d\n\x15num_in_flight_streams\x18\x08 \x01(\r\x12\x1d\n\x15num_prefix_hit_tokens\x18\t \x01(\x04\x12\x19\n\x11num_expired_holds\x18\n \x01(\x04\x12\x18\n\x10num_failed_loads\x18\x0b \x01(\x04\x12\x19\n\x11num_blocks_pulled\x18\x0c \x01(\x04\x12\x14\n\x0cnum_requests\x18\r \x01(\x04\x12\x17\n\x0f\x65ngine_core_pid\x18\x0e \x01(\r\x12\x1a\n\x12num_host_kv_blocks\x18\x0f \x01(\r\x12\x1f\n\x17num_free_host_kv_blocks\x18\x10 \x01(\r\x12\x1a\n\x12num_host_hand_offs\x18\x11 \x01(\x04\x12\x18\n\x10num_bytes_pulled\x18\x12 \x01(\x04*\x9e\x01\n\x0bKVEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02\x12\x1c\n\x18KV_EVENT_KIND_TIER_MOVED\x10\x03\x12\x1d\n\x19KV_EVENT_KIND_ALL_CLEARED\x10\x04\x32\x84\x01\n\x07Prefill\x12?\n\x07Prefill\x12\x19.baton.v1.GenerateRequest\x1a\x19.baton.v1.PrefillResponse\x12\x38\n\x07Release\x12\x12.baton.v1.KVHandle\x1a\x19.baton.v1.ReleaseResponse2=\n\x06KVPeer\x12\x33\n\tHandshake\x12\x12.baton.v1.KVLayout\x1a\x12.baton.v1.KVLayout2\x92\x01\n\x05\x41\x64min\x12\x36\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x15.baton.v1.EngineStats\x12Q\n\x11SubscribeKVEvents\x12\".baton.v1.SubscribeKVEventsRequest\x1a\x16.baton.v1.KVEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.internal_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVEVENTKIND']._serialized_start=1664
-  _globals['_KVEVENTKIND']._serialized_end=1822
+  _globals['_KVEVENTKIND']._serialized_start=1688
+  _globals['_KVEVENTKIND']._serialized_end=1846
   _globals['_RELEASERESPONSE']._serialized_start=62
   _globals['_RELEASERESPONSE']._serialized_end=97
   _globals['_PREFILLRESPONSE']._serialized_start=99
@@ -41,23 +41,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=198
   _globals['_KVLAYOUT']._serialized_end=517
   _globals['_KVFORMAT']._serialized_start=520
-  _globals['_KVFORMAT']._serialized_end=821
-  _globals['_KVCACHEGROUP']._serialized_start=823
-  _globals['_KVCACHEGROUP']._serialized_end=869
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=871
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=897
-  _globals['_KVEVENTBATCH']._serialized_start=900
-  _globals['_KVEVENTBATCH']._serialized_end=1036
-  _globals['_KVEVENT']._serialized_start=1039
-  _globals['_KVEVENT']._serialized_end=1181
-  _globals['_STATSREQUEST']._serialized_start=1183
-  _globals['_STATSREQUEST']._serialized_end=1197
-  _globals['_ENGINESTATS']._serialized_start=1200
-  _globals['_ENGINESTATS']._serialized_end=1661
-  _globals['_PREFILL']._serialized_start=1825
-  _globals['_PREFILL']._serialized_end=1957
-  _globals['_KVPEER']._serialized_start=1959
-  _globals['_KVPEER']._serialized_end=2020
-  _globals['_ADMIN']._serialized_start=2023
-  _globals['_ADMIN']._serialized_end=2169
+  _globals['_KVFORMAT']._serialized_end=845
+  _globals['_KVCACHEGROUP']._serialized_start=847
+  _globals['_KVCACHEGROUP']._serialized_end=893
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=895
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=921
+  _globals['_KVEVENTBATCH']._serialized_start=924
+  _globals['_KVEVENTBATCH']._serialized_end=1060
+  _globals['_KVEVENT']._serialized_start=1063
+  _globals['_KVEVENT']._serialized_end=1205
+  _globals['_STATSREQUEST']._serialized_start=1207
+  _globals['_STATSREQUEST']._serialized_end=1221
+  _globals['_ENGINESTATS']._serialized_start=1224
+  _globals['_ENGINESTATS']._serialized_end=1685
+  _globals['_PREFILL']._serialized_start=1849
+  _globals['_PREFILL']._serialized_end=1981
+  _globals['_KVPEER']._serialized_start=1983
+  _globals['_KVPEER']._serialized_end=2044
+  _globals['_ADMIN']._serialized_start=2047
+  _globals['_ADMIN']._serialized_end=2193
 # @@protoc_insertion_point(module_scope)

@@ -66,7 +66,7 @@ class KVLayout(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., mem_type: _Optional[str] = ..., dev_id: _Optional[int] = ..., format: _Optional[_Union[KVFormat, _Mapping]] = ..., host_base_addr: _Optional[int] = ..., host_num_blocks: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[KVLayout, _Mapping]]] = ..., draft_base_addr: _Optional[int] = ..., draft_block_bytes: _Optional[int] = ...) -> None: ...
 
 class KVFormat(_message.Message):
-    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "attention_backend", "kv_groups", "attention", "tensor_parallel_size", "draft_method", "draft_model", "draft_kv")
+    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "attention_backend", "kv_groups", "attention", "tensor_parallel_size", "draft_method", "draft_model", "draft_kv", "accepts_models")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class KVFormat(_message.Message):
     DRAFT_METHOD_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_KV_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_MODELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     num_layers: int
@@ -93,7 +94,8 @@ class KVFormat(_message.Message):
     draft_method: str
     draft_model: str
     draft_kv: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., kv_groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., attention: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_method: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_kv: _Optional[_Iterable[int]] = ...) -> None: ...
+    accepts_models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., attention_backend: _Optional[str] = ..., kv_groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., attention: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_method: _Optional[str] = ..., draft_model: _Optional[str] = ..., draft_kv: _Optional[_Iterable[int]] = ..., accepts_models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVCacheGroup(_message.Message):
     __slots__ = ("layers", "window")

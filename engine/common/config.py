@@ -14,6 +14,7 @@ from baton.engine.common.speculative import SpeculativeConfig
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+_FINGERPRINT = re.compile(r"[0-9a-f]{32}")  # engine/worker/loader.checkpoint_fingerprint's
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 _GIB = 1 << 30
 
@@ -88,6 +89,11 @@ class EngineConfig:
     # reach the next step on the device), for steps whose requests need nothing of the host between
     # (engine/core/engine_core.py says which); others step one at a time.
     async_scheduling: bool = False
+    # Other checkpoints whose KV a P/D peer may send this engine (or take from it) as if it were
+    # this one's: another quantization of the same model (a bf16 prefill before an FP8 decode),
+    # by directory or by the fingerprint `baton models` prints. Empty: a peer serves this very
+    # checkpoint, or the handshake refuses it naming kv_layout.format.model.
+    accept_kv_from: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         check(isinstance(self.model, (str, os.PathLike)) and os.path.isdir(self.model), "model",
@@ -142,6 +148,11 @@ class EngineConfig:
               f"must be an integer in [1, 64], got {tp!r}")
         check(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel",
               f"must be true or false, got {self.enable_expert_parallel!r}")
+        peers = self.accept_kv_from
+        check(isinstance(peers, (list, tuple)) and all(
+            isinstance(p, str) and (os.path.isdir(p) or _FINGERPRINT.fullmatch(p)) for p in peers), "accept_kv_from",
+              f"must list checkpoint directories or their fingerprints (32 hex digits, `baton models`), got {peers!r}")
+        self.accept_kv_from = list(peers)
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

@@ -81,6 +81,11 @@ def checkpoint_fingerprint(model_dir: str) -> str:
     return files_fingerprint(os.path.join(model_dir, "config.json"), _safetensors_files(model_dir))
 
 
+def peer_fingerprint(checkpoint: str) -> str:
+    """accept_kv_from's entry as a fingerprint: a checkpoint directory's, or the entry itself."""
+    return checkpoint_fingerprint(checkpoint) if os.path.isdir(checkpoint) else checkpoint
+
+
 def weight_files(model_dir: str) -> list[str]:
     """A checkpoint folder's weight files, whatever their names: *.safetensors, else
     pytorch_model*.bin (as EAGLE's heads are published)."""

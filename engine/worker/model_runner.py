@@ -24,7 +24,7 @@ from baton.engine.worker.batch_builder import BatchBuilder, StepBatch
 from baton.engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_because
 from baton.engine.worker.grammar import mask_logits
 from baton.engine.worker.host_kv_copier import HostKVCopier
-from baton.engine.worker.loader import checkpoint_fingerprint, draft_fingerprint
+from baton.engine.worker.loader import checkpoint_fingerprint, draft_fingerprint, peer_fingerprint
 from baton.engine.worker.lora.layers import LoRASlots
 from baton.engine.worker.models import CausalLM, model_args
 from baton.engine.worker.queued_step import PinnedRing, QueuedStep
@@ -133,7 +133,7 @@ class ModelRunner:
                 checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,
                 whole.num_kv_heads, args.head_dim, config.block_size, self.attention_backend, groups.layers,
                 tuple(w or 0 for w in groups.windows), kv_attention(args), config.tensor_parallel_size,
-                *self.draft_format),
+                *self.draft_format, tuple(map(peer_fingerprint, config.accept_kv_from))),
                 host_cache=self.host_kv.host_cache if self.host_kv is not None else None, draft_cache=draft_cache)
 
     def _draft_proposer(self, draft, num_blocks: int):

@@ -96,6 +96,9 @@ FLAGS = (
     Flag("async_scheduling", "prepare each step while the device runs the one before (requests without logprobs, "
                              "penalties, grammars or min_tokens; not with speculative decoding, tensor parallelism, "
                              "a KV connector or the host KV tier)"),
+    Flag("accept_kv_from", "P/D: other checkpoints (directories, or the fingerprints `baton models` prints) whose KV "
+                           "this engine's peers may send or take as this model's: another quantization of the same "
+                           "model", str, "+", "CHECKPOINT"),
     Flag("cudagraph_capture_sizes", "decode batch sizes to capture CUDA graphs for (default: 1 2 4, then every "
                                     "multiple of 8 up to --max-num-seqs, at most 512)", int, "+", "N"),
     Flag("lora_modules", "LoRA adapters (PEFT directories) to load at start; requests pick one by name",

@@ -10,7 +10,7 @@ def describe(model_dir: str, max_model_len: int | None) -> list[str]:
     from baton.engine.common.config import read_config
     from baton.engine.common.errors import check
     from baton.engine.common.kv_groups import group_layers
-    from baton.engine.worker.loader import checkpoint_bytes
+    from baton.engine.worker.loader import checkpoint_bytes, checkpoint_fingerprint
     from baton.engine.worker.models import model_args
     from baton.engine.worker.quant.formats import checkpoint_format
 
@@ -34,7 +34,8 @@ def describe(model_dir: str, max_model_len: int | None) -> list[str]:
             + (f" (window {max(w for w in windows if w)})" if sliding else "")
             + f", {len(groups.windows)} KV cache group(s) of {groups.layers_per_block} layer(s); "
               f"{kv_per_token} of {a.num_layers} layers keep every token's KV",
-            _weights_line(checkpoint_bytes(model_dir), fmt)]
+            _weights_line(checkpoint_bytes(model_dir), fmt),
+            f"  fingerprint {checkpoint_fingerprint(model_dir)} (what a P/D peer's --accept-kv-from may name)"]
 
 
 def _weights_line(sizes: dict[str, int], fmt) -> str:

@@ -37,7 +37,8 @@ def layout_to_proto(layout: KVLayout) -> internal_pb2.KVLayout:
                                      kv_groups=[internal_pb2.KVCacheGroup(layers=layers, window=window)
                                                 for layers, window in zip(f.kv_groups, f.kv_windows, strict=True)],
                                      tensor_parallel_size=f.tensor_parallel_size, draft_method=f.draft_method,
-                                     draft_model=f.draft_model, draft_kv=f.draft_kv),
+                                     draft_model=f.draft_model, draft_kv=f.draft_kv,
+                                     accepts_models=f.accepts_models),
         ranks=[layout_to_proto(rank) for rank in layout.ranks], draft_base_addr=layout.draft_base_addr,
         draft_block_bytes=layout.draft_block_bytes)
 
@@ -50,6 +51,6 @@ def layout_from_proto(msg: internal_pb2.KVLayout) -> KVLayout:
                                                        tuple(tuple(g.layers) for g in f.kv_groups),
                                                        tuple(g.window for g in f.kv_groups), f.attention,
                                                        f.tensor_parallel_size or 1, f.draft_method, f.draft_model,
-                                                       tuple(f.draft_kv)),
+                                                       tuple(f.draft_kv), tuple(f.accepts_models)),
                     msg.host_base_addr, msg.host_num_blocks, msg.draft_base_addr, msg.draft_block_bytes,
                     [layout_from_proto(rank) for rank in msg.ranks])

@@ -24,6 +24,7 @@ from helm_render import (
     kubernetes_validate,
     manifests,
     of_kind,
+    parse,
     pod_specs,
     render,
     render_golden,
@@ -205,3 +206,17 @@ def test_templates_check_tensor_parallel_sizes_too(tmp_path):
         with pytest.raises(helm_python.HelmRenderError) as info:
             c.render({"decode": {"tensorParallelSize": 0}}, name=RELEASE, namespace=NAMESPACE)
     assert "decode.tensorParallelSize: must be at least 1 (got 0)" in str(info.value)
+
+
+def test_two_quantizations_of_one_model_pair_when_a_tier_names_the_other():
+    """A bf16 prefill before an FP8 decode: the models may differ once a tier's acceptKvFrom names
+    the other's (a folder under /models, or a fingerprint, passed as it is)."""
+    fingerprint = "0123456789abcdef0123456789abcdef"
+    docs = manifests({"prefill": {"engine": {"model": "llama-bf16"}},
+                      "decode": {"engine": {"model": "llama-fp8", "acceptKvFrom": ["llama-bf16/", fingerprint]}}})
+    tiers = {component(labels): spec["containers"][0] for _, labels, spec in pod_specs(docs)}
+    assert parse(tiers["decode"]).accept_kv_from == ["/models/llama-bf16", fingerprint]
+    assert parse(tiers["prefill"]).accept_kv_from is None
+    with pytest.raises(helm_python.HelmRenderError, match="name the other in acceptKvFrom"):
+        manifests({"prefill": {"engine": {"model": "llama-bf16"}},
+                   "decode": {"engine": {"model": "llama-fp8", "acceptKvFrom": ["llama-other"]}}})

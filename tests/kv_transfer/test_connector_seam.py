@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 from helpers import random_prompts
 
 from baton.engine.common.config import EngineConfig
@@ -148,3 +149,24 @@ def test_disaggregated_through_the_seam_equals_transformers(tiny_model, hf):
     assert prefill.num_held_requests == 0
     assert prefill.kv.num_free_blocks == prefill.num_kv_blocks
     assert decode.kv.num_free_blocks == decode.num_kv_blocks
+
+
+def test_two_checkpoints_pair_only_where_one_side_names_the_other_and_the_wire_carries_it():
+    """Another quantization of the same model (accept_kv_from): either side naming the other's
+    fingerprint pairs them; nobody naming it is refused naming `model`. The list crosses the
+    handshake's wire as it is."""
+    from baton.kv_transfer.base import KVFormat, KVFormatMismatch, KVLayout
+    from baton.services.rpc.kv_wire import layout_from_proto, layout_to_proto
+
+    def fmt(model: str, accepts: tuple[str, ...] = ()) -> KVFormat:
+        return KVFormat(model, "float32", 2, 2, 16, 16, "cpu", accepts_models=accepts)
+
+    with pytest.raises(KVFormatMismatch) as err:
+        fmt("a").check_peer(fmt("b"))
+    assert err.value.field == "model" and "accept_kv_from" in str(err.value)
+    fmt("a", ("b",)).check_peer(fmt("b"))
+    fmt("a").check_peer(fmt("b", ("a",)))
+    with pytest.raises(KVFormatMismatch):
+        fmt("a", ("c",)).check_peer(fmt("b", ("d",)))
+    layout = KVLayout("e1", b"meta", 4096, 64, 8, "DRAM", 0, fmt("a", ("b", "c")))
+    assert layout_from_proto(layout_to_proto(layout)).format == layout.format

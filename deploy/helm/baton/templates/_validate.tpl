@@ -53,8 +53,11 @@ only when one size divides the other. */}}
 {{- range $key := list "model" "dtype" "blockSize" }}
 {{- $pv := toString (index $p $key | default "") }}
 {{- $dv := toString (index $d $key | default "") }}
-{{- if ne $pv $dv }}
-{{- fail (printf "prefill.engine.%s (%q) and decode.engine.%s (%q) must agree: decodes load the KV blocks prefills computed (set engine.%s once, or both the same)" $key $pv $key $dv $key) }}
+{{- $accepts := list }}
+{{- range concat ($p.acceptKvFrom | default list) ($d.acceptKvFrom | default list) }}{{ $accepts = append $accepts (trimAll "/" (toString .)) }}{{ end }}
+{{- $accepted := and (eq $key "model") (or (has (trimAll "/" $pv) $accepts) (has (trimAll "/" $dv) $accepts)) }}
+{{- if and (ne $pv $dv) (not $accepted) }}
+{{- fail (printf "prefill.engine.%s (%q) and decode.engine.%s (%q) must agree: decodes load the KV blocks prefills computed (set engine.%s once, or both the same; two quantizations of one model: name the other in acceptKvFrom)" $key $pv $key $dv $key) }}
 {{- end }}
 {{- end }}
 {{- /* A draft model's or head's KV goes with the prompt's: the same one on both tiers. */}}

@@ -236,6 +236,10 @@ spec:
 {{- with $spec.model }}{{ $_ := set $spec "model" (printf "/models/%s" (trimAll "/" (toString .))) }}{{ end }}
 {{- $args = append $args (printf "--speculative-config=%s" (toJson $spec)) }}
 {{- end }}
+{{- with $e.acceptKvFrom }}
+{{- $args = append $args "--accept-kv-from" }}
+{{- range . }}{{ $args = append $args (ternary (toString .) (printf "/models/%s" (trimAll "/" (toString .))) (regexMatch "^[0-9a-f]{32}$" (toString .))) }}{{ end }}
+{{- end }}
 {{- $ranks := int (include "baton.tensorParallelSize" (index $v .tier)) }}
 {{- if gt $ranks 1 }}{{ $args = append $args (printf "--tensor-parallel-size=%d" $ranks) }}{{ end }}
 {{- $args = append $args (printf "--grace-period=%v" $v.gracePeriodSeconds) }}
