@@ -1,4 +1,6 @@
-"""CPU kernels in C++, compiled on first use with the system compiler and loaded with ctypes.
+"""CPU kernels in C++, compiled on first use with the system compiler and loaded with ctypes:
+paged attention (cpu/paged_attention.cpp) and quantized weights' rows to float32
+(cpu/dequant.cpp, wrapped by cpu_dequant.py), one library.
 
 The source has no torch headers, so a build takes about 5 s on 2 cores (a torch C++ extension
 takes most of a minute); the library is cached under ~/.cache/baton/kernels, keyed by the
@@ -27,7 +29,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu") / "paged_attention.cpp"
+SOURCES = [Path(__file__).with_name("cpu") / name for name in ("paged_attention.cpp", "dequant.cpp")]
 # No -ffast-math: its start-up code would set flush-to-zero for the whole process.
 # -fno-math-errno lets floor and the softmax loop vectorize.
 MARCH = os.environ.get("BATON_KERNEL_MARCH", "native")
@@ -73,8 +75,8 @@ def _build(compiler: str, target: Path | None = None) -> Path:
     if target is None:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
         cpu = _cpu_signature() if MARCH == "native" else MARCH
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, cpu]).encode())
-        target = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+        key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), " ".join(FLAGS), version, cpu]).encode())
+        target = _cache_dir() / f"baton_kernels-{key.hexdigest()[:16]}.so"
         if target.exists():
             return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -82,7 +84,7 @@ def _build(compiler: str, target: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True,
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, check=True,
                        timeout=300)
         umask = os.umask(0)
         os.umask(umask)
@@ -148,8 +150,12 @@ def _load_prebuilt(path: str) -> ctypes.CDLL | None:
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    from baton.kernels.cpu_dequant import QuantRows  # (its own module: the struct of the other source)
+
     lib.baton_paged_attention.argtypes = [ctypes.c_int, ctypes.POINTER(Batch)]
     lib.baton_paged_attention.restype = ctypes.c_int
+    lib.baton_dequant_rows.argtypes = [ctypes.POINTER(QuantRows), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.baton_dequant_rows.restype = ctypes.c_int
     return lib
 
 

@@ -222,7 +222,7 @@ class CompressedTensors(CheckpointFormat):
             _shaped(zeros, tuple(scales.shape), module, "weight_zero_point")
         g_idx = tensors.get("weight_g_idx")
         return IntWeight(pack_codes(codes, bits), scales, zeros, 1 << (bits - 1), bits, group,
-                         _nontrivial(g_idx, group))
+                         _nontrivial(g_idx, group), cols)
 
     @staticmethod
     def _block(args: dict, out: int, cols: int) -> tuple[int, int]:
@@ -289,8 +289,8 @@ class GPTQ(CheckpointFormat):
             _shaped(g_idx, (cols,), module, "g_idx")
             check(int(g_idx.min()) >= 0 and int(g_idx.max()) < groups, "model",
                   f"{module}.g_idx names groups outside 0..{groups - 1}")
-        return IntWeight(pack_codes(codes, self.bits), scales, zeros.contiguous(), 0, self.bits, group,
-                         _nontrivial(g_idx, group))
+        return IntWeight(pack_codes(codes, self.bits), scales, zeros, 0, self.bits, group, _nontrivial(g_idx, group),
+                         cols)
 
     def describe(self):
         return f"gptq int{self.bits} group {self.group_size}" + (" act-order" if self.desc_act else "")

@@ -13,28 +13,52 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.worker.quant.weights import QuantizedWeight
+from baton.kernels import cpu_dequant
 
-# A tile of dequantized rows: at most this many float32 values (4 MiB), so that it stays in cache
+# A tile of dequantized rows: at most this many float32 values (1 MiB), so that it stays in cache
 # and a large layer never has its whole float copy at once.
-_TILE_VALUES = 1 << 20
+_TILE_VALUES = 1 << 18
 
 
 def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight, index: tuple[int, ...] = ()) -> torch.Tensor:
-    """x [T, in] times weight (at leading `index`) transposed: [T, out], in x's dtype."""
+    """x [T, in] times weight (at leading `index`) transposed: [T, out], in x's dtype. On CPU the
+    rows are dequantized by the C++ kernel into one reused tile; elsewhere (or without a
+    compiler) by the weight's own PyTorch code."""
     out, cols = weight.out_features, weight.in_features
     step = max(1, _TILE_VALUES // cols)
+    kernel = x.device.type == "cpu" and cpu_dequant.available()
+    if kernel:
+        rows, xf = weight.kernel_rows(index), x.float()
+        tile = torch.empty(min(step, out), cols)
     if step >= out:
-        return F.linear(x, weight.dequantize(index).to(x.dtype))
+        w = cpu_dequant.dequant_rows(rows, 0, out, tile) if kernel else weight.dequantize(index)
+        return F.linear(x, w.to(x.dtype)) if not kernel else F.linear(xf, w).to(x.dtype)
     y = torch.empty(x.shape[0], out, dtype=x.dtype, device=x.device)
     for start in range(0, out, step):
-        rows = slice(start, min(start + step, out))
-        y[:, rows] = F.linear(x, weight.dequantize(index, rows).to(x.dtype))
+        stop = min(start + step, out)
+        if kernel:
+            n = stop - start
+            y[:, start:stop] = F.linear(xf, cpu_dequant.dequant_rows(rows, start, stop, tile)[:n])
+        else:
+            y[:, start:stop] = F.linear(x, weight.dequantize(index, slice(start, stop)).to(x.dtype))
     return y
+
+
+def dequantize(weight: QuantizedWeight, index: tuple[int, ...] = ()) -> torch.Tensor:
+    """The whole float32 weight at leading `index` (the C++ kernel's where it can)."""
+    if weight.lead and not index or not (weight_on_cpu(weight) and cpu_dequant.available()):
+        return weight.dequantize(index)
+    out = torch.empty(weight.out_features, weight.in_features)
+    return cpu_dequant.dequant_rows(weight.kernel_rows(index), 0, weight.out_features, out)
+
+
+def weight_on_cpu(weight: QuantizedWeight) -> bool:
+    return next(weight.buffers()).device.type == "cpu"
 
 
 def dequantized(parts: list[QuantizedWeight], index: tuple[int, ...] = ()) -> torch.Tensor:
     """The parts' whole float32 weight, rows one after the other."""
-    return torch.cat([p.dequantize(index) for p in parts]) if len(parts) > 1 else parts[0].dequantize(index)
+    return torch.cat([dequantize(p, index) for p in parts]) if len(parts) > 1 else dequantize(parts[0], index)
 
 
 class QuantizedLinear(nn.Module):

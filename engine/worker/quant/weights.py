@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baton.kernels import cpu_dequant
+from baton.kernels.cpu_dequant import QuantRows
+
 # MXFP4's 4-bit values (E2M1), by code; a byte holds two, the low nibble first.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -35,6 +38,10 @@ class QuantizedWeight(nn.Module):
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def kernel_rows(self, index: tuple[int, ...] = ()) -> QuantRows:
+        """The weight at leading `index` as the CPU kernel reads it (kernels/cpu_dequant.py)."""
+        raise NotImplementedError
 
     def stacked(self, others: list[QuantizedWeight]) -> QuantizedWeight:
         """This weight and `others` (the same format and shape) as one with a leading dimension."""
@@ -71,6 +78,9 @@ class FP8Weight(QuantizedWeight):
         w = self.weight[index][rows].float()
         return w * _expand(self.scale[index], self.block, rows, self.out_features, self.in_features)
 
+    def kernel_rows(self, index=()):
+        return cpu_dequant.fp8_rows(self.weight[index], self.scale[index], self.block)
+
     def stacked(self, others):
         parts = [self, *others]
         return FP8Weight(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]), self.block)
@@ -80,17 +90,20 @@ class IntWeight(QuantizedWeight):
     """Integer codes of `bits` (4: two to a byte, the low nibble the even column; 8: one byte)
     [*lead, out, in * bits / 8], scales [*lead, out, groups] and zero points (codes, the same
     shape; None: `zero` for every group): W = (code - zero) * scale. Input column i is in group
-    g_idx[i] (GPTQ's act-order), else i // group_size."""
+    g_idx[i] (GPTQ's act-order), else i // group_size. `in_features`: where 4-bit codes of an odd
+    count end in half a byte (default: every code stored)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, zero: int, bits: int,
-                 group_size: int, g_idx: torch.Tensor | None = None):
+                 group_size: int, g_idx: torch.Tensor | None = None, in_features: int | None = None):
         super().__init__()
         self.register_buffer("codes", codes)
-        self.register_buffer("scales", scales)
-        self.register_buffer("zeros", zeros)
-        self.register_buffer("g_idx", g_idx)
+        # (Scales stay as shipped where the CPU kernel reads that dtype; zero points as int16, which
+        # holds GPTQ v1's 2^bits too.)
+        self.register_buffer("scales", scales if scales.dtype in cpu_dequant.SCALE_DTYPES else scales.float())
+        self.register_buffer("zeros", None if zeros is None else zeros.to(torch.int16).contiguous())
+        self.register_buffer("g_idx", None if g_idx is None else g_idx.to(torch.int32).contiguous())
         self.zero, self.bits, self.group_size = zero, bits, group_size
-        self.out_features, self.in_features = codes.shape[-2], codes.shape[-1] * 8 // bits
+        self.out_features, self.in_features = codes.shape[-2], in_features or codes.shape[-1] * 8 // bits
 
     @property
     def lead(self):
@@ -99,12 +112,17 @@ class IntWeight(QuantizedWeight):
     def dequantize(self, index=(), rows=slice(None)):
         codes = self.codes[index][rows]
         if self.bits == 4:
-            codes = torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2)
+            codes = torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2)[..., :self.in_features]
         values = codes.float()
         scales = self._per_column(self.scales[index][rows].float())
         if self.zeros is None:
             return (values - self.zero) * scales
         return (values - self._per_column(self.zeros[index][rows].float())) * scales
+
+    def kernel_rows(self, index=()):
+        zeros = None if self.zeros is None else self.zeros[index]
+        return cpu_dequant.integer_rows(self.codes[index], self.bits, self.in_features, self.scales[index], zeros,
+                                        self.zero, self.group_size, self.g_idx)
 
     def _per_column(self, grouped: torch.Tensor) -> torch.Tensor:
         if self.g_idx is not None:
@@ -118,7 +136,7 @@ class IntWeight(QuantizedWeight):
         if g_idx is not None and any(not torch.equal(p.g_idx, g_idx) for p in others):
             raise ValueError("experts with different g_idx cannot share one stack")
         return IntWeight(torch.stack([p.codes for p in parts]), torch.stack([p.scales for p in parts]), zeros,
-                         self.zero, self.bits, self.group_size, g_idx)
+                         self.zero, self.bits, self.group_size, g_idx, self.in_features)
 
 
 class MXFP4Weight(QuantizedWeight):
@@ -142,6 +160,9 @@ class MXFP4Weight(QuantizedWeight):
 
     def dequantize(self, index=(), rows=slice(None)):
         return dequantize_mxfp4(self.blocks[index][rows], self.scales[index][rows], self.lut)
+
+    def kernel_rows(self, index=()):
+        return cpu_dequant.mxfp4_rows(self.blocks[index], self.scales[index])
 
     def stacked(self, others):
         parts = [self, *others]
