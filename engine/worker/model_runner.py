@@ -133,7 +133,7 @@ class ModelRunner:
                 checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,
                 whole.num_kv_heads, args.head_dim, config.block_size, self.attention_backend, groups.layers,
                 tuple(w or 0 for w in groups.windows), kv_attention(args), config.tensor_parallel_size,
-                *self.draft_format, tuple(map(peer_fingerprint, config.accept_kv_from))),
+                *self.draft_format, accepts_models=tuple(map(peer_fingerprint, config.accept_kv_from))),
                 host_cache=self.host_kv.host_cache if self.host_kv is not None else None, draft_cache=draft_cache)
 
     def _draft_proposer(self, draft, num_blocks: int):
