@@ -49,11 +49,15 @@ def prompts() -> list[list[int]]:
     return out + [out[3][:48] + out[0]]  # shares three blocks with the fourth
 
 
+# MXFP4's blocks are 32 inputs wide: gpt-oss's experts get an intermediate size that takes them.
+SHAPE_CHANGES = {"mxfp4": dict(intermediate_size=32)}
+
+
 def quantized(tmp_path_factory, family: str, scheme: str, opts: dict) -> tuple[str, str]:
     """(the quantized checkpoint, its dequantized float32 reference) of a tiny random `family`."""
     root = tmp_path_factory.mktemp(f"{family}-{scheme}")
     config_class, shape = FAMILIES[family]
-    float_dir = write_family(str(root / "float"), config_class, **shape)
+    float_dir = write_family(str(root / "float"), config_class, **{**shape, **SHAPE_CHANGES.get(scheme, {})})
     return quantize_checkpoint(float_dir, str(root / "quantized"), str(root / "reference"), scheme, **opts)
 
 
