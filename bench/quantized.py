@@ -33,6 +33,11 @@ from baton.testing.quantized_checkpoints import quantize_checkpoint  # noqa: E40
 # Scheme -> the writer's options for SmolLM2's shapes (576 hidden, 1536 intermediate: groups of 64).
 SCHEMES = {"fp8-block": dict(block=(128, 128)), "ct-fp8-channel": {}, "ct-w4a16": dict(group_size=64),
            "gptq-4": dict(group_size=64), "awq": dict(group_size=64), "ct-w8a8-int": {}}
+# Greedy agreement is measured on text a chat model continues with some confidence (random token ids
+# give near-flat distributions, where any change flips the pick).
+QUALITY_PROMPTS = ["The capital of France is", "Water boils at a temperature of", "The three primary colors are",
+                   "A haiku about the sea:", "def fibonacci(n):", "The largest planet in the solar system is",
+                   "Photosynthesis is the process by which", "To make a cup of tea, first"]
 TEXT = ("The river ran north through the city, past the old market and the house where my mother was born. "
         "In the morning the water was still and grey; by noon boats crossed it with fruit, bread and letters. "
         "People in the city say the river is older than any name they have for it, and they may be right.")
@@ -63,7 +68,7 @@ def decode_speed(llm: LLM, batch: int, tokens: int, vocab: int) -> float:
     return batch * tokens / (time.perf_counter() - start)
 
 
-def greedy(llm: LLM, ps: list[list[int]], tokens: int) -> list[list[int]]:
+def greedy(llm: LLM, ps: list, tokens: int) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=tokens, temperature=0.0,
                                                                  ignore_eos=True))]
 
@@ -79,8 +84,7 @@ def agreement(got: list[list[int]], want: list[list[int]]) -> dict:
 def perplexity(llm: LLM) -> float:
     """exp of the mean negative log-probability of TEXT's tokens, each given those before it."""
     out = llm.generate([TEXT], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
-    picked = [next(iter(lp.values())) for lp in out.prompt_logprobs[1:]]
-    values = [p if isinstance(p, float) else p.logprob for p in picked]
+    values = [lp.logprob for lp in out.prompt_logprobs if lp is not None]
     return math.exp(-sum(values) / len(values))
 
 
@@ -94,7 +98,7 @@ def speed_pair(float_model: str, quant_model: str, batch: int, tokens: int, voca
             "ratio": mean["quantized"] / mean["float"]}
 
 
-def mixed_pair(float_model: str, quant_model: str, ps: list[list[int]], tokens: int) -> dict:
+def mixed_pair(float_model: str, quant_model: str, ps: list[str], tokens: int) -> list[list[int]]:
     """A float prefill before a quantized decode (the decode names the prefill's checkpoint):
     its greedy output against each engine alone."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -123,11 +127,12 @@ def main() -> None:
         vocab = llm.engine.vocab_size
         report["float"] = {"resident_bytes": resident_bytes(llm), "perplexity": perplexity(llm),
                            "checkpoint_bytes": sum(checkpoint_bytes(model).values())}
-        quality_prompts = prompts(4 if args.quick else 8, 24, vocab, seed=99)
+        quality_prompts = QUALITY_PROMPTS[:4] if args.quick else QUALITY_PROMPTS
         want = greedy(llm, quality_prompts, 32)
     with tempfile.TemporaryDirectory() as tmp:
         for scheme in args.schemes:
-            quant, _ = quantize_checkpoint(model, f"{tmp}/{scheme}", f"{tmp}/{scheme}-ref", scheme, **SCHEMES[scheme])
+            quant, _ = quantize_checkpoint(model, f"{tmp}/{scheme}", f"{tmp}/{scheme}-ref", scheme, spread=False,
+                                           **SCHEMES[scheme])
             row = {"checkpoint_bytes": sum(checkpoint_bytes(quant).values())}
             with engine(quant) as llm:
                 row["resident_bytes"] = resident_bytes(llm)

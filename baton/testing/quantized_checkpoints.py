@@ -2,10 +2,11 @@
 float32 checkpoint of exactly the values they hold (dequantized), for tests and benchmarks.
 
 Each quantized layer of the float checkpoint (the decoder layers' projections and experts; not
-routers, embeddings, norms or lm_head) is scaled by a random factor per output row first, so
-that channels, groups and blocks get scales of their own and a reader that picks the wrong
-one shows. The reference is computed from the stored values (fp16 scales widened, codes and
-zero points as stored), never from the original floats.
+routers, embeddings, norms or lm_head) is scaled by a random factor per output row first
+(`spread`, for tests of random models), so that channels, groups and blocks get scales of their
+own and a reader that picks the wrong one shows; a real model is quantized as it is. The
+reference is computed from the stored values (fp16 scales widened, codes and zero points as
+stored), never from the original floats.
 
 - "fp8-block": quant_method fp8 (DeepSeek-V3, Qwen3-FP8): float8_e4m3fn `weight`, float32
   `weight_scale_inv` per (bo, bi) block (`block`), partial blocks at the edges.
@@ -39,7 +40,7 @@ _FP8_MAX = 448.0
 
 
 def quantize_checkpoint(float_dir: str, out_dir: str, ref_dir: str, scheme: str, *, group_size: int = 16,
-                        block: tuple[int, int] = (32, 16), seed: int = 0) -> tuple[str, str]:
+                        block: tuple[int, int] = (32, 16), seed: int = 0, spread: bool = True) -> tuple[str, str]:
     """Writes out_dir: float_dir's checkpoint in `scheme`'s published format (config.json with its
     quantization_config, the tokenizer's files copied, safetensors sharded as the float one);
     ref_dir: a plain float32 checkpoint transformers loads, every quantized weight replaced by
@@ -63,7 +64,7 @@ def quantize_checkpoint(float_dir: str, out_dir: str, ref_dir: str, scheme: str,
     for shard in shards:
         quantized, reference = {}, {}
         for name, w in load_file(os.path.join(float_dir, shard)).items():
-            q, ref = _quantize(name, w.float(), scheme, group_size, block, gen)
+            q, ref = _quantize(name, w.float(), scheme, group_size, block, gen if spread else None)
             quantized.update(q)
             reference.update(ref)
         save_file(quantized, os.path.join(out_dir, shard), metadata={"format": "pt"})
@@ -82,14 +83,18 @@ def quantize_checkpoint(float_dir: str, out_dir: str, ref_dir: str, scheme: str,
     return out_dir, ref_dir
 
 
-def _quantize(name: str, w: torch.Tensor, scheme: str, group: int, block: tuple[int, int], gen: torch.Generator
-              ) -> tuple[dict, dict]:
-    """(the quantized checkpoint's tensors, the reference's) for one float tensor."""
+def _quantize(name: str, w: torch.Tensor, scheme: str, group: int, block: tuple[int, int],
+              gen: torch.Generator | None) -> tuple[dict, dict]:
+    """(the quantized checkpoint's tensors, the reference's) for one float tensor; `gen`: rows
+    spread by random factors (None: as they are)."""
     if scheme == "mxfp4":
-        return _mxfp4(name, w, gen)
+        return _mxfp4(name, w, gen or torch.Generator().manual_seed(0))
     if w.dim() != 2 or not _QUANTIZED.search(name) or _NOT_QUANTIZED.search(name):
         return {name: w.contiguous()}, {name: w.contiguous()}
-    w = w * (0.5 + torch.rand(w.shape[0], 1, generator=gen))  # rows of their own scale
+    if gen is not None:
+        w = w * (0.5 + torch.rand(w.shape[0], 1, generator=gen))  # rows of their own scale
+    else:
+        gen = torch.Generator().manual_seed(0)  # (act-order's permutation)
     module = name.removesuffix(".weight")
     out, cols = w.shape
     if scheme == "fp8-block":

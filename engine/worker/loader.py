@@ -175,7 +175,7 @@ def install_quantized(model: CausalLM, params: dict, fmt: CheckpointFormat, tens
             raise InvalidArgument("model", f"unexpected quantized weight {module!r} ({', '.join(sorted(fields))})")
         weight = fmt.read(module, fields)  # (stacked experts come [experts, out, in] already)
         if layout is not None and target.endswith(".gate_up"):  # gpt-oss's gate/up rows interleaved: gate's, up's
-            weight = weight.rows_taken(_deinterleaved_rows(weight.out_features))
+            weight = weight.take_rows(_deinterleaved_rows(weight.out_features))
         placed.add(target, rows, weight)
         done.append((name, target))
     placed.install()

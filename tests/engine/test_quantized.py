@@ -218,3 +218,39 @@ def test_baton_models_names_the_format_and_the_memory(tmp_path_factory):
     lines = "\n".join(describe(model_dir, None))
     assert "quantized (gptq int4 group 8), kept as stored" in lines and "I32" in lines
     assert "unquantized" in "\n".join(describe(reference, None))
+
+
+# Tensor and expert parallel: rows cut through FP8 blocks (the kept rows keep their block's
+# scales), columns through GPTQ's and AWQ's groups (regrouped), act-order, MLA and experts.
+PARALLEL = [("qwen3", "fp8-block", dict(block=(32, 8)), False),  # q rows 48 a rank: cut 32-row blocks
+            ("mistral", "gptq-4", dict(group_size=8), False),  # o_proj's 36 columns a rank: groups of 8 cut
+            ("mistral", "gptq-4-actorder", dict(group_size=8), False),
+            ("qwen3-moe", "awq", dict(group_size=8), False),
+            ("deepseek-v3", "fp8-block", dict(block=(16, 16)), False),
+            ("gpt-oss", "mxfp4", {}, True)]  # expert parallel: whole MXFP4 experts
+
+
+@pytest.mark.parametrize("family, scheme, opts, expert_parallel", PARALLEL, ids=[f"{p[0]}-{p[1]}" for p in PARALLEL])
+def test_two_ranks_over_a_quantized_checkpoint_equal_transformers(tmp_path_factory, hf, family, scheme, opts,
+                                                                  expert_parallel):
+    model_dir, reference = quantized(tmp_path_factory, family, scheme, opts)
+    ps = prompts()[1:5]
+    with LLM(model_dir, dtype="float32", device="cpu", tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+             max_num_batched_tokens=32, max_model_len=192) as llm:
+        outs = llm.generate(ps, GREEDY)
+        model = llm.engine.runner.model
+        assert any(isinstance(m, (QuantizedLinear, ExpertStack)) for m in model.modules())
+        assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+    assert_matches_hf(hf, reference, ps, outs, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("family, scheme, opts, expert_parallel, cut", [
+    ("qwen3", "fp8-block", dict(block=(32, 16)), False, "FP8 scale blocks of 16 columns"),  # down: 72 a rank
+    ("gpt-oss", "mxfp4", {}, False, "MXFP4 blocks of 32"),  # experts' 32 intermediate: 16 a rank
+])
+def test_a_split_that_would_cut_a_scale_block_is_refused_naming_the_size(tmp_path_factory, family, scheme, opts,
+                                                                         expert_parallel, cut):
+    model_dir, _ = quantized(tmp_path_factory, family, scheme, opts)
+    with pytest.raises(InvalidArgument, match=cut) as err:
+        LLM(model_dir, dtype="float32", device="cpu", tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    assert err.value.field == "tensor_parallel_size"

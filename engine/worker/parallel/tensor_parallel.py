@@ -45,6 +45,7 @@ from baton.engine.worker.models.layers import Attention
 from baton.engine.worker.models.mla import MLAttention
 from baton.engine.worker.models.moe import Experts, SparseMoE
 from baton.engine.worker.parallel.watched_store import WatchedStore
+from baton.engine.worker.quant.linear import ExpertStack, QuantizedLinear
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,16 +100,19 @@ class RowParallelLinear(nn.Module):
     """A linear layer whose input is split over the ranks: its columns' share here, the outputs
     summed over the ranks, then the bias."""
 
-    def __init__(self, linear: nn.Linear, columns: slice, tp: TPGroup):
+    def __init__(self, linear: nn.Linear | QuantizedLinear, columns: slice, tp: TPGroup, name: str = "o_proj"):
         super().__init__()
-        self.weight = nn.Parameter(linear.weight.data[:, columns].clone(), requires_grad=False)
+        # A quantized layer keeps its format: its columns' share, scales with them (no bias: added after the sum).
+        quantized = isinstance(linear, QuantizedLinear)
+        self.quantized = linear.columns_taken(columns, name, bias=False) if quantized else None
+        self.weight = None if quantized else nn.Parameter(linear.weight.data[:, columns].clone(), requires_grad=False)
         self.bias = linear.bias
         self.columns = columns  # (a LoRA adapter's A keeps the same rows)
         self.tp = tp
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of the sum (what a LoRA delta joins before the ranks add them up)."""
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight) if self.quantized is None else self.quantized(x)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(partial)
@@ -181,7 +185,10 @@ class LocalExperts(nn.Module):
         self.n = experts.gate_up.shape[0] // tp.size
         self.start = tp.rank * self.n
         mine = slice(self.start, self.start + self.n)
-        experts.gate_up, experts.down = _param(experts.gate_up.data[mine]), _param(experts.down.data[mine])
+        if isinstance(experts.gate_up, ExpertStack):  # quantized experts: each one's weights and scales
+            experts.gate_up, experts.down = experts.gate_up.experts_taken(mine), experts.down.experts_taken(mine)
+        else:
+            experts.gate_up, experts.down = _param(experts.gate_up.data[mine]), _param(experts.down.data[mine])
         if experts.gate_up_bias is not None:  # (each expert's biases go with it)
             experts.gate_up_bias = _param(experts.gate_up_bias.data[mine])
         if experts.down_bias is not None:
@@ -274,7 +281,7 @@ def _shard_attention(attn: Attention, tp: TPGroup) -> None:
                       attn.q_size + torch.arange(kv.start * d, kv.stop * d),
                       attn.q_size + attn.kv_size + torch.arange(kv.start * d, kv.stop * d)])
     _keep_rows(attn.qkv_proj, rows)
-    attn.o_proj = RowParallelLinear(attn.o_proj, slice(q.start * d, q.stop * d), tp)
+    attn.o_proj = RowParallelLinear(attn.o_proj, slice(q.start * d, q.stop * d), tp, "self_attn.o_proj")
     if attn.qk_norm == "whole":
         attn.q_norm = WholeNormShare(attn.q_norm, slice(q.start * d, q.stop * d), 1, tp)
         attn.k_norm = WholeNormShare(attn.k_norm, slice(kv.start * d, kv.stop * d),
@@ -289,7 +296,7 @@ def _shard_latent_attention(attn: MLAttention, tp: TPGroup) -> None:
     heads = tp.share(attn.num_heads)
     _keep_rows(attn.q_proj if attn.q_proj is not None else attn.q_b_proj, _per_head(heads, attn.nope + attn.rope))
     _keep_rows(attn.kv_b_proj, _per_head(heads, attn.nope + attn.v_dim))  # the heads' W_UK and W_UV
-    attn.o_proj = RowParallelLinear(attn.o_proj, _per_head(heads, attn.v_dim), tp)
+    attn.o_proj = RowParallelLinear(attn.o_proj, _per_head(heads, attn.v_dim), tp, "self_attn.o_proj")
     attn.num_heads = heads.stop - heads.start
 
 
@@ -305,9 +312,12 @@ def _shard_mlp(mlp, tp: TPGroup, reduce: bool = True) -> None:
     share = tp.share(size)
     _keep_rows(mlp.gate_up_proj, _gate_and_up(share, size))
     if reduce:
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, share, tp)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, share, tp, "mlp.down_proj")
         return
     down = mlp.down_proj
+    if isinstance(down, QuantizedLinear):  # its bias (if any) on rank 0 alone, as below
+        mlp.down_proj = down.columns_taken(share, "mlp.down_proj", bias=tp.rank == 0)
+        return
     down.weight = _param(down.weight.data[:, share])
     down.in_features = down.weight.shape[1]
     if tp.rank:
@@ -333,8 +343,11 @@ def _split_experts(experts: Experts, tp: TPGroup) -> None:
     size = experts.intermediate
     share = tp.share(size)
     rows = _gate_and_up(share, size)
-    experts.gate_up = _param(experts.gate_up.data[:, rows])
-    experts.down = _param(experts.down.data[:, :, share])
+    if isinstance(experts.gate_up, ExpertStack):  # quantized: scales and zero points with their rows, columns
+        experts.gate_up, experts.down = experts.gate_up.rows_taken(rows), experts.down.columns_taken(share, "experts")
+    else:
+        experts.gate_up = _param(experts.gate_up.data[:, rows])
+        experts.down = _param(experts.down.data[:, :, share])
     if experts.gate_up_bias is not None:
         experts.gate_up_bias = _param(experts.gate_up_bias.data[:, rows])
     if tp.rank:  # added to the sum once
@@ -347,7 +360,10 @@ def _gate_and_up(share: slice, size: int) -> torch.Tensor:
     return torch.cat([torch.arange(share.start, share.stop), size + torch.arange(share.start, share.stop)])
 
 
-def _keep_rows(linear: Linear, rows: torch.Tensor | slice) -> None:
+def _keep_rows(linear: Linear | QuantizedLinear, rows: torch.Tensor | slice) -> None:
+    if isinstance(linear, QuantizedLinear):
+        linear.keep_rows(rows)
+        return
     linear.weight = _param(linear.weight.data[rows])
     linear.kept_rows = rows
     if linear.bias is not None:

@@ -61,6 +61,20 @@ def dequantized(parts: list[QuantizedWeight], index: tuple[int, ...] = ()) -> to
     return torch.cat([dequantize(p, index) for p in parts]) if len(parts) > 1 else dequantize(parts[0], index)
 
 
+def _share_of_parts(parts, rows: torch.Tensor | slice) -> list[QuantizedWeight]:
+    """Each part's share of a layer's output rows `rows` (the parts' rows one after the other),
+    parts without any left out."""
+    total = sum(p.out_features for p in parts)
+    rows = torch.arange(total)[rows] if isinstance(rows, slice) else rows.long().cpu()
+    kept, start = [], 0
+    for part in parts:
+        mine = rows[(rows >= start) & (rows < start + part.out_features)] - start
+        if len(mine):
+            kept.append(part.take_rows(mine))
+        start += part.out_features
+    return kept
+
+
 class QuantizedLinear(nn.Module):
     """A linear layer whose weight is `parts` (output rows one after the other); `bias` in the
     compute dtype or None."""
@@ -73,6 +87,20 @@ class QuantizedLinear(nn.Module):
         self.out_features = sum(p.out_features for p in parts)
         # (models/basic.Linear's: the rows of the whole layer a tensor-parallel split kept)
         self.kept_rows: torch.Tensor | slice | None = None
+
+    def keep_rows(self, rows: torch.Tensor | slice) -> None:
+        """In place, a tensor-parallel rank's output rows (parallel/tensor_parallel.py's _keep_rows)."""
+        self.parts = nn.ModuleList(_share_of_parts(list(self.parts), rows))
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.data[rows].clone(), requires_grad=False)
+        self.out_features = sum(p.out_features for p in self.parts)
+        self.kept_rows = rows
+
+    def columns_taken(self, cols: slice, name: str, bias: bool) -> QuantizedLinear:
+        """A rank's input columns of this layer (a row-parallel projection's share), with the bias
+        where `bias` (the rank that adds it once)."""
+        parts = [p.take_columns(cols, name) for p in self.parts]
+        return QuantizedLinear(parts, self.bias.data if bias and self.bias is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -101,6 +129,16 @@ class ExpertStack(nn.Module):
 
     def __len__(self) -> int:
         return self.num_experts
+
+    def rows_taken(self, rows: torch.Tensor | slice) -> ExpertStack:
+        """Every expert's output rows `rows` (a rank's share of the intermediate: gate's and up's)."""
+        return ExpertStack(_share_of_parts(list(self.parts), rows), self.dtype)
+
+    def columns_taken(self, cols: slice, name: str) -> ExpertStack:
+        return ExpertStack([p.take_columns(cols, name) for p in self.parts], self.dtype)
+
+    def experts_taken(self, experts: slice) -> ExpertStack:
+        return ExpertStack([p.take_experts(experts) for p in self.parts], self.dtype)
 
     def __getitem__(self, expert: int) -> torch.Tensor:
         return dequantized(list(self.parts), (expert,)).to(self.dtype)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baton.engine.common.errors import InvalidArgument
 from baton.kernels import cpu_dequant
 from baton.kernels.cpu_dequant import QuantRows
 
@@ -46,6 +47,31 @@ class QuantizedWeight(nn.Module):
     def stacked(self, others: list[QuantizedWeight]) -> QuantizedWeight:
         """This weight and `others` (the same format and shape) as one with a leading dimension."""
         raise NotImplementedError
+
+    # A tensor-parallel rank's share (parallel/tensor_parallel.py): copies of their own, scales and
+    # zero points travelling with their rows and columns. A share that would cut what one scale
+    # covers where the format cannot follow is refused naming tensor_parallel_size.
+
+    def take_rows(self, rows: torch.Tensor) -> QuantizedWeight:
+        """The output rows `rows` (an index tensor), in that order."""
+        raise NotImplementedError
+
+    def take_columns(self, cols: slice, layer: str) -> QuantizedWeight:
+        """The input columns `cols` (of the layer named `layer`, for the refusal)."""
+        raise NotImplementedError
+
+    def take_experts(self, experts: slice) -> QuantizedWeight:
+        """The experts `experts` of a stack."""
+        raise NotImplementedError
+
+
+def _rows(t: torch.Tensor, rows: torch.Tensor, dim: int = -2) -> torch.Tensor:
+    return t.index_select(dim, rows.to(t.device)).contiguous()
+
+
+def _refuse(layer: str, cols: slice, what: str) -> InvalidArgument:
+    return InvalidArgument("tensor_parallel_size", f"{layer}: a rank's input columns {cols.start}..{cols.stop - 1} "
+                                                   f"would cut {what}; choose a size whose shares keep them whole")
 
 
 def _expand(grid: torch.Tensor, block: tuple[int, int], rows: slice, out: int, cols: int) -> torch.Tensor:
@@ -85,6 +111,23 @@ class FP8Weight(QuantizedWeight):
         parts = [self, *others]
         return FP8Weight(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]), self.block)
 
+    def take_rows(self, rows):
+        # Each kept row keeps its block's scales (a grid of one row per row where rows cut a block).
+        bo, bi = self.block
+        return FP8Weight(_rows(self.weight, rows), _rows(self.scale, rows // bo), (1, bi))
+
+    def take_columns(self, cols, layer):
+        bi = self.block[1]
+        whole = self.scale.shape[-1] == 1  # per tensor or per channel: one scale across the columns
+        if not whole and (cols.start % bi or (cols.stop % bi and cols.stop != self.in_features)):
+            raise _refuse(layer, cols, f"FP8 scale blocks of {bi} columns")
+        grid = self.scale if whole else self.scale[..., cols.start // bi:-(-cols.stop // bi)].contiguous()
+        block = (self.block[0], min(bi, cols.stop - cols.start))
+        return FP8Weight(self.weight[..., cols].contiguous(), grid, block)
+
+    def take_experts(self, experts):
+        return FP8Weight(self.weight[experts].contiguous(), self.scale[experts].contiguous(), self.block)
+
 
 class IntWeight(QuantizedWeight):
     """Integer codes of `bits` (4: two to a byte, the low nibble the even column; 8: one byte)
@@ -123,6 +166,34 @@ class IntWeight(QuantizedWeight):
         zeros = None if self.zeros is None else self.zeros[index]
         return cpu_dequant.integer_rows(self.codes[index], self.bits, self.in_features, self.scales[index], zeros,
                                         self.zero, self.group_size, self.g_idx)
+
+    def take_rows(self, rows):
+        zeros = None if self.zeros is None else _rows(self.zeros, rows)
+        return IntWeight(_rows(self.codes, rows), _rows(self.scales, rows), zeros, self.zero, self.bits,
+                         self.group_size, self.g_idx, self.in_features)
+
+    def take_columns(self, cols, layer):
+        if self.bits == 4 and cols.start % 2:
+            raise _refuse(layer, cols, "a byte of two 4-bit codes")
+        per_byte = 8 // self.bits
+        codes = self.codes[..., cols.start // per_byte:-(-cols.stop // per_byte)].contiguous()
+        groups = (self.g_idx.long() if self.g_idx is not None
+                  else torch.arange(self.in_features, device=self.codes.device) // self.group_size)[cols]
+        if self.g_idx is None and cols.start % self.group_size == 0:  # whole groups: plain groups still
+            first = cols.start // self.group_size
+            last = -(-cols.stop // self.group_size)
+            zeros = None if self.zeros is None else self.zeros[..., first:last].contiguous()
+            return IntWeight(codes, self.scales[..., first:last].contiguous(), zeros, self.zero, self.bits,
+                             self.group_size, None, cols.stop - cols.start)
+        used, g_idx = torch.unique(groups, return_inverse=True)  # the groups the columns use, renumbered
+        zeros = None if self.zeros is None else self.zeros[..., used].contiguous()
+        return IntWeight(codes, self.scales[..., used].contiguous(), zeros, self.zero, self.bits, self.group_size,
+                         g_idx.to(torch.int32), cols.stop - cols.start)
+
+    def take_experts(self, experts):
+        zeros = None if self.zeros is None else self.zeros[experts].contiguous()
+        return IntWeight(self.codes[experts].contiguous(), self.scales[experts].contiguous(), zeros, self.zero,
+                         self.bits, self.group_size, self.g_idx, self.in_features)
 
     def _per_column(self, grouped: torch.Tensor) -> torch.Tensor:
         if self.g_idx is not None:
@@ -168,9 +239,17 @@ class MXFP4Weight(QuantizedWeight):
         parts = [self, *others]
         return MXFP4Weight(torch.stack([p.blocks for p in parts]), torch.stack([p.scales for p in parts]))
 
-    def rows_taken(self, rows: torch.Tensor) -> MXFP4Weight:
-        """The same weight with its output rows reordered or picked (every row has its own scales)."""
-        return MXFP4Weight(self.blocks[..., rows, :, :].contiguous(), self.scales[..., rows, :].contiguous())
+    def take_rows(self, rows):
+        return MXFP4Weight(_rows(self.blocks, rows, -3), _rows(self.scales, rows))
+
+    def take_columns(self, cols, layer):
+        if cols.start % 32 or cols.stop % 32:
+            raise _refuse(layer, cols, "MXFP4 blocks of 32")
+        groups = slice(cols.start // 32, cols.stop // 32)
+        return MXFP4Weight(self.blocks[..., groups, :].contiguous(), self.scales[..., groups].contiguous())
+
+    def take_experts(self, experts):
+        return MXFP4Weight(self.blocks[experts].contiguous(), self.scales[experts].contiguous())
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, lut: torch.Tensor | None = None) -> torch.Tensor:
