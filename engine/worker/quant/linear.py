@@ -8,6 +8,8 @@ its output rows, in order; the layer's output is the parts' outputs side by side
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,15 +17,18 @@ from torch import nn
 from baton.engine.worker.quant.weights import QuantizedWeight
 from baton.kernels import cpu_dequant
 
+_TRITON = importlib.util.find_spec("triton") is not None
 # A tile of dequantized rows: at most this many float32 values (1 MiB), so that it stays in cache
 # and a large layer never has its whole float copy at once.
 _TILE_VALUES = 1 << 18
 
 
 def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight, index: tuple[int, ...] = ()) -> torch.Tensor:
-    """x [T, in] times weight (at leading `index`) transposed: [T, out], in x's dtype. On CPU the
-    rows are dequantized by the C++ kernel into one reused tile; elsewhere (or without a
-    compiler) by the weight's own PyTorch code."""
+    """x [T, in] times weight (at leading `index`) transposed: [T, out], in x's dtype. On CUDA by
+    the format's Triton kernel; on CPU the rows are dequantized by the C++ kernel into one reused
+    tile; elsewhere (or without a compiler) by the weight's own PyTorch code."""
+    if x.device.type == "cuda" and _TRITON:
+        return weight.triton_matmul(x, index)
     out, cols = weight.out_features, weight.in_features
     step = max(1, _TILE_VALUES // cols)
     kernel = x.device.type == "cpu" and cpu_dequant.available()

@@ -44,6 +44,11 @@ class QuantizedWeight(nn.Module):
         """The weight at leading `index` as the CPU kernel reads it (kernels/cpu_dequant.py)."""
         raise NotImplementedError
 
+    def triton_matmul(self, x: torch.Tensor, index: tuple[int, ...] = ()) -> torch.Tensor:
+        """x [T, in] times the weight at `index` transposed, by the Triton kernel of its format
+        (kernels/triton_quant.py); formats without one dequantize here."""
+        return torch.nn.functional.linear(x, self.dequantize(index).to(x.dtype))
+
     def stacked(self, others: list[QuantizedWeight]) -> QuantizedWeight:
         """This weight and `others` (the same format and shape) as one with a leading dimension."""
         raise NotImplementedError
@@ -107,6 +112,11 @@ class FP8Weight(QuantizedWeight):
     def kernel_rows(self, index=()):
         return cpu_dequant.fp8_rows(self.weight[index], self.scale[index], self.block)
 
+    def triton_matmul(self, x, index=()):
+        from baton.kernels.triton_quant import fp8_matmul  # (triton is optional: imported where used)
+
+        return fp8_matmul(x, self.weight[index], self.scale[index], self.block)
+
     def stacked(self, others):
         parts = [self, *others]
         return FP8Weight(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]), self.block)
@@ -161,6 +171,13 @@ class IntWeight(QuantizedWeight):
         if self.zeros is None:
             return (values - self.zero) * scales
         return (values - self._per_column(self.zeros[index][rows].float())) * scales
+
+    def triton_matmul(self, x, index=()):
+        from baton.kernels.triton_quant import int_matmul  # (triton is optional: imported where used)
+
+        zeros = None if self.zeros is None else self.zeros[index]
+        return int_matmul(x, self.codes[index], self.bits, self.in_features, self.scales[index], zeros, self.zero,
+                          self.group_size, self.g_idx)
 
     def kernel_rows(self, index=()):
         zeros = None if self.zeros is None else self.zeros[index]

@@ -1,0 +1,118 @@
+"""Quantized linear layers in Triton, for the GPU path: x [T, K] times a quantized weight's
+transpose, the weight dequantized a [BLOCK_K, BLOCK_N] tile at a time in registers inside the K
+loop (never a float copy of it), accumulated in float32, the output in x's dtype.
+
+Weight formats (engine/worker/quant/weights.py's layouts, read as stored):
+- integer codes (`int_matmul`): 4-bit two to a byte (the low nibble the even column) or 8-bit,
+  row-major [N, K * bits / 8]; scales [N, groups] in their stored dtype; zero points [N, groups]
+  (int16) or one constant; the group of column k is g_idx[k] (act-order) or k // group_size.
+  W[n, k] = (code - zero) * scale: GPTQ, AWQ and compressed-tensors' W4A16 / W8A16.
+- FP8 (`fp8_matmul`): float8 values [N, K] and a float32 scale per (bo, bi) block of the grid
+  [ceil(N / bo), ceil(K / bi)]: block FP8 (DeepSeek), per channel, per tensor; FP8 weight-only,
+  for GPUs without FP8 tensor cores as for those with them.
+
+The tile's dequantized values meet x's tile in x's dtype (tl.dot with float32 accumulation;
+float32 inputs with "ieee" precision, as the other kernels). Runs on CUDA tensors, or on CPU
+tensors under Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported), which is
+how CI tests it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FORMAT_INT, FORMAT_FP8 = 0, 1
+
+
+# T (tokens) changes from step to step: not specialized on (see triton_moe.py).
+@triton.jit(do_not_specialize=["T"])
+def _quant_matmul(X, Y, W, SCALES, ZEROS, G_IDX, T, N, K, stride_xt, stride_yt, w_row, s_row, zero, group,
+                  block_rows, block_cols,
+                  FORMAT: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                  IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y[m, n] = sum_k X[m, k] · W[n, k] for the program's BLOCK_M rows and BLOCK_N columns."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = m < T, n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(X + m[:, None].to(tl.int64) * stride_xt + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        tile_ok = k_ok[:, None] & n_ok[None, :]
+        row = n[None, :].to(tl.int64)
+        if FORMAT == 0:  # integer codes, a scale and zero point per (row, group)
+            if BITS == 4:
+                byte = tl.load(W + row * w_row + (k[:, None] // 2), mask=tile_ok, other=0).to(tl.int32)
+                code = (byte >> ((k[:, None] % 2) * 4)) & 0xF
+            else:
+                code = tl.load(W + row * w_row + k[:, None], mask=tile_ok, other=0).to(tl.int32)
+            if HAS_G_IDX:
+                g = tl.load(G_IDX + k, mask=k_ok, other=0)
+            else:
+                g = k // group
+            scale = tl.load(SCALES + row * s_row + g[:, None], mask=tile_ok, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                z = tl.load(ZEROS + row * s_row + g[:, None], mask=tile_ok, other=0).to(tl.float32)
+            else:
+                z = zero
+            w = (code.to(tl.float32) - z) * scale
+        else:  # FP8 values, a float32 scale per (block_rows, block_cols) block
+            v = tl.load(W + row * w_row + k[:, None], mask=tile_ok, other=0.0).to(tl.float32)
+            scale = tl.load(SCALES + (row // block_rows) * s_row + (k[:, None] // block_cols), mask=tile_ok,
+                            other=0.0)
+            w = v * scale
+        if IEEE:
+            acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w.to(a.dtype))
+    tl.store(Y + m[:, None].to(tl.int64) * stride_yt + n[None, :], acc.to(Y.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _blocks(x: torch.Tensor, n: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): small tiles under the interpreter (each program is Python); on a
+    GPU, M as tall as the step's rows need (decode: 16), N and K wide enough to keep loads coalesced."""
+    if x.device.type != "cuda":
+        return 16, 32, 32
+    rows = x.shape[0]
+    return (16 if rows <= 16 else 32 if rows <= 64 else 64), 64 if n >= 64 else 32, 64
+
+
+def _launch(x, w, scales, zeros, g_idx, n, k, w_row, s_row, zero, group, block, fmt, bits) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [tokens, {k}], got {tuple(x.shape)}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return y
+    bm, bn, bk = _blocks(x, n)
+    _quant_matmul[(triton.cdiv(x.shape[0], bm), triton.cdiv(n, bn))](
+        x, y, w, scales, zeros if zeros is not None else scales, g_idx if g_idx is not None else scales,
+        x.shape[0], n, k, x.stride(0), y.stride(0), w_row, s_row, float(zero), group, block[0], block[1],
+        FORMAT=fmt, BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
+        IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return y
+
+
+def int_matmul(x: torch.Tensor, codes: torch.Tensor, bits: int, in_features: int, scales: torch.Tensor,
+               zeros: torch.Tensor | None, zero: int, group_size: int, g_idx: torch.Tensor | None) -> torch.Tensor:
+    """x [T, K] @ W.T for integer codes (see the module's docstring): [T, N] in x's dtype."""
+    if bits not in (4, 8) or codes.dtype != torch.uint8 or codes.stride(1) != 1 or scales.stride(1) != 1:
+        raise ValueError(f"codes must be row-major uint8 of 4 or 8 bits, got {codes.dtype} of {bits} bits")
+    if zeros is not None and zeros.stride() != scales.stride():
+        raise ValueError("zeros must be laid out as the scales")
+    return _launch(x, codes, scales, zeros, g_idx, codes.shape[0], in_features, codes.stride(0), scales.stride(0),
+                   zero, group_size, (1, 1), FORMAT_INT, bits)
+
+
+def fp8_matmul(x: torch.Tensor, values: torch.Tensor, grid: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """x [T, K] @ W.T for float8 values [N, K] and their float32 scale grid (per block): [T, N]."""
+    if values.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or values.stride(1) != 1:
+        raise ValueError(f"values must be row-major float8, got {values.dtype}")
+    if grid.dtype != torch.float32 or grid.stride(1) != 1:
+        raise ValueError("grid must be row-major float32")
+    return _launch(x, values, grid, None, None, values.shape[0], values.shape[1], values.stride(0), grid.stride(0), 0,
+                   1, block, FORMAT_FP8, 8)

@@ -1,0 +1,73 @@
+"""The Triton kernels of quantized linear layers (kernels/triton_quant.py) equal x @ W.T with the
+weight dequantized by its own PyTorch code: 4- and 8-bit codes with zero points or symmetric,
+plain groups and act-order's g_idx, FP8 e4m3 and e5m2 with block, channel and tensor scales,
+shapes that are no multiple of any tile and partial blocks. Without CUDA the kernels run under
+Triton's interpreter on CPU tensors (float32); with CUDA, on the GPU, where a quantized layer
+routes to them."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from baton.engine.worker.quant.formats import pack_codes
+from baton.engine.worker.quant.weights import FP8Weight, IntWeight
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+pytest.importorskip("triton")
+triton_quant = pytest.importorskip("baton.kernels.triton_quant")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+OUT, IN = 37, 48  # no multiple of a tile (32 wide here)
+
+
+def weights(gen: torch.Generator) -> dict[str, object]:
+    codes4 = torch.randint(0, 16, (OUT, IN), generator=gen, dtype=torch.uint8)
+    codes8 = torch.randint(0, 256, (OUT, IN), generator=gen, dtype=torch.uint8)
+    w = torch.randn(OUT, IN, generator=gen)
+    return {
+        "int4, zeros, fp16 scales": IntWeight(pack_codes(codes4, 4), torch.rand(OUT, 6, generator=gen).half(),
+                                              torch.randint(0, 16, (OUT, 6), generator=gen), 0, 4, 8),
+        "int4 symmetric, groups of 12": IntWeight(pack_codes(codes4, 4), torch.rand(OUT, 4, generator=gen), None,
+                                                  8, 4, 12),
+        "int4 act-order": IntWeight(pack_codes(codes4, 4), torch.rand(OUT, 3, generator=gen),
+                                    torch.randint(0, 17, (OUT, 3), generator=gen), 0, 4, 16,
+                                    torch.randperm(IN, generator=gen).int() % 3),
+        "int8 per channel": IntWeight(codes8, torch.rand(OUT, 1, generator=gen), None, 128, 8, IN),
+        "fp8 e4m3 blocks 16x32": FP8Weight(w.to(torch.float8_e4m3fn), torch.rand(3, 2, generator=gen), (16, 32)),
+        "fp8 e5m2 per channel": FP8Weight(w.to(torch.float8_e5m2), torch.rand(OUT, 1, generator=gen), (1, IN)),
+        "fp8 per tensor": FP8Weight(w.to(torch.float8_e4m3fn), torch.rand(1, 1, generator=gen), (OUT, IN)),
+    }
+
+
+@pytest.mark.parametrize("tokens", [1, 19])
+def test_each_format_equals_the_dequantized_matmul(tokens):
+    x = torch.randn(tokens, IN, generator=torch.Generator().manual_seed(1))
+    for name, weight in weights(torch.Generator().manual_seed(0)).items():
+        weight = weight.to(DEVICE)
+        want = F.linear(x, weight.dequantize().cpu())
+        got = weight.triton_matmul(x.to(DEVICE)).cpu()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=name)
+
+
+def test_bad_operands_are_named():
+    weight = weights(torch.Generator().manual_seed(0))["int4 symmetric, groups of 12"]
+    with pytest.raises(ValueError, match="x must be"):
+        weight.triton_matmul(torch.randn(2, IN + 1))
+    with pytest.raises(ValueError, match="values must be"):
+        triton_quant.fp8_matmul(torch.randn(2, IN), torch.randn(OUT, IN), torch.ones(1, 1), (OUT, IN))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a quantized layer routes to Triton on CUDA only")
+def test_a_quantized_layer_on_cuda_routes_to_the_kernels(monkeypatch):
+    from baton.engine.worker.quant.linear import QuantizedLinear
+
+    calls = []
+    monkeypatch.setattr(triton_quant, "int_matmul", lambda *a, **k: calls.append(1) or torch.zeros(3, OUT,
+                                                                                                     device="cuda"))
+    layer = QuantizedLinear([weights(torch.Generator().manual_seed(0))["int4, zeros, fp16 scales"]], None).cuda()
+    layer(torch.randn(3, IN, device="cuda"))
+    assert calls
