@@ -18,11 +18,79 @@ how CI tests it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-FORMAT_INT, FORMAT_FP8 = 0, 1
+FORMAT_INT, FORMAT_FP8, FORMAT_MXFP4 = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class QuantOperand:
+    """A quantized weight [*lead, N, K] as dequant_tile reads it: `w` its codes or values (rows of
+    w.stride(-2) elements), `scales` (FP8: the block grid; MXFP4: exponents), `zeros` (laid out as
+    the scales) or the constant `zero`, `g_idx` or plain groups of `group`, FP8's `block`. With a
+    leading dimension (experts), stride(0) steps from one to the next."""
+    w: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    g_idx: torch.Tensor | None
+    fmt: int
+    bits: int
+    zero: float
+    group: int
+    block: tuple[int, int]
+    k: int  # input columns
+
+    def same_kind(self, other: QuantOperand) -> bool:
+        """Whether one kernel specialization reads both (a layer's gate and up)."""
+        return ((self.fmt, self.bits, self.zeros is None, self.g_idx is None, self.group, self.block, self.k,
+                 self.w.stride(), self.scales.stride())
+                == (other.fmt, other.bits, other.zeros is None, other.g_idx is None, other.group, other.block,
+                    other.k, other.w.stride(), other.scales.stride()))
+
+
+@triton.jit
+def fp4_values(code):
+    """E2M1 codes (0..15) as float32: 0, 0.5, 1, 1.5, 2, 3, 4, 6, and their negatives."""
+    mag = code & 7
+    exp = mag >> 1
+    value = tl.where(exp == 0, (mag & 1).to(tl.float32) * 0.5,
+                     (1.0 + (mag & 1).to(tl.float32) * 0.5) * tl.exp2((exp - 1).to(tl.float32)))
+    return tl.where(code >= 8, -value, value)
+
+
+@triton.jit
+def dequant_tile(W, SCALES, ZEROS, G_IDX, row, k, tile_ok, k_ok, w_row, s_row, zero, group, block_rows, block_cols,
+                 FORMAT: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr):
+    """The float32 tile [BLOCK_K, BLOCK_N] of W[row, k] (row [1, BLOCK_N] int64, k [BLOCK_K]):
+    FORMAT 0 integer codes ((code - zero) * scale per (row, group)), 1 FP8 (value * the scale of
+    its (block_rows, block_cols) block), 2 MXFP4 (E2M1 code * 2^(exponent - 127) per 32 columns).
+    4-bit codes sit two to a byte, the low nibble the even column (MXFP4's too)."""
+    if FORMAT == 1:
+        v = tl.load(W + row * w_row + k[:, None], mask=tile_ok, other=0.0).to(tl.float32)
+        scale = tl.load(SCALES + (row // block_rows) * s_row + (k[:, None] // block_cols), mask=tile_ok, other=0.0)
+        return v * scale
+    if BITS == 4:
+        byte = tl.load(W + row * w_row + (k[:, None] // 2), mask=tile_ok, other=0).to(tl.int32)
+        code = (byte >> ((k[:, None] % 2) * 4)) & 0xF
+    else:
+        code = tl.load(W + row * w_row + k[:, None], mask=tile_ok, other=0).to(tl.int32)
+    if FORMAT == 2:
+        exponent = tl.load(SCALES + row * s_row + k[:, None] // 32, mask=tile_ok, other=127).to(tl.float32)
+        return fp4_values(code) * tl.exp2(exponent - 127.0)
+    if HAS_G_IDX:
+        g = tl.load(G_IDX + k, mask=k_ok, other=0)
+    else:
+        g = k // group
+    scale = tl.load(SCALES + row * s_row + g[:, None], mask=tile_ok, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(ZEROS + row * s_row + g[:, None], mask=tile_ok, other=0).to(tl.float32)
+    else:
+        z = zero
+    return (code.to(tl.float32) - z) * scale
 
 
 # T (tokens) changes from step to step: not specialized on (see triton_moe.py).
@@ -41,29 +109,8 @@ def _quant_matmul(X, Y, W, SCALES, ZEROS, G_IDX, T, N, K, stride_xt, stride_yt, 
         k_ok = k < K
         a = tl.load(X + m[:, None].to(tl.int64) * stride_xt + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        tile_ok = k_ok[:, None] & n_ok[None, :]
-        row = n[None, :].to(tl.int64)
-        if FORMAT == 0:  # integer codes, a scale and zero point per (row, group)
-            if BITS == 4:
-                byte = tl.load(W + row * w_row + (k[:, None] // 2), mask=tile_ok, other=0).to(tl.int32)
-                code = (byte >> ((k[:, None] % 2) * 4)) & 0xF
-            else:
-                code = tl.load(W + row * w_row + k[:, None], mask=tile_ok, other=0).to(tl.int32)
-            if HAS_G_IDX:
-                g = tl.load(G_IDX + k, mask=k_ok, other=0)
-            else:
-                g = k // group
-            scale = tl.load(SCALES + row * s_row + g[:, None], mask=tile_ok, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                z = tl.load(ZEROS + row * s_row + g[:, None], mask=tile_ok, other=0).to(tl.float32)
-            else:
-                z = zero
-            w = (code.to(tl.float32) - z) * scale
-        else:  # FP8 values, a float32 scale per (block_rows, block_cols) block
-            v = tl.load(W + row * w_row + k[:, None], mask=tile_ok, other=0.0).to(tl.float32)
-            scale = tl.load(SCALES + (row // block_rows) * s_row + (k[:, None] // block_cols), mask=tile_ok,
-                            other=0.0)
-            w = v * scale
+        w = dequant_tile(W, SCALES, ZEROS, G_IDX, n[None, :].to(tl.int64), k, k_ok[:, None] & n_ok[None, :], k_ok,
+                         w_row, s_row, zero, group, block_rows, block_cols, FORMAT, BITS, HAS_ZEROS, HAS_G_IDX)
         if IEEE:
             acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
         else:

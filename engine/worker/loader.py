@@ -175,15 +175,13 @@ def install_quantized(model: CausalLM, params: dict, fmt: CheckpointFormat, tens
             raise InvalidArgument("model", f"unexpected quantized weight {module!r} ({', '.join(sorted(fields))})")
         weight = fmt.read(module, fields)  # (stacked experts come [experts, out, in] already)
         if layout is not None and target.endswith(".gate_up"):  # gpt-oss's gate/up rows interleaved: gate's, up's
-            weight = weight.take_rows(_deinterleaved_rows(weight.out_features))
-        placed.add(target, rows, weight)
+            rows = torch.arange(weight.out_features)
+            placed.add_stacked(target, [weight.take_rows(rows[0::2]), weight.take_rows(rows[1::2])])
+        else:
+            placed.add(target, rows, weight)
         done.append((name, target))
     placed.install()
     return done
-
-
-def _deinterleaved_rows(n: int) -> torch.Tensor:
-    return torch.cat((torch.arange(0, n, 2), torch.arange(1, n, 2)))
 
 
 @contextlib.contextmanager

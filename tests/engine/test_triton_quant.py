@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.engine.worker.quant.formats import pack_codes
-from baton.engine.worker.quant.weights import FP8Weight, IntWeight
+from baton.engine.worker.quant.weights import FP8Weight, IntWeight, MXFP4Weight
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
@@ -71,3 +71,43 @@ def test_a_quantized_layer_on_cuda_routes_to_the_kernels(monkeypatch):
     layer = QuantizedLinear([weights(torch.Generator().manual_seed(0))["int4, zeros, fp16 scales"]], None).cuda()
     layer(torch.randn(3, IN, device="cuda"))
     assert calls
+
+
+def _stacks(gen: torch.Generator, experts: int, rows: int, cols: int) -> dict[str, object]:
+    """One projection of `experts` experts [experts, rows, cols] in each format."""
+    codes = torch.randint(0, 16, (experts, rows, cols), generator=gen, dtype=torch.uint8)
+    w = torch.randn(experts, rows, cols, generator=gen)
+    return {"int4": IntWeight(pack_codes(codes, 4), torch.rand(experts, rows, cols // 8, generator=gen).half() * 0.1,
+                              torch.randint(0, 16, (experts, rows, cols // 8), generator=gen), 0, 4, 8),
+            "fp8": FP8Weight((w * 8).to(torch.float8_e4m3fn), torch.rand(experts, -(-rows // 16), -(-cols // 16),
+                                                                         generator=gen) * 0.02, (16, 16)),
+            "mxfp4": MXFP4Weight(torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=gen,
+                                               dtype=torch.uint8),
+                                 torch.randint(120, 126, (experts, rows, cols // 32), generator=gen,
+                                               dtype=torch.uint8))}
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "mxfp4"])
+def test_the_fused_moe_over_quantized_experts_equals_the_grouped_path(fmt):
+    """Gate, up and down quantized (each with its own scales), gpt-oss's clamped activation and
+    biases on MXFP4, silu elsewhere; 7 tokens over 5 experts, top 2."""
+    from baton.engine.worker.models.moe import GLU, SWIGLU, grouped_experts
+    from baton.engine.worker.quant.linear import ExpertStack, fused_quantized_experts
+
+    gen = torch.Generator().manual_seed(4)
+    experts, hidden, inter = 5, 64, 32
+    gate, up = _stacks(gen, experts, inter, hidden)[fmt], _stacks(gen, experts, inter, hidden)[fmt]
+    down = _stacks(gen, experts, hidden, inter)[fmt]
+    gate_up, down = ExpertStack([gate, up], torch.float32).to(DEVICE), ExpertStack([down], torch.float32).to(DEVICE)
+    glu = GLU("swiglu_oai", 1.702, 1.0) if fmt == "mxfp4" else SWIGLU
+    biases = (torch.randn(experts, 2 * inter, generator=gen) * 0.1, torch.randn(experts, hidden, generator=gen) * 0.1
+              ) if fmt == "mxfp4" else (None, None)
+    x = torch.randn(7, hidden, generator=gen)
+    top, ids = torch.randn(7, experts, generator=gen).topk(2, dim=-1)
+    weights = top.softmax(-1)
+    whole = (torch.stack([gate_up[e].cpu() for e in range(experts)]), torch.stack([down[e].cpu() for e in
+                                                                                 range(experts)]))
+    want = grouped_experts(x, weights, ids, *whole, glu, *biases)
+    got = fused_quantized_experts(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), gate_up, down,
+                                  *[b.to(DEVICE) if b is not None else None for b in biases], glu)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.worker.models.basic import MLP, Linear
+from baton.engine.worker.quant.linear import fused_quantized_experts
 
 ROUTINGS = ("softmax", "group_limited_greedy", "noaux_tc", "topk_softmax")
 
@@ -135,11 +136,15 @@ class Experts(nn.Module):
         self.intermediate, self.glu = intermediate, glu
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        # (Quantized experts, quant/linear.ExpertStack, run grouped: the fused kernel reads float weights.)
         if x.device.type == "cuda" and _TRITON and isinstance(self.gate_up, torch.Tensor):
             from baton.kernels.triton_moe import fused_moe  # imported where used only: triton is optional
             return fused_moe(x, weights, ids, self.gate_up, self.down, self.gate_up_bias, self.down_bias,
                              self.glu.kind, self.glu.alpha, self.glu.limit)
+        if x.device.type == "cuda" and _TRITON:  # quantized experts (quant/linear.ExpertStack), dequantized in-kernel
+            out = fused_quantized_experts(x, weights, ids, self.gate_up, self.down, self.gate_up_bias,
+                                          self.down_bias, self.glu)
+            if out is not None:
+                return out
         return grouped_experts(x, weights, ids, self.gate_up, self.down, self.glu, self.gate_up_bias, self.down_bias)
 
 

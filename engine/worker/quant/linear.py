@@ -135,6 +135,9 @@ class ExpertStack(nn.Module):
     def __len__(self) -> int:
         return self.num_experts
 
+    def __getitem__(self, expert: int) -> torch.Tensor:
+        return dequantized(list(self.parts), (expert,)).to(self.dtype)
+
     def rows_taken(self, rows: torch.Tensor | slice) -> ExpertStack:
         """Every expert's output rows `rows` (a rank's share of the intermediate: gate's and up's)."""
         return ExpertStack(_share_of_parts(list(self.parts), rows), self.dtype)
@@ -145,5 +148,17 @@ class ExpertStack(nn.Module):
     def experts_taken(self, experts: slice) -> ExpertStack:
         return ExpertStack([p.take_experts(experts) for p in self.parts], self.dtype)
 
-    def __getitem__(self, expert: int) -> torch.Tensor:
-        return dequantized(list(self.parts), (expert,)).to(self.dtype)
+
+def fused_quantized_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: ExpertStack,
+                            down: ExpertStack, gate_up_bias, down_bias, glu) -> torch.Tensor | None:
+    """The Triton fused MoE over quantized experts (kernels/triton_quant_moe.py) where it reads
+    them: gate and up quantized alike, one part each (None: it does not; run them grouped)."""
+    from baton.kernels.triton_quant_moe import fused_moe_quantized  # (triton is optional: imported where used)
+
+    if len(gate_up.parts) != 2 or len(down.parts) != 1:
+        return None
+    gate, up = (p.triton_operand() for p in gate_up.parts)
+    if not gate.same_kind(up):
+        return None
+    return fused_moe_quantized(x, weights, ids, gate, up, down.parts[0].triton_operand(), gate_up_bias, down_bias,
+                               glu.kind, glu.alpha, glu.limit)

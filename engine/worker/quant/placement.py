@@ -42,6 +42,13 @@ class QuantizedPlacement:
         start = 0 if rows is None else rows.start
         self.linears.setdefault(owner if param == "weight" else path, []).append((start, weight))
 
+    def add_stacked(self, path: str, parts: list[QuantizedWeight]) -> None:
+        """An Experts' parameter at `path` from stacks of every expert, its parts in order (gpt-oss's
+        gate and up, read from one interleaved tensor)."""
+        owner, _, param = path.rpartition(".")
+        for part, weight in enumerate(parts):
+            self.experts.setdefault((owner, param, part), {})[-1] = weight
+
     def install(self) -> None:
         replacements = [self._linear(path, parts) for path, parts in self.linears.items()]
         replacements += self._expert_stacks()

@@ -44,6 +44,10 @@ class QuantizedWeight(nn.Module):
         """The weight at leading `index` as the CPU kernel reads it (kernels/cpu_dequant.py)."""
         raise NotImplementedError
 
+    def triton_operand(self):
+        """The weight as the Triton kernels read it (kernels/triton_quant.QuantOperand)."""
+        raise NotImplementedError
+
     def triton_matmul(self, x: torch.Tensor, index: tuple[int, ...] = ()) -> torch.Tensor:
         """x [T, in] times the weight at `index` transposed, by the Triton kernel of its format
         (kernels/triton_quant.py); formats without one dequantize here."""
@@ -112,6 +116,11 @@ class FP8Weight(QuantizedWeight):
     def kernel_rows(self, index=()):
         return cpu_dequant.fp8_rows(self.weight[index], self.scale[index], self.block)
 
+    def triton_operand(self):
+        from baton.kernels.triton_quant import FORMAT_FP8, QuantOperand
+
+        return QuantOperand(self.weight, self.scale, None, None, FORMAT_FP8, 8, 0.0, 1, self.block, self.in_features)
+
     def triton_matmul(self, x, index=()):
         from baton.kernels.triton_quant import fp8_matmul  # (triton is optional: imported where used)
 
@@ -171,6 +180,12 @@ class IntWeight(QuantizedWeight):
         if self.zeros is None:
             return (values - self.zero) * scales
         return (values - self._per_column(self.zeros[index][rows].float())) * scales
+
+    def triton_operand(self):
+        from baton.kernels.triton_quant import FORMAT_INT, QuantOperand
+
+        return QuantOperand(self.codes, self.scales, self.zeros, self.g_idx, FORMAT_INT, self.bits, float(self.zero),
+                            self.group_size, (1, 1), self.in_features)
 
     def triton_matmul(self, x, index=()):
         from baton.kernels.triton_quant import int_matmul  # (triton is optional: imported where used)
@@ -251,6 +266,12 @@ class MXFP4Weight(QuantizedWeight):
 
     def kernel_rows(self, index=()):
         return cpu_dequant.mxfp4_rows(self.blocks[index], self.scales[index])
+
+    def triton_operand(self):
+        from baton.kernels.triton_quant import FORMAT_MXFP4, QuantOperand
+
+        flat = self.blocks.flatten(-2)  # [..., out, in / 2]: two codes a byte, as 4-bit integer codes
+        return QuantOperand(flat, self.scales, None, None, FORMAT_MXFP4, 4, 0.0, 32, (1, 1), self.in_features)
 
     def stacked(self, others):
         parts = [self, *others]
