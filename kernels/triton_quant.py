@@ -44,12 +44,17 @@ class QuantOperand:
     block: tuple[int, int]
     k: int  # input columns
 
+    @property
+    def g_expert(self) -> int:
+        """Elements from one expert's g_idx to the next's (0: the experts share one)."""
+        return self.g_idx.stride(0) if self.g_idx is not None and self.g_idx.dim() > 1 else 0
+
     def same_kind(self, other: QuantOperand) -> bool:
         """Whether one kernel specialization reads both (a layer's gate and up)."""
         return ((self.fmt, self.bits, self.zeros is None, self.g_idx is None, self.group, self.block, self.k,
-                 self.w.stride(), self.scales.stride())
+                 self.w.stride(), self.scales.stride(), self.g_expert)
                 == (other.fmt, other.bits, other.zeros is None, other.g_idx is None, other.group, other.block,
-                    other.k, other.w.stride(), other.scales.stride()))
+                    other.k, other.w.stride(), other.scales.stride(), other.g_expert))
 
 
 @triton.jit

@@ -17,8 +17,8 @@ from baton.kernels.triton_quant import QuantOperand, dequant_tile
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up(X, GW, GS, GZ, GG, UW, US, UZ, UG, BIAS, SORTED, BLOCK_EXPERT, OUT, num_pairs, top_k, hidden, inter,
-             stride_xt, w_expert, w_row, s_expert, s_row, stride_be, stride_ot, zero, group, block_rows, block_cols,
-             alpha, limit, FORMAT: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+             stride_xt, w_expert, w_row, s_expert, s_row, g_expert, stride_be, stride_ot, zero, group, block_rows,
+             block_cols, alpha, limit, FORMAT: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
              HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, IEEE: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """OUT[pair, n] = glu(gate[e, n] · x[token], up[e, n] · x[token]) for the block's pairs."""
@@ -29,8 +29,8 @@ def _gate_up(X, GW, GS, GZ, GG, UW, US, UZ, UG, BIAS, SORTED, BLOCK_EXPERT, OUT,
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
     row = n[None, :].to(tl.int64)
-    gw, gs, gz = GW + expert * w_expert, GS + expert * s_expert, GZ + expert * s_expert
-    uw, us, uz = UW + expert * w_expert, US + expert * s_expert, UZ + expert * s_expert
+    gw, gs, gz, gg = GW + expert * w_expert, GS + expert * s_expert, GZ + expert * s_expert, GG + expert * g_expert
+    uw, us, uz, ug = UW + expert * w_expert, US + expert * s_expert, UZ + expert * s_expert, UG + expert * g_expert
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -38,9 +38,9 @@ def _gate_up(X, GW, GS, GZ, GG, UW, US, UZ, UG, BIAS, SORTED, BLOCK_EXPERT, OUT,
         k_ok = k < hidden
         a = tl.load(X + token[:, None] * stride_xt + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         tile_ok = k_ok[:, None] & n_ok[None, :]
-        g = dequant_tile(gw, gs, gz, GG, row, k, tile_ok, k_ok, w_row, s_row, zero, group, block_rows, block_cols,
+        g = dequant_tile(gw, gs, gz, gg, row, k, tile_ok, k_ok, w_row, s_row, zero, group, block_rows, block_cols,
                          FORMAT, BITS, HAS_ZEROS, HAS_G_IDX)
-        u = dequant_tile(uw, us, uz, UG, row, k, tile_ok, k_ok, w_row, s_row, zero, group, block_rows, block_cols,
+        u = dequant_tile(uw, us, uz, ug, row, k, tile_ok, k_ok, w_row, s_row, zero, group, block_rows, block_cols,
                          FORMAT, BITS, HAS_ZEROS, HAS_G_IDX)
         if IEEE:
             gate += tl.dot(a.to(tl.float32), g, input_precision="ieee")
@@ -58,7 +58,7 @@ def _gate_up(X, GW, GS, GZ, GG, UW, US, UZ, UG, BIAS, SORTED, BLOCK_EXPERT, OUT,
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down(A, W, S, Z, G, BIAS, WEIGHTS, SORTED, BLOCK_EXPERT, OUT, num_pairs, hidden, inter, stride_at,
-          w_expert, w_row, s_expert, s_row, stride_be, stride_ot, zero, group, block_rows, block_cols,
+          w_expert, w_row, s_expert, s_row, g_expert, stride_be, stride_ot, zero, group, block_rows, block_cols,
           FORMAT: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
           HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr):
@@ -69,13 +69,13 @@ def _down(A, W, S, Z, G, BIAS, WEIGHTS, SORTED, BLOCK_EXPERT, OUT, num_pairs, hi
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     row = n[None, :].to(tl.int64)
-    w, s, z = W + expert * w_expert, S + expert * s_expert, Z + expert * s_expert
+    w, s, z, g = W + expert * w_expert, S + expert * s_expert, Z + expert * s_expert, G + expert * g_expert
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < inter
         a = tl.load(A + pair[:, None] * stride_at + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = dequant_tile(w, s, z, G, row, k, k_ok[:, None] & n_ok[None, :], k_ok, w_row, s_row, zero, group,
+        b = dequant_tile(w, s, z, g, row, k, k_ok[:, None] & n_ok[None, :], k_ok, w_row, s_row, zero, group,
                          block_rows, block_cols, FORMAT, BITS, HAS_ZEROS, HAS_G_IDX)
         if IEEE:
             acc += tl.dot(a.to(tl.float32), b, input_precision="ieee")
@@ -124,7 +124,8 @@ def fused_moe_quantized(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     _gate_up[(num_blocks, triton.cdiv(inter, block_n))](
         x, *_pointers(gate), *_pointers(up), gate_up_bias if gate_up_bias is not None else x, sorted_pairs,
         block_expert, act, num_pairs, top_k, hidden, inter, x.stride(0), gate.w.stride(0), gate.w.stride(1),
-        gate.scales.stride(0), gate.scales.stride(1), gate_up_bias.stride(0) if gate_up_bias is not None else 0,
+        gate.scales.stride(0), gate.scales.stride(1), gate.g_expert,
+        gate_up_bias.stride(0) if gate_up_bias is not None else 0,
         act.stride(0), gate.zero, gate.group, *gate.block, alpha, limit, **_kind(gate),
         HAS_BIAS=gate_up_bias is not None, ACTIVATION=ACTIVATIONS.index(activation), IEEE=ieee,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
@@ -132,7 +133,8 @@ def fused_moe_quantized(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     _down[(num_blocks, triton.cdiv(hidden, block_n))](
         act, *_pointers(down), down_bias if down_bias is not None else x, weights, sorted_pairs, block_expert, out,
         num_pairs, hidden, inter, act.stride(0), down.w.stride(0), down.w.stride(1), down.scales.stride(0),
-        down.scales.stride(1), down_bias.stride(0) if down_bias is not None else 0, out.stride(0), down.zero,
+        down.scales.stride(1), down.g_expert, down_bias.stride(0) if down_bias is not None else 0, out.stride(0),
+        down.zero,
         down.group, *down.block, **_kind(down), HAS_BIAS=down_bias is not None, IEEE=ieee,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

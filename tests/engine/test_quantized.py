@@ -39,6 +39,7 @@ CASES = [
     ("mistral", "gptq-4", dict(group_size=8)),
     ("qwen3-moe", "gptq-8", dict(group_size=8)),
     ("mistral", "gptq-4-actorder", dict(group_size=8)),
+    ("qwen3-moe", "gptq-4-actorder", dict(group_size=8)),  # each expert with its own g_idx
     ("qwen3-moe", "awq", dict(group_size=8)),
     ("gpt-oss", "mxfp4", {}),
 ]

@@ -77,8 +77,11 @@ def _stacks(gen: torch.Generator, experts: int, rows: int, cols: int) -> dict[st
     """One projection of `experts` experts [experts, rows, cols] in each format."""
     codes = torch.randint(0, 16, (experts, rows, cols), generator=gen, dtype=torch.uint8)
     w = torch.randn(experts, rows, cols, generator=gen)
-    return {"int4": IntWeight(pack_codes(codes, 4), torch.rand(experts, rows, cols // 8, generator=gen).half() * 0.1,
-                              torch.randint(0, 16, (experts, rows, cols // 8), generator=gen), 0, 4, 8),
+    scales = torch.rand(experts, rows, cols // 8, generator=gen).half() * 0.1
+    zeros = torch.randint(0, 16, (experts, rows, cols // 8), generator=gen)
+    act_order = torch.stack([torch.randperm(cols, generator=gen) // 8 for _ in range(experts)])  # each its own
+    return {"int4": IntWeight(pack_codes(codes, 4), scales, zeros, 0, 4, 8),
+            "int4 act-order": IntWeight(pack_codes(codes, 4), scales, zeros, 0, 4, 8, act_order),
             "fp8": FP8Weight((w * 8).to(torch.float8_e4m3fn), torch.rand(experts, -(-rows // 16), -(-cols // 16),
                                                                          generator=gen) * 0.02, (16, 16)),
             "mxfp4": MXFP4Weight(torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=gen,
@@ -87,7 +90,7 @@ def _stacks(gen: torch.Generator, experts: int, rows: int, cols: int) -> dict[st
                                                dtype=torch.uint8))}
 
 
-@pytest.mark.parametrize("fmt", ["int4", "fp8", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["int4", "int4 act-order", "fp8", "mxfp4"])
 def test_the_fused_moe_over_quantized_experts_equals_the_grouped_path(fmt):
     """Gate, up and down quantized (each with its own scales), gpt-oss's clamped activation and
     biases on MXFP4, silu elsewhere; 7 tokens over 5 experts, top 2."""

@@ -152,8 +152,9 @@ class IntWeight(QuantizedWeight):
     """Integer codes of `bits` (4: two to a byte, the low nibble the even column; 8: one byte)
     [*lead, out, in * bits / 8], scales [*lead, out, groups] and zero points (codes, the same
     shape; None: `zero` for every group): W = (code - zero) * scale. Input column i is in group
-    g_idx[i] (GPTQ's act-order), else i // group_size. `in_features`: where 4-bit codes of an odd
-    count end in half a byte (default: every code stored)."""
+    g_idx[i] (GPTQ's act-order; [*lead, in] where a stack's experts each have their own), else
+    i // group_size. `in_features`: where 4-bit codes of an odd count end in half a byte (default:
+    every code stored)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, zero: int, bits: int,
                  group_size: int, g_idx: torch.Tensor | None = None, in_features: int | None = None):
@@ -175,11 +176,15 @@ class IntWeight(QuantizedWeight):
         codes = self.codes[index][rows]
         if self.bits == 4:
             codes = torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2)[..., :self.in_features]
-        values = codes.float()
-        scales = self._per_column(self.scales[index][rows].float())
+        values, g_idx = codes.float(), self._g_idx(index)
+        scales = self._per_column(self.scales[index][rows].float(), g_idx)
         if self.zeros is None:
             return (values - self.zero) * scales
-        return (values - self._per_column(self.zeros[index][rows].float())) * scales
+        return (values - self._per_column(self.zeros[index][rows].float(), g_idx)) * scales
+
+    def _g_idx(self, index: tuple[int, ...]) -> torch.Tensor | None:
+        """The g_idx of the weight at leading `index` (its expert's own, where each has one)."""
+        return self.g_idx if self.g_idx is None or self.g_idx.dim() == 1 else self.g_idx[index]
 
     def triton_operand(self):
         from baton.kernels.triton_quant import FORMAT_INT, QuantOperand
@@ -192,12 +197,12 @@ class IntWeight(QuantizedWeight):
 
         zeros = None if self.zeros is None else self.zeros[index]
         return int_matmul(x, self.codes[index], self.bits, self.in_features, self.scales[index], zeros, self.zero,
-                          self.group_size, self.g_idx)
+                          self.group_size, self._g_idx(index))
 
     def kernel_rows(self, index=()):
         zeros = None if self.zeros is None else self.zeros[index]
         return cpu_dequant.integer_rows(self.codes[index], self.bits, self.in_features, self.scales[index], zeros,
-                                        self.zero, self.group_size, self.g_idx)
+                                        self.zero, self.group_size, self._g_idx(index))
 
     def take_rows(self, rows):
         zeros = None if self.zeros is None else _rows(self.zeros, rows)
@@ -209,6 +214,9 @@ class IntWeight(QuantizedWeight):
             raise _refuse(layer, cols, "a byte of two 4-bit codes")
         per_byte = 8 // self.bits
         codes = self.codes[..., cols.start // per_byte:-(-cols.stop // per_byte)].contiguous()
+        if self.g_idx is not None and self.g_idx.dim() > 1:  # each expert's own groups: all kept, columns cut
+            return IntWeight(codes, self.scales, self.zeros, self.zero, self.bits, self.group_size,
+                             self.g_idx[..., cols], cols.stop - cols.start)
         groups = (self.g_idx.long() if self.g_idx is not None
                   else torch.arange(self.in_features, device=self.codes.device) // self.group_size)[cols]
         if self.g_idx is None and cols.start % self.group_size == 0:  # whole groups: plain groups still
@@ -224,20 +232,21 @@ class IntWeight(QuantizedWeight):
 
     def take_experts(self, experts):
         zeros = None if self.zeros is None else self.zeros[experts].contiguous()
+        g_idx = self.g_idx if self.g_idx is None or self.g_idx.dim() == 1 else self.g_idx[experts]
         return IntWeight(self.codes[experts].contiguous(), self.scales[experts].contiguous(), zeros, self.zero,
-                         self.bits, self.group_size, self.g_idx, self.in_features)
+                         self.bits, self.group_size, g_idx, self.in_features)
 
-    def _per_column(self, grouped: torch.Tensor) -> torch.Tensor:
-        if self.g_idx is not None:
-            return grouped[:, self.g_idx.long()]
+    def _per_column(self, grouped: torch.Tensor, g_idx: torch.Tensor | None) -> torch.Tensor:
+        if g_idx is not None:
+            return grouped[:, g_idx.long()]
         return grouped.repeat_interleave(self.group_size, dim=1)[:, :self.in_features]
 
     def stacked(self, others):
         parts = [self, *others]
         zeros = None if self.zeros is None else torch.stack([p.zeros for p in parts])
-        g_idx = self.g_idx  # (a stack's members share one: experts quantized with act-order each have their own)
+        g_idx = self.g_idx  # one for the stack, or each expert's own (act-order quantizes each alone)
         if g_idx is not None and any(not torch.equal(p.g_idx, g_idx) for p in others):
-            raise ValueError("experts with different g_idx cannot share one stack")
+            g_idx = torch.stack([p.g_idx for p in parts])
         return IntWeight(torch.stack([p.codes for p in parts]), torch.stack([p.scales for p in parts]), zeros,
                          self.zero, self.bits, self.group_size, g_idx, self.in_features)
 
