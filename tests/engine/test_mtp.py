@@ -221,3 +221,20 @@ def test_a_checkpoint_without_the_layer_is_refused(tiny_llama, whole, deepseek, 
         with pytest.raises(InvalidArgument, match=message) as err:
             LLM(target, dtype="float32", device="cpu", speculative_config=config)
         assert err.value.field == field
+
+
+def test_a_block_fp8_checkpoints_layer_stays_fp8_and_drafts_as_the_greedy_target(deepseek, tmp_path):
+    """DeepSeek-V3 as published: the target and its MTP layer in block FP8. The layer's
+    projections and experts load quantized beside the target's, and the drafted greedy output is
+    the target's own."""
+    from baton.engine.worker.loader import load_model
+    from baton.engine.worker.quant.linear import ExpertStack, QuantizedLinear
+    from baton.engine.worker.spec_decode.mtp import load_mtp
+    from baton.testing.quantized_checkpoints import quantize_checkpoint
+
+    fp8, _ = quantize_checkpoint(deepseek, str(tmp_path / "fp8"), str(tmp_path / "ref"), "fp8-block", block=(16, 16))
+    head = load_mtp(None, fp8, load_model(fp8, torch.float32, "cpu"), torch.float32, "cpu")
+    kinds = {type(m) for m in head.modules()}
+    assert QuantizedLinear in kinds and ExpertStack in kinds
+    ps, want, got = drafted_and_plain(fp8, spec(3))
+    assert got[::2] == want[::2]

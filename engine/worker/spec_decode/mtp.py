@@ -36,6 +36,8 @@ from baton.engine.worker.models import CausalLM, ModelArgs, model_args
 from baton.engine.worker.models.basic import Embedding, Linear, norm
 from baton.engine.worker.models.layers import DecoderLayer
 from baton.engine.worker.models.rope import RotaryTable
+from baton.engine.worker.quant.formats import CheckpointFormat, checkpoint_format
+from baton.engine.worker.quant.placement import QuantizedPlacement
 from baton.kernels.attention import AttentionMetadata
 
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")  # the layer's own; the rest its decoder layer's
@@ -101,12 +103,18 @@ def load_mtp(model: str | None, target_dir: str, target: CausalLM, dtype: torch.
     params = dict(head.named_parameters())
     filled: Counter = Counter()
     shared: dict[str, torch.Tensor] = {}
+    fmt = checkpoint_format(cfg)  # (DeepSeek-V3's published layer is block FP8, as the target)
+    quantized: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in _tensors(path, prefix, field):  # (one tensor at a time, into place)
         key = name.removeprefix(prefix)
         if "rotary_emb" in key:
             continue
         if key in _SHARED:
             shared[key] = tensor
+            continue
+        split = None if fmt is None else fmt.split(key, tensor)
+        if split is not None:
+            quantized.setdefault(split[0], {})[split[1]] = tensor
             continue
         param, rows = parameter_for(head, params, key if key.startswith(_OWN) else "mtp_block." + key)
         check(param is not None, field, f"unexpected weight {name!r} in the MTP layer")
@@ -116,6 +124,9 @@ def load_mtp(model: str | None, target_dir: str, target: CausalLM, dtype: torch.
         with torch.no_grad():
             dest.copy_(tensor)
         filled[param] += tensor.numel()
+    if quantized:
+        _place_quantized(head, params, fmt, quantized, dtype, filled, prefix, field)
+        head.to(device)
     check(bool(filled or shared), field, f"{path!r} has no tensors of its MTP layer ({prefix}*), though its "
                                          f"num_nextn_predict_layers is {n}")
     for name, p in params.items():
@@ -125,6 +136,20 @@ def load_mtp(model: str | None, target_dir: str, target: CausalLM, dtype: torch.
     head.shared_head.head = _own_or_target(lm_head, prefix + _SHARED[1], target.lm_head,
                                            lambda vocab, h: Linear(h, vocab, bias=False), field)
     return head.eval()
+
+
+def _place_quantized(head: MTPHead, params: dict, fmt: CheckpointFormat, tensors: dict, dtype: torch.dtype,
+                     filled: Counter, prefix: str, field: str) -> None:
+    """The layer's quantized projections and experts, kept as the target's are (quant/placement.py)."""
+    placed = QuantizedPlacement(head, dtype)
+    for module, fields in tensors.items():
+        name = f"{module}.weight"
+        param, rows = parameter_for(head, params, name if name.startswith(_OWN) else "mtp_block." + name)
+        check(param is not None, field, f"unexpected quantized weight {prefix}{module} in the MTP layer")
+        weight = fmt.read(prefix + module, fields)
+        placed.add(param, rows, weight)
+        filled[param] += weight.out_features * weight.in_features
+    placed.install()
 
 
 def _tensors(path: str, prefix: str, field: str):
