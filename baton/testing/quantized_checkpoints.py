@@ -40,11 +40,13 @@ _FP8_MAX = 448.0
 
 
 def quantize_checkpoint(float_dir: str, out_dir: str, ref_dir: str, scheme: str, *, group_size: int = 16,
-                        block: tuple[int, int] = (32, 16), seed: int = 0, spread: bool = True) -> tuple[str, str]:
+                        block: tuple[int, int] = (32, 16), seed: int = 0, spread: bool = True,
+                        lm_head: bool = False) -> tuple[str, str]:
     """Writes out_dir: float_dir's checkpoint in `scheme`'s published format (config.json with its
     quantization_config, the tokenizer's files copied, safetensors sharded as the float one);
     ref_dir: a plain float32 checkpoint transformers loads, every quantized weight replaced by
-    exactly the value the quantized one holds. Returns (out_dir, ref_dir)."""
+    exactly the value the quantized one holds; `lm_head`: the LM head quantized too (GPTQ's
+    `lm_head: true`). Returns (out_dir, ref_dir)."""
     from safetensors.torch import load_file, save_file
 
     if scheme not in SCHEMES:
@@ -64,7 +66,8 @@ def quantize_checkpoint(float_dir: str, out_dir: str, ref_dir: str, scheme: str,
     for shard in shards:
         quantized, reference = {}, {}
         for name, w in load_file(os.path.join(float_dir, shard)).items():
-            q, ref = _quantize(name, w.float(), scheme, group_size, block, gen if spread else None)
+            q, ref = _quantize(name, w.float(), scheme, group_size, block, gen if spread else None,
+                               lm_head and name == "lm_head.weight")
             quantized.update(q)
             reference.update(ref)
         save_file(quantized, os.path.join(out_dir, shard), metadata={"format": "pt"})
@@ -77,19 +80,19 @@ def quantize_checkpoint(float_dir: str, out_dir: str, ref_dir: str, scheme: str,
                 json.dump({"metadata": {}, "weight_map": weight_map}, f)
     with open(os.path.join(out_dir, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = _config(scheme, group_size, block)
+    config["quantization_config"] = dict(_config(scheme, group_size, block), **({"lm_head": True} if lm_head else {}))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return out_dir, ref_dir
 
 
 def _quantize(name: str, w: torch.Tensor, scheme: str, group: int, block: tuple[int, int],
-              gen: torch.Generator | None) -> tuple[dict, dict]:
+              gen: torch.Generator | None, head: bool = False) -> tuple[dict, dict]:
     """(the quantized checkpoint's tensors, the reference's) for one float tensor; `gen`: rows
     spread by random factors (None: as they are)."""
     if scheme == "mxfp4":
         return _mxfp4(name, w, gen or torch.Generator().manual_seed(0))
-    if w.dim() != 2 or not _QUANTIZED.search(name) or _NOT_QUANTIZED.search(name):
+    if not head and (w.dim() != 2 or not _QUANTIZED.search(name) or _NOT_QUANTIZED.search(name)):
         return {name: w.contiguous()}, {name: w.contiguous()}
     if gen is not None:
         w = w * (0.5 + torch.rand(w.shape[0], 1, generator=gen))  # rows of their own scale

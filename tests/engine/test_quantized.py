@@ -228,10 +228,12 @@ PARALLEL = [("qwen3", "fp8-block", dict(block=(32, 8)), False),  # q rows 48 a r
             ("mistral", "gptq-4-actorder", dict(group_size=8), False),
             ("qwen3-moe", "awq", dict(group_size=8), False),
             ("deepseek-v3", "fp8-block", dict(block=(16, 16)), False),
+            ("mistral", "gptq-4", dict(group_size=8, lm_head=True), False),  # the LM head quantized too
             ("gpt-oss", "mxfp4", {}, True)]  # expert parallel: whole MXFP4 experts
 
 
-@pytest.mark.parametrize("family, scheme, opts, expert_parallel", PARALLEL, ids=[f"{p[0]}-{p[1]}" for p in PARALLEL])
+@pytest.mark.parametrize("family, scheme, opts, expert_parallel", PARALLEL,
+                         ids=[f"{p[0]}-{p[1]}{'-lm-head' if p[2].get('lm_head') else ''}" for p in PARALLEL])
 def test_two_ranks_over_a_quantized_checkpoint_equal_transformers(tmp_path_factory, hf, family, scheme, opts,
                                                                   expert_parallel):
     model_dir, reference = quantized(tmp_path_factory, family, scheme, opts)
@@ -241,6 +243,7 @@ def test_two_ranks_over_a_quantized_checkpoint_equal_transformers(tmp_path_facto
         outs = llm.generate(ps, GREEDY)
         model = llm.engine.runner.model
         assert any(isinstance(m, (QuantizedLinear, ExpertStack)) for m in model.modules())
+        assert isinstance(model.lm_head.quantized, QuantizedLinear) == bool(opts.get("lm_head"))
         assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
     assert_matches_hf(hf, reference, ps, outs, GREEDY.max_tokens)
 

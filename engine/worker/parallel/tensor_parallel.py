@@ -139,16 +139,25 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """The LM head's share of the vocabulary here; forward gathers every rank's logits."""
+    """The LM head's share of the vocabulary here; forward gathers every rank's logits. A quantized
+    head (a GPTQ checkpoint's, quantized with lm_head) keeps its rows quantized; the last rank's
+    shorter share is padded with zero logits before the gather."""
 
-    def __init__(self, weight: torch.Tensor, vocab: int, tp: TPGroup):
+    def __init__(self, head: Linear | QuantizedLinear, vocab: int, tp: TPGroup):
         super().__init__()
         self.vocab, self.tp = vocab, tp
-        each = -(-vocab // tp.size)
-        self.weight = nn.Parameter(_padded_rows(weight, tp.rank * each, each), requires_grad=False)
+        self.each = each = -(-vocab // tp.size)
+        self.quantized = head if isinstance(head, QuantizedLinear) else None
+        if self.quantized is not None:
+            head.keep_rows(slice(tp.rank * each, min((tp.rank + 1) * each, vocab)))
+        self.weight = None if self.quantized else nn.Parameter(_padded_rows(head.weight.data, tp.rank * each, each),
+                                                                requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather(F.linear(hidden, self.weight))[..., :self.vocab]
+        if self.quantized is None:
+            return self.tp.all_gather(F.linear(hidden, self.weight))[..., :self.vocab]
+        local = self.quantized(hidden)
+        return self.tp.all_gather(F.pad(local, (0, self.each - local.shape[-1])))[..., :self.vocab]
 
 
 def _padded_rows(weight: torch.Tensor, start: int, n: int) -> torch.Tensor:
@@ -260,7 +269,7 @@ def shard_model(model, tp: TPGroup, expert_parallel: bool = False) -> None:
             layer.mlp = _shard_moe(layer.mlp, tp, expert_parallel)
         else:
             _shard_mlp(layer.mlp, tp)
-    head = model.lm_head.weight.data
+    head = model.lm_head
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, tp)
     model.lm_head = ParallelLMHead(head, args.vocab_size, tp)
     attn = model.layers[0].self_attn
