@@ -220,7 +220,9 @@ def check_fused_moe() -> dict:
 def check_quant_kernels(tmp: str) -> dict:
     """The quantized linear kernels (kernels/triton_quant.py) in bfloat16 at Llama-8B's shapes
     against the dequantized weight's cuBLAS matmul, timed beside bf16 cuBLAS at 1 to 512 tokens:
-    W4A16 (GPTQ-style, group 128), W8A16, FP8 weight-only with 128x128 blocks. Then a tiny GPTQ
+    W4A16 (GPTQ-style, group 128), W8A16, FP8 weight-only with 128x128 blocks, and W8A8 block FP8
+    (activations quantized per token and 128 columns; against the same quantization) where the GPU
+    has FP8 tensor cores. Then a tiny GPTQ
     and a block-FP8 Llama through the engine on CUDA, greedy-equal to transformers on the
     dequantized weights (float32)."""
     import torch.nn.functional as F
@@ -228,6 +230,7 @@ def check_quant_kernels(tmp: str) -> dict:
     from baton import LLM, SamplingParams
     from baton.engine.worker.quant.formats import pack_codes
     from baton.engine.worker.quant.weights import FP8Weight, IntWeight
+    from baton.kernels import triton_quant
     from baton.testing.checkpoints import write_random_checkpoint
     from baton.testing.quantized_checkpoints import quantize_checkpoint
 
@@ -243,14 +246,24 @@ def check_quant_kernels(tmp: str) -> dict:
             "fp8 block": FP8Weight((w * 64).to(torch.float8_e4m3fn), torch.full((n // 128, k // 128), 1 / 64,
                                                                                  device="cuda"), (128, 128))}
         dense = w.bfloat16()
+        fp8 = formats["fp8 block"]
         for tokens in (1, 16, 128, 512):
             x = torch.randn(tokens, k, device="cuda", generator=gen).bfloat16()
             bf16_ms = _timed(partial(F.linear, x, dense))
-            for name, weight in formats.items():
+            runs = {name: (partial(weight.triton_matmul, x), weight.dequantize().float(), x.float())
+                    for name, weight in formats.items()}
+            runs["fp8 block"] = (partial(triton_quant.fp8_matmul, x, fp8.weight, fp8.scale, fp8.block),
+                                 fp8.dequantize().float(), x.float())  # (weight-only, whatever the GPU)
+            if torch.cuda.get_device_capability() >= (8, 9):
+                xq, xs = triton_quant.quantize_activations(x, 128)
+                x_back = xq.float() * xs.repeat_interleave(128, dim=1)[:, :k]
+                runs["w8a8 fp8 block"] = (partial(triton_quant.w8a8_matmul, x, fp8.weight, fp8.scale, fp8.block),
+                                          fp8.dequantize().float(), x_back)
+            for name, (run, weight, x_ref) in runs.items():
                 key = f"{name} {n}x{k} t{tokens}"
-                want = F.linear(x.float(), weight.dequantize().float())
-                errors[key] = ((weight.triton_matmul(x).float() - want).abs().max() / want.abs().max()).item()
-                ms = _timed(partial(weight.triton_matmul, x))
+                want = F.linear(x_ref, weight)
+                errors[key] = ((run().float() - want).abs().max() / want.abs().max()).item()
+                ms = _timed(run)
                 timings[key] = {"ms": ms, "bf16_cublas_ms": bf16_ms, "speedup": round(bf16_ms / ms, 2)}
     bad = {k: v for k, v in errors.items() if v > 2e-2}
     engine = {}

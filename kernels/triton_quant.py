@@ -168,3 +168,63 @@ def fp8_matmul(x: torch.Tensor, values: torch.Tensor, grid: torch.Tensor, block:
         raise ValueError("grid must be row-major float32")
     return _launch(x, values, grid, None, None, values.shape[0], values.shape[1], values.stride(0), grid.stride(0), 0,
                    1, block, FORMAT_FP8, 8)
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token-group FP8 (DeepSeek's and vLLM's W8A8 activations): x [T, K] as e4m3
+    values [T, K] and float32 scales [T, ceil(K / group)], each group's amax over 448."""
+    t, k = x.shape
+    padded = torch.nn.functional.pad(x.float(), (0, -k % group)).view(t, -1, group)
+    scales = (padded.abs().amax(dim=-1) / 448.0).clamp(min=1e-12)
+    values = (padded / scales[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return values.view(t, -1)[:, :k].contiguous(), scales
+
+
+@triton.jit(do_not_specialize=["T"])
+def _w8a8_matmul(XQ, XS, Y, W, WS, T, N, K, stride_xt, stride_xs, stride_yt, w_row, ws_row, block_rows, block_cols,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y[m, n] = sum over K tiles of (XQ tile · W tile, an FP8 dot) · XS[m, tile] · WS[n // bo, k // bi]:
+    each K tile is one activation group and lies in one weight block."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = m < T, n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(XQ + m[:, None].to(tl.int64) * stride_xt + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(W + n[None, :].to(tl.int64) * w_row + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a_scale = tl.load(XS + m * stride_xs + k0 // BLOCK_K, mask=m_ok, other=0.0)
+        w_scale = tl.load(WS + (n // block_rows) * ws_row + k0 // block_cols, mask=n_ok, other=0.0)
+        acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+    tl.store(Y + m[:, None].to(tl.int64) * stride_yt + n[None, :], acc.to(Y.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def w8a8_group(k: int, block_cols: int) -> int | None:
+    """The activation group (and K tile) W8A8 uses over weight blocks `block_cols` wide: 128 (as
+    DeepSeek's) or the largest of 64, 32 that stays within one weight block (any, where one scale
+    spans the columns); None where none does (an FP8 dot takes K tiles of 32 at least)."""
+    return next((g for g in (128, 64, 32) if (block_cols >= k and g <= max(k, 32)) or block_cols % g == 0), None)
+
+
+def w8a8_matmul(x: torch.Tensor, values: torch.Tensor, grid: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """x [T, K] @ W.T with x quantized to FP8 per token and group and the dot in FP8 (Hopper's and
+    Ada's tensor cores): the weight's e4m3 values [N, K] with float32 scales per (bo, bi) block.
+    Approximate by nature (activations lose precision): checked against the same quantization."""
+    if values.dtype != torch.float8_e4m3fn or values.stride(1) != 1 or grid.dtype != torch.float32:
+        raise ValueError(f"values must be row-major float8_e4m3fn with a float32 grid, got {values.dtype}")
+    n, k = values.shape
+    group = w8a8_group(k, block[1])
+    if group is None:
+        raise ValueError(f"block: no activation group fits weight blocks of {block[1]} columns")
+    xq, xs = quantize_activations(x, group)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return y
+    bm, bn, _ = _blocks(x, n)
+    _w8a8_matmul[(triton.cdiv(x.shape[0], bm), triton.cdiv(n, bn))](
+        xq, xs, y, values, grid, x.shape[0], n, k, xq.stride(0), xs.stride(0), y.stride(0), values.stride(0),
+        grid.stride(0), block[0], block[1] if block[1] < k else k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=group)
+    return y

@@ -114,3 +114,23 @@ def test_the_fused_moe_over_quantized_experts_equals_the_grouped_path(fmt):
     got = fused_quantized_experts(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), gate_up, down,
                                   *[b.to(DEVICE) if b is not None else None for b in biases], glu)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block", [(16, 32), (1, 80), (37, 80)], ids=["blocks", "per channel", "per tensor"])
+def test_w8a8_equals_the_same_activation_quantization_in_float(block):
+    """FP8 x FP8 with per-token-group activation scales (the Hopper path): equal to dequantizing
+    both operands as quantized (x's groups of 32 here) and multiplying in float32."""
+    gen = torch.Generator().manual_seed(6)
+    n, k = 37, 80  # K's last tile partial
+    values = (torch.randn(n, k, generator=gen) * 4).to(torch.float8_e4m3fn)
+    grid = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=gen) + 0.5
+    x = torch.randn(5, k, generator=gen) * 3
+    group = triton_quant.w8a8_group(k, block[1])
+    assert group == (32 if block == (16, 32) else 64)  # (one scale across K: the largest tile within it)
+    xq, xs = triton_quant.quantize_activations(x, group)
+    x_back = xq.float() * xs.repeat_interleave(group, dim=1)[:, :k]
+    assert (x_back - x).abs().max() <= x.abs().max() / 16  # e4m3 keeps 3 mantissa bits
+    weight = FP8Weight(values, grid, block)
+    want = F.linear(x_back, weight.dequantize())
+    got = triton_quant.w8a8_matmul(x.to(DEVICE), values.to(DEVICE), grid.to(DEVICE), block).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

@@ -122,9 +122,15 @@ class FP8Weight(QuantizedWeight):
         return QuantOperand(self.weight, self.scale, None, None, FORMAT_FP8, 8, 0.0, 1, self.block, self.in_features)
 
     def triton_matmul(self, x, index=()):
-        from baton.kernels.triton_quant import fp8_matmul  # (triton is optional: imported where used)
+        from baton.kernels import triton_quant  # (triton is optional: imported where used)
 
-        return fp8_matmul(x, self.weight[index], self.scale[index], self.block)
+        # Half-precision activations on GPUs with FP8 tensor cores (Ada, Hopper): quantized per token
+        # group, an FP8 x FP8 dot (vLLM's W8A8 block FP8). float32 compute stays weight-only: exact.
+        if (x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == torch.float8_e4m3fn
+                and torch.cuda.get_device_capability(x.device) >= (8, 9)
+                and triton_quant.w8a8_group(self.in_features, self.block[1]) is not None):
+            return triton_quant.w8a8_matmul(x, self.weight[index], self.scale[index], self.block)
+        return triton_quant.fp8_matmul(x, self.weight[index], self.scale[index], self.block)
 
     def stacked(self, others):
         parts = [self, *others]
