@@ -114,10 +114,13 @@ def mixed_pair(float_model: str, quant_model: str, ps: list[str], tokens: int) -
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/smollm2-135m-instruct")
-    p.add_argument("--schemes", nargs="+", default=["fp8-block", "ct-w4a16", "gptq-4"], choices=list(SCHEMES))
+    p.add_argument("--schemes", nargs="*", default=["fp8-block", "ct-w4a16", "gptq-4"], choices=list(SCHEMES))
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     p.add_argument("--tokens", type=int, default=32, help="output tokens per request in the speed runs")
     p.add_argument("--quick", action="store_true", help="fewer tokens and prompts (a smoke run)")
+    p.add_argument("--checkpoint", nargs="+", default=[], metavar="NAME=DIR",
+                   help="quantized checkpoints of --model made elsewhere (llm-compressor's, as "
+                        "baton/testing/llm_compressor_oneshot.py writes them), measured as the schemes are")
     p.add_argument("--out", help="write the report as JSON here")
     args = p.parse_args()
     model = str((REPO / args.model) if not Path(args.model).is_absolute() else args.model)
@@ -129,10 +132,11 @@ def main() -> None:
                            "checkpoint_bytes": sum(checkpoint_bytes(model).values())}
         quality_prompts = QUALITY_PROMPTS[:4] if args.quick else QUALITY_PROMPTS
         want = greedy(llm, quality_prompts, 32)
+    given = dict(item.split("=", 1) for item in args.checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
-        for scheme in args.schemes:
-            quant, _ = quantize_checkpoint(model, f"{tmp}/{scheme}", f"{tmp}/{scheme}-ref", scheme, spread=False,
-                                           **SCHEMES[scheme])
+        for scheme in [*args.schemes, *given]:
+            quant = given.get(scheme) or quantize_checkpoint(model, f"{tmp}/{scheme}", f"{tmp}/{scheme}-ref", scheme,
+                                                             spread=False, **SCHEMES[scheme])[0]
             row = {"checkpoint_bytes": sum(checkpoint_bytes(quant).values())}
             with engine(quant) as llm:
                 row["resident_bytes"] = resident_bytes(llm)

@@ -26,26 +26,26 @@ _TILE_VALUES = 1 << 18
 def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight, index: tuple[int, ...] = ()) -> torch.Tensor:
     """x [T, in] times weight (at leading `index`) transposed: [T, out], in x's dtype. On CUDA by
     the format's Triton kernel; on CPU the rows are dequantized by the C++ kernel into one reused
-    tile; elsewhere (or without a compiler) by the weight's own PyTorch code."""
+    float32 tile; elsewhere (or without a compiler) by the weight's own PyTorch code."""
     if x.device.type == "cuda" and _TRITON:
         return weight.triton_matmul(x, index)
-    out, cols = weight.out_features, weight.in_features
-    step = max(1, _TILE_VALUES // cols)
-    kernel = x.device.type == "cpu" and cpu_dequant.available()
-    if kernel:
-        rows, xf = weight.kernel_rows(index), x.float()
-        tile = torch.empty(min(step, out), cols)
+    step = max(1, _TILE_VALUES // weight.in_features)
+    if x.device.type == "cpu" and cpu_dequant.available():
+        rows, tile = weight.kernel_rows(index), torch.empty(min(step, weight.out_features), weight.in_features)
+        return _tiled(x.float(), weight.out_features, step,
+                      lambda start, stop: cpu_dequant.dequant_rows(rows, start, stop, tile)[:stop - start]).to(x.dtype)
+    return _tiled(x, weight.out_features, step,
+                  lambda start, stop: weight.dequantize(index, slice(start, stop)).to(x.dtype))
+
+
+def _tiled(x: torch.Tensor, out: int, step: int, rows_of) -> torch.Tensor:
+    """x times the weight whose rows [start, stop) `rows_of` gives, `step` rows at a time."""
     if step >= out:
-        w = cpu_dequant.dequant_rows(rows, 0, out, tile) if kernel else weight.dequantize(index)
-        return F.linear(x, w.to(x.dtype)) if not kernel else F.linear(xf, w).to(x.dtype)
+        return F.linear(x, rows_of(0, out))
     y = torch.empty(x.shape[0], out, dtype=x.dtype, device=x.device)
     for start in range(0, out, step):
         stop = min(start + step, out)
-        if kernel:
-            n = stop - start
-            y[:, start:stop] = F.linear(xf, cpu_dequant.dequant_rows(rows, start, stop, tile)[:n])
-        else:
-            y[:, start:stop] = F.linear(x, weight.dequantize(index, slice(start, stop)).to(x.dtype))
+        y[:, start:stop] = F.linear(x, rows_of(start, stop))
     return y
 
 
