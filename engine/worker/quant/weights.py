@@ -5,8 +5,10 @@ checkpoint had (4-bit codes two to a byte) and turns a span of its rows into flo
 what a linear layer multiplies by, a tile at a time (linear.py), and what an expert runs with.
 
 A weight may carry leading dimensions (a stack of experts: [experts, out, in]); `index` picks
-one. Every dequantization happens here, in float32, so that a layer computes with exactly the
-values a reference dequantizing the whole checkpoint in float32 has.
+one. `dequantize` here, in float32, is the reference: the CPU kernel (`kernel_rows`, computing
+every value as it does) and the Triton kernels (`triton_operand`, `triton_matmul`) read the same
+bytes, and a tensor-parallel rank takes its share with `take_rows`, `take_columns`,
+`take_experts`, scales and zero points going with their rows and columns.
 """
 from __future__ import annotations
 
