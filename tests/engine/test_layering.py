@@ -42,8 +42,10 @@ ALLOWED = {
     # The command line: the launcher and glue, over the services and the engine's contracts; the
     # offline engine through `baton`'s lazy LLM only; the tiny checkpoints prepare-models writes.
     "services/cli": ("baton", "baton.engine.common", "baton.kernels", "baton.services", "baton.testing"),
-    # `baton models` reads a checkpoint as the engine does (its families' config readers), no weights.
-    "services/cli/model_info.py": ("baton.engine.common", "baton.engine.worker.models"),
+    # `baton models` reads a checkpoint as the engine does (its families' config readers, the loader's
+    # and the quantized formats' reading of its files' headers), no weights.
+    "services/cli/model_info.py": ("baton.engine.common", "baton.engine.worker.models", "baton.engine.worker.loader",
+                                   "baton.engine.worker.quant.formats"),
     "services/client.py": ("baton.services.rpc", "baton.v1"),
     "services/__init__.py": (),
     "baton/testing": (),  # importable without the engine: tests and benchmarks write checkpoints with it
