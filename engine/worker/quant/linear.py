@@ -31,7 +31,7 @@ def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight, index: tuple[int,
         return weight.triton_matmul(x, index)
     step = max(1, _TILE_VALUES // weight.in_features)
     if x.device.type == "cpu" and cpu_dequant.available():
-        rows, tile = weight.kernel_rows(index), torch.empty(min(step, weight.out_features), weight.in_features)
+        rows, tile = weight.cpu_rows(index), torch.empty(min(step, weight.out_features), weight.in_features)
         return _tiled(x.float(), weight.out_features, step,
                       lambda start, stop: cpu_dequant.dequant_rows(rows, start, stop, tile)[:stop - start]).to(x.dtype)
     return _tiled(x, weight.out_features, step,
@@ -50,15 +50,14 @@ def _tiled(x: torch.Tensor, out: int, step: int, rows_of) -> torch.Tensor:
 
 
 def dequantize(weight: QuantizedWeight, index: tuple[int, ...] = ()) -> torch.Tensor:
-    """The whole float32 weight at leading `index` (the C++ kernel's where it can)."""
-    if weight.lead and not index or not (weight_on_cpu(weight) and cpu_dequant.available()):
+    """The whole float32 weight at leading `index` (one expert of a stack; the C++ kernel's where
+    it can)."""
+    on_cpu = next(weight.buffers()).device.type == "cpu"
+    whole_stack = weight.lead and not index
+    if whole_stack or not (on_cpu and cpu_dequant.available()):
         return weight.dequantize(index)
     out = torch.empty(weight.out_features, weight.in_features)
-    return cpu_dequant.dequant_rows(weight.kernel_rows(index), 0, weight.out_features, out)
-
-
-def weight_on_cpu(weight: QuantizedWeight) -> bool:
-    return next(weight.buffers()).device.type == "cpu"
+    return cpu_dequant.dequant_rows(weight.cpu_rows(index), 0, weight.out_features, out)
 
 
 def dequantized(parts: list[QuantizedWeight], index: tuple[int, ...] = ()) -> torch.Tensor:
