@@ -119,8 +119,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32, help="output tokens per request in the speed runs")
     p.add_argument("--quick", action="store_true", help="fewer tokens and prompts (a smoke run)")
     p.add_argument("--checkpoint", nargs="+", default=[], metavar="NAME=DIR",
-                   help="quantized checkpoints of --model made elsewhere (llm-compressor's, as "
-                        "baton/testing/llm_compressor_oneshot.py writes them), measured as the schemes are")
+                   help="quantized checkpoints of --model made elsewhere (llm-compressor's or GPTQModel's, as "
+                        "bench/quant_tools.sh writes them), measured as the schemes are")
     p.add_argument("--out", help="write the report as JSON here")
     args = p.parse_args()
     model = str((REPO / args.model) if not Path(args.model).is_absolute() else args.model)
