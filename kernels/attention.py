@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.kernels import cpu_kernels
+from baton.kernels.kv_quant import dequantize_kv, is_fp8, quantize_kv
 
 log = logging.getLogger(__name__)
 
@@ -167,23 +168,33 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor | None, k: torch.Tenso
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     softcap: float | None = None, window: int | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, q_heads, D]; k, v: this step's [T, kv_heads, D], written into the cache here.
     Rows may be strided (views into the fused QKV projection). Returns [T, q_heads, D].
     `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2);
     `window`: a query sees only keys fewer than `window` positions behind it (sliding-window
     layers); `sinks` ([q_heads] float32, gpt-oss): each head's softmax also counts one more
     score, its sink, whose value is zero, so a head may attend to nothing. Every backend does
-    all three."""
+    all three. An FP8 cache (kernels/kv_quant.py) takes the step's K/V quantized with
+    `kv_scales` ([2, kv_heads] float32), here, for every backend; each reads its elements and
+    attends over them (the fresh K/V of a prefill too: a chunk sees what a later one will read)."""
+    fp8 = is_fp8(k_cache.dtype)
+    if fp8:
+        k, v = quantize_kv(k, kv_scales[0], k_cache.dtype), (
+            None if v is None else quantize_kv(v, kv_scales[1], k_cache.dtype))
     if meta.kernel is not None:
         kb = meta.kernel
         return cpu_kernels.paged_attention(q, k, v, k_cache, v_cache, kb.block_ids, kb.row_block_start, kb.positions,
-                                           scale, softcap, window, sinks)
+                                           scale, softcap, window, sinks, kv_scales)
     if meta.triton is not None:
         from baton.kernels import triton_attention  # imported where picked only: triton is optional
         return triton_attention.paged_attention(q, k, v, k_cache, v_cache, meta.triton, scale, softcap, window,
-                                                sinks)
+                                                sinks, kv_scales)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+
+    def read(cached: torch.Tensor, part: int) -> torch.Tensor:  # [..., kv_heads, D] as q's dtype
+        return dequantize_kv(cached, kv_scales[part], q.dtype) if fp8 else cached
+
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -192,8 +203,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         rows = slice(dec.start, dec.start + dec.block_tables.shape[0])
         # [B, kv_heads, group, D] queries against [B, kv_heads, L, D] keys.
         qd = q[rows].view(-1, num_kv_heads, group, head_dim)
-        kd = gather_blocks(k_cache, dec.block_tables).flatten(1, 2).transpose(1, 2)
-        vd = gather_blocks(v_cache, dec.block_tables).flatten(1, 2).transpose(1, 2)
+        kd = read(gather_blocks(k_cache, dec.block_tables), 0).flatten(1, 2).transpose(1, 2)
+        vd = read(gather_blocks(v_cache, dec.block_tables), 1).flatten(1, 2).transpose(1, 2)
         mask = dec.mask if window is None else _decode_window_mask(dec, window)
         explicit = softcap is not None or sinks is not None  # what SDPA does not do
         if explicit and mask.dtype == torch.bool:  # added to the scores: additive
@@ -211,10 +222,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         qp = q[rows].view(seq.q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         qp = qp.reshape(num_kv_heads, group * seq.q_len, head_dim)
         if seq.ctx_len == seq.q_len:  # no cached prefix: attend to the fresh K/V directly
-            kp, vp = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            kp, vp = read(k[rows], 0).transpose(0, 1), read(v[rows], 1).transpose(0, 1)
         else:
-            kp = gather_blocks(k_cache, seq.block_table).flatten(0, 1)[:seq.ctx_len].transpose(0, 1)
-            vp = gather_blocks(v_cache, seq.block_table).flatten(0, 1)[:seq.ctx_len].transpose(0, 1)
+            kp = read(gather_blocks(k_cache, seq.block_table).flatten(0, 1)[:seq.ctx_len], 0).transpose(0, 1)
+            vp = read(gather_blocks(v_cache, seq.block_table).flatten(0, 1)[:seq.ctx_len], 1).transpose(0, 1)
         if seq.mask is None:  # the same for every layer: built once per step
             seq.mask = causal_mask(seq.q_len, seq.ctx_len, group, q.dtype, q.device)
         mask = seq.mask

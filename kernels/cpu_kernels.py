@@ -35,7 +35,8 @@ SOURCES = [Path(__file__).with_name("cpu") / name for name in ("paged_attention.
 MARCH = os.environ.get("BATON_KERNEL_MARCH", "native")
 FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared",
          "-fPIC"]
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the queries'
+CACHE_DTYPES = {**DTYPES, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # the cache's: the queries', or FP8
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's stack buffers
 # What the CPU must have for a library built for a portable -march (from /proc/cpuinfo's flags).
 MARCH_NEEDS = {"x86-64-v2": {"sse4_2", "popcnt", "ssse3"}, "x86-64-v3": {"avx2", "fma", "bmi2", "f16c", "movbe"},
@@ -108,7 +109,8 @@ class Batch(ctypes.Structure):
                 ("num_kv_heads", ctypes.c_int32), ("group", ctypes.c_int32),
                 ("head_dim", ctypes.c_int32), ("block_size", ctypes.c_int32), ("scale", ctypes.c_float),
                 ("out", ctypes.c_void_p), ("window", ctypes.c_int32), ("softcap", ctypes.c_float),
-                ("sinks", ctypes.c_void_p)]
+                ("sinks", ctypes.c_void_p), ("cache_dtype", ctypes.c_int32), ("k_scales", ctypes.c_void_p),
+                ("v_scales", ctypes.c_void_p)]
 
 
 @functools.cache
@@ -174,7 +176,7 @@ def _check_rows(name: str, t: torch.Tensor, heads: int, head_dim: int) -> None:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_ids: torch.Tensor, row_block_start: torch.Tensor, positions: torch.Tensor,
                     scale: float, softcap: float | None = None, window: int | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Writes this step's k, v ([rows, kv_heads, D]) into the cache, then returns attention of
     each row of q ([rows, q_heads, D]) at positions[row] over its sequence's first
     positions[row] + 1 tokens (with a sliding `window`, the last `window` of them; blocks
@@ -183,14 +185,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     Row r's sequence's blocks are block_ids[row_block_start[r]:].
     k_cache/v_cache: [num_blocks, block_size, kv_heads, D], one layer's views of the engine's
     cache. Rows of q, k, v may be strided (views into the fused QKV output); the index
-    tensors are int64."""
+    tensors are int64. An FP8 cache (kernels/kv_quant.py) takes k and v quantized already, in its
+    dtype, and `kv_scales` ([2, kv_heads] float32: K's and V's per head)."""
     num_rows, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     for name, t, heads in (("q", q, num_heads), ("k", k, num_kv_heads), ("v", v, num_kv_heads),
                            ("k_cache", k_cache[0], num_kv_heads), ("v_cache", v_cache[0], num_kv_heads)):
         _check_rows(name, t, heads, head_dim)
-    if k_cache.stride() != v_cache.stride() or not q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
-        raise ValueError("q, k, v and the caches must share a dtype, and the caches their strides")
+    fp8 = k_cache.dtype in CACHE_DTYPES and k_cache.dtype not in DTYPES
+    if (k_cache.stride() != v_cache.stride() or not k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            or (q.dtype != k_cache.dtype and not fp8)):
+        raise ValueError("k, v and the caches must share a dtype (q's, or FP8), and the caches their strides")
+    if fp8 and (kv_scales is None or kv_scales.shape != (2, num_kv_heads)):
+        raise ValueError(f"kv_scales: an FP8 cache needs [2, {num_kv_heads}] scales")
+    kv_scales = kv_scales.to(torch.float32).contiguous() if fp8 else None  # (a head cast to bf16 holds them so)
     if not block_ids.dtype == row_block_start.dtype == positions.dtype == torch.int64:
         raise ValueError("block_ids, row_block_start and positions must be int64")
     if not k.shape[0] == v.shape[0] == row_block_start.shape[0] == positions.shape[0] == num_rows:
@@ -207,7 +215,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                   block_ids.data_ptr(), row_block_start.data_ptr(), positions.data_ptr(), num_rows, block_ids.numel(),
                   num_blocks, num_kv_heads,
                   num_heads // num_kv_heads, head_dim, block_size, scale, out.data_ptr(), window or 0, softcap or 0.0,
-                  None if sinks is None else sinks.data_ptr())
+                  None if sinks is None else sinks.data_ptr(), CACHE_DTYPES[k_cache.dtype],
+                  *((kv_scales[0].data_ptr(), kv_scales[1].data_ptr()) if fp8 else (None, None)))
     rc = load().baton_paged_attention(DTYPES[q.dtype], ctypes.byref(batch))
     if rc == -2:
         raise ValueError("a row's position reaches past its blocks in block_ids, or a block id is outside the cache")

@@ -15,7 +15,9 @@ masked: a hybrid KV cache's dropped entries there read block 0, finite) and a so
 (scores become cap · tanh(score / cap), Gemma 2) and sinks (a score per head counted in the
 softmax's sum with no value, gpt-oss: the running maximum and sum start from it, in the first
 split only), each switched on by a constexpr so models without them compile the kernels as
-before.
+before. An FP8 cache (FP8, kernels/kv_quant.py) is read as stored: tiles are widened to the
+queries' dtype (exactly) as they are loaded, and the KV head's K scale multiplies the scores,
+its V scale the output; the step's K/V arrive quantized already (attention.paged_attention).
 
 Runs on CUDA tensors, or on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set
 before triton is imported), which is how CI tests it. The PyTorch reference in
@@ -26,6 +28,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from baton.kernels.kv_quant import is_fp8
 
 
 @triton.jit
@@ -78,16 +82,25 @@ def _start(SINKS, heads, sunk, ROWS: tl.constexpr, SUNK: tl.constexpr):
 
 # Integers that change from step to step are not specialized on: Triton would compile a new
 # variant whenever one's value class changes (equal to 1, divisible by 16), stalling the step.
+@triton.jit
+def _kv_scales(KV_SCALES, kv_head, stride_sv, FP8: tl.constexpr):
+    """An FP8 cache's K and V scale for this KV head ([2, kv_heads] float32); 1.0 otherwise."""
+    if FP8:
+        return tl.load(KV_SCALES + kv_head), tl.load(KV_SCALES + stride_sv + kv_head)
+    return 1.0, 1.0
+
+
 @triton.jit(do_not_specialize=["stride_tb", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh",
                                "window"])
-def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE, SINKS,
+def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE, SINKS, KV_SCALES,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale,
-                  window, softcap,
+                  window, softcap, stride_sv,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DIRECT: tl.constexpr, SLIDING: tl.constexpr,
-                  CAPPED: tl.constexpr, SUNK: tl.constexpr):
+                  CAPPED: tl.constexpr, SUNK: tl.constexpr, FP8: tl.constexpr):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_scale, v_scale = _kv_scales(KV_SCALES, kv_head, stride_sv, FP8)
     seq_len = tl.load(SEQ_LENS + b)
     first_key = 0  # the first key the query (at seq_len - 1) sees
     if SLIDING:
@@ -104,7 +117,8 @@ def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE, SINKS,
         key, in_ctx, k, v = _kv_tile(K, V, BLOCK_TABLES + b * stride_tb, tile * TILE, seq_len, kv_head, d, d_ok,
                                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE,
                                      TILE)
-        scores = _capped(tl.dot(q, tl.trans(k), input_precision="ieee") * scale, softcap, CAPPED)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # (an FP8 cache's elements: exact in q's dtype)
+        scores = _capped(tl.dot(q, tl.trans(k), input_precision="ieee") * (scale * k_scale), softcap, CAPPED)
         scores = tl.where((in_ctx & (key >= first_key))[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
@@ -113,7 +127,7 @@ def _decode_split(Q, K, V, BLOCK_TABLES, SEQ_LENS, OUT, LSE, SINKS,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
     has = s > 0  # a split past the end of this sequence holds nothing (nor the sinks)
-    out = tl.where(has[:, None], acc / tl.where(has, s, 1.0)[:, None], 0.0)
+    out = tl.where(has[:, None], acc * (v_scale / tl.where(has, s, 1.0))[:, None], 0.0)
     row_ok = g < GROUP
     out_ptrs = OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
     if DIRECT:  # one split: the final output, no combine pass
@@ -198,6 +212,12 @@ def _sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     return sinks.to(torch.float32).contiguous()
 
 
+def _scales(kv_scales: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache's scales as the kernels read them ([2, kv_heads] float32, contiguous), or q as
+    a placeholder pointer (never read: FP8 is off)."""
+    return q if kv_scales is None else kv_scales.to(torch.float32).contiguous()
+
+
 def _groups(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     """Query heads per KV head, after checking the shapes the kernels assume."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
@@ -228,13 +248,14 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor | None, k: torch.Tenso
 
 
 @triton.jit(do_not_specialize=["stride_tb", "window"])
-def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS, SINKS,
+def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS, SINKS, KV_SCALES,
              stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-             stride_ot, stride_oh, stride_tb, scale, window, softcap,
+             stride_ot, stride_oh, stride_tb, scale, window, softcap, stride_sv,
              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
              BLOCK_M: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr, SLIDING: tl.constexpr,
-             CAPPED: tl.constexpr, SUNK: tl.constexpr):
+             CAPPED: tl.constexpr, SUNK: tl.constexpr, FP8: tl.constexpr):
     seq, m_tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_scale, v_scale = _kv_scales(KV_SCALES, kv_head, stride_sv, FP8)
     q_len = tl.load(Q_LENS + seq)
     if m_tile * BLOCK_M >= q_len:
         return
@@ -257,7 +278,8 @@ def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS, SINKS,
     for tile in range(start, tl.cdiv(last, TILE)):
         key, _, k, v = _kv_tile(K, V, BLOCK_TABLES + seq * stride_tb, tile * TILE, ctx_len, kv_head, d, d_ok,
                                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_SIZE, TILE)
-        scores = _capped(tl.dot(q, tl.trans(k), input_precision="ieee") * scale, softcap, CAPPED)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        scores = _capped(tl.dot(q, tl.trans(k), input_precision="ieee") * (scale * k_scale), softcap, CAPPED)
         seen = key[None, :] <= pos[:, None]
         if SLIDING:
             seen = seen & (key[None, :] > pos[:, None] - window)
@@ -269,7 +291,7 @@ def _prefill(Q, K, V, OUT, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS, SINKS,
         s = s * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
-    out = acc / tl.where(s > 0, s, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(s > 0, s, 1.0))[:, None]
     tl.store(OUT + (q_start + i)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -279,7 +301,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             ctx_lens: torch.Tensor, scale: float, block_m: int | None = None,
                             max_q_len: int | None = None, out: torch.Tensor | None = None,
                             kv_tile: int | None = None, softcap: float | None = None,
-                            window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                            window: int | None = None, sinks: torch.Tensor | None = None,
+                            kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of prefill chunks: sequence i's q_lens[i] rows of q [T, Hq, D], from row
     q_starts[i], are the last tokens of its ctx_lens[i]-token context (the cached prefix and
     the chunk, whose K/V are in the cache already), each seeing the keys up to its own.
@@ -297,13 +320,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     max_q = int(q_lens.max()) if max_q_len is None else max_q_len
     block_m = block_m or max(1, _MAX_ROWS // group)
     _prefill[(num_seqs, -(-max_q // block_m), num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, q_starts, q_lens, ctx_lens, _sinks(sinks, q),
+        q, k_cache, v_cache, out, block_tables, q_starts, q_lens, ctx_lens, _sinks(sinks, q), _scales(kv_scales, q),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        block_tables.stride(0), scale, window or 0, softcap or 0.0, GROUP=group, HEAD_DIM=head_dim,
+        block_tables.stride(0), scale, window or 0, softcap or 0.0, num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         D_PAD=_pad(head_dim), BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, ROWS=_pad(block_m * group),
         TILE=kv_tile or KV_TILE, SLIDING=window is not None, CAPPED=softcap is not None, SUNK=sinks is not None,
-        **_launch(head_dim))
+        FP8=is_fp8(k_cache.dtype), **_launch(head_dim))
     return out
 
 
@@ -311,7 +334,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, out: torch.Tensor | None = None,
                            kv_tile: int | None = None, softcap: float | None = None,
-                           window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           window: int | None = None, sinks: torch.Tensor | None = None,
+                           kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its cached context.
 
     q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (one layer's views, any
@@ -338,13 +362,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_strides, lse_strides = part.stride()[:3], lse.stride()[:2]
     d_pad = _pad(head_dim)
     _decode_split[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part, lse, _sinks(sinks, q),
+        q, k_cache, v_cache, block_tables, seq_lens, part, lse, _sinks(sinks, q), _scales(kv_scales, q),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        *part_strides, *lse_strides, scale, window or 0, softcap or 0.0,
+        *part_strides, *lse_strides, scale, window or 0, softcap or 0.0, num_kv_heads,
         GROUP=group, GROUP_PAD=_pad(group), HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, TILE=kv_tile,
         DIRECT=num_splits == 1, SLIDING=window is not None, CAPPED=softcap is not None, SUNK=sinks is not None,
-        **_launch(head_dim))
+        FP8=is_fp8(k_cache.dtype), **_launch(head_dim))
     if num_splits > 1:
         combine_splits[(batch, num_heads)](
             part, lse, out, num_splits, *part_strides, *lse_strides, out.stride(0), out.stride(1),
@@ -372,7 +396,8 @@ def _sm_count(device: torch.device) -> int:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, batch, scale: float, softcap: float | None = None,
-                    window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    window: int | None = None, sinks: torch.Tensor | None = None,
+                    kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One layer of a whole step (a kernels.attention.TritonBatch: decodes first, then prefill
     chunks): the step's K/V written to their slots, then each kind's kernel into one output."""
     write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
@@ -380,9 +405,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_decodes = batch.decode_lens.shape[0]
     if num_decodes:
         paged_decode_attention(q[:num_decodes], k_cache, v_cache, batch.decode_tables, batch.decode_lens, scale,
-                               out=out, softcap=softcap, window=window, sinks=sinks)
+                               out=out, softcap=softcap, window=window, sinks=sinks, kv_scales=kv_scales)
     if batch.q_lens.shape[0]:
         paged_prefill_attention(q, k_cache, v_cache, batch.prefill_tables, batch.q_starts, batch.q_lens,
                                 batch.ctx_lens, scale, max_q_len=batch.max_q_len, out=out, softcap=softcap,
-                                window=window, sinks=sinks)
+                                window=window, sinks=sinks, kv_scales=kv_scales)
     return out

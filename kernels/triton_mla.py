@@ -26,7 +26,8 @@ triton_attention does, with a combine pass over the splits' log-sum-exps. Accumu
 float32. The output is [T, heads, rank]: only the latent is attended (the rope columns of the
 values would be discarded by the caller anyway). Runs on CUDA, or on CPU under Triton's
 interpreter (TRITON_INTERPRET=1, set before triton is imported), which is how CI tests it;
-baton.testing.attention.paged_reference over the full row is the oracle.
+baton.testing.attention.paged_reference over the full row is the oracle. An FP8 cache's rows
+are widened as they are read; its one scale multiplies the scores and the output.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import triton
 import triton.language as tl
 
 from baton.kernels import triton_attention
+from baton.kernels.kv_quant import is_fp8, quantize_kv
 from baton.kernels.triton_attention import _split_tiles  # (a jit function: called from _mla by name)
 
 
@@ -55,12 +57,12 @@ def _row_tile(CACHE, TABLE, first_key, ctx_len, r, p, stride_cb, stride_ct, RANK
 # Integers that change from step to step are not specialized on (see triton_attention): the
 # table's width, the split count's strides, tiles per split.
 @triton.jit(do_not_specialize=["stride_tb", "stride_ot", "stride_oh", "stride_os", "stride_lt", "stride_lh"])
-def _mla(Q, CACHE, OUT, LSE, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
+def _mla(Q, CACHE, OUT, LSE, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS, SCALES,
          stride_qt, stride_qh, stride_cb, stride_ct, stride_tb, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
          scale,
          NUM_HEADS: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr, ROPE: tl.constexpr, P_PAD: tl.constexpr,
          BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-         TILE: tl.constexpr, DECODE: tl.constexpr, DIRECT: tl.constexpr):
+         TILE: tl.constexpr, DECODE: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr):
     # Axis 0 (no 65535 limit): decode's split, or prefill's tile of BLOCK_M query tokens.
     third, seq, head_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx_len = tl.load(CTX_LENS + seq)
@@ -85,11 +87,15 @@ def _mla(Q, CACHE, OUT, LSE, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
     m = tl.full([ROWS], float("-inf"), tl.float32)
     s = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, R_PAD], tl.float32)
+    row_scale = 1.0  # an FP8 cache's one scale: the row's keys' and, the latent, its values'
+    if FP8:
+        row_scale = tl.load(SCALES)
     for tile in range(first, end):
         key, c, k_rope = _row_tile(CACHE, BLOCK_TABLES + seq * stride_tb, tile * TILE, ctx_len, r, p, stride_cb,
                                    stride_ct, RANK, ROPE, BLOCK_SIZE, TILE)
+        c, k_rope = c.to(q_latent.dtype), k_rope.to(q_latent.dtype)  # (FP8 elements: exact in q's dtype)
         scores = tl.dot(q_latent, tl.trans(c), input_precision="ieee")
-        scores = (scores + tl.dot(q_rope, tl.trans(k_rope), input_precision="ieee")) * scale
+        scores = (scores + tl.dot(q_rope, tl.trans(k_rope), input_precision="ieee")) * (scale * row_scale)
         scores = tl.where((key[None, :] <= pos[:, None]) & row_ok[:, None], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a padding row sees no key
@@ -99,7 +105,7 @@ def _mla(Q, CACHE, OUT, LSE, BLOCK_TABLES, Q_STARTS, Q_LENS, CTX_LENS,
         acc = acc * alpha[:, None] + tl.dot(prob.to(c.dtype), c, input_precision="ieee")  # the latent: the values
         m = m_new
     has = s > 0  # a split past the end of its sequence holds nothing
-    out = tl.where(has[:, None], acc / tl.where(has, s, 1.0)[:, None], 0.0)
+    out = tl.where(has[:, None], acc * (row_scale / tl.where(has, s, 1.0))[:, None], 0.0)
     tok = (q_start + i).to(tl.int64)
     ok = row_ok[:, None] & (r < RANK)[None, :]
     out_ptrs = OUT + tok[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + r[None, :]
@@ -149,14 +155,15 @@ def _out(q: torch.Tensor, rank: int, out: torch.Tensor | None, name: str) -> tor
 
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                          scale: float, rank: int, num_splits: int | None = None,
-                         out: torch.Tensor | None = None, tile: int | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, tile: int | None = None,
+                         kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over its cached context. q [B, heads, rank + rope]; cache
     [num_blocks, block_size, 1, rank + rope] (a strided per-layer view, rows contiguous);
     block_tables [B, max_blocks] int32; seq_lens [B] int32 (this step's token included).
     Returns the attended latent [B, heads, rank] (`out`: written into its first B rows and
     rank columns instead). `num_splits`: programs sharing each sequence's key tiles (default:
     enough to fill the device, triton_attention.default_num_splits); `tile`: keys per
-    tile (default kv_tile)."""
+    tile (default kv_tile); `kv_scales`: an FP8 cache's ([2, 1] float32, one scale)."""
     num_heads, rope = _check("mla_decode_attention", q, cache, rank)
     out = _out(q, rank, out, "mla_decode_attention")
     batch, block_size = q.shape[0], cache.shape[1]
@@ -174,11 +181,12 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
         part_strides, lse_strides = part.stride()[:3], lse.stride()[:2]
     block_h = min(BLOCK_H, triton.next_power_of_2(num_heads))
     _mla[(num_splits, batch, head_blocks)](
-        q, cache, part, lse, block_tables, seq_lens, seq_lens, seq_lens, q.stride(0), q.stride(1), cache.stride(0),
+        q, cache, part, lse, block_tables, seq_lens, seq_lens, seq_lens, triton_attention._scales(kv_scales, q),
+        q.stride(0), q.stride(1), cache.stride(0),
         cache.stride(1), block_tables.stride(0), *part_strides, *lse_strides, scale,
         NUM_HEADS=num_heads, RANK=rank, R_PAD=_pad(rank), ROPE=rope, P_PAD=_pad(rope), BLOCK_SIZE=block_size,
         BLOCK_M=1, BLOCK_H=block_h, ROWS=_pad(block_h), TILE=tile, DECODE=True, DIRECT=num_splits == 1,
-        **_LAUNCH)
+        FP8=is_fp8(cache.dtype), **_LAUNCH)
     if num_splits > 1:
         triton_attention.combine_splits[(batch, num_heads)](  # the latents' splits, as any head's
             part, lse, out, num_splits, *part_strides, *lse_strides, out.stride(0), out.stride(1), HEAD_DIM=rank,
@@ -189,12 +197,13 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
 def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, q_starts: torch.Tensor,
                           q_lens: torch.Tensor, ctx_lens: torch.Tensor, scale: float, rank: int,
                           max_q_len: int | None = None, out: torch.Tensor | None = None,
-                          tile: int | None = None) -> torch.Tensor:
+                          tile: int | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill chunks: sequence i's q_lens[i] rows of q [T, heads, rank + rope], from row
     q_starts[i], are the last tokens of its ctx_lens[i]-token context (their rows already in
     the cache), each seeing the keys up to its own. Returns [T, heads, rank] (`out`: its rows
     written there instead, other rows untouched). `max_q_len`: the longest chunk, when the
-    caller knows it (else read from the device, a sync); `tile`: keys per tile."""
+    caller knows it (else read from the device, a sync); `tile`: keys per tile; `kv_scales`: an
+    FP8 cache's."""
     num_heads, rope = _check("mla_prefill_attention", q, cache, rank)
     out = _out(q, rank, out, "mla_prefill_attention")
     num_seqs = q_lens.shape[0]
@@ -205,27 +214,32 @@ def mla_prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: to
     block_m = max(1, _PREFILL_ROWS // block_h)
     rows = _pad(block_m * block_h)
     _mla[(-(-max_q // block_m), num_seqs, -(-num_heads // block_h))](
-        q, cache, out, out, block_tables, q_starts, q_lens, ctx_lens, q.stride(0), q.stride(1), cache.stride(0),
+        q, cache, out, out, block_tables, q_starts, q_lens, ctx_lens, triton_attention._scales(kv_scales, q),
+        q.stride(0), q.stride(1), cache.stride(0),
         cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), 0, 0, 0, scale,
         NUM_HEADS=num_heads, RANK=rank, R_PAD=_pad(rank), ROPE=rope, P_PAD=_pad(rope), BLOCK_SIZE=cache.shape[1],
         BLOCK_M=block_m, BLOCK_H=block_h, ROWS=rows, TILE=tile or kv_tile(q.shape[2], cache.dtype), DECODE=False,
-        DIRECT=True, **_LAUNCH)
+        DIRECT=True, FP8=is_fp8(cache.dtype), **_LAUNCH)
     return out
 
 
 def mla_paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, batch, scale: float,
-                        rank: int) -> torch.Tensor:
+                        rank: int, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One MLA layer of a whole step (a kernels.attention.TritonBatch: decodes first, then
     prefill chunks): this step's rows kv [T, 1, rank + rope] written to their slots of the
     cache (one part per token: the latent is the values too), then each kind's kernel into one
     output, the attended latent [T, heads, rank]. (The engine hands it decodes only: its MLA
-    prefill attends up-projected, models/mla.py.)"""
+    prefill attends up-projected, models/mla.py.) An FP8 cache's rows are written quantized with
+    `kv_scales` ([2, 1] float32: the latent's one scale, twice)."""
+    if is_fp8(cache.dtype):
+        kv = quantize_kv(kv, kv_scales[0], cache.dtype)
     triton_attention.write_kv(cache, None, kv, None, batch.slot_mapping)
     out = _out(q, rank, None, "mla_paged_attention")
     num_decodes = batch.decode_lens.shape[0]
     if num_decodes:
-        mla_decode_attention(q[:num_decodes], cache, batch.decode_tables, batch.decode_lens, scale, rank, out=out)
+        mla_decode_attention(q[:num_decodes], cache, batch.decode_tables, batch.decode_lens, scale, rank, out=out,
+                             kv_scales=kv_scales)
     if batch.q_lens.shape[0]:
         mla_prefill_attention(q, cache, batch.prefill_tables, batch.q_starts, batch.q_lens, batch.ctx_lens, scale,
-                              rank, max_q_len=batch.max_q_len, out=out)
+                              rank, max_q_len=batch.max_q_len, out=out, kv_scales=kv_scales)
     return out

@@ -65,6 +65,20 @@ class KVHandle(msgspec.Struct, frozen=True):
     draft_start: int = -1
 
 
+# The dtypes a KV cache may hold (KVFormat.dtype): a peer's of any of them is converted as its
+# blocks land where it is not this engine's (kv_conversion.py).
+KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+
+
+class KVConverter(Protocol):
+    """The engine's conversion of KV blocks between dtypes and FP8 scales (kernels/kv_quant.py's
+    convert_kv): blocks [..., heads, D] held with `scales_from` (None: values) as `dtype`'s
+    elements under `scales_to` (None: values). Scales broadcast over the blocks' heads."""
+
+    def __call__(self, blocks: torch.Tensor, scales_from: torch.Tensor | None, dtype: torch.dtype,
+                 scales_to: torch.Tensor | None) -> torch.Tensor: ...
+
+
 class KVFormatMismatch(ValueError):
     """A peer's KV blocks are not this engine's format: reading them would load garbage."""
 
@@ -104,6 +118,10 @@ class KVFormat(msgspec.Struct, frozen=True):
     # quantization of the same model, named by the operator: accept_kv_from). Not compared:
     # either side naming the other's checkpoint pairs them.
     accepts_models: tuple[str, ...] = ()
+    # An FP8 cache's scales, [num_layers][parts][num_kv_heads] flattened (empty: the cache holds
+    # values, `dtype` not FP8). Not compared: a peer of another dtype or other scales has its
+    # blocks converted as they land (kv_conversion.py), where `dtype` is one both can read.
+    kv_scales: tuple[float, ...] = ()
 
     def check_peer(self, theirs: KVFormat) -> None:
         """Raises KVFormatMismatch naming the first field that differs."""
@@ -111,9 +129,14 @@ class KVFormat(msgspec.Struct, frozen=True):
         if max(mine_tp, their_tp) % min(mine_tp, their_tp):
             raise KVFormatMismatch("tensor_parallel_size", f"the peer has {their_tp} ranks, this engine {mine_tp}: "
                                                            f"one size must divide the other")
+        for side, dtype in (("the peer's", theirs.dtype), ("this engine's", self.dtype)):
+            if dtype not in KV_DTYPES:
+                raise KVFormatMismatch("kv_cache_dtype", f"{side} KV cache holds {dtype!r}, which this engine cannot "
+                                                         f"convert (it converts between {', '.join(KV_DTYPES)})")
         for name in self.__struct_fields__:
             mine, other = getattr(self, name), getattr(theirs, name)
-            if mine == other or name in ("tensor_parallel_size", "accepts_models"):
+            # (another dtype or other FP8 scales: converted as the blocks land, kv_conversion.py)
+            if mine == other or name in ("tensor_parallel_size", "accepts_models", "dtype", "kv_scales"):
                 continue
             if name == "model" and (other in self.accepts_models or mine in theirs.accepts_models):
                 continue
@@ -319,14 +342,17 @@ class KVConnectorWorker(ABC):
 
     @abstractmethod
     def register_kv_caches(self, kv_cache: torch.Tensor, kv_format: KVFormat,
-                           host_cache: torch.Tensor | None = None, draft_cache: torch.Tensor | None = None) -> None:
+                           host_cache: torch.Tensor | None = None, draft_cache: torch.Tensor | None = None,
+                           convert: KVConverter | None = None) -> None:
         """Register the engine's KV cache ([num_blocks, layers per block, 2, block_size, kv_heads,
         head_dim]: a block holds one KV cache group's layers, every layer without groups) and
         what its blocks hold (peers compare it before reading); `host_cache`, the host KV
         tier's pool of the same block shape, where a handle may name blocks moved there;
         `draft_cache`, the speculative proposer's KV cache ([num_blocks, ...]: format.draft_kv),
         whose blocks go with the first full-attention group's: a load of a prompt's blocks
-        brings them too. Raises KVUnreachable when a peer could not read it."""
+        brings them too; `convert`, the engine's own writer of KV elements (KVConverter), for
+        blocks of a peer whose format holds another dtype or scales (None: such a peer is
+        refused, naming kv_cache_dtype). Raises KVUnreachable when a peer could not read it."""
 
     @abstractmethod
     def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:

@@ -57,6 +57,7 @@ from baton.kv_transfer.base import (
     HoldOutcome,
     KVConnectorOutput,
     KVConnectorWorker,
+    KVConverter,
     KVFormat,
     KVLayout,
     KVTier,
@@ -64,6 +65,7 @@ from baton.kv_transfer.base import (
     kv_head_range,
     read_plan,
 )
+from baton.kv_transfer.kv_conversion import KVConversion
 from baton.kv_transfer.nixl_holds import Holds
 from baton.kv_transfer.nixl_scheduler import DEFAULT_LOAD_TIMEOUT_S, LoadSpec, NixlConnectorMeta, NixlConnectorScheduler
 from baton.kv_transfer.nixl_staging import Staged, StagingPool, land, merge_runs
@@ -96,6 +98,7 @@ decode_notification = msgspec.json.Decoder(Notification).decode
 class _Peer:
     agent_names: list[str]  # each rank's agent, in rank order
     layout: KVLayout
+    conversion: KVConversion | None = None  # its blocks hold another dtype or scales: staged, converted
 
     @property
     def tp(self) -> int:
@@ -110,6 +113,15 @@ class _Load:
     record: KVTransfer
     staged: list[Staged] = field(default_factory=list)
     with_draft: bool = False  # the READ brings the draft's KV of the blocks too
+    conversion: KVConversion | None = None  # the peer's, as the load started
+
+
+def _torch_dtype(name: str):
+    """A KVFormat.dtype (one of base.KV_DTYPES: the handshake checked it) as torch's."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+            "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}[name]
 
 
 def _new_agent(name: str):
@@ -132,6 +144,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.rank = rank
         self.tp = 1  # the engine's ranks, from the registered format
         self._cache: torch.Tensor | None = None
+        self._convert: KVConverter | None = None  # the engine's, for peers of another KV dtype or scales
         self._staging = StagingPool(self.agent)  # buffers for head slices read from a peer of another split
         self._deferred: dict[str, LoadSpec] = {}  # loads whose reader-is-done notice waits for every rank
         self.layout: KVLayout | None = None
@@ -152,13 +165,13 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     # ---- memory and peers ---------------------------------------------------------------------
     def register_kv_caches(self, kv_cache: torch.Tensor, kv_format: KVFormat, host_cache: torch.Tensor | None = None,
-                           draft_cache: torch.Tensor | None = None) -> None:
+                           draft_cache: torch.Tensor | None = None, convert: KVConverter | None = None) -> None:
         """Register the cache (as VRAM where it is on a GPU), the host tier's pool and a draft's
         cache where there are. GPU memory is checked at once: UCX built without its CUDA
         transports fails the first READ, so a probe READ runs now."""
         with self._lock:
             self._regs = [self.agent.register_memory(t) for t in (kv_cache, host_cache, draft_cache) if t is not None]
-        self._cache, self.tp = kv_cache, kv_format.tensor_parallel_size
+        self._cache, self.tp, self._convert = kv_cache, kv_format.tensor_parallel_size, convert
         on_gpu = kv_cache.device.type == "cuda"
         self.layout = KVLayout(self.engine_id, self.agent.get_agent_metadata(), kv_cache.data_ptr(),
                                kv_cache[0].numel() * kv_cache.element_size(), kv_cache.shape[0],
@@ -198,7 +211,9 @@ class NixlConnectorWorker(KVConnectorWorker):
                 for name in known.agent_names:
                     self.agent.remove_remote_agent(name)
             names = [self.agent.add_remote_agent(rank.agent_metadata) for rank in [layout, *layout.ranks]]
-        self.peers[layout.engine_id] = _Peer([n.decode() if isinstance(n, bytes) else n for n in names], layout)
+        self.peers[layout.engine_id] = _Peer([n.decode() if isinstance(n, bytes) else n for n in names], layout,
+                                             KVConversion.between(self.layout.format, layout.format, self._cache.dtype,
+                                                                  self._convert))
 
     def _descs(self, layout: KVLayout, runs: list[tuple[int, int, int]], side: int, tier: KVTier = KVTier.DEVICE,
                draft_runs: list[tuple[int, int, int]] = ()):
@@ -209,11 +224,14 @@ class NixlConnectorWorker(KVConnectorWorker):
                     dev_id) for run in draft_runs]
         return self.agent.get_xfer_descs(ranges, mem_type)
 
-    def _draft_runs(self, spec: LoadSpec) -> list[tuple[int, int, int]]:
+    def _draft_runs(self, spec: LoadSpec, conversion: KVConversion | None) -> list[tuple[int, int, int]]:
         """The runs of a load's blocks whose draft KV comes too: the first full-attention group's,
         where this engine has a draft cache (a peer's is then the same: check_peer; on rank 0, of
-        either) and the blocks are in the peer's device pool (its host tier keeps no draft KV)."""
-        if not self.layout.draft_block_bytes or spec.remote_tier is not KVTier.DEVICE or spec.draft_start < 0:
+        either) and the blocks are in the peer's device pool (its host tier keeps no draft KV).
+        None from a peer whose cache holds another KV dtype or scales (`conversion`): the draft's
+        cache holds the same dtype, and its blocks are not converted; the draft computes its KV."""
+        if (not self.layout.draft_block_bytes or spec.remote_tier is not KVTier.DEVICE or spec.draft_start < 0
+                or conversion is not None):
             return []
         start, end = spec.full_attention
         return merge_runs(spec.local_block_ids[start:end], spec.remote_block_ids[start:end])
@@ -275,11 +293,11 @@ class NixlConnectorWorker(KVConnectorWorker):
                         self._deferred.pop(load.request_id, None)
                         self._notify(load, ReadDone(load.remote_request_id))
                     continue
-                entry = _Load(load, [], time.monotonic() + self.load_timeout_s, record)
+                entry = _Load(load, [], time.monotonic() + self.load_timeout_s, record, conversion=peer.conversion)
                 notice = encode_notification(ReadDone(load.remote_request_id)) if with_read else b""
                 for head_slice in read_plan(self.layout.format.num_kv_heads, self.tp, self.rank, peer.tp):
                     self._read_slice(entry, peer, head_slice, notice)
-                draft_runs = self._draft_runs(load)
+                draft_runs = self._draft_runs(load, entry.conversion)
                 if draft_runs and not entry.with_draft:  # no READ from the peer's rank 0 took it along
                     self._read(entry, peer, 0, self._descs(self.layout, [], 0, draft_runs=draft_runs),
                                self._descs(peer.layout, [], 1, draft_runs=draft_runs), b"")
@@ -300,14 +318,15 @@ class NixlConnectorWorker(KVConnectorWorker):
         blocks are ours byte for byte, else into a buffer of the peer rank's block shape."""
         spec, remote = entry.spec, peer.layout.rank(head_slice.peer_rank)
         draft_runs = []
-        if head_slice.direct:
+        if head_slice.direct and entry.conversion is None:
             runs = merge_runs(spec.local_block_ids, spec.remote_block_ids)
             if head_slice.peer_rank == 0:  # (a draft lives on rank 0: its blocks come along)
-                draft_runs = self._draft_runs(spec)
+                draft_runs = self._draft_runs(spec, entry.conversion)
             local = self._descs(self.layout, runs, 0, draft_runs=draft_runs)
         else:
             first, last = kv_head_range(self.layout.format.num_kv_heads, peer.tp, head_slice.peer_rank)
-            buffer, registration = self._staging.take(self._cache, len(spec.local_block_ids), last - first)
+            buffer, registration = self._staging.take(self._cache, len(spec.local_block_ids), last - first,
+                                                      _torch_dtype(peer.layout.format.dtype))
             entry.staged.append(Staged(buffer, registration, head_slice, first))
             runs = merge_runs(list(range(len(spec.local_block_ids))), spec.remote_block_ids)
             on_gpu = buffer.device.type == "cuda"
@@ -391,7 +410,8 @@ class NixlConnectorWorker(KVConnectorWorker):
                 state = "PROC"
             if state is None:
                 land(self._cache, entry.staged, entry.spec.local_block_ids,
-                     kv_head_range(self.layout.format.num_kv_heads, self.tp, self.rank)[0])
+                     kv_head_range(self.layout.format.num_kv_heads, self.tp, self.rank)[0], entry.conversion,
+                     entry.spec.group_counts)
             self._release(entry, reusable=state is None)
             del self._loading[req_id]
             load, record = entry.spec, entry.record

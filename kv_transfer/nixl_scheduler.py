@@ -40,6 +40,7 @@ class LoadSpec:
     # none of it holds such KV).
     full_attention: tuple[int, int] = (0, 0)
     draft_start: int = -1
+    group_counts: tuple[int, ...] = ()  # how many of the block lists are each KV cache group's, in order
 
 
 @dataclass(slots=True)
@@ -92,7 +93,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         n, bs = handle.num_tokens, self.block_size
         first = (n - num_external_tokens) // bs
         end = math.ceil(n / bs) if num_external_tokens else first
-        local, remote, at, full = [], [], 0, None
+        local, remote, at, full, counts = [], [], 0, None, []
         # The handle lists each group's blocks from its window's first (handle_block_counts; the
         # server checked its length). Block lists of other lengths fail this request's load only.
         for blocks, window, count in zip(block_ids, self.group_windows,
@@ -102,12 +103,13 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             if window is None and full is None:
                 full = (len(local), len(local) + len(blocks[lo:end]))
             local += blocks[lo:end]
+            counts.append(len(blocks[lo:end]))
             remote += handle.block_ids[at + lo - start:at + end - start]
             at += count
         # (Past a local prefix hit: its blocks' draft KV, if any, was not validated for this prompt.)
         draft_start = max(handle.draft_start, first * bs) if handle.draft_start >= 0 else -1
         self._meta.loads.append(LoadSpec(request.request_id, local, handle.engine_id, remote, handle.request_id,
-                                         handle.tier, full or (0, 0), draft_start))
+                                         handle.tier, full or (0, 0), draft_start, tuple(counts)))
         if not num_external_tokens:
             request.remote_kv = None  # nothing to wait for: never released twice
 

@@ -3,7 +3,9 @@ every layer's K and V with the heads innermost but one ([layers, parts, block_si
 head_dim]), so a peer rank's blocks hold other heads than this rank's at every (layer, part,
 token): rather than a descriptor per such run, the peer rank's whole blocks are READ into a
 buffer of their shape (one descriptor per run of blocks), and the heads this rank holds copied
-into its own blocks once they landed (strided copies, a run of blocks at a time)."""
+into its own blocks once they landed (strided copies, a run of blocks at a time). A peer whose
+cache holds another dtype or FP8 scales is staged the same way, every head, and converted as it
+lands (kv_conversion.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,6 +15,8 @@ from baton.kv_transfer.base import HeadSlice
 
 if TYPE_CHECKING:
     import torch
+
+    from baton.kv_transfer.kv_conversion import KVConversion
 
 
 def merge_runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
@@ -35,24 +39,35 @@ class Staged:
     peer_first: int  # the peer rank's first KV head
 
 
-def staging_buffer(cache: torch.Tensor, num_blocks: int, heads: int) -> torch.Tensor:
-    """Room for num_blocks of a peer rank's blocks: the cache's block shape with `heads` heads."""
+def staging_buffer(cache: torch.Tensor, num_blocks: int, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """Room for num_blocks of a peer rank's blocks: the cache's block shape with `heads` heads,
+    in the peer's `dtype`."""
     import torch
 
-    return torch.empty((num_blocks, *cache.shape[1:-2], heads, cache.shape[-1]), dtype=cache.dtype,
-                       device=cache.device)
+    return torch.empty((num_blocks, *cache.shape[1:-2], heads, cache.shape[-1]), dtype=dtype, device=cache.device)
 
 
-def land(cache: torch.Tensor, staged: list[Staged], block_ids: list[int], first: int) -> None:
-    """Copy each staged slice's heads into `cache`'s blocks (`first`: this rank's first KV head)."""
+def land(cache: torch.Tensor, staged: list[Staged], block_ids: list[int], first: int,
+         conversion: KVConversion | None = None, group_counts: tuple[int, ...] = ()) -> None:
+    """Copy each staged slice's heads into `cache`'s blocks (`first`: this rank's first KV head),
+    converted where the peer's cache holds another dtype or scales (`conversion`; then
+    `group_counts`: how many of block_ids each KV cache group has, in order)."""
     if not staged:
         return
-    runs = merge_runs(block_ids, list(range(len(block_ids))))
-    for s in staged:
-        h, at = s.head_slice, s.peer_first
-        for block, row, n in runs:
-            cache[block:block + n, ..., h.first - first:h.last - first, :].copy_(
-                s.buffer[row:row + n, ..., h.first - at:h.last - at, :])
+    spans = [(0, len(block_ids), 0)]
+    if conversion is not None:
+        ends = [sum(group_counts[:g + 1]) for g in range(len(group_counts))]
+        spans = [(end - n, end, g) for g, (n, end) in enumerate(zip(group_counts, ends, strict=True)) if n]
+    for start, end, group in spans:
+        for block, row, n in merge_runs(block_ids[start:end], list(range(start, end))):
+            for s in staged:
+                h, at = s.head_slice, s.peer_first
+                dst = cache[block:block + n, ..., h.first - first:h.last - first, :]
+                src = s.buffer[row:row + n, ..., h.first - at:h.last - at, :]
+                if conversion is None:
+                    dst.copy_(src)
+                else:
+                    conversion.copy(dst, src, group, h.first, h.last)
 
 
 class StagingPool:
@@ -65,13 +80,14 @@ class StagingPool:
         self.agent, self.keep = agent, keep
         self.free: list[tuple[torch.Tensor, object]] = []
 
-    def take(self, cache: torch.Tensor, num_blocks: int, heads: int) -> tuple[torch.Tensor, object]:
-        """A registered buffer of at least num_blocks of a peer rank's blocks with `heads` heads."""
+    def take(self, cache: torch.Tensor, num_blocks: int, heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, object]:
+        """A registered buffer of at least num_blocks of a peer rank's blocks with `heads` heads,
+        in the peer's `dtype`."""
         for i, (buffer, registration) in enumerate(self.free):
-            if buffer.shape[0] >= num_blocks and buffer.shape[-2] == heads and buffer.dtype == cache.dtype:
+            if buffer.shape[0] >= num_blocks and buffer.shape[-2] == heads and buffer.dtype == dtype:
                 del self.free[i]
                 return buffer, registration
-        buffer = staging_buffer(cache, 1 << max(0, num_blocks - 1).bit_length(), heads)
+        buffer = staging_buffer(cache, 1 << max(0, num_blocks - 1).bit_length(), heads, dtype)
         return buffer, self.agent.register_memory(buffer)
 
     def give_back(self, buffer: torch.Tensor, registration, reusable: bool) -> None:

@@ -65,6 +65,16 @@ def tiny_llama(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory) -> str:
+    """A one-layer Llama with the tiny checkpoints' tokenizer: a draft of its own weights."""
+    from baton.testing.checkpoints import write_random_checkpoint
+
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("draft")), "LlamaConfig", seed=3, hidden_size=32,
+                                   intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                                   num_hidden_layers=1, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> str:
     return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-qwen2")), "qwen2")
 

@@ -12,6 +12,8 @@ from baton.engine.common.errors import InvalidArgument, check
 from baton.engine.common.speculative import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
+# kv_cache_dtype's values (vLLM's): "auto" is the compute dtype; "fp8" is e4m3.
+KV_CACHE_DTYPES = ("auto", *DTYPES, "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _FINGERPRINT = re.compile(r"[0-9a-f]{32}")  # engine/worker/loader.checkpoint_fingerprint's
@@ -94,6 +96,12 @@ class EngineConfig:
     # by directory or by the fingerprint `baton models` prints. Empty: a peer serves this very
     # checkpoint, or the handshake refuses it naming kv_layout.format.model.
     accept_kv_from: list[str] = field(default_factory=list)
+    # The KV cache's element type (vLLM's --kv-cache-dtype): "auto" is the compute dtype; "fp8"
+    # (= "fp8_e4m3") or "fp8_e5m2" stores K and V divided by per-head scales (the checkpoint's
+    # k_scale/v_scale where it has them, else computed at start from a calibration text where
+    # calculate_kv_scales, else 1.0), half a bf16 cache's bytes.
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
 
     def __post_init__(self):
         check(isinstance(self.model, (str, os.PathLike)) and os.path.isdir(self.model), "model",
@@ -113,6 +121,8 @@ class EngineConfig:
               f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         check(self.dtype == "auto" or self.dtype in DTYPES, "dtype",
               f"must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+              f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         check(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 1),
               "num_kv_blocks", f"must be an integer >= 1, got {self.num_kv_blocks!r}")
         check(self.kv_cache_memory_bytes is None
@@ -153,6 +163,11 @@ class EngineConfig:
             isinstance(p, str) and (os.path.isdir(p) or _FINGERPRINT.fullmatch(p)) for p in peers), "accept_kv_from",
               f"must list checkpoint directories or their fingerprints (32 hex digits, `baton models`), got {peers!r}")
         self.accept_kv_from = list(peers)
+        check(isinstance(self.calculate_kv_scales, bool), "calculate_kv_scales",
+              f"must be true or false, got {self.calculate_kv_scales!r}")
+        check(not (self.calculate_kv_scales and tp > 1), "calculate_kv_scales",
+              "scales are calculated by one rank's run over the whole model: with tensor_parallel_size > 1, use a "
+              "checkpoint that has k_scale/v_scale (or 1.0: leave it off)")
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
@@ -222,6 +237,14 @@ class EngineConfig:
             return torch.float32
         # On a GPU keep a half-precision checkpoint's dtype; float32 checkpoints run in bfloat16.
         return getattr(torch, checkpoint_dtype) if checkpoint_dtype in ("bfloat16", "float16") else torch.bfloat16
+
+    def kv_torch_dtype(self, compute_dtype):
+        """The KV cache's torch dtype, given the weights' (after resolve_device)."""
+        import torch
+
+        return {"auto": compute_dtype, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                "fp8_e5m2": torch.float8_e5m2}[self.kv_cache_dtype]
 
     def resolve_model_len(self, max_position_embeddings: int) -> None:
         """Called once the checkpoint's config is known."""

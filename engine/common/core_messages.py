@@ -146,13 +146,15 @@ class EngineFacts(msgspec.Struct):
     eos_token_ids: list[int]
     block_size: int
     num_kv_blocks: int
-    dtype: str  # of the KV cache ("float32", "bfloat16", ...)
+    dtype: str  # the weights' and activations' ("float32", "bfloat16", ...)
     device: str  # resolved: cpu or cuda:N
     pid: int  # the core's process (the front's own when in-process)
     kv_layout: KVLayout | None = None  # where peers read its blocks (services trade it in the KV handshake)
     enable_lora: bool = False
     adapters: list[AdapterInfo] = []  # loaded at start (lora_modules)
     kv_group_windows: list[int] = []  # each KV cache group's sliding window (0: full attention); [] as [0]
+    kv_cache_dtype: str = ""  # the KV cache's elements ("float8_e4m3fn" for fp8); "": dtype's
+    kv_scales: str = ""  # an FP8 cache's scales: "checkpoint" (k_scale/v_scale), "calculated" or "default" (1.0)
 
 
 class CoreReady(msgspec.Struct, tag=True, array_like=True):

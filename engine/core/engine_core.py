@@ -37,6 +37,7 @@ from baton.engine.core.request import Request, RequestStatus, RequestUpdate
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.core.step_loop import StepLoop, StepTimes, async_off_because
 from baton.engine.worker.grammar import Grammars
+from baton.engine.worker.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from baton.engine.worker.loader import load_model
 from baton.engine.worker.lora.adapter import adapter_bytes
 from baton.engine.worker.lora.registry import LoRARegistry, start_lora
@@ -115,9 +116,10 @@ class EngineCore:
               "layer of this model slides: set disable_hybrid_kv_cache_manager")
         # Its group's layers' K and V (this rank's KV heads, under tensor parallelism).
         block_bytes = (self.kv_groups.layers_per_block * args.kv_parts * config.block_size
-                       * model.args.num_kv_heads * args.head_dim * model.embed_tokens.weight.element_size())
+                       * model.args.num_kv_heads * args.head_dim * config.kv_torch_dtype(dtype).itemsize)
         # A draft model's (or EAGLE head's) KV sits in a cache of its own, addressed by the same block ids.
-        draft_bytes = 0 if draft is None else DraftModelProposer.block_bytes(draft, config.block_size)
+        draft_bytes = 0 if draft is None else DraftModelProposer.block_bytes(draft, config.block_size,
+                                                                                   config.kv_torch_dtype(dtype))
         self.num_kv_blocks = self._num_kv_blocks(block_bytes + draft_bytes)
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                  self.kv_groups.windows)
@@ -128,8 +130,16 @@ class EngineCore:
         if connector_scheduler is not None:
             connector_scheduler.group_windows = self.kv_groups.windows
         self.scheduler = Scheduler(config, self.kv, connector_scheduler, self.host)
+        fp8 = config.kv_cache_dtype.startswith("fp8")
+        if config.calculate_kv_scales and fp8 and model.kv_scales_source == "default":
+            calibrate_kv_scales(model, config, load_tokenizer(config.model).encode(CALIBRATION_TEXT))
+            model.kv_scales_source = "calculated"
         self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker, lora_slots,
                                   self.num_host_blocks, self.kv_groups, draft)
+        scales = self.runner.kv_scales
+        log.info("KV cache: %d blocks of %d tokens in %s%s", self.num_kv_blocks, config.block_size,
+                 str(self.runner.kv_cache.dtype).removeprefix("torch."),
+                 f", scales: {scales}{' (1.0)' if scales == 'default' else ''}" if scales else "")
         self.connector = connector_worker
         if self.workers is not None:
             layouts = self.workers.setup(RunnerSetup(config, self.num_kv_blocks, self.eos_token_ids, self.kv_groups,
@@ -215,9 +225,10 @@ class EngineCore:
     def facts(self) -> EngineFacts:
         return EngineFacts(self.config.max_model_len, self.vocab_size, sorted(self.eos_token_ids),
                            self.config.block_size, self.num_kv_blocks,
-                           str(self.runner.kv_cache.dtype).removeprefix("torch."), self.config.device, os.getpid(),
-                           self.connector.layout if self.connector is not None else None, self.config.enable_lora,
-                           self.list_adapters(), [w or 0 for w in self.kv_groups.windows])
+                           str(self.runner.model.embed_tokens.weight.dtype).removeprefix("torch."), self.config.device,
+                           os.getpid(), self.connector.layout if self.connector is not None else None,
+                           self.config.enable_lora, self.list_adapters(), [w or 0 for w in self.kv_groups.windows],
+                           str(self.runner.kv_cache.dtype).removeprefix("torch."), self.runner.kv_scales)
 
     # ---- events -----------------------------------------------------------------------------
     def record_events(self) -> None:

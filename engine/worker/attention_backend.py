@@ -17,13 +17,15 @@ TRITON_MAX_HEAD_DIM = 256  # a 1024-wide padded head overflowed an H100's shared
 
 
 def choose_backend(asked: str, dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int,
-                   head_dim: int, latent: bool = False) -> str:
+                   head_dim: int, latent: bool = False, kv_dtype: torch.dtype | None = None) -> str:
     """The attention backend for a cache: "cpu" (the C++ kernel), "triton" or "torch" (the
     reference). "auto": the C++ kernel on CPU where it builds and fits the model, Triton on
     CUDA where it is installed and takes the heads (at most TRITON_MAX_HEAD_DIM wide, any
     width for MLA's latent), else the reference. An explicit choice that cannot run here is
     an error naming attention_backend. `latent`: MLA's cache, whose Triton kernel
-    (kernels/triton_mla.py) takes any width."""
+    (kernels/triton_mla.py) takes any width. `kv_dtype`: the cache's, where it is not `dtype`
+    (FP8: every backend reads it, but Triton reads e4m3 only on GPUs of compute capability 8.9
+    and up, whose hardware converts it)."""
     if asked == "cpu" or (asked == "auto" and device.type == "cpu"):
         if cpu_kernels.supports(dtype, device, num_heads, num_kv_heads, head_dim):
             return "cpu"
@@ -41,6 +43,14 @@ def choose_backend(asked: str, dtype: torch.dtype, device: torch.device, num_hea
             check(asked == "auto", "attention_backend",
                   f"the Triton kernels take heads of at most {TRITON_MAX_HEAD_DIM}, this cache's are {head_dim}")
             log.warning("heads of %d: attention on %s uses the PyTorch reference", head_dim, device)
+            return "torch"
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        if kv_dtype == torch.float8_e4m3fn and capability is not None and capability < (8, 9):
+            check(asked == "auto", "attention_backend",
+                  f"Triton reads an fp8_e4m3 KV cache on compute capability 8.9 and up; {device} has "
+                  f"{capability[0]}.{capability[1]} (use kv_cache_dtype fp8_e5m2, or attention_backend torch)")
+            log.warning("fp8_e4m3 KV on %s (compute capability %d.%d): attention uses the PyTorch reference", device,
+                        *capability)
             return "torch"
         return "triton"
     return "torch"

@@ -135,8 +135,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
     for path in _safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                if "rotary_emb" in name or _skipped(name, args):
-                    continue
+                if "rotary_emb" in name or _skipped(name, args) or _kv_scale_of(name) is not None:
+                    continue  # (an FP8 KV cache's scales: checkpoint_kv_scales)
                 tensor = f.get_tensor(name)
                 field = None if fmt is None else fmt.split(name, tensor)
                 if field is not None:
@@ -156,8 +156,50 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
             loaded.add(name)
             filled.add(target)
     _check_complete(model, args, loaded, filled, params)
+    scales, model.kv_scales_source = checkpoint_kv_scales(model_dir, args)
+    for layer, layer_scales in zip(model.layers, scales, strict=True):
+        layer.self_attn.kv_scales.copy_(layer_scales[:, :layer.self_attn.kv_scales.shape[1]])
     model.eval()
     return model if fmt is None else model.to(device)
+
+
+# An FP8 KV cache's scales as checkpoints name them (after _canonical): compressed-tensors'
+# self_attn.k_scale, ModelOpt's self_attn.k_proj.k_scale (vLLM reads both).
+_KV_SCALE_NAMES = {("self_attn", "k_scale"): 0, ("self_attn", "v_scale"): 1, ("k_proj", "k_scale"): 0,
+                   ("v_proj", "v_scale"): 1}
+
+
+def _kv_scale_of(name: str) -> tuple[int, int] | None:
+    """(layer, 0 for K or 1 for V) where `name` is a KV cache scale, else None."""
+    parts = _canonical(name).split(".")
+    part = _KV_SCALE_NAMES.get(tuple(parts[-2:]))
+    if part is None or len(parts) < 4 or parts[0] != "layers" or not parts[1].isdigit():
+        return None
+    return int(parts[1]), part
+
+
+def checkpoint_kv_scales(model_dir: str, args: ModelArgs) -> tuple[torch.Tensor, str]:
+    """An FP8 KV cache's scales [layers, 2 (K, V), kv_heads] (float32) as the checkpoint gives
+    them (one per tensor, or one per KV head), and where they came from: "checkpoint", or
+    "default" (1.0) where it has none. MLA caches one row per token: its one scale is K's,
+    used for both (vLLM's reading). Only the scale tensors are read."""
+    heads = 1 if args.attention == "mla" else args.num_kv_heads
+    scales = torch.ones(args.num_layers, 2, heads)
+    found = False
+    for path in _safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                where = _kv_scale_of(name)
+                if where is None or where[0] >= args.num_layers or (args.attention == "mla" and where[1]):
+                    continue
+                value = f.get_tensor(name).float().flatten()
+                if value.numel() not in (1, heads) or not bool(torch.isfinite(value).all() and (value > 0).all()):
+                    raise InvalidArgument("model", f"{name} holds {value.tolist()}: a KV cache scale is one positive "
+                                                   f"number, or one per KV head ({heads})")
+                for part in (0, 1) if args.attention == "mla" else (where[1],):
+                    scales[where[0], part] = value
+                found = True
+    return scales, "checkpoint" if found else "default"
 
 
 def install_quantized(model: CausalLM, params: dict, fmt: CheckpointFormat, tensors: dict[str, dict[str, torch.Tensor]],

@@ -87,7 +87,7 @@ def measure_kv_cache_bytes(model, config: EngineConfig, free_at_start: int, tota
     if runner.attention_backend == "torch":  # a layer's decodes gathered at full context, K and V
         args = model.args
         peak += (config.max_num_seqs * config.max_model_len * 2 * args.num_kv_heads * args.head_dim
-                 * runner.kv_cache.element_size())
+                 * model.embed_tokens.weight.element_size())  # (an FP8 cache's are widened to it)
     del runner
     torch.cuda.empty_cache()
     non_torch = free_at_start - torch.cuda.mem_get_info(device)[0] - torch.cuda.memory_reserved(device)

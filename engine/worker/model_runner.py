@@ -24,13 +24,20 @@ from baton.engine.worker.batch_builder import BatchBuilder, StepBatch
 from baton.engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_because
 from baton.engine.worker.grammar import mask_logits
 from baton.engine.worker.host_kv_copier import HostKVCopier
-from baton.engine.worker.loader import checkpoint_fingerprint, draft_fingerprint, peer_fingerprint
+from baton.engine.worker.kv_calibration import model_kv_scales
+from baton.engine.worker.loader import (
+    checkpoint_fingerprint,
+    checkpoint_kv_scales,
+    draft_fingerprint,
+    peer_fingerprint,
+)
 from baton.engine.worker.lora.layers import LoRASlots
 from baton.engine.worker.models import CausalLM, model_args
 from baton.engine.worker.queued_step import PinnedRing, QueuedStep
 from baton.engine.worker.sampler import apply_processors, sample, sample_on_device, skip_draws, token_logprobs
 from baton.engine.worker.spec_decode import make_proposer
 from baton.engine.worker.spec_decode.verify import greedy_accept, sampled_accept
+from baton.kernels.kv_quant import convert_kv, is_fp8
 from baton.kv_transfer.base import KVConnectorWorker, KVFormat
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are materialized at once
@@ -89,8 +96,10 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         args = model.args
         self.kv_groups = groups = kv_groups or group_layers([None] * args.num_layers)
+        compute_dtype = model.embed_tokens.weight.dtype
+        # (FP8 elements where kv_cache_dtype says: kernels/kv_quant.py, scales in each attention layer)
         self.kv_cache = torch.zeros(num_blocks, groups.layers_per_block, args.kv_parts, config.block_size,
-                                    args.num_kv_heads, args.head_dim, dtype=model.embed_tokens.weight.dtype,
+                                    args.num_kv_heads, args.head_dim, dtype=config.kv_torch_dtype(compute_dtype),
                                     device=self.device)
         # Each layer's K and V cache (its slot in every block; MLA's latent is both) and its group's
         # metadata index.
@@ -100,6 +109,15 @@ class ModelRunner:
         self.layer_group = [group for group, _ in slots]
         model.prepare(config.max_model_len)
         self.host_kv = HostKVCopier(self.kv_cache, num_host_blocks) if num_host_blocks else None
+        whole = model_args(read_config(config.model))  # (args: this rank's share under tensor parallelism)
+        # An FP8 cache's scales, the whole model's [layers, 2, kv heads] (a rank's layers hold their
+        # heads' share of the checkpoint's), and where they came from (CausalLM.kv_scales_source);
+        # "" for a cache of values.
+        fp8, self.kv_scales = is_fp8(self.kv_cache.dtype), ""
+        if fp8:
+            self.kv_scales = model.kv_scales_source
+            scales = (model_kv_scales(model) if config.tensor_parallel_size == 1
+                      else checkpoint_kv_scales(config.model, whole)[0])
         self.states: dict[str, RequestState] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.last_sampled: torch.Tensor | None = None  # async scheduling: the last queued step's tokens, on the device
@@ -109,11 +127,11 @@ class ModelRunner:
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.connector = connector
         # "cpu" (the C++ kernel), "triton" or "torch" (the reference).
-        self.attention_backend = choose_backend(config.attention_backend, self.kv_cache.dtype, self.device,
+        self.attention_backend = choose_backend(config.attention_backend, compute_dtype, self.device,
                                                 args.num_heads, args.num_kv_heads, args.head_dim,
-                                                latent=args.attention == "mla")
+                                                latent=args.attention == "mla", kv_dtype=self.kv_cache.dtype)
         self.batches = BatchBuilder(model, groups, config.block_size, self.device, self.attention_backend,
-                                    self.kv_cache.dtype, lora is not None)
+                                    compute_dtype, lora is not None)
         self.proposer = None if spec is None else (make_proposer(spec) if draft is None else
                                                    self._draft_proposer(draft, num_blocks))
         off = graphs_off_because(self.device.type == "cuda", config.enforce_eager, self.attention_backend,
@@ -128,13 +146,14 @@ class ModelRunner:
         self.draft_format = draft_format if draft_cache is None else (
             spec.method, draft_fingerprint(spec.model or config.model), tuple(draft_cache.shape[1:]))
         if connector is not None:
-            whole = model_args(read_config(config.model))  # (args: this rank's share under tensor parallelism)
             connector.register_kv_caches(self.kv_cache, KVFormat(
                 checkpoint_fingerprint(config.model), str(self.kv_cache.dtype).removeprefix("torch."), args.num_layers,
                 whole.num_kv_heads, args.head_dim, config.block_size, self.attention_backend, groups.layers,
                 tuple(w or 0 for w in groups.windows), kv_attention(args), config.tensor_parallel_size,
-                *self.draft_format, accepts_models=tuple(map(peer_fingerprint, config.accept_kv_from))),
-                host_cache=self.host_kv.host_cache if self.host_kv is not None else None, draft_cache=draft_cache)
+                *self.draft_format, accepts_models=tuple(map(peer_fingerprint, config.accept_kv_from)),
+                kv_scales=tuple(scales[:, :args.kv_parts].flatten().tolist()) if fp8 else ()),
+                host_cache=self.host_kv.host_cache if self.host_kv is not None else None, draft_cache=draft_cache,
+                convert=convert_kv)
 
     def _draft_proposer(self, draft, num_blocks: int):
         """draft_model's proposer over `draft`, or a head's (EAGLE's or DeepSeek's MTP layer)."""
@@ -143,17 +162,17 @@ class ModelRunner:
 
         a = draft.args
         latent = a.attention == "mla"
-        backend = choose_backend(self.config.attention_backend, self.kv_cache.dtype, self.device, a.num_heads,
-                                 a.num_kv_heads, a.head_dim, latent=latent)
+        backend = choose_backend(self.config.attention_backend, self.model.embed_tokens.weight.dtype, self.device,
+                                 a.num_heads, a.num_kv_heads, a.head_dim, latent=latent, kv_dtype=self.kv_cache.dtype)
         # Of the batch builder, not of self: the proposer is the runner's, and a closure over the
         # runner would make a cycle that only the garbage collector frees (the model and caches with it).
         metadata = functools.partial(self.batches.metadata, backend=backend, latent=latent)
         group = self.kv_groups.windows.index(None)
         if not isinstance(draft, CausalLM):  # a head: it reads the target's hidden states
             return EagleProposer(draft, self.model, num_blocks, self.block_size, self.config.max_model_len, group,
-                                 self.config.max_num_batched_tokens, metadata, self.device)
+                                 self.config.max_num_batched_tokens, metadata, self.device, self.kv_cache.dtype)
         return DraftModelProposer(draft, num_blocks, self.block_size, self.config.max_model_len, group, metadata,
-                                  self.device, self.config.max_num_batched_tokens)
+                                  self.device, self.config.max_num_batched_tokens, self.kv_cache.dtype)
 
     def close(self) -> None:
         """Stop the host tier's copier thread (where there is a host tier)."""

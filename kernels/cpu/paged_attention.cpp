@@ -10,6 +10,11 @@
 // baton/kernels/cpu_kernels.py (plain C ABI, no torch headers, so it compiles in seconds);
 // OpenMP threads come from the libgomp torch already loaded.
 //
+// The cache may hold FP8 (e4m3 or e5m2) while queries are float32 or bf16: the step's keys and
+// values then arrive quantized already (kernels/kv_quant.py, the one writer), elements are
+// widened as they are read, and each KV head's scales are folded in: K's into the query's
+// scale, V's into the softmax's 1 / sum.
+//
 // Layout (strides in elements): see struct Batch. A row's heads are contiguous, head_dim
 // apart, in q, k, v, out and in a cache token; rows are *_row_stride apart.
 #include <cmath>
@@ -46,6 +51,9 @@ struct Batch {
     int32_t window;  // a row sees the last `window` positions up to its own (0: all)
     float softcap;   // scores become softcap * tanh(score / softcap) (0: not capped)
     const float* sinks;  // [kv_heads * group] each query head's sink score (nullptr: none)
+    int32_t cache_dtype;  // 0 float32, 1 bf16 (the queries' dtype, unscaled), 2 fp8 e4m3, 3 fp8 e5m2
+    const float* k_scales;  // [kv_heads] an FP8 cache's K scale per head (nullptr: 1)
+    const float* v_scales;
 };
 
 namespace {
@@ -59,6 +67,29 @@ inline float to_float(bf16 x) {
     std::memcpy(&f, &u, 4);
     return f;
 }
+struct fp8_e4m3 { uint8_t bits; };
+struct fp8_e5m2 { uint8_t bits; };
+
+// Every FP8 byte's value, decoded once: a table read is cheaper than the bit arithmetic.
+struct Fp8Table {
+    float value[256];
+    Fp8Table(int exp_bits, bool fn) {  // fn: e4m3fn, whose all-ones exponent is still finite
+        const int man_bits = 7 - exp_bits, bias = (1 << (exp_bits - 1)) - 1, top = (1 << exp_bits) - 1;
+        for (int b = 0; b < 256; ++b) {
+            const int e = (b >> man_bits) & top, m = b & ((1 << man_bits) - 1);
+            float v;
+            if (e == 0) v = std::ldexp(float(m), 1 - bias - man_bits);
+            else if (!fn && e == top) v = m ? NAN : INFINITY;
+            else if (fn && e == top && m == (1 << man_bits) - 1) v = NAN;
+            else v = std::ldexp(float(m + (1 << man_bits)), e - bias - man_bits);
+            value[b] = b & 0x80 ? -v : v;
+        }
+    }
+};
+const Fp8Table kE4M3(4, true), kE5M2(5, false);
+inline float to_float(fp8_e4m3 x) { return kE4M3.value[x.bits]; }
+inline float to_float(fp8_e5m2 x) { return kE5M2.value[x.bits]; }
+
 inline void store(float* p, float x) { *p = x; }
 inline void store(bf16* p, float x) {  // round to nearest even, as torch does
     uint32_t u;
@@ -193,8 +224,8 @@ inline int64_t first_key(int64_t pos, int window) { return window > 0 && pos >= 
 
 // out[u] = inv_sum[u] * sum_t p[u][t] * V[t] for m <= kQueries queries at once, so each V row
 // is read once for all of them; D in slices that keep the accumulators in registers.
-template <typename T, int D>
-void weighted_sums(const float* p, int64_t ctx, int m, int64_t lo, int64_t len, const T* v_cache,
+template <typename T, typename C, int D>
+void weighted_sums(const float* p, int64_t ctx, int m, int64_t lo, int64_t len, const C* v_cache,
                    const int64_t* table, int64_t block_stride, int64_t token_stride, int bs, int dl,
                    const float* inv_sum, T* const* outs) {
     constexpr int kSlice = D > 0 && D < 64 ? D : 64;
@@ -203,11 +234,11 @@ void weighted_sums(const float* p, int64_t ctx, int m, int64_t lo, int64_t len, 
         const int cw = dl - c0 < kSlice ? dl - c0 : kSlice;
         float acc[kQueries][kSlice] = {};
         for (int64_t blk = lo / bs, t0 = blk * bs; t0 < len; t0 += bs, ++blk) {  // from the first block in use
-            const T* v_blk = v_cache + table[blk] * block_stride + c0;
+            const C* v_blk = v_cache + table[blk] * block_stride + c0;
             const int n = len - t0 < bs ? int(len - t0) : bs;
             if (t0 + bs < len) prefetch_block(v_cache + table[blk + 1] * block_stride + c0, bs, token_stride, cw);
             for (int j = 0; j < n; ++j) {
-                const T* v = v_blk + j * token_stride;
+                const C* v = v_blk + j * token_stride;
                 if constexpr (kQueries == 1) {
                     const float w = p[t0 + j];
 #pragma omp simd
@@ -230,11 +261,11 @@ void weighted_sums(const float* p, int64_t ctx, int m, int64_t lo, int64_t len, 
 
 // Attention for `rows` consecutive query rows of one sequence and one KV head. A row's keys
 // past its own context get zero weight. D or BS of 0: runtime sizes (a generic instance).
-template <typename T, int D, int BS>
-void attend_tile(const T* q, int64_t q_row_stride, int rows, const int64_t* positions, const T* k_cache,
-                 const T* v_cache, const int64_t* table, int64_t block_stride, int64_t token_stride, int block_size,
-                 int group, int head_dim, float scale, int window, float softcap, const float* sinks, T* out,
-                 int64_t out_row_stride, const Scratch& buf) {
+template <typename T, typename C, int D, int BS>
+void attend_tile(const T* q, int64_t q_row_stride, int rows, const int64_t* positions, const C* k_cache,
+                 const C* v_cache, const int64_t* table, int64_t block_stride, int64_t token_stride, int block_size,
+                 int group, int head_dim, float scale, float v_scale, int window, float softcap, const float* sinks,
+                 T* out, int64_t out_row_stride, const Scratch& buf) {
     const int dl = D > 0 ? D : head_dim;
     const int bs = BS > 0 ? BS : block_size;
     const int nq = rows * group;  // query i = row * group + g
@@ -248,22 +279,22 @@ void attend_tile(const T* q, int64_t q_row_stride, int rows, const int64_t* posi
             buf.qf[i * dl + d] = i < nq ? to_float(q[(i / group) * q_row_stride + (i % group) * dl + d]) * scale : 0.f;
 
     for (int64_t blk = lo / bs, t0 = blk * bs; t0 < ctx; t0 += bs, ++blk) {
-        const T* k_blk = k_cache + table[blk] * block_stride;
+        const C* k_blk = k_cache + table[blk] * block_stride;
         const int n = ctx - t0 < bs ? int(ctx - t0) : bs;
         if (t0 + bs < ctx) prefetch_block(k_cache + table[blk + 1] * block_stride, bs, token_stride, dl);
         if (BS == 16 && rows > 1)
             score_tile16(buf.qf, nq, dl, k_blk, n, token_stride, buf.kt, buf.sc + t0, ctx);
         else
             for (int r = 0; r < rows; ++r)
-                score_row<T, D>(buf.qf + r * group * dl, group, dl, k_blk, n, token_stride,
+                score_row<C, D>(buf.qf + r * group * dl, group, dl, k_blk, n, token_stride,
                                 buf.sc + r * group * ctx + t0, ctx);
     }
     float inv_sum[kMaxQueries];
     T* outs[kMaxQueries];
     for (int i = 0; i < nq; ++i) {
         const int64_t pos = positions[i / group];
-        inv_sum[i] = softmax(buf.sc + i * ctx, first_key(pos, window), pos + 1, ctx, softcap,
-                             sinks != nullptr ? sinks + i % group : nullptr);
+        inv_sum[i] = v_scale * softmax(buf.sc + i * ctx, first_key(pos, window), pos + 1, ctx, softcap,
+                                       sinks != nullptr ? sinks + i % group : nullptr);
         outs[i] = out + (i / group) * out_row_stride + (i % group) * dl;
     }
     constexpr int kQueries = D > 0 && D < 64 ? 64 / D : 1;
@@ -275,17 +306,17 @@ void attend_tile(const T* q, int64_t q_row_stride, int rows, const int64_t* posi
             len = pos + 1 > len ? pos + 1 : len;
             first = first_key(pos, window) < first ? first_key(pos, window) : first;
         }
-        weighted_sums<T, D>(buf.sc + i * ctx, ctx, m, first, len, v_cache, table,
+        weighted_sums<T, C, D>(buf.sc + i * ctx, ctx, m, first, len, v_cache, table,
                             block_stride, token_stride, bs, dl, inv_sum + i, outs + i);
     }
 }
 
 // Returns 0, -2 for a row whose blocks are not all in block_ids or the cache, -3 when out of memory.
-template <typename T, int D, int BS>
+template <typename T, typename C, int D, int BS>
 int attend_all(const Batch& b) {
     const T* q = static_cast<const T*>(b.q);
-    T* k_cache = static_cast<T*>(b.k_cache);
-    T* v_cache = static_cast<T*>(b.v_cache);
+    C* k_cache = static_cast<C*>(b.k_cache);
+    C* v_cache = static_cast<C*>(b.v_cache);
     T* out = static_cast<T*>(b.out);
     const int64_t num_rows = b.num_rows, kv_elems = int64_t(b.num_kv_heads) * b.head_dim;
     // Tiles: runs of up to kMaxTileRows rows of the same sequence (a decode is a tile of one).
@@ -326,8 +357,8 @@ int attend_all(const Batch& b) {
             const int64_t pos = b.positions[r];
             const int64_t slot = b.block_ids[b.row_block_start[r] + pos / b.block_size] * b.block_stride +
                                  pos % b.block_size * b.token_stride;
-            std::memcpy(k_cache + slot, static_cast<const T*>(b.k) + r * b.k_row_stride, sizeof(T) * kv_elems);
-            std::memcpy(v_cache + slot, static_cast<const T*>(b.v) + r * b.v_row_stride, sizeof(T) * kv_elems);
+            std::memcpy(k_cache + slot, static_cast<const C*>(b.k) + r * b.k_row_stride, sizeof(C) * kv_elems);
+            std::memcpy(v_cache + slot, static_cast<const C*>(b.v) + r * b.v_row_stride, sizeof(C) * kv_elems);
         }
         float* scratch = scratch_all + scratch_floats * omp_get_thread_num();
         const Scratch buf{scratch, scratch + qf_floats, scratch + qf_floats + kt_floats};
@@ -335,10 +366,13 @@ int attend_all(const Batch& b) {
         for (int64_t t = 0; t < num_tiles; ++t)
             for (int h = 0; h < b.num_kv_heads; ++h) {
                 const int64_t r = tiles[t].row, head = int64_t(h) * b.group * b.head_dim;
-                attend_tile<T, D, BS>(q + r * b.q_row_stride + head, b.q_row_stride, tiles[t].rows, b.positions + r,
+                const float k_scale = b.k_scales != nullptr ? b.k_scales[h] : 1.f;
+                const float v_scale = b.v_scales != nullptr ? b.v_scales[h] : 1.f;
+                attend_tile<T, C, D, BS>(q + r * b.q_row_stride + head, b.q_row_stride, tiles[t].rows, b.positions + r,
                                       k_cache + h * b.head_dim, v_cache + h * b.head_dim,
                                       b.block_ids + b.row_block_start[r], b.block_stride, b.token_stride,
-                                      b.block_size, b.group, b.head_dim, b.scale, b.window, b.softcap,
+                                      b.block_size, b.group, b.head_dim, b.scale * k_scale, v_scale, b.window,
+                                      b.softcap,
                                       b.sinks != nullptr ? b.sinks + h * b.group : nullptr,
                                       out + r * out_row_stride + head, out_row_stride, buf);
             }
@@ -348,9 +382,9 @@ int attend_all(const Batch& b) {
     return 0;
 }
 
-template <typename T>
+template <typename T, typename C>
 int dispatch(const Batch& b) {
-#define BATON_ATTEND_D(D) return b.block_size == 16 ? attend_all<T, D, 16>(b) : attend_all<T, D, 0>(b)
+#define BATON_ATTEND_D(D) return b.block_size == 16 ? attend_all<T, C, D, 16>(b) : attend_all<T, C, D, 0>(b)
     switch (b.head_dim) {  // fixed sizes unroll and vectorize the inner loops
         case 16: BATON_ATTEND_D(16);
         case 32: BATON_ATTEND_D(32);
@@ -365,16 +399,21 @@ int dispatch(const Batch& b) {
 
 extern "C" {
 
-// dtype: 0 float32, 1 bfloat16. Returns 0; -1 for an unsupported shape or dtype; -2 for a row
+// dtype: the queries', 0 float32, 1 bfloat16; the cache's in the batch. Returns 0; -1 for an unsupported shape or dtype; -2 for a row
 // whose blocks lie outside block_ids or the cache (nothing written); -3 when out of memory.
 int baton_paged_attention(int dtype, const Batch* batch) {
     const Batch& b = *batch;
     if (b.group < 1 || b.group > kMaxGroup || b.head_dim < 1 || b.head_dim > kMaxHeadDim || b.block_size < 1 ||
         b.block_size > kMaxBlockSize)
         return -1;
-    if (dtype == 0) return dispatch<float>(b);
-    if (dtype == 1) return dispatch<bf16>(b);
-    return -1;
+    if (dtype != 0 && dtype != 1) return -1;
+    switch (b.cache_dtype) {
+        case 0: return dtype == 0 ? dispatch<float, float>(b) : -1;
+        case 1: return dtype == 1 ? dispatch<bf16, bf16>(b) : -1;
+        case 2: return dtype == 0 ? dispatch<float, fp8_e4m3>(b) : dispatch<bf16, fp8_e4m3>(b);
+        case 3: return dtype == 0 ? dispatch<float, fp8_e5m2>(b) : dispatch<bf16, fp8_e5m2>(b);
+        default: return -1;
+    }
 }
 
 }

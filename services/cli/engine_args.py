@@ -74,6 +74,11 @@ FLAGS = (
                                    "cache, measured at start, as vLLM does", float),
     Flag("attention_backend", "auto, cpu (the C++ kernel), triton or torch (the PyTorch reference); auto: cpu on CPU, "
                               "triton on CUDA", str),
+    Flag("kv_cache_dtype", "the KV cache's element type: auto (the compute dtype), float32, bfloat16, float16, fp8 "
+                           "(= fp8_e4m3) or fp8_e5m2: half a bfloat16 cache's bytes, K and V scaled per head by the "
+                           "checkpoint's k_scale/v_scale (else 1.0, or --calculate-kv-scales); a P/D peer of "
+                           "another is converted on landing",
+         str),
     Flag("long_prefill_token_threshold", "most prompt tokens one request gets per step; 0: no cap", int),
     Flag("scheduling_policy", "fcfs (first come, first served) or priority (lowest value first)", str),
     Flag("kv_offloading_size", "GiB of host memory for a second KV cache tier: prefix blocks evicted from the device "
@@ -89,6 +94,9 @@ FLAGS = (
     Flag("enable_prefix_caching", "turn off prefix caching", spelling="--no-prefix-caching"),
     Flag("enable_chunked_prefill", "run each prompt in one step", spelling="--no-chunked-prefill"),
     Flag("enable_lora", "serve LoRA adapters (implied by --lora-modules)"),
+    Flag("calculate_kv_scales", "with an FP8 --kv-cache-dtype and a checkpoint without k_scale/v_scale: compute "
+                                "each layer's K and V scales per KV head at start, from a calibration text, rather "
+                                "than use 1.0"),
     Flag("disable_hybrid_kv_cache_manager", "sliding-window layers keep every KV block, as full-attention layers do"),
     Flag("enable_expert_parallel", "with --tensor-parallel-size: spread a mixture of experts' experts whole over the "
                                    "ranks rather than split each"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -143,8 +144,8 @@ def _up(args) -> None:
 
     if args.decode < 1 or args.prefill < 0:
         sys.exit("baton up: --decode must be >= 1 and --prefill >= 0")
-    # Each tier's --tensor-parallel-size comes with its placement, not with the shared flags.
-    argv = engine_argv(args, leave_out=("tensor_parallel_size",))
+    # Each tier's --tensor-parallel-size and --kv-cache-dtype come with its placement, not with the shared flags.
+    argv = engine_argv(args, leave_out=("tensor_parallel_size", "kv_cache_dtype"))
     try:
         tensor_parallel = tier_tensor_parallel(args.tensor_parallel_size, args.prefill_tensor_parallel_size,
                                                args.decode_tensor_parallel_size, args.prefill)
@@ -153,6 +154,11 @@ def _up(args) -> None:
                                    args.gpu_memory_utilization, tensor_parallel)
     except ValueError as e:
         sys.exit(f"baton up: {e}")
+    kv_dtypes = {"prefill": args.prefill_kv_cache_dtype or args.kv_cache_dtype,
+                 "decode": args.decode_kv_cache_dtype or args.kv_cache_dtype}
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    placements = [dataclasses.replace(place, kv_cache_dtype=kv_dtypes[role])
+                  for place, role in zip(placements, roles, strict=True)]
     sys.exit(up(model_dir(args), args.host, args.port, args.prefill, args.decode, argv, args.policy,
                 args.start_timeout, trace=args.trace, http_port=args.http_port or None, restart=not args.no_restart,
                 placements=placements))
@@ -287,6 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--decode-tensor-parallel-size", type=int, metavar="N",
                    help="the decode engines' --tensor-parallel-size, as --prefill-tensor-parallel-size; one of the "
                         "two tiers' sizes must divide the other")
+    u.add_argument("--prefill-kv-cache-dtype", metavar="DTYPE",
+                   help="the prefill engines' --kv-cache-dtype (default: --kv-cache-dtype); a decode of another "
+                        "converts the blocks as they land")
+    u.add_argument("--decode-kv-cache-dtype", metavar="DTYPE",
+                   help="the decode engines' --kv-cache-dtype (default: --kv-cache-dtype), e.g. fp8 behind a "
+                        "bfloat16 prefill")
     u.add_argument("--policy", choices=POLICIES,
                    default="round_robin", help="the router's policy (default: %(default)s)")
     u.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for all to serve")

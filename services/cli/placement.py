@@ -31,9 +31,12 @@ class Placement:
     shares_gpu: bool = False
     utilization: float | None = None  # None: the engine's own --gpu-memory-utilization
     tensor_parallel_size: int = 1  # its ranks, on GPUs device..device+N-1
+    kv_cache_dtype: str | None = None  # its tier's own (--prefill-kv-cache-dtype); None: the shared flag's
 
     def argv(self) -> list[str]:
         extra = ["--device", self.device] if self.device else []
+        if self.kv_cache_dtype is not None:
+            extra += [f"--kv-cache-dtype={self.kv_cache_dtype}"]
         if self.utilization is not None:
             extra += ["--gpu-memory-utilization", f"{self.utilization:.4g}"]
         if self.tensor_parallel_size != 1:

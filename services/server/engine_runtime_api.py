@@ -134,4 +134,5 @@ def model_info(model_dir: str, facts, tokenizer, model_name: str, role: str) -> 
                         architecture=architectures[0], max_model_len=facts.max_model_len,
                         vocab_size=facts.vocab_size, block_size=facts.block_size, dtype=facts.dtype,
                         eos_token_ids=facts.eos_token_ids, has_chat_template=bool(tokenizer.chat_template),
-                        baton_version=baton_version(), role=role)
+                        baton_version=baton_version(), role=role, kv_cache_dtype=facts.kv_cache_dtype or facts.dtype,
+                        kv_scales=facts.kv_scales)

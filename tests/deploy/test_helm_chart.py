@@ -220,3 +220,14 @@ def test_two_quantizations_of_one_model_pair_when_a_tier_names_the_other():
     with pytest.raises(helm_python.HelmRenderError, match="name the other in acceptKvFrom"):
         manifests({"prefill": {"engine": {"model": "llama-bf16"}},
                    "decode": {"engine": {"model": "llama-fp8", "acceptKvFrom": ["llama-other"]}}})
+
+
+def test_each_tier_takes_its_own_kv_cache_dtype():
+    """An FP8 decode behind a prefill of the compute dtype: the decode converts the blocks as
+    they land, so the tiers may differ; a dtype the engine does not know fails the schema."""
+    docs = manifests({"decode": {"engine": {"kvCacheDtype": "fp8"}}})
+    tiers = {component(labels): spec["containers"][0] for _, labels, spec in pod_specs(docs)}
+    assert parse(tiers["decode"]).kv_cache_dtype == "fp8"
+    assert parse(tiers["prefill"]).kv_cache_dtype is None
+    with pytest.raises(helm_python.HelmValuesError, match="kvCacheDtype"):
+        manifests({"engine": {"kvCacheDtype": "int8"}})

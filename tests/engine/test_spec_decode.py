@@ -253,16 +253,6 @@ def test_the_decode_tier_speculates_through_the_router(tiny_llama, tmp_path, met
         assert pools_full(prefill.address) and pools_full(decode.address)
 
 
-@pytest.fixture(scope="module")
-def tiny_draft(tmp_path_factory) -> str:
-    """A one-layer Llama with the tiny checkpoints' tokenizer: a draft of its own weights."""
-    from baton.testing.checkpoints import write_random_checkpoint
-
-    return write_random_checkpoint(str(tmp_path_factory.mktemp("draft")), "LlamaConfig", seed=3, hidden_size=32,
-                                   intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-                                   num_hidden_layers=1, tie_word_embeddings=True)
-
-
 def test_a_pd_pair_ships_the_draft_models_kv(tiny_llama, tiny_draft):
     """The prefill catches its draft up on the prompt as the request ends, in pieces of
     max_num_batched_tokens (16 here) as the target's chunks, and the decode reads the draft's

@@ -72,7 +72,7 @@ class CopyConnector(KVConnectorScheduler, KVConnectorWorker):
                               request.output_token_ids[0])
 
     # worker half
-    def register_kv_caches(self, kv_cache, kv_format, host_cache=None, draft_cache=None):
+    def register_kv_caches(self, kv_cache, kv_format, host_cache=None, draft_cache=None, convert=None):
         self.kv_cache = kv_cache
 
     def start_load_kv(self, metadata):

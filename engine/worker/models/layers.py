@@ -38,6 +38,8 @@ class Attention(nn.Module):
         self.softcap = args.attn_softcap
         # gpt-oss: one score per query head that takes weight and gives nothing
         self.sinks = nn.Parameter(torch.empty(args.num_heads)) if args.attn_sinks else None
+        # An FP8 cache's K and V scale per KV head (kernels/kv_quant.py): the checkpoint's, else 1.
+        self.register_buffer("kv_scales", torch.ones(2, args.num_kv_heads, dtype=torch.float32), persistent=False)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
@@ -57,7 +59,8 @@ class Attention(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         sinks = self.sinks.float() if self.sinks is not None else None
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.softcap, self.window, sinks)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.softcap, self.window, sinks,
+                              self.kv_scales)
         return self.o_proj(out.flatten(1))
 
 
@@ -112,6 +115,9 @@ class CausalLM(nn.Module):
         # layers before) forward keeps in aux_hidden, for the head; none otherwise.
         self.aux_layers: frozenset[int] = frozenset()
         self.aux_hidden: list[torch.Tensor] = []
+        # Where each attention layer's kv_scales (an FP8 cache's) came from: "checkpoint", "calculated"
+        # (engine/worker/kv_calibration.py) or "default" (1.0).
+        self.kv_scales_source = "default"
 
     def prepare(self, max_model_len: int) -> None:
         """RoPE tables for every position of a context of max_model_len (and one past it), and

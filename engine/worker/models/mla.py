@@ -36,6 +36,7 @@ from baton.kernels.attention import (
     paged_attention,
     write_kv,
 )
+from baton.kernels.kv_quant import dequantize_kv, is_fp8, quantize_kv
 
 
 def yarn_softmax_mscale(scaling: dict | None) -> float:
@@ -67,6 +68,8 @@ class MLAttention(nn.Module):
         self.scale = args.attn_scale
         self.turn = rotate_interleaved if args.rope_interleaved else rotate  # (halves: V3 without rope_interleave)
         self.window = None  # (CausalLM.prepare sets every layer's; DeepSeek's never slide)
+        # An FP8 cache's scale of the cached row (kernels/kv_quant.py), as K's and V's: one row is both.
+        self.register_buffer("kv_scales", torch.ones(2, 1, dtype=torch.float32), persistent=False)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         if self.q_proj is not None:
@@ -81,7 +84,8 @@ class MLAttention(nn.Module):
         if not meta.prefills:
             return self.o_proj(self._absorbed(q, kv, k_cache, v_cache, meta).flatten(1))
         n = meta.num_decodes
-        write_kv(k_cache, None, kv[n:], None, meta.slot_mapping[n:])
+        write_kv(k_cache, None, quantize_kv(kv[n:], self.kv_scales[0], k_cache.dtype) if is_fp8(k_cache.dtype)
+                 else kv[n:], None, meta.slot_mapping[n:])
         out = torch.empty(q.shape[0], self.num_heads, self.v_dim, dtype=q.dtype, device=q.device)
         if n:
             out[:n] = self._absorbed(q[:n], kv[:n], k_cache, v_cache, meta.decodes_only())
@@ -96,15 +100,17 @@ class MLAttention(nn.Module):
         q = torch.cat((torch.einsum("thd,hdr->thr", q[..., :self.nope], w[:, :self.nope]), q[..., self.nope:]), -1)
         if meta.triton is not None:
             from baton.kernels import triton_mla  # imported where picked only: triton is optional
-            out = triton_mla.mla_paged_attention(q, kv, k_cache, meta.triton, self.scale, self.rank)
+            out = triton_mla.mla_paged_attention(q, kv, k_cache, meta.triton, self.scale, self.rank, self.kv_scales)
         else:  # values: the latent (and k_rope, unused)
-            out = paged_attention(q, kv, kv, k_cache, v_cache, meta, self.scale)[..., :self.rank]
+            out = paged_attention(q, kv, kv, k_cache, v_cache, meta, self.scale, kv_scales=self.kv_scales)
+            out = out[..., :self.rank]
         return torch.einsum("thr,hvr->thv", out, w[:, self.nope:])
 
     def _up_projected(self, q: torch.Tensor, k_cache: torch.Tensor, seq) -> torch.Tensor:
         """One prefill chunk (its rows of q [n, heads, nope + rope], RoPE'd) over its context's
         latents from the cache, up-projected: [n, heads, v_head_dim]."""
-        cached = gather_blocks(k_cache, seq.block_table).flatten(0, 1)[:seq.ctx_len, 0]  # [ctx, rank + rope]
+        cached = gather_blocks(k_cache, seq.block_table).flatten(0, 1)[:seq.ctx_len]  # [ctx, 1, rank + rope]
+        cached = (dequantize_kv(cached, self.kv_scales[0], q.dtype) if is_fp8(k_cache.dtype) else cached)[:, 0]
         kv = F.linear(cached[:, :self.rank], self.kv_b_proj.weight).view(seq.ctx_len, self.num_heads, -1)
         k_rope = cached[:, None, self.rank:].expand(-1, self.num_heads, -1)
         k = torch.cat((kv[..., :self.nope], k_rope), dim=-1).transpose(0, 1)

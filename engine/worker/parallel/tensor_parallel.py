@@ -299,6 +299,7 @@ def _shard_attention(attn: Attention, tp: TPGroup) -> None:
     attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
     if attn.sinks is not None:
         attn.sinks = nn.Parameter(attn.sinks.data[q].clone(), requires_grad=False)
+    attn.kv_scales = attn.kv_scales[:, kv].clone()  # (a buffer: an FP8 cache's per-head scales)
 
 
 def _shard_latent_attention(attn: MLAttention, tp: TPGroup) -> None:

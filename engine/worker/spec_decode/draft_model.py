@@ -36,27 +36,27 @@ from baton.kernels.attention import AttentionMetadata
 class DraftModelProposer(Proposer):
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_model_len: int, group: int,
                  metadata: Callable[[list, torch.Tensor, int], AttentionMetadata], device: torch.device,
-                 max_rows: int = 8192):
+                 max_rows: int = 8192, kv_dtype: torch.dtype | None = None):
         """`group`: the target's full-attention KV cache group whose block ids the draft's cache
         takes; `metadata(spans, positions, num_decodes)`: the attention metadata of a batch of
         (start, end, block ids) spans on the draft's backend, decodes (one row) first;
-        `max_rows`: the most tokens of one request a catch-up feeds in one forward."""
+        `max_rows`: the most tokens of one request a catch-up feeds in one forward; `kv_dtype`: its
+        cache's, the target's (FP8 with the draft's own scales; default: the draft's dtype)."""
         args = model.args
         model.prepare(max_model_len)
         check(not model.rope_by_length, "speculative_config.model",
               "a draft whose RoPE depends on the sequence's length (dynamic NTK, LongRoPE) is not supported")
         self.model, self.group, self.metadata, self.device = model, group, metadata, device
         self.cache = torch.zeros(num_blocks, args.num_layers, args.kv_parts, block_size, args.num_kv_heads,
-                                 args.head_dim, dtype=model.embed_tokens.weight.dtype, device=device)
+                                 args.head_dim, dtype=kv_dtype or model.embed_tokens.weight.dtype, device=device)
         self.layer_caches = [(self.cache[:, i, 0], self.cache[:, i, args.kv_parts - 1]) for i in range(args.num_layers)]
         self.max_model_len = max_model_len
         self.max_rows = max_rows
 
     @staticmethod
-    def block_bytes(model: CausalLM, block_size: int) -> int:
+    def block_bytes(model: CausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
         a = model.args
-        return (a.num_layers * a.kv_parts * block_size * a.num_kv_heads * a.head_dim
-                * model.embed_tokens.weight.element_size())
+        return a.num_layers * a.kv_parts * block_size * a.num_kv_heads * a.head_dim * kv_dtype.itemsize
 
     def propose(self, states: list, k: int) -> list[list[int]]:
         """Up to k drafts for each request state (token_ids, block_ids, draft_computed), fewer

@@ -247,10 +247,11 @@ class EagleProposer(Proposer):
 
     def __init__(self, head: EagleHead, target: CausalLM, num_blocks: int, block_size: int, max_model_len: int,
                  group: int, flush_rows: int, metadata: Callable[[list, torch.Tensor, int], AttentionMetadata],
-                 device: torch.device):
+                 device: torch.device, kv_dtype: torch.dtype | None = None):
         """`group`: the target's full-attention KV cache group whose block ids the head's cache
         takes; `flush_rows`: the pending hidden states a step's requests may hold before the head
-        is fed them; `metadata(spans, positions, num_decodes)`: as DraftModelProposer's."""
+        is fed them; `metadata(spans, positions, num_decodes)`: as DraftModelProposer's; `kv_dtype`:
+        its cache's, the target's (default: the head's dtype)."""
         a = head.args
         check(target.rope_recompute_at is None, "speculative_config.method",
               "a target whose KV is computed again past its original context (LongRoPE) does not draft")
@@ -261,7 +262,7 @@ class EagleProposer(Proposer):
         self.head, self.target, self.group, self.metadata, self.device = head, target, group, metadata, device
         self.block_size, self.max_model_len, self.flush_rows = block_size, max_model_len, flush_rows
         self.cache = torch.zeros(num_blocks, a.num_layers, a.kv_parts, block_size, a.num_kv_heads, a.head_dim,
-                                 dtype=head.embed_tokens.weight.dtype, device=device)
+                                 dtype=kv_dtype or head.embed_tokens.weight.dtype, device=device)
         self.layer_caches = [(self.cache[:, i, 0], self.cache[:, i, a.kv_parts - 1]) for i in range(a.num_layers)]
 
     def keep(self, rows: list[tuple], hidden: torch.Tensor) -> None:

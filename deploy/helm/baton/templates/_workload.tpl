@@ -231,6 +231,8 @@ spec:
 {{- end }}
 {{- if ne (toString ($e.kvOffloadingSize | default "")) "" }}{{ $args = append $args (printf "--kv-offloading-size=%v" $e.kvOffloadingSize) }}{{ end }}
 {{- with $e.preemptionMode }}{{ $args = append $args (printf "--preemption-mode=%s" .) }}{{ end }}
+{{- with $e.kvCacheDtype }}{{ $args = append $args (printf "--kv-cache-dtype=%s" .) }}{{ end }}
+{{- if $e.calculateKvScales }}{{ $args = append $args "--calculate-kv-scales" }}{{ end }}
 {{- with $e.speculativeConfig }}
 {{- $spec := deepCopy . }}
 {{- with $spec.model }}{{ $_ := set $spec "model" (printf "/models/%s" (trimAll "/" (toString .))) }}{{ end }}
