@@ -173,23 +173,23 @@ def _agreement(model: str, prompts, kv: str, max_tokens: int, **engine) -> tuple
         firsts.append(first)
         equal += sum(a == b for a, b in zip(ref.token_ids, got.token_ids))
         total += len(ref.token_ids)
-        for i in range(first):
-            t = ref.token_ids[i]
-            drift.append(abs(ref.logprobs[i][t].logprob - got.logprobs[i][t].logprob))
+        ref_lp, got_lp = ref.outputs[0].logprobs, got.outputs[0].logprobs  # (the same token up to `first`)
+        drift += [abs(ref_lp[i].logprob - got_lp[i].logprob) for i in range(first)]
     return equal / total, sum(firsts) / len(firsts), sum(drift) / max(len(drift), 1)
 
 
 def quality(root: str) -> None:
-    print("\n## quality: greedy agreement with the unquantized (float32) cache; scales 1.0 (no checkpoint scales)")
+    print("\n## quality: greedy agreement with the float32 cache (float32 compute); FP8 scales 1.0 unless calculated")
     print("| model | kv_cache_dtype | tokens equal | mean first divergence (of N) | mean abs logprob drift before it |")
     print("|---|---|---|---|---|")
     if os.path.isdir(SMOLLM2):
         from baton.engine.common.tokenizer import load_tokenizer
 
         prompts = _text_prompts(load_tokenizer(SMOLLM2))
-        for kv in ("fp8", "fp8_e5m2"):
-            share, first, drift = _agreement(SMOLLM2, prompts, kv, 64)
-            print(f"| SmolLM2-135M (8 prompts) | {kv} | {share:.1%} | {first:.1f} (64) | {drift:.4f} |")
+        for kv, calculated in (("bfloat16", False), ("fp8", False), ("fp8", True), ("fp8_e5m2", False)):
+            share, first, drift = _agreement(SMOLLM2, prompts, kv, 64, calculate_kv_scales=calculated)
+            name = kv + (", calculated scales" if calculated else "")
+            print(f"| SmolLM2-135M (8 prompts) | {name} | {share:.1%} | {first:.1f} (64) | {drift:.4f} |")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_families import FAMILIES, write_family  # the tests' tiny random checkpoints

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.kernels import cpu_kernels
-from baton.kernels.kv_quant import dequantize_kv, is_fp8, quantize_kv
+from baton.kernels.kv_quant import from_cache, is_fp8, to_cache
 
 log = logging.getLogger(__name__)
 
@@ -175,13 +175,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     `window`: a query sees only keys fewer than `window` positions behind it (sliding-window
     layers); `sinks` ([q_heads] float32, gpt-oss): each head's softmax also counts one more
     score, its sink, whose value is zero, so a head may attend to nothing. Every backend does
-    all three. An FP8 cache (kernels/kv_quant.py) takes the step's K/V quantized with
-    `kv_scales` ([2, kv_heads] float32), here, for every backend; each reads its elements and
-    attends over them (the fresh K/V of a prefill too: a chunk sees what a later one will read)."""
-    fp8 = is_fp8(k_cache.dtype)
-    if fp8:
-        k, v = quantize_kv(k, kv_scales[0], k_cache.dtype), (
-            None if v is None else quantize_kv(v, kv_scales[1], k_cache.dtype))
+    all three. A cache of another dtype (kernels/kv_quant.py: FP8 with `kv_scales`, [2, kv_heads]
+    float32) takes the step's K/V as it holds them, written here for every backend; each reads
+    its elements and attends over them (the fresh K/V of a prefill too: a chunk sees what a
+    later one will read)."""
+    fp8, stored = is_fp8(k_cache.dtype), k_cache.dtype != q.dtype
+    if stored:
+        scales = kv_scales if fp8 else (None, None)
+        k, v = to_cache(k, scales[0], k_cache.dtype), None if v is None else to_cache(v, scales[1], k_cache.dtype)
     if meta.kernel is not None:
         kb = meta.kernel
         return cpu_kernels.paged_attention(q, k, v, k_cache, v_cache, kb.block_ids, kb.row_block_start, kb.positions,
@@ -193,7 +194,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
 
     def read(cached: torch.Tensor, part: int) -> torch.Tensor:  # [..., kv_heads, D] as q's dtype
-        return dequantize_kv(cached, kv_scales[part], q.dtype) if fp8 else cached
+        return from_cache(cached, kv_scales[part] if fp8 else None, q.dtype) if stored else cached
 
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

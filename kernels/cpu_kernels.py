@@ -2,8 +2,8 @@
 paged attention (cpu/paged_attention.cpp) and quantized weights' rows to float32
 (cpu/dequant.cpp, wrapped by cpu_dequant.py), one library.
 
-The source has no torch headers, so a build takes about 5 s on 2 cores (a torch C++ extension
-takes most of a minute); the library is cached under ~/.cache/baton/kernels, keyed by the
+The source has no torch headers; a build takes about 25 s on 2 cores (attention's instances for
+each pair of query and cache dtypes, FP8 included, are most of it), once: the library is cached under ~/.cache/baton/kernels, keyed by the
 source, the flags, the compiler and the CPU (it is built with -march=native). Without a
 compiler, or with BATON_CPU_KERNELS=0, `load()` returns None and callers use the PyTorch
 reference in kernels/attention.py.
@@ -36,7 +36,7 @@ MARCH = os.environ.get("BATON_KERNEL_MARCH", "native")
 FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17", "-shared",
          "-fPIC"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the queries'
-CACHE_DTYPES = {**DTYPES, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # the cache's: the queries', or FP8
+CACHE_DTYPES = {**DTYPES, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # the cache's, whatever the queries'
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's stack buffers
 # What the CPU must have for a library built for a portable -march (from /proc/cpuinfo's flags).
 MARCH_NEEDS = {"x86-64-v2": {"sse4_2", "popcnt", "ssse3"}, "x86-64-v3": {"avx2", "fma", "bmi2", "f16c", "movbe"},
@@ -194,8 +194,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         _check_rows(name, t, heads, head_dim)
     fp8 = k_cache.dtype in CACHE_DTYPES and k_cache.dtype not in DTYPES
     if (k_cache.stride() != v_cache.stride() or not k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
-            or (q.dtype != k_cache.dtype and not fp8)):
-        raise ValueError("k, v and the caches must share a dtype (q's, or FP8), and the caches their strides")
+            or q.dtype not in DTYPES or k_cache.dtype not in CACHE_DTYPES):
+        raise ValueError("k, v and the caches must share a dtype (float32, bfloat16 or FP8; q float32 or bfloat16), "
+                         "and the caches their strides")
     if fp8 and (kv_scales is None or kv_scales.shape != (2, num_kv_heads)):
         raise ValueError(f"kv_scales: an FP8 cache needs [2, {num_kv_heads}] scales")
     kv_scales = kv_scales.to(torch.float32).contiguous() if fp8 else None  # (a head cast to bf16 holds them so)

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from baton.kernels import triton_attention
-from baton.kernels.kv_quant import is_fp8, quantize_kv
+from baton.kernels.kv_quant import is_fp8, to_cache
 from baton.kernels.triton_attention import _split_tiles  # (a jit function: called from _mla by name)
 
 
@@ -231,8 +231,8 @@ def mla_paged_attention(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, 
     output, the attended latent [T, heads, rank]. (The engine hands it decodes only: its MLA
     prefill attends up-projected, models/mla.py.) An FP8 cache's rows are written quantized with
     `kv_scales` ([2, 1] float32: the latent's one scale, twice)."""
-    if is_fp8(cache.dtype):
-        kv = quantize_kv(kv, kv_scales[0], cache.dtype)
+    if cache.dtype != kv.dtype:
+        kv = to_cache(kv, kv_scales[0] if is_fp8(cache.dtype) else None, cache.dtype)
     triton_attention.write_kv(cache, None, kv, None, batch.slot_mapping)
     out = _out(q, rank, None, "mla_paged_attention")
     num_decodes = batch.decode_lens.shape[0]

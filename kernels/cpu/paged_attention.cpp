@@ -10,10 +10,11 @@
 // baton/kernels/cpu_kernels.py (plain C ABI, no torch headers, so it compiles in seconds);
 // OpenMP threads come from the libgomp torch already loaded.
 //
-// The cache may hold FP8 (e4m3 or e5m2) while queries are float32 or bf16: the step's keys and
-// values then arrive quantized already (kernels/kv_quant.py, the one writer), elements are
-// widened as they are read, and each KV head's scales are folded in: K's into the query's
-// scale, V's into the softmax's 1 / sum.
+// The cache may hold another dtype than the queries (float32 or bf16): FP8 (e4m3 or e5m2), or
+// bf16 under float32 queries. The step's keys and values then arrive in the cache's dtype
+// already (kernels/kv_quant.py, the one writer), elements are widened as they are read, and an
+// FP8 cache's per-KV-head scales are folded in: K's into the query's scale, V's into the
+// softmax's 1 / sum.
 //
 // Layout (strides in elements): see struct Batch. A row's heads are contiguous, head_dim
 // apart, in q, k, v, out and in a cache token; rows are *_row_stride apart.
@@ -21,6 +22,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include <omp.h>
 
@@ -51,7 +53,7 @@ struct Batch {
     int32_t window;  // a row sees the last `window` positions up to its own (0: all)
     float softcap;   // scores become softcap * tanh(score / softcap) (0: not capped)
     const float* sinks;  // [kv_heads * group] each query head's sink score (nullptr: none)
-    int32_t cache_dtype;  // 0 float32, 1 bf16 (the queries' dtype, unscaled), 2 fp8 e4m3, 3 fp8 e5m2
+    int32_t cache_dtype;  // 0 float32, 1 bf16 (unscaled, whatever the queries'), 2 fp8 e4m3, 3 fp8 e5m2
     const float* k_scales;  // [kv_heads] an FP8 cache's K scale per head (nullptr: 1)
     const float* v_scales;
 };
@@ -70,25 +72,27 @@ inline float to_float(bf16 x) {
 struct fp8_e4m3 { uint8_t bits; };
 struct fp8_e5m2 { uint8_t bits; };
 
-// Every FP8 byte's value, decoded once: a table read is cheaper than the bit arithmetic.
-struct Fp8Table {
-    float value[256];
-    Fp8Table(int exp_bits, bool fn) {  // fn: e4m3fn, whose all-ones exponent is still finite
-        const int man_bits = 7 - exp_bits, bias = (1 << (exp_bits - 1)) - 1, top = (1 << exp_bits) - 1;
-        for (int b = 0; b < 256; ++b) {
-            const int e = (b >> man_bits) & top, m = b & ((1 << man_bits) - 1);
-            float v;
-            if (e == 0) v = std::ldexp(float(m), 1 - bias - man_bits);
-            else if (!fn && e == top) v = m ? NAN : INFINITY;
-            else if (fn && e == top && m == (1 << man_bits) - 1) v = NAN;
-            else v = std::ldexp(float(m + (1 << man_bits)), e - bias - man_bits);
-            value[b] = b & 0x80 ? -v : v;
-        }
-    }
-};
-const Fp8Table kE4M3(4, true), kE5M2(5, false);
-inline float to_float(fp8_e4m3 x) { return kE4M3.value[x.bits]; }
-inline float to_float(fp8_e5m2 x) { return kE5M2.value[x.bits]; }
+// FP8 to float by bit arithmetic the compiler vectorizes (a table lookup would not): a normal
+// value's exponent and mantissa move into float's fields, rebiased; a subnormal one (exponent 0)
+// is its mantissa times its smallest step. No NaN or infinity is ever stored (writers clamp).
+template <int kExpBits>
+inline float fp8_to_float(uint8_t byte) {
+    constexpr int kManBits = 7 - kExpBits, kBias = (1 << (kExpBits - 1)) - 1;
+    const uint32_t mag = byte & 0x7F;
+    const uint32_t normal_bits = (mag << (23 - kManBits)) + (uint32_t(127 - kBias) << 23);
+    float normal;
+    std::memcpy(&normal, &normal_bits, 4);
+    const float step = 1.0f / float(1u << (kBias - 1 + kManBits));  // 2^(1 - bias - mantissa bits)
+    const float subnormal = float(int(mag & ((1u << kManBits) - 1))) * step;
+    float value = (mag >> kManBits) ? normal : subnormal;
+    uint32_t bits;
+    std::memcpy(&bits, &value, 4);
+    bits |= uint32_t(byte & 0x80) << 24;
+    std::memcpy(&value, &bits, 4);
+    return value;
+}
+inline float to_float(fp8_e4m3 x) { return fp8_to_float<4>(x.bits); }
+inline float to_float(fp8_e5m2 x) { return fp8_to_float<5>(x.bits); }
 
 inline void store(float* p, float x) { *p = x; }
 inline void store(bf16* p, float x) {  // round to nearest even, as torch does
@@ -385,13 +389,18 @@ int attend_all(const Batch& b) {
 template <typename T, typename C>
 int dispatch(const Batch& b) {
 #define BATON_ATTEND_D(D) return b.block_size == 16 ? attend_all<T, C, D, 16>(b) : attend_all<T, C, D, 0>(b)
-    switch (b.head_dim) {  // fixed sizes unroll and vectorize the inner loops
-        case 16: BATON_ATTEND_D(16);
-        case 32: BATON_ATTEND_D(32);
+    // Fixed sizes unroll and vectorize the inner loops: every common one where the cache holds the
+    // queries' dtype; where it holds another, the real models' 64 and 128 only (each instance
+    // costs the build seconds).
+    constexpr bool kSame = std::is_same<T, C>::value;
+    switch (b.head_dim) {
+        case 16: if constexpr (kSame) { BATON_ATTEND_D(16); } break;
+        case 32: if constexpr (kSame) { BATON_ATTEND_D(32); } break;
         case 64: BATON_ATTEND_D(64);
         case 128: BATON_ATTEND_D(128);
-        default: BATON_ATTEND_D(0);
+        default: break;
     }
+    BATON_ATTEND_D(0);
 #undef BATON_ATTEND_D
 }
 
@@ -408,8 +417,8 @@ int baton_paged_attention(int dtype, const Batch* batch) {
         return -1;
     if (dtype != 0 && dtype != 1) return -1;
     switch (b.cache_dtype) {
-        case 0: return dtype == 0 ? dispatch<float, float>(b) : -1;
-        case 1: return dtype == 1 ? dispatch<bf16, bf16>(b) : -1;
+        case 0: return dtype == 0 ? dispatch<float, float>(b) : -1;  // (a cache wider than bf16 queries: none)
+        case 1: return dtype == 0 ? dispatch<float, bf16>(b) : dispatch<bf16, bf16>(b);
         case 2: return dtype == 0 ? dispatch<float, fp8_e4m3>(b) : dispatch<bf16, fp8_e4m3>(b);
         case 3: return dtype == 0 ? dispatch<float, fp8_e5m2>(b) : dispatch<bf16, fp8_e5m2>(b);
         default: return -1;

@@ -154,14 +154,16 @@ def plain_fp8(model_dir: str, ps, dtype: str = "fp8", **kwargs) -> list[list[int
         return [llm.generate([p], GREEDY)[0].token_ids for p in ps]
 
 
-def test_an_fp8_engine_batched_chunked_preempted_and_prefix_cached_equals_a_plain_one(family):
+# (bfloat16 under float32 compute: a cache of another dtype without scales, as the FP8 one's path)
+@pytest.mark.parametrize("kv", ["fp8", "bfloat16"])
+def test_an_fp8_engine_batched_chunked_preempted_and_prefix_cached_equals_a_plain_one(family, kv):
     require_cpu_kernel()
     ps = prompts()
-    want = plain_fp8(family, ps)
+    want = plain_fp8(family, ps, kv)
     for backend in ("cpu", "torch"):
-        with LLM(family, dtype="float32", device="cpu", kv_cache_dtype="fp8", max_num_batched_tokens=32,
+        with LLM(family, dtype="float32", device="cpu", kv_cache_dtype=kv, max_num_batched_tokens=32,
                  num_kv_blocks=pool(family), max_model_len=192, attention_backend=backend) as llm:
-            assert llm.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+            assert llm.engine.runner.kv_cache.dtype == {"fp8": torch.float8_e4m3fn, "bfloat16": torch.bfloat16}[kv]
             assert [o.token_ids for o in llm.generate(ps, GREEDY)] == want, backend
             assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv.prefix_hits > 0
             assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks

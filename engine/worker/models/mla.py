@@ -36,7 +36,7 @@ from baton.kernels.attention import (
     paged_attention,
     write_kv,
 )
-from baton.kernels.kv_quant import dequantize_kv, is_fp8, quantize_kv
+from baton.kernels.kv_quant import from_cache, to_cache
 
 
 def yarn_softmax_mscale(scaling: dict | None) -> float:
@@ -84,8 +84,7 @@ class MLAttention(nn.Module):
         if not meta.prefills:
             return self.o_proj(self._absorbed(q, kv, k_cache, v_cache, meta).flatten(1))
         n = meta.num_decodes
-        write_kv(k_cache, None, quantize_kv(kv[n:], self.kv_scales[0], k_cache.dtype) if is_fp8(k_cache.dtype)
-                 else kv[n:], None, meta.slot_mapping[n:])
+        write_kv(k_cache, None, to_cache(kv[n:], self.kv_scales[0], k_cache.dtype), None, meta.slot_mapping[n:])
         out = torch.empty(q.shape[0], self.num_heads, self.v_dim, dtype=q.dtype, device=q.device)
         if n:
             out[:n] = self._absorbed(q[:n], kv[:n], k_cache, v_cache, meta.decodes_only())
@@ -110,7 +109,7 @@ class MLAttention(nn.Module):
         """One prefill chunk (its rows of q [n, heads, nope + rope], RoPE'd) over its context's
         latents from the cache, up-projected: [n, heads, v_head_dim]."""
         cached = gather_blocks(k_cache, seq.block_table).flatten(0, 1)[:seq.ctx_len]  # [ctx, 1, rank + rope]
-        cached = (dequantize_kv(cached, self.kv_scales[0], q.dtype) if is_fp8(k_cache.dtype) else cached)[:, 0]
+        cached = from_cache(cached, self.kv_scales[0], q.dtype)[:, 0]
         kv = F.linear(cached[:, :self.rank], self.kv_b_proj.weight).view(seq.ctx_len, self.num_heads, -1)
         k_rope = cached[:, None, self.rank:].expand(-1, self.num_heads, -1)
         k = torch.cat((kv[..., :self.nope], k_rope), dim=-1).transpose(0, 1)
