@@ -24,7 +24,9 @@ Checks now (each passes or fails on its own; the report has every figure):
 - the quantized linear kernels (W4A16, W8A16, FP8 weight-only) in bfloat16 at Llama-8B's shapes
   against the dequantized matmul, timed beside bf16 cuBLAS at 1-512 tokens, and a GPTQ and a
   block-FP8 Llama through the engine on CUDA, greedy-equal to transformers on their dequantized
-  weights.
+  weights;
+- an FP8 KV cache (gpu_check_fp8.py): the Triton kernels reading e4m3 and e5m2 blocks, a KV-bound
+  decode step FP8 vs bf16 timed, the engine with kv_cache_dtype fp8 equal to its reference.
 
     python bench/gpu_check.py --out /tmp/gpu-report
     python bench/gpu_check.py --out /tmp/gpu-report --only spec_decode engine --families gpt-oss
@@ -41,6 +43,7 @@ import traceback
 from functools import partial
 
 import torch
+from gpu_check_fp8 import check_fp8_kv
 
 FAMILIES = {  # transformers config class and a small shape, as the tests have them
     "llama": ("LlamaConfig", dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -494,7 +497,8 @@ def main() -> None:
                             ("fused_moe", check_fused_moe), ("wide_heads", check_wide_heads),
                             ("quant_kernels", lambda: check_quant_kernels(tmp)),
                             ("spec_decode", lambda: check_spec_decode(tmp)), ("engine", lambda: check_engine(tmp)),
-                            ("tensor_parallel", lambda: check_tensor_parallel(tmp))):
+                            ("tensor_parallel", lambda: check_tensor_parallel(tmp)),
+                            ("fp8_kv", lambda: check_fp8_kv(tmp, _timed))):
             if args.only and name not in args.only:
                 continue
             t0 = time.perf_counter()

@@ -223,11 +223,13 @@ def test_a_float_prefill_feeds_an_fp8_decode_through_its_own_writer(tmp_path):
             engine.close()
 
 
-def test_an_fp8_prefill_feeds_a_float_decode_and_e5m2_an_e4m3_one(tmp_path):
+# gemma2: hybrid groups, each group's blocks converted as its own; deepseek-v2: MLA's one cached row.
+@pytest.mark.parametrize("name", ["gemma2", "deepseek-v2"])
+def test_an_fp8_prefill_feeds_a_float_decode_and_e5m2_an_e4m3_one(tmp_path, name):
     """The other ways: FP8 blocks widened into a float32 cache (exactly: every FP8 value is a
     float32 one), and e5m2 blocks requantized into e4m3. Both run to the end with nothing leaked."""
-    config_class, shape = FAMILIES["gemma2"]  # hybrid groups: each group's blocks converted as its own
-    model_dir = write_family(str(tmp_path / "g"), config_class, **shape)
+    config_class, shape = FAMILIES[name]
+    model_dir = write_family(str(tmp_path / name), config_class, **shape)
     ps = prompts()
     for prefill_kv, decode_kv in (("fp8", "auto"), ("fp8_e5m2", "fp8")):
         prefill = nixl_engine(model_dir, "prefill", kv_cache_dtype=prefill_kv, max_model_len=192)
