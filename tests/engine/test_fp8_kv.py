@@ -445,3 +445,19 @@ def test_a_checkpoints_scales_win_over_calculated_ones(tiny_llama, tmp_path):
         assert llm.engine.runner.kv_scales == "checkpoint"
         torch.testing.assert_close(llm.engine.runner.model.layers[0].self_attn.kv_scales,
                                    torch.tensor([[0.05] * heads, [0.1] * heads]))
+
+
+def test_triton_on_a_gpu_before_compute_capability_8_9_refuses_an_e4m3_cache(monkeypatch):
+    """Triton converts e4m3 on compute capability 8.9 and up: asked for, it is refused naming
+    attention_backend (e5m2 runs); auto falls back to the reference. (The capability is faked:
+    no GPU in CI.)"""
+    pytest.importorskip("triton")
+    from baton.engine.worker.attention_backend import choose_backend
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(InvalidArgument, match="fp8_e5m2") as info:
+        choose_backend("triton", torch.bfloat16, cuda, 8, 2, 64, kv_dtype=torch.float8_e4m3fn)
+    assert info.value.field == "attention_backend"
+    assert choose_backend("auto", torch.bfloat16, cuda, 8, 2, 64, kv_dtype=torch.float8_e4m3fn) == "torch"
+    assert choose_backend("triton", torch.bfloat16, cuda, 8, 2, 64, kv_dtype=torch.float8_e5m2) == "triton"
