@@ -3,8 +3,9 @@ paged attention (cpu/paged_attention.cpp) and quantized weights' rows to float32
 (cpu/dequant.cpp, wrapped by cpu_dequant.py), one library.
 
 The source has no torch headers; a build takes about 25 s on 2 cores (attention's instances for
-each pair of query and cache dtypes, FP8 included, are most of it), once: the library is cached under ~/.cache/baton/kernels, keyed by the
-source, the flags, the compiler and the CPU (it is built with -march=native). Without a
+each pair of query and cache dtypes, FP8 included, are most of it), once: the library is cached
+under ~/.cache/baton/kernels, keyed by the source, the flags, the compiler and the CPU (it is
+built with -march=native). Without a
 compiler, or with BATON_CPU_KERNELS=0, `load()` returns None and callers use the PyTorch
 reference in kernels/attention.py.
 
