@@ -144,6 +144,21 @@ def test_each_tier_gets_its_own_tensor_parallel_size(monkeypatch, tmp_path, flag
     assert started["argv"] == ["--dtype=float32"]
 
 
+@pytest.mark.parametrize("flags,want", [
+    ((), [None, None]),
+    (("--kv-cache-dtype", "fp8"), ["fp8", "fp8"]),  # the shared flag: both tiers
+    (("--decode-kv-cache-dtype", "fp8"), [None, "fp8"]),  # an FP8 decode behind a prefill of the compute dtype
+    (("--kv-cache-dtype", "fp8_e5m2", "--prefill-kv-cache-dtype", "bfloat16"), ["bfloat16", "fp8_e5m2"]),
+])
+def test_each_tier_gets_its_own_kv_cache_dtype(monkeypatch, tmp_path, flags, want):
+    code, started = up_args(monkeypatch, tmp_path, 0, "--dtype", "float32", *flags)
+    assert code == 0
+    assert [p.kv_cache_dtype for p in started["placements"]] == want
+    assert started["argv"] == ["--dtype=float32"]  # each engine's comes with its placement
+    parsed = [build_parser().parse_args(["serve", *p.argv()]) for p in started["placements"]]
+    assert [a.kv_cache_dtype for a in parsed] == want
+
+
 @pytest.mark.parametrize("gpus,flags,message", [
     (0, ("--prefill-tensor-parallel-size", "2", "--decode-tensor-parallel-size", "3"),
      "--prefill-tensor-parallel-size 2 and --decode-tensor-parallel-size 3: KV moves from prefill to decode engines "
