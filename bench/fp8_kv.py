@@ -11,14 +11,18 @@ each figure beside the others in the same run:
 - quality: SmolLM2 on real text and a tiny random model of each family: greedy agreement with the
   unquantized cache (share of output tokens equal, first divergence) and the mean |logprob drift|
   of the chosen tokens before the first divergence. Approximate by nature: figures, not a test.
+  With --vllm-python (an environment with vLLM's CPU build), vLLM's own FP8 KV cache on the same
+  prompts beside Baton's, the peer's agreement with its own float32 cache.
 
     .venv/bin/python bench/fp8_kv.py
-    .venv/bin/python bench/fp8_kv.py --only capacity handoff
+    .venv/bin/python bench/fp8_kv.py --only quality --vllm-python /opt/vllm/bin/python
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -165,20 +169,50 @@ def _agreement(model: str, prompts, kv: str, max_tokens: int, **engine) -> tuple
     runs = {}
     for dtype in ("auto", kv):
         with LLM(model, dtype="float32", device="cpu", kv_cache_dtype=dtype, **engine) as llm:
-            runs[dtype] = llm.generate(prompts, params)
+            runs[dtype] = [(o.token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+                           for o in llm.generate(prompts, params)]
+    return _compare(runs["auto"], runs[kv])
+
+
+def _compare(reference: list[tuple[list[int], list[float]]], other: list[tuple[list[int], list[float]]]
+             ) -> tuple[float, float, float]:
+    """_agreement's figures from two runs' (token ids, chosen tokens' logprobs) per prompt."""
     equal = total = 0
     firsts, drift = [], []
-    for ref, got in zip(runs["auto"], runs[kv]):
-        first = next((i for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b), len(ref.token_ids))
+    for (ref, ref_lp), (got, got_lp) in zip(reference, other):
+        first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref))
         firsts.append(first)
-        equal += sum(a == b for a, b in zip(ref.token_ids, got.token_ids))
-        total += len(ref.token_ids)
-        ref_lp, got_lp = ref.outputs[0].logprobs, got.outputs[0].logprobs  # (the same token up to `first`)
-        drift += [abs(ref_lp[i].logprob - got_lp[i].logprob) for i in range(first)]
+        equal += sum(a == b for a, b in zip(ref, got))
+        total += len(ref)
+        drift += [abs(ref_lp[i] - got_lp[i]) for i in range(first)]  # (the same token up to `first`)
     return equal / total, sum(firsts) / len(firsts), sum(drift) / max(len(drift), 1)
 
 
-def quality(root: str) -> None:
+# vLLM's offline engine in its own environment: greedy token ids and the chosen tokens' logprobs.
+_VLLM_RUN = """
+import json, sys
+from vllm import LLM, SamplingParams
+model, kv, tokens, prompts = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+llm = LLM(model=model, dtype="float32", kv_cache_dtype=kv, max_model_len=512, enforce_eager=True, seed=0)
+params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+print("RESULT" + json.dumps([(list(o.outputs[0].token_ids), [d[t].logprob for t, d in zip(o.outputs[0].token_ids,
+                                                                                            o.outputs[0].logprobs)])
+                             for o in outs]))
+"""
+
+
+def _vllm_run(python: str, model: str, kv: str, tokens: int, prompts) -> list:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS="2")
+    done = subprocess.run([python, "-c", _VLLM_RUN, model, kv, str(tokens), json.dumps(prompts)], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")), None)
+    if line is None:
+        raise RuntimeError(f"vLLM ({kv}) failed: {done.stderr[-2000:]}")
+    return json.loads(line.removeprefix("RESULT"))
+
+
+def quality(root: str, vllm_python: str | None = None) -> None:
     print("\n## quality: greedy agreement with the float32 cache (float32 compute); FP8 scales 1.0 unless calculated")
     print("| model | kv_cache_dtype | tokens equal | mean first divergence (of N) | mean abs logprob drift before it |")
     print("|---|---|---|---|---|")
@@ -190,6 +224,15 @@ def quality(root: str) -> None:
             share, first, drift = _agreement(SMOLLM2, prompts, kv, 64, calculate_kv_scales=calculated)
             name = kv + (", calculated scales" if calculated else "")
             print(f"| SmolLM2-135M (8 prompts) | {name} | {share:.1%} | {first:.1f} (64) | {drift:.4f} |")
+        if vllm_python:
+            reference = _vllm_run(vllm_python, SMOLLM2, "auto", 64, prompts)
+            for kv in ("fp8", "fp8_e5m2"):
+                try:
+                    share, first, drift = _compare(reference, _vllm_run(vllm_python, SMOLLM2, kv, 64, prompts))
+                    print(f"| vLLM, SmolLM2-135M (8 prompts) | {kv} | {share:.1%} | {first:.1f} (64) | "
+                          f"{drift:.4f} |")
+                except RuntimeError as e:
+                    print(f"| vLLM, SmolLM2-135M | {kv} | refused: {str(e).splitlines()[-1][:150]} | | |")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_families import FAMILIES, write_family  # the tests' tiny random checkpoints
@@ -208,10 +251,11 @@ PARTS = {"capacity": capacity, "handoff": handoff, "decode": decode, "quality": 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", choices=list(PARTS), default=list(PARTS))
+    p.add_argument("--vllm-python", help="the python of an environment with vLLM's CPU build: its FP8 KV quality too")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as root:
         for name in args.only:
-            PARTS[name](root)
+            PARTS[name](root, args.vllm_python) if name == "quality" else PARTS[name](root)
 
 
 if __name__ == "__main__":
