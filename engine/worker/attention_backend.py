@@ -44,8 +44,9 @@ def choose_backend(asked: str, dtype: torch.dtype, device: torch.device, num_hea
                   f"the Triton kernels take heads of at most {TRITON_MAX_HEAD_DIM}, this cache's are {head_dim}")
             log.warning("heads of %d: attention on %s uses the PyTorch reference", head_dim, device)
             return "torch"
-        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        if kv_dtype == torch.float8_e4m3fn and capability is not None and capability < (8, 9):
+        capability = (torch.cuda.get_device_capability(device)
+                      if kv_dtype == torch.float8_e4m3fn and device.type == "cuda" else None)
+        if capability is not None and capability < (8, 9):
             check(asked == "auto", "attention_backend",
                   f"Triton reads an fp8_e4m3 KV cache on compute capability 8.9 and up; {device} has "
                   f"{capability[0]}.{capability[1]} (use kv_cache_dtype fp8_e5m2, or attention_backend torch)")
