@@ -56,6 +56,7 @@ def land(cache: torch.Tensor, staged: list[Staged], block_ids: list[int], first:
         return
     spans = [(0, len(block_ids), 0)]
     if conversion is not None:
+        group_counts = group_counts or (len(block_ids),)  # (a load of one group's blocks)
         ends = [sum(group_counts[:g + 1]) for g in range(len(group_counts))]
         spans = [(end - n, end, g) for g, (n, end) in enumerate(zip(group_counts, ends, strict=True)) if n]
     for start, end, group in spans:
