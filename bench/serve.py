@@ -23,6 +23,11 @@ and gRPC modes again with every request under that JSON schema (`MODE+json`: a r
 where its JSON does, or at its output length). --rounds N repeats all runs N times, in ABBA
 order, and keeps each one's fastest, so that the machine's drift does not land on one side.
 
+Each service mode also reports the CPU time its processes spent per streamed token, a figure
+busy cores cannot distort (/proc's user + system time over the workload, warm-up excluded):
+the router's, the fronts' (every `baton serve` process of the engines, their engine cores
+excluded) and the engine cores' (the serve processes' children: cores and tensor-parallel ranks).
+
     .venv/bin/python bench/serve.py --max-concurrency 32
     .venv/bin/python bench/serve.py --modes colocated,disaggregated,router --long-every 4
     .venv/bin/python bench/serve.py --modes disaggregated --telemetry off,traced --rounds 2
@@ -43,6 +48,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from report import metrics, print_table  # bench/report.py (this script's folder is on sys.path)
@@ -262,6 +268,48 @@ def telemetry_flags(variant: str, sink: SpanSink | None) -> tuple[str, ...]:
     return flags + ("--otlp-traces-endpoint", sink.endpoint) if variant == "traced" else flags
 
 
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds (every thread's) so far; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime (fields 14 and 15)
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                kids = []
+            found += kids
+            todo += kids
+    return found
+
+
+def stack_cpu_s(procs: list[subprocess.Popen], mode: str) -> dict[str, float]:
+    """CPU seconds so far of the stack's router (the last process, where there is one), its
+    engines' serve processes (fronts) and their descendants (engine cores, ranks)."""
+    routed = mode.removesuffix("-http") in ("router", "disaggregated")
+    engines = procs[:-1] if routed else procs
+    return {"router": _cpu_s(procs[-1].pid) if routed else float("nan"),
+            "fronts": sum(_cpu_s(p.pid) for p in engines),
+            "cores": sum(_cpu_s(child) for p in engines for child in _descendants(p.pid))}
+
+
 def stop_stack(procs: list[subprocess.Popen]) -> None:
     for proc in reversed(procs):  # the router first
         proc.send_signal(2)
@@ -298,13 +346,15 @@ async def drive(args: argparse.Namespace, workload: list[Request], mode: str, se
 
 
 async def run_grpc(args: argparse.Namespace, workload: list[Request], address: str,
-                   mode: str, schema: str | None = None) -> tuple[list[Trace], float]:
+                   mode: str, schema: str | None = None, after_warmup=None) -> tuple[list[Trace], float]:
     from baton.services.client import AsyncClient
 
     async with AsyncClient(address) as client:
         constraint = {"json_schema": schema} if schema else {}
         async for _ in client.generate(workload[0].prompt[:8], max_tokens=2, **constraint):  # warm-up (and compile)
             pass
+        if after_warmup is not None:
+            after_warmup()
 
         async def send(r: Request, trace: Trace, t0: float) -> None:
             async for chunk in client.generate(r.prompt, max_tokens=r.output_len, temperature=0,
@@ -317,7 +367,7 @@ async def run_grpc(args: argparse.Namespace, workload: list[Request], address: s
 
 
 async def run_http(args: argparse.Namespace, workload: list[Request], url: str, mode: str,
-                   model: str | None = None) -> tuple[list[Trace], float]:
+                   model: str | None = None, after_warmup=None) -> tuple[list[Trace], float]:
     """The same workload over an OpenAI-compatible server's /v1/completions (token-id prompts,
     streamed); a chunk is an event that carries text, tokens counted from the usage."""
     import aiohttp
@@ -346,6 +396,8 @@ async def run_http(args: argparse.Namespace, workload: list[Request], url: str, 
                         trace.tokens = event["usage"]["completion_tokens"]
 
         await stream(workload[0].prompt[:8], 2, None, 0.0)  # warm-up
+        if after_warmup is not None:
+            after_warmup()
         return await drive(args, workload, mode, lambda r, trace, t0: stream(r.prompt, r.output_len, trace, t0))
 
 
@@ -394,17 +446,30 @@ def main() -> None:
             name = mode if variant == "off" else f"{mode}+{variant}"
             constraint = schema if variant == "json" else None
             if mode == "offline":
-                row = metrics(*run_offline(args, workload, constraint), workload)
+                cpu = time.process_time()
+                traces, wall = run_offline(args, workload, constraint)
+                row = metrics(traces, wall, workload)
+                row.update({"router CPU us/tok": float("nan"), "fronts CPU us/tok": float("nan"),
+                            "cores CPU us/tok": (time.process_time() - cpu) * 1e6 / (sum(t.tokens for t in traces)
+                                                                                       or 1)})
             elif mode == "openai":
                 row = metrics(*asyncio.run(run_http(args, workload, args.openai_url, name, args.openai_model)),
                               workload)
+                row.update(dict.fromkeys(("router CPU us/tok", "fronts CPU us/tok", "cores CPU us/tok"),
+                                         float("nan")))  # (another's processes: not ours to read)
             else:
                 procs, address = start_stack(args, mode, telemetry_flags("off" if constraint else variant, sink))
+                start = {}
                 try:
+                    mark = partial(lambda into, ps, m: into.update(stack_cpu_s(ps, m)), start, procs, mode)
                     if mode.endswith("-http"):
-                        row = metrics(*asyncio.run(run_http(args, workload, address, name)), workload)
+                        traces, wall = asyncio.run(run_http(args, workload, address, name, after_warmup=mark))
                     else:
-                        row = metrics(*asyncio.run(run_grpc(args, workload, address, name, constraint)), workload)
+                        traces, wall = asyncio.run(run_grpc(args, workload, address, name, constraint, mark))
+                    row = metrics(traces, wall, workload)
+                    tokens = sum(t.tokens for t in traces if t.ok) or 1
+                    row.update({f"{who} CPU us/tok": (s - start[who]) * 1e6 / tokens
+                                for who, s in stack_cpu_s(procs, mode).items()})
                 finally:
                     stop_stack(procs)
             tqdm.write(f"round {round_ + 1} {name}: {row['output tok/s']:.1f} output tok/s")
