@@ -146,7 +146,7 @@ class KVFormat(msgspec.Struct, frozen=True):
                                              f"must run the same speculative_config method and model")
             raise KVFormatMismatch(name, f"the peer's KV cache has {other!r}, this engine's {mine!r}; prefill and "
                                          f"decode must serve the same checkpoint (or name the other's in "
-                                         f"accept_kv_from) with the same dtype, block size, "
+                                         f"accept_kv_from) with the same block size, "
                                          f"attention backend, max_model_len (it decides which windows slide) and "
                                          f"hybrid KV cache setting")
 

@@ -21,8 +21,9 @@ nixl_holds.py). The path of one request:
 A block holds all layers' K and V ([num_blocks, layers, 2, block_size, heads, head_dim]),
 so a run of consecutive block ids on both sides is one contiguous region: one descriptor.
 Peers learn each other's `KVLayout` through the services' own RPC (`add_peer`), which
-refuses a peer whose KVFormat (model, dtype, shapes, block size, attention backend, speculative
-proposer) differs. The speculative proposer's own KV cache (a draft model's, an EAGLE head's, an
+refuses a peer whose KVFormat (model, shapes, block size, attention backend, speculative
+proposer) differs; one whose cache holds another dtype or FP8 scales is staged and converted as
+its blocks land (kv_conversion.py). The speculative proposer's own KV cache (a draft model's, an EAGLE head's, an
 MTP layer's; rank 0's, which alone drafts) is registered too, block for block with the first
 full-attention group's: a load's READ from the peer's rank 0 carries those blocks' draft blocks
 as more descriptors (one transfer, one notice; a READ of their own where rank 0's KV heads come
