@@ -31,11 +31,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pd_handoff import close, pd_pair, timed_handoffs
 from random_checkpoint import SHAPES, write_random_checkpoint
 
 from baton import LLM, SamplingParams
-from baton.engine.common.config import EngineConfig
-from baton.engine.offline.llm_engine import LLMEngine
 from baton.kernels import cpu_kernels
 from baton.kernels.kv_quant import quantize_kv
 
@@ -67,8 +66,6 @@ def capacity(root: str) -> None:
 
 
 def handoff(root: str) -> None:
-    from baton.kv_transfer.nixl_connector import make_nixl_connector
-
     model = write_random_checkpoint(os.path.join(root, "llama-h512"), "llama-h512")
     print("\n## handoff: a 2,048-token prompt, prefill -> decode over NIXL (hidden-512 Llama, 4 layers, 4 KV heads)")
     print("| prefill KV -> decode KV | MiB read | load ms, first | load ms, next (median of 4) | vs bf16 pair |")
@@ -77,42 +74,15 @@ def handoff(root: str) -> None:
     base = None
     for n, (pkv, dkv) in enumerate((("bfloat16", "bfloat16"), ("auto", "auto"), ("fp8", "fp8"),
                                     ("bfloat16", "fp8"))):
-        sides = []
-        for role, kv in (("prefill", pkv), ("decode", dkv)):
-            config = EngineConfig(model=model, dtype="float32", device="cpu", max_model_len=4096,
-                                  enable_prefix_caching=False, kv_cache_dtype=kv)
-            sides.append(LLMEngine(config, kv_connector=make_nixl_connector(f"fp8-bench-{role}-{n}", 16)))
-        prefill, decode = sides
-        decode.core.add_peer(prefill.core.connector.layout)
-        prefill.core.add_peer(decode.core.connector.layout)
-        times = []
-        for i in range(5):  # the first load registers its buffers; the next find them registered
-            req = prefill.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0),
-                                      hold_for_remote=True)
-            while prefill.has_unfinished_requests():
-                prefill.step()
-            decode.record_events()
-            decode.add_request(f"d{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0), remote_kv=req.kv_handle)
-            while decode.has_unfinished_requests() or prefill.num_held_requests:
-                decode.step()
-                prefill.step()
-            times.append(_load_ms(decode))
+        prefill, decode = pd_pair(model, f"fp8-{n}", {"kv_cache_dtype": pkv}, {"kv_cache_dtype": dkv})
+        times = timed_handoffs(prefill, decode, prompt, 5)
         mib = decode.core.connector.num_bytes_pulled / len(times) / 2**20
         nxt = sorted(times[1:])[len(times[1:]) // 2]
         base = base or nxt
         names = {"auto": "float32", "bfloat16": "bf16"}
         print(f"| {names.get(pkv, pkv)} -> {names.get(dkv, dkv)} | {mib:.1f} | {times[0]:.1f} | {nxt:.1f} | "
               f"{nxt / base:.2f}x |")
-        for side in sides:
-            side.core.close()
-            side.core.connector.close()
-
-
-def _load_ms(decode: LLMEngine) -> float:
-    from baton.engine.common.stats import EventType
-
-    load = next(e.transfer for e in decode.take_events().events if e.type == EventType.KV_LOAD_END)
-    return 1e3 * (load.end_time - load.start_time)
+        close(prefill, decode)
 
 
 def decode(root: str) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pd_handoff import close, pd_pair, timed_handoffs
 from random_checkpoint import write_random_checkpoint
 
 from baton.engine.common.config import EngineConfig
@@ -111,48 +112,18 @@ def wide(root: str) -> None:
 
 
 def handoff(root: str) -> None:
-    from baton.kv_transfer.nixl_connector import make_nixl_connector
-
     model = write_random_checkpoint(os.path.join(root, "llama-h512"), "llama-h512")
     print("\n## handoff: a 2,048-token prompt, prefill -> decode over NIXL (hidden-512 Llama, 4 layers, 4 KV heads)")
     print("| prefill TP -> decode TP | READs (descriptors) | MiB read by decode rank 0 | load ms, first | "
           "load ms, next |\n|---|---|---|---|---|")
     prompt = prompts_of(1, 2048)[0]
     for n, (ptp, dtp) in enumerate(((1, 1), (2, 1))):
-        sides = []
-        for role, tp in (("prefill", ptp), ("decode", dtp)):
-            torch.set_num_threads(2 if tp == 1 else 1)
-            config = EngineConfig(model=model, dtype="float32", device="cpu", tensor_parallel_size=tp,
-                                  max_model_len=4096, enable_prefix_caching=False)
-            sides.append(LLMEngine(config, kv_connector=make_nixl_connector(f"bench-{role}-{n}", 16)))
-        prefill, decode = sides
-        decode.core.add_peer(prefill.core.connector.layout)
-        prefill.core.add_peer(decode.core.connector.layout)
-        reader, times = decode.core.connector, []
-        for i in range(2):  # the first load registers its buffers; the next finds them registered
-            req = prefill.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0),
-                                      hold_for_remote=True)
-            while prefill.has_unfinished_requests():
-                prefill.step()
-            decode.record_events()
-            decode.add_request(f"d{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0), remote_kv=req.kv_handle)
-            while decode.has_unfinished_requests() or prefill.num_held_requests:
-                decode.step()
-                prefill.step()
-            times.append(_load_ms(decode))
+        prefill, decode = pd_pair(model, f"tp-{n}", {"tensor_parallel_size": ptp}, {"tensor_parallel_size": dtp},
+                                  threads={"prefill": 2 if ptp == 1 else 1, "decode": 2 if dtp == 1 else 1})
+        reader, times = decode.core.connector, timed_handoffs(prefill, decode, prompt, 2)
         print(f"| {ptp} -> {dtp} | {reader.num_descriptors // 2} | {reader.num_bytes_pulled / 2**21:.1f} | "
               f"{times[0]:.1f} | {times[1]:.1f} |")
-        for side in sides:
-            side.core.close()
-            side.core.connector.close()
-
-
-def _load_ms(decode: LLMEngine) -> float:
-    """The load's time as the decode recorded it: started -> every rank's part landed."""
-    from baton.engine.common.stats import EventType
-
-    load = next(e.transfer for e in decode.take_events().events if e.type == EventType.KV_LOAD_END)
-    return 1e3 * (load.end_time - load.start_time)
+        close(prefill, decode)
 
 
 PARTS = {"overhead": overhead, "wide": wide, "handoff": handoff}

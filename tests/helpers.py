@@ -66,6 +66,16 @@ def health_status(address: str, service: str = "") -> int:
                                                          timeout=5).status
 
 
+def greedy_through(address: str, prompts, max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy token ids (EOS ignored) streamed from the server at `address` (a router,
+    or an engine), one request after the other."""
+    from baton.services.client import Client
+
+    with Client(address) as client:
+        return [[t for c in client.generate(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=60)
+                 for t in c.token_ids] for p in prompts]
+
+
 def wait_serving(address: str, timeout: float = 30.0, tls=None) -> None:
     """Until the server serves (a router: and sees each of its backends healthy)."""
     deadline = time.monotonic() + timeout

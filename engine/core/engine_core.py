@@ -37,7 +37,7 @@ from baton.engine.core.request import Request, RequestStatus, RequestUpdate
 from baton.engine.core.scheduler import Scheduler
 from baton.engine.core.step_loop import StepLoop, StepTimes, async_off_because
 from baton.engine.worker.grammar import Grammars
-from baton.engine.worker.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
+from baton.engine.worker.kv_calibration import calculate_kv_scales
 from baton.engine.worker.loader import load_model
 from baton.engine.worker.lora.adapter import adapter_bytes
 from baton.engine.worker.lora.registry import LoRARegistry, start_lora
@@ -130,10 +130,7 @@ class EngineCore:
         if connector_scheduler is not None:
             connector_scheduler.group_windows = self.kv_groups.windows
         self.scheduler = Scheduler(config, self.kv, connector_scheduler, self.host)
-        fp8 = config.kv_cache_dtype.startswith("fp8")
-        if config.calculate_kv_scales and fp8 and model.kv_scales_source == "default":
-            calibrate_kv_scales(model, config, load_tokenizer(config.model).encode(CALIBRATION_TEXT))
-            model.kv_scales_source = "calculated"
+        calculate_kv_scales(model, config)
         self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker, lora_slots,
                                   self.num_host_blocks, self.kv_groups, draft)
         scales = self.runner.kv_scales

@@ -15,6 +15,7 @@ import torch
 from baton.engine.common.config import EngineConfig
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.scheduler_output import NewRequestData, SchedulerOutput
+from baton.engine.common.tokenizer import load_tokenizer
 from baton.engine.worker.models import CausalLM
 from baton.kernels.kv_quant import calibrated_scales, is_fp8
 
@@ -34,6 +35,15 @@ MAX_CALIBRATION_TOKENS = 256
 def model_kv_scales(model: CausalLM) -> torch.Tensor:
     """Every attention layer's scales [layers, 2, kv heads] (float32, on the host)."""
     return torch.stack([layer.self_attn.kv_scales.float().cpu() for layer in model.layers])
+
+
+def calculate_kv_scales(model: CausalLM, config: EngineConfig) -> None:
+    """Where calculate_kv_scales asks for them, the cache is FP8 and the checkpoint has none:
+    every layer's scales from CALIBRATION_TEXT (the model's kv_scales_source then "calculated")."""
+    dtype = config.kv_torch_dtype(model.embed_tokens.weight.dtype)
+    if config.calculate_kv_scales and is_fp8(dtype) and model.kv_scales_source == "default":
+        calibrate_kv_scales(model, config, load_tokenizer(config.model).encode(CALIBRATION_TEXT))
+        model.kv_scales_source = "calculated"
 
 
 def calibrate_kv_scales(model: CausalLM, config: EngineConfig, token_ids: list[int]) -> None:

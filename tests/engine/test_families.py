@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 from conftest import require_cpu_kernel
-from helpers import assert_matches_hf, pools_full, random_prompts, stats, wait_serving
+from helpers import assert_matches_hf, greedy_through, pools_full, random_prompts, stats, wait_serving
 from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
 from servers import pd_stack
 
@@ -188,18 +188,13 @@ def test_windows_and_soft_caps_on_every_attention_backend(tmp_path, hf, name, ba
 # gemma3: hybrid KV cache groups, handles of window blocks; deepseek-v2: MLA's latent blocks, experts.
 @pytest.mark.parametrize("name", ["qwen3", "gemma3", "deepseek-v2"])
 def test_through_the_router_prefill_and_decode_equals_offline(tmp_path, name):
-    from baton.services.client import Client
-
     config_class, shape = FAMILIES[name]
     model_dir = write_family(str(tmp_path / name), config_class, **shape)
     ps = prompts()
     want = [o.token_ids for o in LLM(model_dir, dtype="float32", device="cpu").generate(ps, GREEDY)]
     with pd_stack(model_dir, prefill=("--max-num-batched-tokens", "32")) as ((prefill,), (decode,), router):
         wait_serving(router.address)
-        with Client(router.address) as client:
-            got = [[t for c in client.generate(p, max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True,
-                                               timeout=60) for t in c.token_ids] for p in ps]
-        assert got == want
+        assert greedy_through(router.address, ps, GREEDY.max_tokens) == want
         assert stats(decode.address).num_blocks_pulled > 0
         assert pools_full(prefill.address) and pools_full(decode.address)
 

@@ -20,7 +20,7 @@ import grpc
 import pytest
 import torch
 from conftest import require_cpu_kernel
-from helpers import pools_full, random_prompts, stats, wait_serving
+from helpers import greedy_through, pools_full, random_prompts, stats, wait_serving
 from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
 from safetensors.torch import save_file
 from servers import pd_stack
@@ -340,8 +340,6 @@ def test_fp8_blocks_reach_a_decode_of_another_tensor_parallel_size(tiny_llama, p
 def test_through_the_router_an_fp8_decode_behind_a_float_prefill(tmp_path):
     """`--kv-cache-dtype fp8` on the decode only: GetModelInfo says what each tier holds, and the
     stack's output equals the same pair in one process."""
-    from baton.services.client import Client
-
     config_class, shape = FAMILIES["qwen3"]
     model_dir = write_family(str(tmp_path / "q"), config_class, **shape)
     ps = prompts()[:4]
@@ -357,10 +355,7 @@ def test_through_the_router_an_fp8_decode_behind_a_float_prefill(tmp_path):
         with grpc.insecure_channel(decode.address) as channel:
             info = generate_pb2_grpc.TextGenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         assert (info.dtype, info.kv_cache_dtype, info.kv_scales) == ("float32", "float8_e4m3fn", "default")
-        with Client(router.address) as client:
-            got = [[t for c in client.generate(p, max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True,
-                                               timeout=60) for t in c.token_ids] for p in ps]
-        assert got == want
+        assert greedy_through(router.address, ps, GREEDY.max_tokens) == want
         assert stats(decode.address).num_blocks_pulled > 0
         assert pools_full(prefill.address) and pools_full(decode.address)
 

@@ -14,7 +14,7 @@ import os
 
 import pytest
 from conftest import require_cpu_kernel
-from helpers import assert_matches_hf, random_prompts, wait_serving
+from helpers import assert_matches_hf, greedy_through, random_prompts, wait_serving
 from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
 from servers import pd_stack
 from test_families import FAMILIES, POOLS, write_family
@@ -104,17 +104,13 @@ def test_quantized_prefill_and_decode_over_nixl_equal_colocated(tmp_path_factory
 
 
 def test_through_the_router_a_quantized_stack_equals_offline(tmp_path_factory):
-    from baton.services.client import Client
-
     model_dir, _ = quantized(tmp_path_factory, *CASES[1])  # DeepSeek-V3 in block FP8: MLA's latent blocks
     ps = prompts()[:4]
     with LLM(model_dir, dtype="float32", device="cpu") as llm:
         want = [o.token_ids for o in llm.generate(ps, GREEDY)]
     with pd_stack(model_dir, prefill=("--max-num-batched-tokens", "32")) as (_, _, router):
         wait_serving(router.address)
-        with Client(router.address) as client:
-            got = [[t for c in client.generate(p, max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True)
-                    for t in c.token_ids] for p in ps]
+        got = greedy_through(router.address, ps, GREEDY.max_tokens)
     assert got == want
 
 

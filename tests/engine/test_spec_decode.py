@@ -13,7 +13,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import random_prompts
+from helpers import greedy_through, random_prompts
 
 from baton import LLM, SamplingParams
 from baton.engine.common.errors import InvalidArgument
@@ -233,7 +233,6 @@ def test_the_decode_tier_speculates_through_the_router(tiny_llama, tmp_path, met
     from helpers import pools_full, wait_serving
     from servers import pd_stack
 
-    from baton.services.client import Client
     from baton.testing.eagle_heads import write_head
 
     ps = [p + p for p in random_prompts([12, 30], seed=21)] + random_prompts([45], seed=22)
@@ -246,10 +245,7 @@ def test_the_decode_tier_speculates_through_the_router(tiny_llama, tmp_path, met
     with pd_stack(tiny_llama, decode=flags, prefill=flags if method != "ngram" else ()) as (
             (prefill,), (decode,), router):
         wait_serving(router.address)
-        with Client(router.address) as client:
-            got = [[t for c in client.generate(p, max_tokens=24, temperature=0.0, ignore_eos=True, timeout=60)
-                    for t in c.token_ids] for p in ps]
-        assert got == [o.token_ids for o in want]
+        assert greedy_through(router.address, ps, 24) == [o.token_ids for o in want]
         assert pools_full(prefill.address) and pools_full(decode.address)
 
 

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import assert_matches_hf, random_prompts, stats
+from helpers import assert_matches_hf, greedy_through, random_prompts, stats
 from tp_workers import prompt_logits, run_rank
 
 from baton import LLM, SamplingParams
@@ -483,8 +483,6 @@ def test_through_the_router_to_a_decode_of_another_tensor_parallel_size(tiny_lla
     from helpers import pools_full, wait_serving
     from servers import pd_stack
 
-    from baton.services.client import Client
-
     prompts = random_prompts([5, 40, 70], seed=13)
     with LLM(tiny_llama, dtype="float32", device="cpu") as llm:
         want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0,
@@ -492,10 +490,7 @@ def test_through_the_router_to_a_decode_of_another_tensor_parallel_size(tiny_lla
     with pd_stack(tiny_llama, prefill=("--tensor-parallel-size", str(prefill_tp)),
                   decode=("--tensor-parallel-size", str(decode_tp))) as ((prefill,), (decode,), router):
         wait_serving(router.address)
-        with Client(router.address) as client:
-            got = [[t for c in client.generate(p, max_tokens=8, temperature=0.0, ignore_eos=True, timeout=60)
-                    for t in c.token_ids] for p in prompts]
-        assert got == want
+        assert greedy_through(router.address, prompts, 8) == want
         assert stats(decode.address).num_blocks_pulled == sum(-(-len(p) // 16) for p in prompts)
         assert pools_full(prefill.address) and pools_full(decode.address)
 
