@@ -110,11 +110,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--openai-model", help="the model name it serves (default: the first of its /v1/models)")
     p.add_argument("--telemetry", default="off", help="comma list of: off, metrics, traced (each service mode "
                                                       "runs once per entry)")
+    p.add_argument("--stream-intervals", default="1", help="comma list of the engines' --stream-interval (new "
+                                                           "tokens per streamed message): each service mode runs "
+                                                           "once per entry, named MODE@N for N > 1")
     p.add_argument("--rounds", type=int, default=1, help="alternate every run this many times; keep the fastest")
     p.add_argument("--structured", type=Path, help="a JSON schema file: the offline and gRPC modes run again with "
                                                    "every request under it (`MODE+json`), side by side")
     args = p.parse_args()
     args.modes, args.telemetry = args.modes.split(","), args.telemetry.split(",")
+    args.stream_intervals = [int(n) for n in args.stream_intervals.split(",")]
     for name, given, known in (("modes", args.modes, MODES), ("telemetry", args.telemetry, TELEMETRY)):
         if set(given) - set(known):
             p.error(f"--{name}: unknown {', '.join(sorted(set(given) - set(known)))}; choose from {', '.join(known)}")
@@ -432,18 +436,19 @@ def main() -> None:
           f"{f'every {args.long_every}th prompt {args.long_input_len} tokens, ' if args.long_every else ''}"
           f"rate {args.request_rate}/s, max concurrency {args.max_concurrency}; {os.cpu_count()} cores")
     sink = SpanSink() if "traced" in args.telemetry else None
-    runs = [(mode, "off") if mode == "offline" else (mode, variant)
-            for mode in args.modes for variant in (args.telemetry if mode != "offline" else ["off"])]
+    runs = [(mode, "off", 1) if mode == "offline" else (mode, variant, interval)
+            for mode in args.modes for variant in (args.telemetry if mode != "offline" else ["off"])
+            for interval in (args.stream_intervals if mode not in ("offline", "openai") else [1])]
     schema = args.structured.read_text() if args.structured else None
     if schema:
         print_compile_times(args.model, schema)
     if schema:
-        runs += [(mode, "json") for mode in args.modes if mode == "offline" or mode in ("colocated", "router",
+        runs += [(mode, "json", 1) for mode in args.modes if mode == "offline" or mode in ("colocated", "router",
                                                                                      "disaggregated")]
     rows = {}
     for round_ in range(args.rounds):
-        for mode, variant in runs if round_ % 2 == 0 else reversed(runs):  # ABBA: a drift favours no one
-            name = mode if variant == "off" else f"{mode}+{variant}"
+        for mode, variant, interval in runs if round_ % 2 == 0 else reversed(runs):  # ABBA: no one gets a drift
+            name = (mode if variant == "off" else f"{mode}+{variant}") + (f"@{interval}" if interval > 1 else "")
             constraint = schema if variant == "json" else None
             if mode == "offline":
                 cpu = time.process_time()
@@ -458,7 +463,8 @@ def main() -> None:
                 row.update(dict.fromkeys(("router CPU us/tok", "fronts CPU us/tok", "cores CPU us/tok"),
                                          float("nan")))  # (another's processes: not ours to read)
             else:
-                procs, address = start_stack(args, mode, telemetry_flags("off" if constraint else variant, sink))
+                flags = (*telemetry_flags("off" if constraint else variant, sink), "--stream-interval", str(interval))
+                procs, address = start_stack(args, mode, flags)
                 start = {}
                 try:
                     mark = partial(lambda into, ps, m: into.update(stack_cpu_s(ps, m)), start, procs, mode)
@@ -468,10 +474,12 @@ def main() -> None:
                         traces, wall = asyncio.run(run_grpc(args, workload, address, name, constraint, mark))
                     row = metrics(traces, wall, workload)
                     tokens = sum(t.tokens for t in traces if t.ok) or 1
+                    row["messages/tok"] = sum(len(t.chunk_s) for t in traces if t.ok) / tokens
                     row.update({f"{who} CPU us/tok": (s - start[who]) * 1e6 / tokens
                                 for who, s in stack_cpu_s(procs, mode).items()})
                 finally:
                     stop_stack(procs)
+            row.setdefault("messages/tok", float("nan"))
             tqdm.write(f"round {round_ + 1} {name}: {row['output tok/s']:.1f} output tok/s")
             if name not in rows or row["output tok/s"] > rows[name]["output tok/s"]:
                 rows[name] = row
@@ -494,7 +502,15 @@ def main() -> None:
             ratio = rows[name]["output tok/s"] / rows[name.removesuffix("-http")]["output tok/s"]
             print(f"HTTP front: {name.removesuffix('-http')} output token throughput over HTTP = {ratio:.3f}x gRPC")
     for name in rows:
-        mode, _, variant = name.partition("+")
+        mode, _, interval = name.partition("@")
+        if interval and mode in rows:
+            ratio = rows[name]["output tok/s"] / rows[mode]["output tok/s"]
+            cpu = ", ".join(f"{who} {rows[name][f'{who} CPU us/tok'] / rows[mode][f'{who} CPU us/tok']:.2f}x"
+                            for who in ("router", "fronts") if rows[mode][f"{who} CPU us/tok"] > 0)
+            print(f"--stream-interval {interval}: {mode} output token throughput = {ratio:.3f}x token by token; "
+                  f"CPU per token {cpu}")
+    for name in rows:
+        mode, _, variant = name.partition("@")[0].partition("+")
         if variant and mode in rows:
             ratio = rows[name]["output tok/s"] / rows[mode]["output tok/s"]
             print(f"{variant}: {mode} output token throughput = {ratio:.3f}x without ({1 - ratio:+.1%} cost)")

@@ -14,7 +14,6 @@ in order (CoreShutdown).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import os
@@ -67,6 +66,39 @@ class QueueFull(RuntimeError):
     pass
 
 
+def merge_outputs(out: StepOutput, more: StepOutput) -> StepOutput:
+    """Two consecutive outputs of one request as one, `more` (the later, which the caller owns)
+    updated in place: its state, both one's tokens."""
+    more.new_token_ids = out.new_token_ids + more.new_token_ids
+    more.text = out.text + more.text
+    more.prompt_logprobs = out.prompt_logprobs or more.prompt_logprobs
+    if out.logprobs is not None or more.logprobs is not None:
+        more.logprobs = (out.logprobs or []) + (more.logprobs or [])
+    more.ready_time = out.ready_time or more.ready_time
+    return more
+
+
+class _Stream:
+    """One request's way to its caller: its outputs queued, and under a stream interval the
+    one held back until it carries enough tokens (kept here, so that a held output costs
+    the caller no wake-up)."""
+    __slots__ = ("queue", "held", "started")
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.held: StepOutput | None = None
+        self.started = False  # its first output is on its way
+
+    def put(self, out: StepOutput, interval: int) -> None:
+        if self.held is not None:
+            out, self.held = merge_outputs(self.held, out), None
+        if self.started and not out.finished and len(out.new_token_ids) < interval:
+            self.held = out
+            return
+        self.started = True  # the first at once: time to first token is not the interval's to delay
+        self.queue.put_nowait(out)
+
+
 def merge_queued(out: StepOutput | BaseException, outputs: asyncio.Queue) -> StepOutput:
     """When the caller fell behind the engine (a slow client, a busy event loop), fold
     everything queued into one output: one message per read instead of one per step, as
@@ -77,12 +109,7 @@ def merge_queued(out: StepOutput | BaseException, outputs: asyncio.Queue) -> Ste
         more = outputs.get_nowait()
         if isinstance(more, BaseException):
             raise more
-        out = dataclasses.replace(more, new_token_ids=out.new_token_ids + more.new_token_ids,
-                                  text=out.text + more.text,
-                                  prompt_logprobs=out.prompt_logprobs or more.prompt_logprobs,
-                                  logprobs=None if out.logprobs is None and more.logprobs is None
-                                  else (out.logprobs or []) + (more.logprobs or []),
-                                  ready_time=out.ready_time or more.ready_time)
+        out = merge_outputs(out, more)
     return out
 
 
@@ -90,11 +117,13 @@ class CoreClient:
     def __init__(self, config: EngineConfig, engine_id: str, hold_timeout_s: float,
                  max_waiting_requests: int | None = None, on_dead: Callable[[BaseException], None] | None = None,
                  on_step: Callable[[StepEvents, list[StepOutput]], None] | None = None,
-                 on_kv_events: Callable[[list[KVEvent]], None] | None = None):
+                 on_kv_events: Callable[[list[KVEvent]], None] | None = None, stream_interval: int = 1):
         """`engine_id`: the core's NIXL agent name. `on_step`: given each step's request events and
         outputs, before the outputs reach their streams (telemetry); without it the core records
         no events. `on_kv_events`: given the KV cache's events (kv_cache_events.py) in the order they
-        happened, from the core's start on; without it the core records none."""
+        happened, from the core's start on; without it the core records none. `stream_interval`: a
+        stream's outputs after its first are held until they carry this many new tokens, or end it
+        (vLLM's `--stream-interval`: fewer, larger messages on every hop, a less smooth stream)."""
         self.config = config
         self.engine_id = engine_id
         self.hold_timeout_s = hold_timeout_s
@@ -102,12 +131,13 @@ class CoreClient:
         self.on_dead = on_dead
         self.on_step = on_step
         self.on_kv_events = on_kv_events
+        self.stream_interval = stream_interval
         self.facts: EngineFacts | None = None
         self.tokenizer = None  # the front's own, loaded while the core loads
         self.inputs: InputProcessor | None = None
         self.outputs: OutputProcessor | None = None
         self.num_requests = 0  # admitted since start
-        self._streams: dict[int, asyncio.Queue] = {}  # request key -> its outputs
+        self._streams: dict[int, _Stream] = {}  # request key -> its outputs
         self._live: dict[str, int] = {}  # request id -> key, while its stream is open
         self._calls: dict[int, tuple[asyncio.Future, object]] = {}  # id -> (its future, its result type)
         self._call_ids = itertools.count()
@@ -193,7 +223,7 @@ class CoreClient:
     def _fail_all(self, error: EngineDead) -> None:
         self._dead = error
         for stream in self._streams.values():
-            stream.put_nowait(error)
+            stream.queue.put_nowait(error)
         for future, _ in self._calls.values():
             if not future.done():
                 future.set_exception(error)
@@ -248,8 +278,7 @@ class CoreClient:
         bound = self.max_waiting_requests
         if bound is not None and self.num_waiting >= bound:
             raise QueueFull(f"{self.num_waiting} requests are waiting, the bound (max_waiting_requests) is {bound}")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request.key] = stream
+        stream = self._streams[request.key] = _Stream()
         self._live[request.request_id] = request.key
         self.outputs.add(request, detokenize, min_tokens)
         self._send(request)
@@ -258,7 +287,7 @@ class CoreClient:
         finished = False
         try:
             while not finished:
-                out = merge_queued(await stream.get(), stream)
+                out = merge_queued(await stream.queue.get(), stream.queue)
                 finished = out.finished
                 yield out
         finally:
@@ -325,11 +354,12 @@ class CoreClient:
             stream = self._streams.get(failure.key)
             if stream is not None:
                 self.outputs.drop(failure.key)
-                stream.put_nowait(error_from(failure.error))
+                stream.queue.put_nowait(error_from(failure.error))
+        interval = self.stream_interval
         for out in outputs:
             stream = self._streams.get(out.key)
             if stream is not None:  # else the caller left already; its abort is on its way
-                stream.put_nowait(out)
+                stream.put(out, interval)
 
     def _on_result(self, msg: CallResult) -> None:
         entry = self._calls.get(msg.call_id)

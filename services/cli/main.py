@@ -42,7 +42,8 @@ def _serve(args) -> None:
                            max_concurrent_streams=args.max_concurrent_streams, max_message_bytes=args.max_message_bytes,
                            max_waiting_requests=args.max_waiting_requests, grace_s=args.grace_period,
                            role=args.role, internal_token=args.internal_token, kv_hold_timeout_s=args.kv_hold_timeout,
-                           advertise_host=args.advertise_host, tls=_tls(args), **_telemetry_options(args))
+                           advertise_host=args.advertise_host, stream_interval=args.stream_interval, tls=_tls(args),
+                           **_telemetry_options(args))
         make = lambda: Server(engine_config(args), options)  # noqa: E731
 
     async def run() -> None:
@@ -146,6 +147,7 @@ def _up(args) -> None:
         sys.exit("baton up: --decode must be >= 1 and --prefill >= 0")
     # Each tier's --tensor-parallel-size and --kv-cache-dtype come with its placement, not with the shared flags.
     argv = engine_argv(args, leave_out=("tensor_parallel_size", "kv_cache_dtype"))
+    argv += ["--stream-interval", str(args.stream_interval)]
     try:
         tensor_parallel = tier_tensor_parallel(args.tensor_parallel_size, args.prefill_tensor_parallel_size,
                                                args.decode_tensor_parallel_size, args.prefill)
@@ -224,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest request or response message")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests allowed to wait for the engine; beyond it, RESOURCE_EXHAUSTED")
+    s.add_argument("--stream-interval", type=int, default=1,
+                   help="new tokens a streamed message carries, the first token's and the last aside (vLLM's flag): "
+                        "1 streams token by token; more sends fewer, larger messages, each hop's CPU cost "
+                        "per token falling about as much (default: %(default)s)")
     s.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds in-flight streams get to finish on shutdown before they are aborted")
     s.add_argument("--role", choices=["both", "prefill", "decode", "router"], default="both",
@@ -299,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--decode-kv-cache-dtype", metavar="DTYPE",
                    help="the decode engines' --kv-cache-dtype (default: --kv-cache-dtype), e.g. fp8 behind a "
                         "bfloat16 prefill")
+    u.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="the engines' --stream-interval: new tokens per streamed message (default: %(default)s)")
     u.add_argument("--policy", choices=POLICIES,
                    default="round_robin", help="the router's policy (default: %(default)s)")
     u.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for all to serve")

@@ -70,11 +70,14 @@ class ServerOptions:
     http_port: int | None = None  # the OpenAI-compatible HTTP front, with /metrics (0: any free port); None: none
     tls: TLSConfig | None = None  # serve TLS (mTLS with a CA), and call peers over it
     advertise_host: str | None = None  # in KV handles; default: host, or this host's IP when host is a wildcard
+    stream_interval: int = 1  # new tokens a stream's message carries, the first and last aside (CoreClient's)
 
     def __post_init__(self):
         check(self.role in ROLES, "role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
         check(self.http_port is None or self.role == "both", "http_port",
               "the OpenAI front serves on a colocated server or the router, not on one tier")
+        check(isinstance(self.stream_interval, int) and self.stream_interval >= 1, "stream_interval",
+              f"must be an integer >= 1, got {self.stream_interval!r}")
 
 
 class AdminService(internal_pb2_grpc.AdminServicer):
@@ -126,7 +129,7 @@ class Server:
         self.core = CoreClient(config, self.engine_id, o.kv_hold_timeout_s, o.max_waiting_requests,
                                on_dead=self._on_core_dead,
                                on_step=self.telemetry.on_step if self.tracer or self.metrics_registry else None,
-                               on_kv_events=self.kv_events.publish)
+                               on_kv_events=self.kv_events.publish, stream_interval=o.stream_interval)
         checks = CallChecks(self.core, o.internal_token, lambda: self.serving)
         calls = CallRegistry()  # Generate and Prefill calls in flight, for Abort
         self.kv_peers = KVPeers(self.core, o.tls, o.internal_token)

@@ -231,3 +231,14 @@ def test_each_tier_takes_its_own_kv_cache_dtype():
     assert parse(tiers["prefill"]).kv_cache_dtype is None
     with pytest.raises(helm_python.HelmValuesError, match="kvCacheDtype"):
         manifests({"engine": {"kvCacheDtype": "int8"}})
+
+
+def test_stream_interval_reaches_the_engines():
+    """engine.streamInterval becomes --stream-interval (per tier through its engine block); zero
+    fails the schema naming it."""
+    docs = manifests({"decode": {"engine": {"streamInterval": 8}}})
+    tiers = {component(labels): spec["containers"][0] for _, labels, spec in pod_specs(docs)}
+    assert parse(tiers["decode"]).stream_interval == 8
+    assert parse(tiers["prefill"]).stream_interval == 1
+    with pytest.raises(helm_python.HelmValuesError, match="streamInterval"):
+        manifests({"engine": {"streamInterval": 0}})

@@ -224,6 +224,7 @@ spec:
 {{- if ne (toString (index $e $key | default "")) "" }}{{ $args = append $args (printf "--%s=%d" $flag (int64 (index $e $key))) }}{{ end }}
 {{- end }}
 {{- if ne (toString ($e.gpuMemoryUtilization | default "")) "" }}{{ $args = append $args (printf "--gpu-memory-utilization=%v" $e.gpuMemoryUtilization) }}{{ end }}
+{{- if ne (toString ($e.streamInterval | default "")) "" }}{{ $args = append $args (printf "--stream-interval=%d" (int64 $e.streamInterval)) }}{{ end }}
 {{- if ne (toString ($e.kvHoldTimeout | default "")) "" }}{{ $args = append $args (printf "--kv-hold-timeout=%v" $e.kvHoldTimeout) }}{{ end }}
 {{- with $e.loraModules }}
 {{- $args = append $args "--lora-modules" }}
