@@ -121,7 +121,7 @@ def _router_options(args):
         unknown = set(config) - set(RouterOptions.__slots__)
         if unknown:
             sys.exit(f"baton serve: {args.router_config}: unknown keys {', '.join(sorted(unknown))}")
-    for name, values in (("prefill", args.prefill), ("decode", args.decode)):
+    for name, values in (("prefill", args.prefill), ("decode", args.decode), ("peers", args.router_peers)):
         flags = [a for value in values or () for a in value.split(",") if a]
         if flags:
             config[name] = flags
@@ -270,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(it resumes from the tokens already streamed; default 2)")
     r.add_argument("--max-in-flight", type=int,
                    help="streams the router carries at once; beyond it, RESOURCE_EXHAUSTED at once (default 4096)")
+    r.add_argument("--router-peers", action="append", metavar="HOST:PORT[,…]",
+                   help="the other replicas of this router (a DNS name: every address it resolves to, this one's "
+                        "too): an Abort for a call that streams through another replica is passed on to them")
     r.add_argument("--router-config", metavar="FILE",
                    help="YAML/JSON with prefill, decode, policy and other router options; flags win")
     add_tls_flags(s, serving=True)

@@ -11,7 +11,8 @@ Failures before the client saw a token are retried once elsewhere; with no healt
 instance the decode computes the prompt itself; a decode that fails mid-stream hands the
 request to another (decode_leg.py), up to max_migrations times. Each request's spans and
 metrics: router_telemetry.py. The runtime API beside Generate: router_runtime_api.py. This
-module holds the options and puts those units together.
+module holds the options and puts those units together. Replicas of a router share nothing
+but the Abort API: each passes an Abort for a call it does not carry to its `peers`.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ log = logging.getLogger("baton.router")
 class RouterOptions:
     prefill: list[str] = field(default_factory=list)  # HOST:PORT, the host an address or a DNS name
     decode: list[str] = field(default_factory=list)
+    peers: list[str] = field(default_factory=list)  # the router's other replicas, for Abort (as prefill)
     host: str = "127.0.0.1"
     port: int = 50051
     policy: str = "round_robin"
@@ -88,7 +90,7 @@ class RouterOptions:
             raise ValueError(f"max_in_flight: must be an integer >= 1, got {self.max_in_flight!r}")
         if not (isinstance(self.max_migrations, int) and self.max_migrations >= 0):
             raise ValueError(f"max_migrations: must be an integer >= 0, got {self.max_migrations!r}")
-        for addr in (*self.prefill, *self.decode):
+        for addr in (*self.prefill, *self.decode, *self.peers):
             split_host_port(addr)
 
 
@@ -101,6 +103,7 @@ class Router:
         self.options = o = options
         self.prefill = Tier("prefill", o.prefill, o.health_retry_s, self._health_changed, o.tls)
         self.decode = Tier("decode", o.decode, o.health_retry_s, self._health_changed, o.tls)
+        self.peers = Tier("router", o.peers, o.health_retry_s, lambda: None, o.tls)  # replicas, for Abort
         # kv_aware: what every instance holds, from their KV events (one index for both tiers).
         self.kv_index = KVIndex(o.block_size) if o.policy == "kv_aware" else None
         self.kv_subscriptions: dict[str, KVEventSubscription] = {}  # backend address -> its stream
@@ -127,7 +130,7 @@ class Router:
             self.in_flight, self.tracer, self.metrics, self.model_name, o.internal_token, o.max_migrations,
             lambda: self.serving)
         self.runtime_api = RouterRuntimeApi(self.prefill, self.decode, self.in_flight, self.model_name, self.address,
-                                            o.internal_token)
+                                            o.internal_token, self.peers)
         # Generate's responses pass through as the backends serialized them.
         add_text_generation(self.grpc, self.generation.Generate, self.runtime_api, generate_serialized=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -168,6 +171,7 @@ class Router:
         for tier in (self.prefill, self.decode):
             await tier.refresh()
             await asyncio.gather(*(b.refresh_adapters() for b in tier.healthy()))
+        await self.peers.refresh()
         if self.kv_index is None:
             return
         backends = {b.address: b for b in self.backends()}
@@ -201,7 +205,7 @@ class Router:
             self._resolver.cancel()
         for subscription in self.kv_subscriptions.values():
             await subscription.close()
-        for tier in (self.prefill, self.decode):
+        for tier in (self.prefill, self.decode, self.peers):
             await tier.close()
         tracing.shutdown(self.tracer)
         if self.metrics_server is not None:

@@ -13,18 +13,19 @@ from baton.services.router.backends import Backend, Tier
 from baton.services.router.in_flight import InFlight
 from baton.services.rpc.calls import watch
 from baton.services.rpc.errors import pass_on
-from baton.services.rpc.names import token_metadata
+from baton.services.rpc.names import ABORT_FORWARDED_KEY, token_metadata
 from baton.v1 import generate_pb2 as pb
 
 
 class RouterRuntimeApi:
     """Over the router's two tiers and its Generate calls in flight; `model_name` and `address`
     are what GetModelInfo and GetLoad say of the router; `internal_token` goes with the calls
-    it makes to backends on the stack's behalf."""
+    it makes to backends on the stack's behalf; `peers`: the router's other replicas."""
 
     def __init__(self, prefill: Tier, decode: Tier, in_flight: InFlight, model_name: str, address: str,
-                 internal_token: str | None):
+                 internal_token: str | None, peers: Tier):
         self.prefill, self.decode = prefill, decode
+        self.peers = peers  # this router's other replicas: the calls they carry are theirs to abort
         self.in_flight = in_flight
         self.model_name = model_name
         self.address = address
@@ -54,19 +55,39 @@ class RouterRuntimeApi:
 
     async def Abort(self, msg: pb.AbortRequest, context) -> pb.AbortResponse:
         """Abort calls through the router at every backend they reached (a prefill lets go of
-        what it holds); a call still at its prefill ends with FINISH_REASON_ABORT here."""
-        results = []
+        what it holds); a call still at its prefill ends with FINISH_REASON_ABORT here. A call
+        this replica does not carry is passed on to its peers (a client's connection may reach
+        any replica), unless a peer passed it here."""
+        results = {}
         for request_id in msg.request_ids:
             aborted = self.in_flight.abort(request_id)
             if aborted is None:
-                results.append(pb.AbortResult(request_id=request_id, status=self.in_flight.status(request_id)))
+                results[request_id] = self.in_flight.status(request_id)
                 continue
             ids, reached = aborted
             request = pb.AbortRequest(request_ids=ids)
             await asyncio.gather(*(b.api.Abort(request, metadata=token_metadata(self.internal_token), timeout=5)
                                    for b in reached), return_exceptions=True)
-            results.append(pb.AbortResult(request_id=request_id, status=pb.ABORT_STATUS_ABORTED))
-        return pb.AbortResponse(results=results)
+            results[request_id] = pb.ABORT_STATUS_ABORTED
+        unknown = [i for i, status in results.items() if status == pb.ABORT_STATUS_NOT_FOUND]
+        forwarded = any(k == ABORT_FORWARDED_KEY for k, _ in context.invocation_metadata() or ())
+        if unknown and not forwarded:
+            results.update(await self._abort_at_peers(unknown))
+        return pb.AbortResponse(results=[pb.AbortResult(request_id=i, status=s) for i, s in results.items()])
+
+    async def _abort_at_peers(self, request_ids: list[str]) -> dict[str, int]:
+        """What the peers answer for calls not known here: aborted or finished where one carries
+        it (the first such answer per id); peers that do not answer count as not knowing it."""
+        request = pb.AbortRequest(request_ids=request_ids)
+        metadata = ((ABORT_FORWARDED_KEY, "1"), *token_metadata(self.internal_token))
+        answers = await asyncio.gather(*(p.api.Abort(request, metadata=metadata, timeout=5)
+                                         for p in self.peers.backends.values()), return_exceptions=True)
+        found = {}
+        for answer in answers:
+            for r in () if isinstance(answer, BaseException) else answer.results:
+                if r.status != pb.ABORT_STATUS_NOT_FOUND:
+                    found.setdefault(r.request_id, r.status)
+        return found
 
     # ---- LoRA adapters: every instance loads and unloads alike --------------------------------
     async def LoadAdapter(self, msg: pb.LoadAdapterRequest, context) -> pb.Adapter:

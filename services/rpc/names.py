@@ -9,6 +9,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 # its event loop answers, whether or not a decode is reachable (that is "" and SERVICE_NAME).
 ROUTER_LIVENESS = "baton.router.liveness"
 TOKEN_KEY = "x-baton-token"  # the stack's shared secret, in the metadata of internal calls
+# An Abort one router replica passes to the others: answered from the receiver's own calls only.
+ABORT_FORWARDED_KEY = "x-baton-abort-forwarded"
 DECODE_STEP_KEY = "x-baton-first-decode-step"  # a decode's initial metadata: seconds from KV landed to first token
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}

@@ -45,6 +45,13 @@ def test_command_lines_parse_and_agree_with_ports_and_services(name):
     (public,) = [s for s in services.values() if s["spec"].get("clusterIP") != "None"]
     headless = {component(s["metadata"]["labels"]): s for s in services.values()
                 if s["spec"].get("clusterIP") == "None"}
+    # Replicas of the router find each other (for Abort) through a headless Service of their own,
+    # not-ready ones too: a draining replica still carries streams.
+    replicated = router_on and (merged["router"]["replicas"] > 1 or merged["router"]["autoscaling"]["enabled"])
+    peers = headless.pop("router", None)
+    assert (peers is not None) == replicated
+    if peers is not None:
+        assert peers["spec"]["publishNotReadyAddresses"] is True
     assert set(headless) == ({"colocated"} if colocated else {"prefill", "decode"})
     for s in headless.values():
         assert s["spec"]["publishNotReadyAddresses"] is False
@@ -106,6 +113,7 @@ def test_command_lines_parse_and_agree_with_ports_and_services(name):
                 # The router dials pod IPs at this port: the Service port must be the container's.
                 assert port == svc_port["port"] and svc_port["targetPort"] == "grpc"
             assert args.policy == merged["router"]["policy"]
+            assert args.router_peers == ([f"{peers['metadata']['name']}:{args.port}"] if replicated else None)
         else:
             env = env_of(container)
             assert args.advertise_host == "$(POD_IP)"

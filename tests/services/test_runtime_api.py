@@ -4,6 +4,7 @@ Generate counts it, and grpcurl calling it all through reflection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import stat
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helpers import pools_full, random_prompts, stats, wait_serving
-from servers import pd_stack
+from helpers import TOKEN, pools_full, random_prompts, stats, wait_serving
+from servers import ServerProcess, pd_stack
 
 from baton import LLM
 from baton.services.client import AsyncClient
@@ -195,3 +196,40 @@ def test_grpcurl_lists_and_calls_the_runtime_api(stack):
     aborted = json.loads(grpcurl_run("-d", '{"request_ids": ["none-such"]}', router.address,
                                      "baton.v1.TextGeneration/Abort"))
     assert aborted["results"][0]["status"] == "ABORT_STATUS_NOT_FOUND"
+
+
+def test_abort_at_another_replica_of_the_router_reaches_the_call(stack, tiny_llama):
+    """Two replicas of the router in front of the same engines, each naming the other in
+    --router-peers: an Abort at the replica that does not carry the stream is passed on to the
+    one that does (once: a forwarded Abort is not passed on again)."""
+    from baton.services.cli.launcher import free_port
+
+    _, prefill, decode = stack
+    ports = [free_port("127.0.0.1") for _ in range(2)]
+    backends = ("--prefill", prefill.address, "--decode", decode.address)
+    with contextlib.ExitStack() as procs:
+        replicas = []
+        for mine, theirs in (ports, ports[::-1]):
+            replica = ServerProcess(tiny_llama, "--role", "router", "--port", str(mine), "--internal-token", TOKEN,
+                                    "--router-peers", f"127.0.0.1:{theirs}", *backends)
+            procs.callback(replica.stop)
+            replicas.append(replica)
+        for replica in replicas:
+            wait_serving(replica.address)
+
+        async def go():
+            async with AsyncClient(replicas[0].address) as client:
+                chunks = []
+                async for chunk in client.generate(random_prompts([30], seed=404)[0], request_id="elsewhere",
+                                                   max_tokens=600, temperature=0, ignore_eos=True):
+                    chunks.append(chunk)
+                    if len(chunks) == 3:
+                        answer = await call(replicas[1].address, "Abort",
+                                            pb.AbortRequest(request_ids=["elsewhere", "nobody"]))
+            return chunks, answer
+
+        chunks, answer = run(go())
+    assert [(r.request_id, r.status) for r in answer.results] == [
+        ("elsewhere", pb.ABORT_STATUS_ABORTED), ("nobody", pb.ABORT_STATUS_NOT_FOUND)]
+    assert chunks[-1].finish_reason == "abort" and sum(len(c.token_ids) for c in chunks) < 600
+    assert pools_full(prefill.address) and pools_full(decode.address)
