@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -113,6 +114,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--stream-intervals", default="1", help="comma list of the engines' --stream-interval (new "
                                                            "tokens per streamed message): each service mode runs "
                                                            "once per entry, named MODE@N for N > 1")
+    p.add_argument("--router-workers", type=int, default=1, help="the router's --router-workers (processes on its "
+                                                                  "port; the kernel spreads connections over them)")
+    p.add_argument("--client-connections", type=int, default=1,
+                   help="gRPC connections the load is spread over, request by request (router workers each take "
+                        "whole connections)")
     p.add_argument("--rounds", type=int, default=1, help="alternate every run this many times; keep the fastest")
     p.add_argument("--structured", type=Path, help="a JSON schema file: the offline and gRPC modes run again with "
                                                    "every request under it (`MODE+json`), side by side")
@@ -233,12 +239,13 @@ def start_stack(args: argparse.Namespace, mode: str, flags: tuple[str, ...] = ()
         procs = [start_service(args, *flags, *(http if mode == "colocated" else ()),
                                cpus=set(cores[:args.colocated_cores or len(cores)]))]
         if mode == "router":
-            procs.append(start_service(args, "--role", "router", "--decode", procs[0][1], *flags, *http))
+            procs.append(start_service(args, "--role", "router", "--decode", procs[0][1], *flags, *http,
+                                       "--router-workers", str(args.router_workers)))
     else:  # disaggregated: one core each (the same core twice on a one-core machine)
         procs = [start_service(args, "--role", role, *flags, cpus={cores[i % len(cores)]})
                  for i, role in enumerate(("prefill", "decode"))]
         procs.append(start_service(args, "--role", "router", "--prefill", procs[0][1], "--decode", procs[1][1],
-                                   *flags, *http))
+                                   *flags, *http, "--router-workers", str(args.router_workers)))
     return [p for p, _ in procs], procs[-1][1]
 
 
@@ -305,11 +312,12 @@ def _descendants(pid: int) -> list[int]:
 
 
 def stack_cpu_s(procs: list[subprocess.Popen], mode: str) -> dict[str, float]:
-    """CPU seconds so far of the stack's router (the last process, where there is one), its
-    engines' serve processes (fronts) and their descendants (engine cores, ranks)."""
+    """CPU seconds so far of the stack's router (the last process, where there is one, and its
+    workers), its engines' serve processes (fronts) and their descendants (engine cores, ranks)."""
     routed = mode.removesuffix("-http") in ("router", "disaggregated")
     engines = procs[:-1] if routed else procs
-    return {"router": _cpu_s(procs[-1].pid) if routed else float("nan"),
+    router = [procs[-1].pid, *_descendants(procs[-1].pid)]  # with --router-workers, its workers
+    return {"router": sum(map(_cpu_s, router)) if routed else float("nan"),
             "fronts": sum(_cpu_s(p.pid) for p in engines),
             "cores": sum(_cpu_s(child) for p in engines for child in _descendants(p.pid))}
 
@@ -353,14 +361,19 @@ async def run_grpc(args: argparse.Namespace, workload: list[Request], address: s
                    mode: str, schema: str | None = None, after_warmup=None) -> tuple[list[Trace], float]:
     from baton.services.client import AsyncClient
 
-    async with AsyncClient(address) as client:
+    # Connections of their own (a subchannel pool each), taken in turn.
+    clients = [AsyncClient(address, [("grpc.use_local_subchannel_pool", 1)]) for _ in range(args.client_connections)]
+    turn = itertools.count()
+    try:
         constraint = {"json_schema": schema} if schema else {}
-        async for _ in client.generate(workload[0].prompt[:8], max_tokens=2, **constraint):  # warm-up (and compile)
-            pass
+        for client in clients:  # warm-up (and compile), and each connection made
+            async for _ in client.generate(workload[0].prompt[:8], max_tokens=2, **constraint):
+                pass
         if after_warmup is not None:
             after_warmup()
 
         async def send(r: Request, trace: Trace, t0: float) -> None:
+            client = clients[next(turn) % len(clients)]
             async for chunk in client.generate(r.prompt, max_tokens=r.output_len, temperature=0,
                                                ignore_eos=True, output="token_ids", **constraint):
                 if chunk.token_ids:
@@ -368,6 +381,9 @@ async def run_grpc(args: argparse.Namespace, workload: list[Request], address: s
                     trace.tokens += len(chunk.token_ids)
 
         return await drive(args, workload, mode, send)
+    finally:
+        for client in clients:
+            await client.close()
 
 
 async def run_http(args: argparse.Namespace, workload: list[Request], url: str, mode: str,

@@ -29,17 +29,12 @@ from dataclasses import dataclass, field
 
 from baton.services.cli.placement import Placement
 from baton.services.rpc.health import backend_health, is_serving
+from baton.services.rpc.serving import free_port
 
 RESTART_BACKOFF_S, MAX_BACKOFF_S = 0.5, 30.0
 CRASH_LOOP, CRASH_WINDOW_S = 5, 60.0  # this many deaths of one service within the window stop the stack
 STABLE_S = 60.0  # a service that ran this long starts its backoff over
 UP_CHILD_ENV = "BATON_UP_CHILD"  # set for the services `baton up` starts: they leave inviting requests to it
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -194,10 +189,12 @@ class Stack:
 
 
 def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
-                policy: str, http_port: int | None = None, placements: list[Placement] | None = None) -> Stack:
+                policy: str, http_port: int | None = None, placements: list[Placement] | None = None,
+                router_argv: tuple[str, ...] = ()) -> Stack:
     """`placements`: each engine's device and tensor parallel size (prefill engines first;
     default: the engine's own device, one rank). `http_port`: the router's OpenAI front, which
-    serves its /metrics too (None or 0: none; the router then gets a metrics port, as engines do)."""
+    serves its /metrics too (None or 0: none; the router then gets a metrics port, as engines do);
+    `router_argv`: the router's own flags."""
     serve = [sys.executable, "-m", "baton.services.cli", "serve", "--host", host, "--model", model]
 
     def service(name: str, role: str, port: int, *argv: str, http_port: int | None = None) -> Service:
@@ -215,12 +212,14 @@ def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: 
     for engine, place in zip(engines, placements):
         engine.placement = place
     backends = [arg for e in engines for arg in ("--" + e.role, e.address)]
-    return Stack([service("router", "router", port, "--policy", policy, *backends, http_port=http_port), *engines])
+    return Stack([service("router", "router", port, "--policy", policy, *backends, *router_argv, http_port=http_port),
+                  *engines])
 
 
 def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
        policy: str = "round_robin", start_timeout_s: float = 300.0, grace_s: float = 10.0, trace: bool = False,
-       http_port: int | None = None, restart: bool = True, placements: list[Placement] | None = None) -> int:
+       http_port: int | None = None, restart: bool = True, placements: list[Placement] | None = None,
+       router_argv: tuple[str, ...] = ()) -> int:
     if not os.path.isfile(os.path.join(model, "config.json")):
         print(f"baton up: {model} is not a checkpoint directory (no config.json); "
               f"`baton prepare-models` writes the demo model", file=sys.stderr)
@@ -229,7 +228,8 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
         if taken and not port_is_free(host, taken):
             print(f"baton up: {host}:{taken} is taken; pick another with {flag}", file=sys.stderr)
             return 2
-    stack = build_stack(model, host, port, num_prefill, num_decode, engine_argv, policy, http_port, placements)
+    stack = build_stack(model, host, port, num_prefill, num_decode, engine_argv, policy, http_port, placements,
+                        router_argv)
     env = dict(os.environ, BATON_INTERNAL_TOKEN=os.environ.get("BATON_INTERNAL_TOKEN") or secrets.token_hex(16),
                **{UP_CHILD_ENV: "1"})
     # Engines share the cores instead of each assuming all of them: every rank is a process of its own.

@@ -35,7 +35,13 @@ def _serve(args) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.role == "router":
         from baton.services.router.router import Router
-        make = lambda: Router(_router_options(args))  # noqa: E731
+        options = _router_options(args)
+        if options.workers > 1:
+            from baton.services.router.workers import run_workers
+            serve_argv = args.argv[args.argv.index("serve") + 1:]
+            sys.exit(run_workers(serve_argv, options.workers, options.host, options.port, options.http_port,
+                                 options.metrics_port, options.grace_s, https=options.tls is not None))
+        make = lambda: Router(options)  # noqa: E731
     else:
         from baton.services.server.server import Server, ServerOptions
         options = _checked(ServerOptions, host=args.host, port=args.port,
@@ -127,7 +133,13 @@ def _router_options(args):
             config[name] = flags
     if args.policy:
         config["policy"] = args.policy
-    for name, value in (("max_migrations", args.max_migrations), ("max_in_flight", args.max_in_flight)):
+    if args.router_worker:
+        import msgspec
+
+        from baton.services.router.workers import WorkerSlot
+        config["worker"] = msgspec.json.decode(args.router_worker, type=WorkerSlot)
+    for name, value in (("max_migrations", args.max_migrations), ("max_in_flight", args.max_in_flight),
+                        ("workers", args.router_workers)):
         if value is not None:
             config[name] = value
     tokenizer_dir = model_dir(args)
@@ -147,7 +159,8 @@ def _up(args) -> None:
         sys.exit("baton up: --decode must be >= 1 and --prefill >= 0")
     # Each tier's --tensor-parallel-size and --kv-cache-dtype come with its placement, not with the shared flags.
     argv = engine_argv(args, leave_out=("tensor_parallel_size", "kv_cache_dtype"))
-    argv += ["--stream-interval", str(args.stream_interval)]
+    if args.stream_interval != 1:  # a server flag, not an engine's: the decodes' streams are the ones it shapes
+        argv.append(f"--stream-interval={args.stream_interval}")
     try:
         tensor_parallel = tier_tensor_parallel(args.tensor_parallel_size, args.prefill_tensor_parallel_size,
                                                args.decode_tensor_parallel_size, args.prefill)
@@ -163,7 +176,7 @@ def _up(args) -> None:
                   for place, role in zip(placements, roles, strict=True)]
     sys.exit(up(model_dir(args), args.host, args.port, args.prefill, args.decode, argv, args.policy,
                 args.start_timeout, trace=args.trace, http_port=args.http_port or None, restart=not args.no_restart,
-                placements=placements))
+                placements=placements, router_argv=(f"--router-workers={args.router_workers}",)))
 
 
 def _models(args) -> None:
@@ -273,6 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--router-peers", action="append", metavar="HOST:PORT[,…]",
                    help="the other replicas of this router (a DNS name: every address it resolves to, this one's "
                         "too): an Abort for a call that streams through another replica is passed on to them")
+    r.add_argument("--router-workers", type=int, metavar="N",
+                   help="router processes sharing --port (and --http-port) with SO_REUSEPORT, the kernel spreading "
+                        "client connections over them; an Abort reaches the call through any of them and "
+                        "/metrics shows each one's, labelled worker (default 1)")
+    r.add_argument("--router-worker", help=argparse.SUPPRESS)  # a worker's slot, from --router-workers' process
     r.add_argument("--router-config", metavar="FILE",
                    help="YAML/JSON with prefill, decode, policy and other router options; flags win")
     add_tls_flags(s, serving=True)
@@ -310,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "bfloat16 prefill")
     u.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="the engines' --stream-interval: new tokens per streamed message (default: %(default)s)")
+    u.add_argument("--router-workers", type=int, default=1, metavar="N",
+                   help="router processes sharing --port and --http-port (default: %(default)s)")
     u.add_argument("--policy", choices=POLICIES,
                    default="round_robin", help="the router's policy (default: %(default)s)")
     u.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for all to serve")
@@ -384,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: router workers are started with it
     try:
         args.func(args)
     except KeyboardInterrupt:  # a Ctrl-C before the command took SIGINT over (while importing, say)

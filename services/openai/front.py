@@ -103,10 +103,11 @@ class OpenAIFront:
     them. With a `metrics_registry` (the service's), GET /metrics serves it."""
 
     def __init__(self, calls: ServiceCalls, host: str, port: int, is_serving, tokenizer=None, tls=None,
-                 metrics_registry=None):
+                 metrics_registry=None, reuse_port: bool = False):
         self.calls, self.host, self.port = calls, host, port
         self.ssl_context = tls.http_context() if tls is not None else None
         self.is_serving = is_serving
+        self.reuse_port = reuse_port  # a router worker's: the port is its set's
         self.tokenizer = tokenizer  # token strings of logprobs; without one, "token_id:N" (vLLM's spelling)
         self.app = web.Application(client_max_size=16 << 20)
         self.app.add_routes([web.post("/v1/completions", self.completions),
@@ -124,11 +125,11 @@ class OpenAIFront:
     async def start(self) -> None:
         await self.runner.setup()
         # SO_REUSEADDR: a restarted server binds its port again at once (a port with a live
-        # listener stays an error on Linux; SO_REUSEPORT, which would share it, stays off).
+        # listener stays an error on Linux; SO_REUSEPORT, which would share it, only for router workers).
         # The server's drain gave requests in flight their grace before it stops this front: what
         # is left then is cancelled (and aborted in the engine) at once, not waited on for
         # aiohttp's default minute.
-        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True, reuse_port=False,
+        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True, reuse_port=self.reuse_port,
                            ssl_context=self.ssl_context, shutdown_timeout=0.5)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]

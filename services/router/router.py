@@ -32,6 +32,7 @@ from baton.services.router.policies import POLICIES, make_policy
 from baton.services.router.prompt_hashes import HASHING_POLICIES, PromptHasher
 from baton.services.router.router_generation import RouterGeneration
 from baton.services.router.router_runtime_api import RouterRuntimeApi
+from baton.services.router.workers import WorkerSlot, workers_registry
 from baton.services.rpc.names import ROUTER_LIVENESS, SERVICE_NAME
 from baton.services.rpc.serving import add_text_generation, drain, in_background, make_grpc_server, set_health
 from baton.services.rpc.tls import TLSConfig
@@ -72,6 +73,8 @@ class RouterOptions:
     max_migrations: int = 2  # moves of a request to another decode instance after failures
     max_in_flight: int | None = 4096  # streams at once; beyond it, RESOURCE_EXHAUSTED at once (None: no bound)
     tls: TLSConfig | None = None  # serve TLS, and call the backends over it
+    workers: int = 1  # router processes sharing the port (workers.py); more than 1: `baton serve` starts them
+    worker: WorkerSlot | None = None  # set by workers.py in each of them: its own ports and its siblings'
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -88,6 +91,8 @@ class RouterOptions:
                 raise ValueError(f"{name}: must be a number >= {low}{f' and <= {high}' if high else ''}, got {value!r}")
         if self.max_in_flight is not None and not (isinstance(self.max_in_flight, int) and self.max_in_flight >= 1):
             raise ValueError(f"max_in_flight: must be an integer >= 1, got {self.max_in_flight!r}")
+        if not (isinstance(self.workers, int) and self.workers >= 1):
+            raise ValueError(f"workers: must be an integer >= 1, got {self.workers!r}")
         if not (isinstance(self.max_migrations, int) and self.max_migrations >= 0):
             raise ValueError(f"max_migrations: must be an integer >= 0, got {self.max_migrations!r}")
         for addr in (*self.prefill, *self.decode, *self.peers):
@@ -103,7 +108,9 @@ class Router:
         self.options = o = options
         self.prefill = Tier("prefill", o.prefill, o.health_retry_s, self._health_changed, o.tls)
         self.decode = Tier("decode", o.decode, o.health_retry_s, self._health_changed, o.tls)
-        self.peers = Tier("router", o.peers, o.health_retry_s, lambda: None, o.tls)  # replicas, for Abort
+        slot = o.worker
+        peers = [*o.peers, *(slot.peers if slot is not None else ())]
+        self.peers = Tier("router", peers, o.health_retry_s, lambda: None, o.tls)  # replicas and workers, for Abort
         # kv_aware: what every instance holds, from their KV events (one index for both tiers).
         self.kv_index = KVIndex(o.block_size) if o.policy == "kv_aware" else None
         self.kv_subscriptions: dict[str, KVEventSubscription] = {}  # backend address -> its stream
@@ -121,9 +128,15 @@ class Router:
         registry = make_registry() if o.metrics_port is not None or o.http_port is not None else None
         self.metrics = (RouterMetrics(registry, self.model_name, lambda: self.in_flight.count)
                         if registry is not None else None)
-        self.metrics_server = MetricsServer(registry, o.host, o.metrics_port) if o.metrics_port is not None else None
+        # A worker's own metrics are on loopback, for its set's page (workers.py).
+        self.metrics_server = (MetricsServer(registry, "127.0.0.1" if slot is not None else o.host, o.metrics_port)
+                               if o.metrics_port is not None else None)
+        # What the HTTP front's /metrics shows: this router's, or every worker's in a set.
+        self.http_metrics = workers_registry(slot.metrics_ports) if slot and slot.metrics_ports else registry
         self.health = health.aio.HealthServicer()
-        self.grpc, self.port = make_grpc_server(o.host, o.port, o.max_message_bytes, tls=o.tls)
+        self.grpc, self.port = make_grpc_server(o.host, o.port, o.max_message_bytes, tls=o.tls,
+                                                reuse_port=slot is not None,
+                                                also=(f"127.0.0.1:{slot.grpc_port}",) if slot is not None else ())
         self.address = f"{o.host}:{self.port}"
         self.generation = RouterGeneration(
             self.prefill, self.decode, policies, o.policy, self.prompts if o.policy in HASHING_POLICIES else None,
@@ -155,8 +168,8 @@ class Router:
         if o.http_port is not None:
             from baton.services.openai.front import OpenAIFront, ServiceCalls
             self.http = OpenAIFront(ServiceCalls.of(self.generation.Generate, self.runtime_api), o.host, o.http_port,
-                                    lambda: self.serving, self.prompts.tokenizer, o.tls,
-                                    self.metrics.registry if self.metrics is not None else None)
+                                    lambda: self.serving, self.prompts.tokenizer, o.tls, self.http_metrics,
+                                    reuse_port=o.worker is not None)
             await self.http.start()
         self.serving = True
         self._health_changed()

@@ -13,6 +13,13 @@ from baton.services.rpc.names import SERVICE_NAME
 from baton.v1 import generate_pb2 as pb
 
 
+def free_port(host: str) -> int:
+    """A port nobody listens on now (a process started later binds it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def advertised_host(host: str, advertise_host: str | None) -> str:
     """The host peers should dial: the one given, else the listening host, else (listening on
     every interface) the address this host's name resolves to, as a pod's does to its IP."""
@@ -24,18 +31,21 @@ def advertised_host(host: str, advertise_host: str | None) -> str:
 
 
 def make_grpc_server(host: str, port: int, max_message_bytes: int, extra_options: list[tuple] = (),
-                     tls=None) -> tuple[grpc.aio.Server, int]:
+                     tls=None, reuse_port: bool = False, also: tuple[str, ...] = ()) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server listening on host:port (0: any free port), over TLS when tls (a
-    TLSConfig) is given; returns it and its port."""
+    TLSConfig) is given; returns it and its port. `reuse_port`: share the port with other
+    processes that do (router workers); else a taken port is an error. `also`: more HOST:PORT
+    to listen on."""
     server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message_bytes),
                                       ("grpc.max_receive_message_length", max_message_bytes),
-                                      ("grpc.so_reuseport", 0),  # a taken port is an error, not a shared one
-                                      *extra_options])
-    address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, tls.server_credentials()) if tls is not None
-             else server.add_insecure_port(address))
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port} (in use?)")
+                                      ("grpc.so_reuseport", int(reuse_port)), *extra_options])
+    bound = 0
+    for address in (f"{host}:{port}", *also):
+        got = (server.add_secure_port(address, tls.server_credentials()) if tls is not None
+               else server.add_insecure_port(address))
+        if got == 0:
+            raise OSError(f"cannot listen on {address} (in use?)")
+        bound = bound or got
     return server, bound
 
 

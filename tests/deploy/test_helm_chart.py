@@ -242,3 +242,13 @@ def test_stream_interval_reaches_the_engines():
     assert parse(tiers["prefill"]).stream_interval == 1
     with pytest.raises(helm_python.HelmValuesError, match="streamInterval"):
         manifests({"engine": {"streamInterval": 0}})
+
+
+def test_router_workers_become_the_flag():
+    docs = manifests({"router": {"workers": 4}})
+    tiers = {component(labels): spec["containers"][0] for _, labels, spec in pod_specs(docs)}
+    assert parse(tiers["router"]).router_workers == 4
+    default = {component(labels): spec["containers"][0] for _, labels, spec in pod_specs(manifests({}))}
+    assert parse(default["router"]).router_workers is None
+    with pytest.raises(helm_python.HelmValuesError, match="workers"):
+        manifests({"router": {"workers": 0}})

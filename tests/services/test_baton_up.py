@@ -120,7 +120,7 @@ def up_args(monkeypatch, tmp_path, gpus: int, *flags: str):
     started = {}
 
     def fake_up(model, host, port, num_prefill, num_decode, engine_argv, *args, placements=None, **kwargs):
-        started.update(placements=placements, argv=engine_argv)
+        started.update(placements=placements, argv=engine_argv, router_argv=kwargs.get("router_argv"))
         return 0
     monkeypatch.setattr(launcher, "up", fake_up)
     monkeypatch.setattr(placement, "visible_gpus", lambda: gpus)
@@ -157,6 +157,13 @@ def test_each_tier_gets_its_own_kv_cache_dtype(monkeypatch, tmp_path, flags, wan
     assert started["argv"] == ["--dtype=float32"]  # each engine's comes with its placement
     parsed = [build_parser().parse_args(["serve", *p.argv()]) for p in started["placements"]]
     assert [a.kv_cache_dtype for a in parsed] == want
+
+
+def test_stream_interval_goes_to_the_engines_and_router_workers_to_the_router(monkeypatch, tmp_path):
+    code, started = up_args(monkeypatch, tmp_path, 0, "--stream-interval", "8", "--router-workers", "3")
+    assert code == 0 and started["argv"] == ["--stream-interval=8"]
+    assert build_parser().parse_args(["serve", *started["argv"]]).stream_interval == 8
+    assert build_parser().parse_args(["serve", "--role", "router", *started["router_argv"]]).router_workers == 3
 
 
 @pytest.mark.parametrize("gpus,flags,message", [

@@ -1,0 +1,123 @@
+"""Several router processes on one port (--router-workers): connections spread over them and
+every stream equals the offline engine's; /metrics (the metrics port's and the HTTP front's)
+shows each worker's series; an Abort reaches its call through any connection; a stop drains
+every worker and leaves none behind; a worker that dies ends the set with status 1."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.request
+
+import grpc
+import pytest
+from helpers import alive, pools_full, random_prompts, wait_serving
+from servers import pd_stack
+
+from baton import LLM, SamplingParams
+from baton.v1 import generate_pb2 as pb
+from baton.v1 import generate_pb2_grpc
+
+NUM_CONNECTIONS = 16  # all on one worker: 2 * 2**-16
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama):
+    with pd_stack(tiny_llama, router=("--router-workers", "2", "--http-port", "0", "--metrics-port", "0")) as (
+            (prefill,), (decode,), router):
+        wait_serving(router.address)
+        yield router, prefill, decode
+
+
+def workers_of(router) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(router.proc.pid)], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found]
+
+
+def printed(router, pattern: str) -> str:
+    """What the set (not one of its workers, whose lines are marked) printed that matches."""
+    return next(m.group(1) for line in router.lines if (m := re.match(pattern, line)))
+
+
+def request_counts(url: str) -> dict[str, float]:
+    """request_success_total by worker, from a /metrics page."""
+    counts: dict[str, float] = {}
+    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+        if line.startswith("baton:request_success_total{"):
+            worker = re.search(r'worker="(\d+)"', line).group(1)
+            counts[worker] = counts.get(worker, 0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+async def on_own_connections(address: str, prompts, **sampling) -> list[list[int]]:
+    """Each prompt over a connection of its own (a channel with its own subchannel pool)."""
+    async def one(prompt):
+        async with grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            stub = generate_pb2_grpc.TextGenerationStub(channel)
+            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(**sampling))
+            return [t async for resp in stub.Generate(request, timeout=60) for t in resp.token_ids]
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def test_connections_spread_over_the_workers_and_streams_equal_the_engine(stack, tiny_llama):
+    router, prefill, decode = stack
+    assert len(workers_of(router)) == 2
+    prompts = random_prompts([5 + i for i in range(NUM_CONNECTIONS)], seed=501)
+    want = LLM(tiny_llama, dtype="float32", device="cpu").generate(
+        prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    got = asyncio.run(asyncio.wait_for(on_own_connections(router.address, prompts, max_tokens=8, temperature=0,
+                                                          ignore_eos=True), 120))
+    assert got == [w.token_ids for w in want]
+    metrics_url = printed(router, r"metrics on (\S+)")
+    counts = request_counts(metrics_url)
+    assert set(counts) == {"0", "1"} and sum(counts.values()) == NUM_CONNECTIONS, counts
+    http_url = printed(router, r"OpenAI API on (\S+)/v1")
+    assert request_counts(f"{http_url}/metrics") == counts  # the HTTP front shows the whole set too
+    assert pools_full(prefill.address) and pools_full(decode.address)
+
+
+def test_an_abort_reaches_its_call_through_any_connection(stack):
+    router, prefill, decode = stack
+
+    async def go():
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        async with grpc.aio.insecure_channel(router.address, options=options) as channel:
+            stream = generate_pb2_grpc.TextGenerationStub(channel).Generate(pb.GenerateRequest(
+                request_id="anywhere", token_ids=pb.TokenIds(ids=random_prompts([20], seed=502)[0]),
+                sampling=pb.SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)), timeout=60)
+            responses = [await stream.read()]
+            answers = []
+            for _ in range(4):  # over new connections, each landing on either worker
+                async with grpc.aio.insecure_channel(router.address, options=options) as other:
+                    answers.append(await generate_pb2_grpc.TextGenerationStub(other).Abort(
+                        pb.AbortRequest(request_ids=["anywhere"]), timeout=10))
+            while (resp := await stream.read()) is not grpc.aio.EOF:
+                responses.append(resp)
+            return responses, [a.results[0].status for a in answers]
+
+    responses, statuses = asyncio.run(asyncio.wait_for(go(), 120))
+    assert statuses[0] == pb.ABORT_STATUS_ABORTED
+    assert set(statuses[1:]) == {pb.ABORT_STATUS_ALREADY_FINISHED}
+    assert responses[-1].finish_reason == pb.FINISH_REASON_ABORT
+    assert sum(len(r.token_ids) for r in responses) < 600
+    assert pools_full(prefill.address) and pools_full(decode.address)
+
+
+def test_a_worker_that_dies_ends_the_set_and_a_stop_leaves_none_behind(tiny_llama):
+    for kill_one in (True, False):
+        with pd_stack(tiny_llama, num_prefill=0, router=("--router-workers", "2")) as (_, _, router):
+            wait_serving(router.address)
+            workers = workers_of(router)
+            assert len(workers) == 2
+            if kill_one:
+                os.kill(workers[0], signal.SIGKILL)
+                assert router.proc.wait(30) == 1
+            else:
+                assert router.stop() == 0
+            deadline = time.monotonic() + 30
+            while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not any(alive(pid) for pid in workers)
