@@ -35,7 +35,7 @@ def _serve(args) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.role == "router":
         from baton.services.router.router import Router
-        options = _router_options(args)
+        options = _checked(_router_options, args=args)
         if options.workers > 1:
             from baton.services.router.workers import run_workers
             serve_argv = args.argv[args.argv.index("serve") + 1:]
