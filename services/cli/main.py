@@ -40,7 +40,11 @@ def _serve(args) -> None:
             from baton.services.router.workers import run_workers
             serve_argv = args.argv[args.argv.index("serve") + 1:]
             sys.exit(run_workers(serve_argv, options.workers, options.host, options.port, options.http_port,
-                                 options.metrics_port, options.grace_s, https=options.tls is not None))
+                                 options.metrics_port, options.grace_s, https=options.tls is not None,
+                                 child_env={UP_CHILD_ENV: "1"}))  # SIGTERM stops them, and no invitation
+        if options.worker is not None:
+            from baton.engine.common.lifetime import die_with_parent
+            die_with_parent(os.getppid())  # one of a set: never left serving without it
         make = lambda: Router(options)  # noqa: E731
     else:
         from baton.services.server.server import Server, ServerOptions

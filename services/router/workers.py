@@ -19,6 +19,7 @@ its core dies.
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton.engine.common.lifetime import child_argv
 from baton.services.rpc.serving import free_port
 from baton.services.telemetry.metrics import MetricsServer
 
@@ -81,26 +83,29 @@ def workers_registry(ports: list[int]) -> CollectorRegistry:
 
 
 def run_workers(argv: list[str], workers: int, host: str, port: int, http_port: int | None,
-                metrics_port: int | None, grace_s: float, https: bool = False) -> int:
+                metrics_port: int | None, grace_s: float, https: bool = False, child_env: dict | None = None) -> int:
     """Start `workers` copies of `baton serve` (its arguments `argv`, a router's) on one port,
-    serve the set's /metrics on `metrics_port`, and wait: the exit status."""
+    serve the set's /metrics on `metrics_port`, and wait: the exit status. The workers ignore
+    Ctrl-C (this process stops them, with SIGTERM) and die with it; `child_env`: more of their
+    environment."""
     port = port or free_port(host)
     http_port = (http_port or free_port(host)) if http_port is not None else None
     grpc_ports = [free_port("127.0.0.1") for _ in range(workers)]
     metered = metrics_port is not None or http_port is not None
     metrics_ports = [free_port("127.0.0.1") for _ in range(workers)] if metered else []
+    stop = threading.Event()  # asked for before any worker starts: none is left without its parent
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # under `baton up` SIGINT stays the launcher's
+            signal.signal(sig, lambda *_: stop.set())
     procs = []
     for i in range(workers):
         slot = WorkerSlot(i, grpc_ports[i], grpc_ports[:i] + grpc_ports[i + 1:], metrics_ports)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "baton.services.cli", "serve", *argv, "--router-workers", "1", "--port", str(port),
+            [*child_argv("baton.services.cli"), "serve", *argv, "--router-workers", "1", "--port", str(port),
              *(("--http-port", str(http_port)) if http_port is not None else ()),
              *(("--metrics-port", str(metrics_ports[i])) if metered else ()),
-             WORKER_FLAG, msgspec.json.encode(slot).decode()], stdout=subprocess.PIPE, text=True))
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        if signal.getsignal(sig) is not signal.SIG_IGN:  # under `baton up` SIGINT stays the launcher's
-            signal.signal(sig, lambda *_: stop.set())
+             WORKER_FLAG, msgspec.json.encode(slot).decode()], stdout=subprocess.PIPE, text=True,
+            env={**os.environ, **(child_env or {})}))
     ready = [threading.Event() for _ in procs]
     for i, proc in enumerate(procs):
         threading.Thread(target=_relay, args=(i, proc, ready[i]), daemon=True).start()

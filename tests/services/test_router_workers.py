@@ -1,7 +1,7 @@
 """Several router processes on one port (--router-workers): connections spread over them and
 every stream equals the offline engine's; /metrics (the metrics port's and the HTTP front's)
 shows each worker's series; an Abort reaches its call through any connection; a stop drains
-every worker and leaves none behind; a worker that dies ends the set with status 1."""
+every worker; a worker that dies ends the set with status 1, and none outlives the set."""
 from __future__ import annotations
 
 import asyncio
@@ -84,19 +84,22 @@ def test_an_abort_reaches_its_call_through_any_connection(stack):
 
     async def go():
         options = [("grpc.use_local_subchannel_pool", 1)]
+        async def abort() -> int:  # over a new connection, landing on either worker
+            async with grpc.aio.insecure_channel(router.address, options=options) as other:
+                answer = await generate_pb2_grpc.TextGenerationStub(other).Abort(
+                    pb.AbortRequest(request_ids=["anywhere"]), timeout=10)
+                return answer.results[0].status
+
         async with grpc.aio.insecure_channel(router.address, options=options) as channel:
             stream = generate_pb2_grpc.TextGenerationStub(channel).Generate(pb.GenerateRequest(
                 request_id="anywhere", token_ids=pb.TokenIds(ids=random_prompts([20], seed=502)[0]),
                 sampling=pb.SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)), timeout=60)
             responses = [await stream.read()]
-            answers = []
-            for _ in range(4):  # over new connections, each landing on either worker
-                async with grpc.aio.insecure_channel(router.address, options=options) as other:
-                    answers.append(await generate_pb2_grpc.TextGenerationStub(other).Abort(
-                        pb.AbortRequest(request_ids=["anywhere"]), timeout=10))
+            statuses = [await abort()]
             while (resp := await stream.read()) is not grpc.aio.EOF:
                 responses.append(resp)
-            return responses, [a.results[0].status for a in answers]
+            statuses += [await abort() for _ in range(4)]  # the call has ended: whichever worker answers
+            return responses, statuses
 
     responses, statuses = asyncio.run(asyncio.wait_for(go(), 120))
     assert statuses[0] == pb.ABORT_STATUS_ABORTED
@@ -106,18 +109,22 @@ def test_an_abort_reaches_its_call_through_any_connection(stack):
     assert pools_full(prefill.address) and pools_full(decode.address)
 
 
-def test_a_worker_that_dies_ends_the_set_and_a_stop_leaves_none_behind(tiny_llama):
-    for kill_one in (True, False):
+def test_a_worker_that_dies_ends_the_set_and_none_outlives_it(tiny_llama):
+    """A worker killed: the set exits 1 (for its supervisor to restart it). The set's process
+    killed: its workers die with it. A stop: every worker drains and exits, status 0."""
+    for ending in ("worker killed", "set killed", "stopped"):
         with pd_stack(tiny_llama, num_prefill=0, router=("--router-workers", "2")) as (_, _, router):
             wait_serving(router.address)
             workers = workers_of(router)
             assert len(workers) == 2
-            if kill_one:
+            if ending == "worker killed":
                 os.kill(workers[0], signal.SIGKILL)
                 assert router.proc.wait(30) == 1
+            elif ending == "set killed":
+                router.kill()
             else:
                 assert router.stop() == 0
             deadline = time.monotonic() + 30
             while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert not any(alive(pid) for pid in workers)
+            assert not any(alive(pid) for pid in workers), ending
