@@ -55,6 +55,8 @@ from pathlib import Path
 from report import metrics, print_table  # bench/report.py (this script's folder is on sys.path)
 from tqdm import tqdm
 
+from baton.testing.processes import cpu_seconds, descendants
+
 REPO = Path(__file__).resolve().parent.parent
 FIRST_TOKEN_ID = 3  # skip the usual special ids at the bottom of the vocabulary
 MODES = ("offline", "colocated", "disaggregated", "router", "colocated-http", "disaggregated-http", "router-http",
@@ -279,47 +281,15 @@ def telemetry_flags(variant: str, sink: SpanSink | None) -> tuple[str, ...]:
     return flags + ("--otlp-traces-endpoint", sink.endpoint) if variant == "traced" else flags
 
 
-_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pid: int) -> float:
-    """A process's user + system CPU seconds (every thread's) so far; 0 once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime (fields 14 and 15)
-
-
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                kids = []
-            found += kids
-            todo += kids
-    return found
-
-
 def stack_cpu_s(procs: list[subprocess.Popen], mode: str) -> dict[str, float]:
     """CPU seconds so far of the stack's router (the last process, where there is one, and its
     workers), its engines' serve processes (fronts) and their descendants (engine cores, ranks)."""
     routed = mode.removesuffix("-http") in ("router", "disaggregated")
     engines = procs[:-1] if routed else procs
-    router = [procs[-1].pid, *_descendants(procs[-1].pid)]  # with --router-workers, its workers
-    return {"router": sum(map(_cpu_s, router)) if routed else float("nan"),
-            "fronts": sum(_cpu_s(p.pid) for p in engines),
-            "cores": sum(_cpu_s(child) for p in engines for child in _descendants(p.pid))}
+    router = [procs[-1].pid, *descendants(procs[-1].pid)]  # with --router-workers, its workers
+    return {"router": sum(map(cpu_seconds, router)) if routed else float("nan"),
+            "fronts": sum(cpu_seconds(p.pid) for p in engines),
+            "cores": sum(cpu_seconds(child) for p in engines for child in descendants(p.pid))}
 
 
 def stop_stack(procs: list[subprocess.Popen]) -> None:

@@ -58,22 +58,24 @@ class RouterRuntimeApi:
         what it holds); a call still at its prefill ends with FINISH_REASON_ABORT here. A call
         this replica does not carry is passed on to its peers (a client's connection may reach
         any replica), unless a peer passed it here."""
-        results = {}
+        results = []
         for request_id in msg.request_ids:
             aborted = self.in_flight.abort(request_id)
             if aborted is None:
-                results[request_id] = self.in_flight.status(request_id)
+                results.append(pb.AbortResult(request_id=request_id, status=self.in_flight.status(request_id)))
                 continue
             ids, reached = aborted
             request = pb.AbortRequest(request_ids=ids)
             await asyncio.gather(*(b.api.Abort(request, metadata=token_metadata(self.internal_token), timeout=5)
                                    for b in reached), return_exceptions=True)
-            results[request_id] = pb.ABORT_STATUS_ABORTED
-        unknown = [i for i, status in results.items() if status == pb.ABORT_STATUS_NOT_FOUND]
+            results.append(pb.AbortResult(request_id=request_id, status=pb.ABORT_STATUS_ABORTED))
+        unknown = [r for r in results if r.status == pb.ABORT_STATUS_NOT_FOUND]
         forwarded = any(k == ABORT_FORWARDED_KEY for k, _ in context.invocation_metadata() or ())
         if unknown and not forwarded:
-            results.update(await self._abort_at_peers(unknown))
-        return pb.AbortResponse(results=[pb.AbortResult(request_id=i, status=s) for i, s in results.items()])
+            found = await self._abort_at_peers([r.request_id for r in unknown])
+            for r in unknown:
+                r.status = found.get(r.request_id, r.status)
+        return pb.AbortResponse(results=results)
 
     async def _abort_at_peers(self, request_ids: list[str]) -> dict[str, int]:
         """What the peers answer for calls not known here: aborted or finished where one carries

@@ -21,6 +21,7 @@ from baton.services.cli import launcher, placement
 from baton.services.cli.launcher import Service, Stack, build_stack, free_port
 from baton.services.cli.main import build_parser, main
 from baton.services.cli.placement import Placement, place_engines
+from baton.testing.processes import descendants
 
 
 def waterfalls(lines: list[str]) -> list[list[list[str]]]:
@@ -272,8 +273,3 @@ def test_baton_up_runs_a_tensor_parallel_tier(tiny_llama):
             up.proc.kill()
             up.proc.wait()
 
-
-def descendants(pid: int) -> list[int]:
-    children = [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
-                                                text=True).stdout.split()]
-    return children + [d for c in children for d in descendants(c)]

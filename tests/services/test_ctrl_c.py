@@ -18,29 +18,9 @@ from helpers import alive
 
 from baton.services.cli.launcher import free_port
 from baton.services.client import Client
+from baton.testing.processes import descendants
 
 STOP_LINE = re.compile(r"^(\[[\w-]+\] )?draining \(up to |^stopping$")
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process under pid (each of its threads' children, and theirs), from /proc."""
-    found, todo = set(), [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except FileNotFoundError:
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{task}/children") as f:
-                    children = [int(c) for c in f.read().split()]
-            except FileNotFoundError:
-                continue
-            found.update(children)
-            todo.extend(children)
-    return found
-
 
 
 def group_gone(pgid: int) -> bool:
