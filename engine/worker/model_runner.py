@@ -238,23 +238,34 @@ class ModelRunner:
     @torch.inference_mode()
     def submit(self, sched: SchedulerOutput) -> QueuedStep:
         """A step of async scheduling (its requests plain: no logprobs, penalties, grammar,
-        min_tokens, drafts; no connector, host tier or ranks), queued on the device: a request
-        whose last token is still on its way reads it there. The tokens come back by a
-        non-blocking copy to pinned memory, taken with QueuedStep.result()."""
+        min_tokens, drafts; no host tier or ranks), queued on the device: a request whose last
+        token is still on its way reads it there. The tokens come back by a non-blocking copy to
+        pinned memory, taken with QueuedStep.result(), with the KV connector's transfers that
+        ended by the time the step was queued (a load that ends later is seen a step later)."""
         with self._on_device():
             self._apply(sched)
-            if not sched.total_num_scheduled_tokens:
-                return QueuedStep([], None, self._take_tokens)
-            batch = self.batches.rows(sched, self.states)
-            hidden, sample_rows = self._forward(batch, sched)
-            states = [self.states[r] for r in batch.sample_req_ids]
-            tokens = sample_on_device(self.model.compute_logits(hidden[sample_rows]),
-                                      [s.sampling_params for s in states], [s.generator for s in states])
-            for i, state in enumerate(states):
-                state.num_pending += 1
-                state.pending_index = i
-            self.last_sampled = tokens
-            return QueuedStep(batch.sample_req_ids, tokens, self._take_tokens, self.token_ring)
+            if self.connector is not None:
+                self.connector.start_load_kv(sched.kv_connector_metadata)
+            queued = self._queue(sched)
+            if self.connector is not None:
+                queued.kv_connector_output = self.connector.get_finished()
+            return queued
+
+    def _queue(self, sched: SchedulerOutput) -> QueuedStep:
+        if not sched.total_num_scheduled_tokens:
+            return QueuedStep([], None, self._take_tokens)
+        batch = self.batches.rows(sched, self.states)
+        hidden, sample_rows = self._forward(batch, sched)
+        if not batch.sample_req_ids:  # prompt chunks only: nothing to sample (nor to index by)
+            return QueuedStep([], None, self._take_tokens)
+        states = [self.states[r] for r in batch.sample_req_ids]
+        tokens = sample_on_device(self.model.compute_logits(hidden[sample_rows]),
+                                  [s.sampling_params for s in states], [s.generator for s in states])
+        for i, state in enumerate(states):
+            state.num_pending += 1
+            state.pending_index = i
+        self.last_sampled = tokens
+        return QueuedStep(batch.sample_req_ids, tokens, self._take_tokens, self.token_ring)
 
     def _take_tokens(self, req_ids: list[str], tokens: list[int]) -> ModelRunnerOutput:
         """A queued step's tokens, come back: each request's (one dropped meanwhile gets none)."""

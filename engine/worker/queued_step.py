@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from baton.engine.common.scheduler_output import ModelRunnerOutput
+from baton.kv_transfer.base import KVConnectorOutput
 
 
 class PinnedRing:
@@ -32,6 +33,7 @@ class QueuedStep:
         nothing); `take(req_ids, tokens)`: the runner's, once they are on the host."""
         self.req_ids, self.take = req_ids, take
         self.host = self.ready = None
+        self.kv_connector_output: KVConnectorOutput | None = None  # the runner's, set once queued
         if tokens is not None:
             self.host = ring.next(len(req_ids)) if ring is not None else torch.empty(len(req_ids), dtype=torch.int64)
             self.host.copy_(tokens, non_blocking=True)
@@ -42,7 +44,10 @@ class QueuedStep:
     def result(self) -> ModelRunnerOutput:
         """The step's output, once its tokens landed (waits for the device up to then)."""
         if self.host is None:
-            return ModelRunnerOutput({})
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.take(self.req_ids, self.host.tolist())
+            out = ModelRunnerOutput({})
+        else:
+            if self.ready is not None:
+                self.ready.synchronize()
+            out = self.take(self.req_ids, self.host.tolist())
+        out.kv_connector_output = self.kv_connector_output
+        return out

@@ -102,3 +102,32 @@ def test_a_bad_value_is_refused_naming_the_field(tiny_llama, bad):
 
     with pytest.raises(InvalidArgument, match="async_scheduling"):
         LLM(tiny_llama, device="cpu", async_scheduling=bad)
+
+
+def test_disaggregated_engines_schedule_ahead_and_equal_colocated(tiny_llama):
+    """A prefill and a decode engine over real NIXL transfers, both scheduling ahead: the
+    connector's loads start and its finished transfers are reported in queued steps (a load that
+    ends while a step is queued is seen a step later), and the outputs equal one colocated
+    engine's; every block is back and nothing is held."""
+    from nixl_engines import assert_pools_full, connect, disaggregated, nixl_engine
+
+    prompts = random_prompts([3, 16, 17, 40, 77], seed=31)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (14, 6, 11, 3, 9)]
+    want = [o.token_ids for o in LLM(tiny_llama, dtype="float32", device="cpu").generate(prompts, params)]
+    prefill = nixl_engine(tiny_llama, "prefill", async_scheduling=True, max_num_batched_tokens=48)
+    decode = nixl_engine(tiny_llama, "decode", async_scheduling=True)
+    assert prefill.core.loop.ahead and decode.core.loop.ahead
+    connect(prefill, decode)
+    ahead = []
+    submit = decode.core.runner.submit
+
+    def counted(sched):
+        ahead.append(decode.core.step_in_flight and sched.total_num_scheduled_tokens > 0)
+        return submit(sched)
+    decode.core.runner.submit = counted
+    assert disaggregated(prefill, decode, prompts, params) == want
+    del decode.core.runner.submit
+    assert sum(ahead) >= 5, ahead
+    assert decode.runner.connector.num_blocks_pulled > 0
+    assert_pools_full(prefill, decode)
+    assert not decode.core.step_in_flight and not prefill.core.step_in_flight
