@@ -82,9 +82,10 @@ class EngineConfig:
     # experts spread whole over the ranks rather than each split. Ignored with one rank (every
     # expert is on it) and by a model without experts, as vLLM does: a stack's tiers share it.
     enable_expert_parallel: bool = False
-    # CUDA graphs (vLLM's names): a step of one-token decodes replays a graph captured for its batch
-    # size padded up to the next of cudagraph_capture_sizes (default: 1, 2, 4, then every multiple
-    # of 8 up to max_num_seqs, at most 512); enforce_eager: never (every step launches its kernels).
+    # CUDA graphs (vLLM's names): a decode step (drafts verified too) replays a graph captured for
+    # its rows padded up to the next of cudagraph_capture_sizes (default: 1, 2, 4, then every
+    # multiple of 8 up to max_num_seqs x (1 + num_speculative_tokens), at most 512); enforce_eager:
+    # never (every step launches its kernels).
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None
     # vLLM's name: the scheduler prepares step N+1 while the device runs step N (the tokens N samples
@@ -145,7 +146,8 @@ class EngineConfig:
             check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
         sizes = self.cudagraph_capture_sizes
         if sizes is None:
-            most = min(self.max_num_seqs, 512)
+            spec = self.speculative_config  # (each decode verifies up to its k drafts: k + 1 rows)
+            most = min(self.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0)), 512)
             sizes = [n for n in (1, 2, 4) if n < most] + list(range(8, most, 8)) + [most]
         check(isinstance(sizes, (list, tuple)) and len(sizes) > 0
               and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes),

@@ -1,8 +1,12 @@
-"""CUDA graphs for steps of one-token decodes: the model's forward captured once per padded
-batch size and replayed, so a decode step costs one launch from Python instead of hundreds
-(vLLM's cudagraph_capture_sizes; enforce_eager turns it off).
+"""CUDA graphs for decode steps: the model's forward captured once per padded batch size and
+replayed, so a decode step costs one launch from Python instead of hundreds (vLLM's
+cudagraph_capture_sizes; enforce_eager turns it off).
 
-A step of B decodes runs the graph of the smallest captured size P >= B. Its inputs live in
+A decode step is one whose every row is sampled: one-token decodes, and requests verifying
+drafts, whose k + 1 rows (the last token, then each draft) run as k + 1 one-token decodes of the
+same sequence at consecutive positions, each over its own context length (the layer writes every
+row's K and V before any row attends, so row j reads the drafts before it). A step of B rows runs
+the graph of the smallest captured size P >= B. Its inputs live in
 persistent buffers the graphs read (token ids, positions, and per KV cache group the slots and
 block tables; the context lengths shared): the step writes its rows into pinned host copies and
 one copy per buffer brings them to the device. Padding rows B..P-1 hold token 0 at position 0,
@@ -11,9 +15,9 @@ whatever it holds, and never written), so they compute something harmless that n
 The tables are as wide as max_model_len: the decode kernels share each sequence's own key tiles
 over the grid's splits (kernels/triton_attention.py), so one grid serves every context length.
 
-Only the forward is captured: logits, sampling and the proposers run eagerly after it. A step
-with prefill chunks, drafts to verify, prompt logprobs, or more decodes than the largest size
-runs eagerly, as do engines with LoRA, RoPE that depends on the sequence's length, tensor
+Only the forward is captured: logits, sampling, verification and the proposers run eagerly
+after it. A step with prefill chunks, prompt logprobs, or more rows than the largest size runs
+eagerly, as do engines with LoRA, RoPE that depends on the sequence's length, tensor
 parallelism (NCCL inside a graph is unverified: no machine with two GPUs was lent), or an
 attention backend other than Triton's.
 
@@ -85,12 +89,13 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, num_decodes)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def takes(self, batch: StepBatch, drafts: bool) -> bool:
-        """Whether a graph runs a step (`drafts`: some to verify): one token for every request,
-        each sampled, none with drafts or prompt logprobs, no more than the largest size."""
-        n = len(batch.order)
-        return (self.enabled and not drafts and batch.num_decodes == n == len(batch.sample_req_ids)
-                and not batch.prompt_rows and self.padded_size(n) is not None)
+    def takes(self, batch: StepBatch) -> bool:
+        """Whether a graph runs a step: every row sampled (one-token decodes, and drafts to
+        verify with the token before them: no prompt chunk), none for prompt logprobs, no more
+        rows than the largest size."""
+        n = len(batch.input_ids)
+        return (self.enabled and len(batch.sample_rows) == n and not batch.prompt_rows
+                and self.padded_size(n) is not None)
 
     def _metas(self, size: int) -> list[AttentionMetadata]:
         """Each group's metadata for a batch of `size` decodes: views of the persistent buffers."""
@@ -137,12 +142,15 @@ class DecodeGraphs:
 
     def run(self, input_ids: list[int], positions: list[int], group_spans: list[list[block_tables.Span]],
             unknown: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The forward's outputs for B one-token decodes (B <= the largest size), each padded to
-        the captured size (the first B rows are theirs): their token ids, positions, and per KV
-        cache group each request's span (as the batch builder makes them: start, end, block ids);
-        `unknown`: (rows, tokens) of rows whose token is on the device only (async scheduling)."""
+        """The forward's outputs for a step of B rows (B <= the largest size), padded to the
+        captured size (the first B rows are theirs): their token ids, positions, and per KV cache
+        group each request's span (as the batch builder makes them: start, end, block ids; a
+        request verifying drafts spans its k + 1 rows); `unknown`: (rows, tokens) of rows whose
+        token is on the device only (async scheduling)."""
         n = len(input_ids)
         size = self.padded_size(n)
+        if n != len(group_spans[0]):  # drafts to verify: a span per row
+            group_spans = [row_spans(spans) for spans in group_spans]
         for buffer in self._buffers():
             buffer.flip()
         self.input_ids.array[:n] = input_ids
@@ -166,12 +174,17 @@ class DecodeGraphs:
         return outputs
 
 
-def capture_sizes(config_sizes: list[int], max_num_seqs: int) -> list[int]:
-    """The configured sizes a batch can reach (at most max_num_seqs decodes; the smallest
-    size above it kept, so a full batch has a graph)."""
-    sizes = [s for s in config_sizes if s <= max_num_seqs]
-    above = [s for s in config_sizes if s > max_num_seqs]
-    return sizes + above[:1] if above and (not sizes or sizes[-1] < max_num_seqs) else sizes
+def row_spans(spans: list[block_tables.Span]) -> list[block_tables.Span]:
+    """Each request's span cut into one-token spans, a row each (over the same blocks)."""
+    return [(p, p + 1, blocks) for start, end, blocks in spans for p in range(start, end)]
+
+
+def capture_sizes(config_sizes: list[int], max_rows: int) -> list[int]:
+    """The configured sizes a batch can reach (at most max_rows rows: max_num_seqs decodes, each
+    with its drafts; the smallest size above it kept, so a full batch has a graph)."""
+    sizes = [s for s in config_sizes if s <= max_rows]
+    above = [s for s in config_sizes if s > max_rows]
+    return sizes + above[:1] if above and (not sizes or sizes[-1] < max_rows) else sizes
 
 
 def graphs_off_because(on_cuda: bool, enforce_eager: bool, backend: str, lora: bool, rope_by_length: bool,

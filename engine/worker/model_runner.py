@@ -138,7 +138,8 @@ class ModelRunner:
                                  lora is not None, model.rope_by_length, config.tensor_parallel_size > 1)
         # Steps of one-token decodes replay CUDA graphs (captured by capture_graphs, once the engine is built).
         self.graphs = None if off is not None else DecodeGraphs(
-            self._graph_forward, len(groups.layers), capture_sizes(config.cudagraph_capture_sizes, config.max_num_seqs),
+            self._graph_forward, len(groups.layers),
+            capture_sizes(config.cudagraph_capture_sizes, config.max_num_seqs * (1 + self.num_spec_tokens)),
             -(-config.max_model_len // config.block_size), config.block_size, self.device, capture=True)
         self.graphs_off = off  # why not, for the log
         # A draft's or head's KV goes to a decode peer with the prompt's (an engine with a connector's).
@@ -310,11 +311,11 @@ class ModelRunner:
             rows, picks = zip(*batch.unknown_inputs)
             unknown = (torch.tensor(rows, device=self.device),
                        self.last_sampled[torch.tensor(picks, device=self.device)])
-        if self.graphs is not None and self.graphs.takes(batch, bool(sched.scheduled_spec_tokens)):
+        if self.graphs is not None and self.graphs.takes(batch):
             hidden, aux = self.graphs.run(batch.input_ids, batch.positions, batch.group_spans, unknown)
             if aux:
                 self.model.aux_hidden = aux
-            return hidden, slice(0, len(batch.order))  # (hidden is padded to the graph's size)
+            return hidden, slice(0, len(batch.input_ids))  # (every row sampled; hidden is padded to the graph's size)
         tensors = self.batches.tensors(batch)
         if unknown is not None:
             tensors.input_ids.index_copy_(0, *unknown)

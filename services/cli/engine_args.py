@@ -107,8 +107,9 @@ FLAGS = (
     Flag("accept_kv_from", "P/D: other checkpoints (directories, or the fingerprints `baton models` prints) whose KV "
                            "this engine's peers may send or take as this model's: another quantization of the same "
                            "model", str, "+", "CHECKPOINT"),
-    Flag("cudagraph_capture_sizes", "decode batch sizes to capture CUDA graphs for (default: 1 2 4, then every "
-                                    "multiple of 8 up to --max-num-seqs, at most 512)", int, "+", "N"),
+    Flag("cudagraph_capture_sizes", "decode step sizes, in rows, to capture CUDA graphs for (default: 1 2 4, then "
+                                    "every multiple of 8 up to --max-num-seqs x (1 + drafts), at most 512)", int,
+         "+", "N"),
     Flag("lora_modules", "LoRA adapters (PEFT directories) to load at start; requests pick one by name",
          str, "+", "NAME=PATH", to_config=_adapters,
          to_argv=lambda modules: [f"{name}={path}" for name, path in modules.items()]),

@@ -28,9 +28,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = [1, 2, 4, 8]
 
 
-def graphed(llm: LLM, sizes=SIZES) -> list[tuple[int, int]]:
+def graphed(llm: LLM, sizes=SIZES) -> list[tuple[int, int, int]]:
     """The engine's decode steps through DecodeGraphs of `sizes` (captured on a GPU); returns
-    the (decodes, padded size) of every step that took them, as they come."""
+    the (rows, padded size, requests) of every step that took them, as they come (more rows than
+    requests: drafts verified)."""
     runner, config = llm.engine.runner, llm.engine.config
     graphs = DecodeGraphs(runner._graph_forward, len(runner.kv_groups.layers), sizes,
                           -(-config.max_model_len // config.block_size), config.block_size, runner.device,
@@ -38,9 +39,9 @@ def graphed(llm: LLM, sizes=SIZES) -> list[tuple[int, int]]:
     graphs.capture_all()
     runner.graphs, taken, run = graphs, [], graphs.run
 
-    def counted(input_ids, *rest):
-        taken.append((len(input_ids), graphs.padded_size(len(input_ids))))
-        return run(input_ids, *rest)
+    def counted(input_ids, positions, group_spans, *rest):
+        taken.append((len(input_ids), graphs.padded_size(len(input_ids)), len(group_spans[0])))
+        return run(input_ids, positions, group_spans, *rest)
     graphs.run = counted
     return taken
 
@@ -71,7 +72,52 @@ def test_padded_decode_batches_equal_transformers(tmp_path, hf, name):
     outs = llm.generate(prompts, params)
     for prompt, n, out in zip(prompts, counts, outs, strict=True):
         assert out.token_ids == hf.greedy(model_dir, prompt, n), f"prompt of {len(prompt)} tokens"
-    assert (6, 8) in taken and {size for _, size in taken} == set(SIZES), taken  # padded, and every size
+    assert (6, 8, 6) in taken and {size for _, size, _ in taken} == set(SIZES), taken  # padded, and every size
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_drafts_verify_through_the_graphs(tmp_path, hf, name):
+    """Steps verifying drafts (some right, some wrong: the oracle of test_spec_decode) replay the
+    graphs, each request's k + 1 rows as one-token decodes at consecutive positions over the same
+    blocks, a sliding window's group too; the outputs equal transformers'."""
+    from test_spec_decode import NGRAM, OracleProposer
+
+    config_class, shape = FAMILIES[name] if name != "llama" else ("LlamaConfig", dict(
+        hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2))
+    model_dir = write_random_checkpoint(str(tmp_path / name), config_class, seed=9, spread_norms=True, **shape)
+    prompts = random_prompts([6, 19, 41, 12], seed=23)
+    want = [hf.greedy(model_dir, p, 14) for p in prompts]
+    llm = engine(model_dir, speculative_config=NGRAM)
+    llm.engine.runner.proposer = OracleProposer([p + w for p, w in zip(prompts, want)])
+    taken = graphed(llm, [1, 2, 4, 8, 16, 24])
+    outs = llm.generate(prompts, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
+    assert any(rows > requests for rows, _, requests in taken), taken  # drafts verified in a graph
+    stats = llm.engine.core.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_an_eagle3_head_drafts_from_the_graphs_hidden_states(tiny_llama, tmp_path):
+    """EAGLE-3 reads the target's aux hidden states, which a graph's replay returns: the drafts and
+    outputs equal an engine's whose steps all run eagerly."""
+    from baton.testing.eagle_heads import write_head
+
+    head = write_head(str(tmp_path / "eagle3"), tiny_llama, "eagle3", seed=1)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    prompts = random_prompts([7, 30, 15], seed=4)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eager = engine(tiny_llama, speculative_config=spec)
+    want = [o.token_ids for o in eager.generate(prompts, greedy)]
+    want_stats = eager.engine.core.scheduler.spec_stats
+    llm = engine(tiny_llama, speculative_config=spec)
+    taken = graphed(llm, [1, 2, 4, 8, 16])
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+    stats = llm.engine.core.scheduler.spec_stats
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (want_stats.num_draft_tokens,
+                                                                   want_stats.num_accepted_tokens)
+    assert any(rows > requests for rows, _, requests in taken), taken
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
@@ -85,7 +131,7 @@ def test_steps_the_graphs_cannot_take_run_eagerly(tiny_llama, hf):
     outs = llm.generate(prompts, [greedy] * 5 + [dataclasses.replace(greedy, prompt_logprobs=1)])
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == hf.greedy(tiny_llama, prompt, 6)
-    assert all(n <= 4 for n, _ in taken)  # never six decodes at once through a graph of four
+    assert all(n <= 4 for n, _, _ in taken)  # never six decodes at once through a graph of four
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
@@ -131,6 +177,10 @@ def test_capture_sizes_and_their_validation(tiny_llama):
     assert capture_sizes([1, 2, 4, 8, 16], 6) == [1, 2, 4, 8]  # a full batch of 6 pads to 8
     assert capture_sizes([1, 2, 4, 8], 8) == [1, 2, 4, 8]
     assert capture_sizes([16, 32], 4) == [16]
+    with_drafts = LLM(tiny_llama, device="cpu", max_num_seqs=20, speculative_config={"method": "ngram",
+                                                                                    "num_speculative_tokens": 3})
+    assert with_drafts.engine.config.cudagraph_capture_sizes[-2:] == [72, 80]  # 20 requests of 4 rows
+    with_drafts.close()
     llm = LLM(tiny_llama, device="cpu", max_num_seqs=20)
     assert llm.engine.config.cudagraph_capture_sizes == [1, 2, 4, 8, 16, 20]
     assert llm.engine.runner.graphs is None  # a CPU engine runs every step eagerly
