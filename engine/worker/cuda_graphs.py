@@ -8,16 +8,17 @@ same sequence at consecutive positions, each over its own context length (the la
 row's K and V before any row attends, so row j reads the drafts before it). A step of B rows runs
 the graph of the smallest captured size P >= B. Its inputs live in
 persistent buffers the graphs read (token ids, positions, and per KV cache group the slots and
-block tables; the context lengths shared): the step writes its rows into pinned host copies and
+block tables; the context lengths shared; with LoRA each row's adapter slot, lora/layers.py's
+stacks): the step writes its rows into pinned host copies and
 one copy per buffer brings them to the device. Padding rows B..P-1 hold token 0 at position 0,
-slot -1 (the KV write skips a negative slot) and a context of one key, block 0's first (finite,
+slot -1 (the KV write skips a negative slot), no adapter, and a context of one key, block 0's first (finite,
 whatever it holds, and never written), so they compute something harmless that nobody reads.
 The tables are as wide as max_model_len: the decode kernels share each sequence's own key tiles
 over the grid's splits (kernels/triton_attention.py), so one grid serves every context length.
 
 Only the forward is captured: logits, sampling, verification and the proposers run eagerly
 after it. A step with prefill chunks, prompt logprobs, or more rows than the largest size runs
-eagerly, as do engines with LoRA, RoPE that depends on the sequence's length, tensor
+eagerly, as do engines with RoPE that depends on the sequence's length, tensor
 parallelism (NCCL inside a graph is unverified: no machine with two GPUs was lent), or an
 attention backend other than Triton's.
 
@@ -36,9 +37,11 @@ from baton.engine.worker import block_tables
 from baton.engine.worker.batch_builder import StepBatch
 from baton.kernels.attention import AttentionMetadata, TritonBatch
 
-# (input_ids, positions, one AttentionMetadata per KV cache group) -> the hidden states and what
-# else of the forward a step reads (EAGLE-3's layer inputs, CausalLM.aux_hidden; else empty).
-Forward = Callable[[torch.Tensor, torch.Tensor, list[AttentionMetadata]], tuple[torch.Tensor, list[torch.Tensor]]]
+# (input_ids, positions, one AttentionMetadata per KV cache group, each row's LoRA slot or None
+# without LoRA) -> the hidden states and what else of the forward a step reads (EAGLE-3's layer
+# inputs, CausalLM.aux_hidden; else empty).
+Forward = Callable[[torch.Tensor, torch.Tensor, list[AttentionMetadata], torch.Tensor | None],
+                   tuple[torch.Tensor, list[torch.Tensor]]]
 
 
 class _Buffer:
@@ -70,9 +73,10 @@ class _Buffer:
 
 class DecodeGraphs:
     def __init__(self, forward: Forward, num_groups: int, sizes: list[int], max_blocks: int, block_size: int,
-                 device: torch.device, capture: bool):
+                 device: torch.device, capture: bool, lora: bool = False):
         """`sizes`: the batch sizes to capture (sorted); `max_blocks`: a table row's width
-        (max_model_len's blocks); `capture`: false where the padded batch runs eagerly."""
+        (max_model_len's blocks); `capture`: false where the padded batch runs eagerly; `lora`:
+        each row's adapter slot is an input too (lora/layers.py's stacks)."""
         self.forward, self.sizes, self.block_size, self.device = forward, sizes, block_size, device
         self.capture = capture
         self.enabled = True  # bench/gpu_perf.py times the eager path of the same engine by turning it off
@@ -82,6 +86,7 @@ class DecodeGraphs:
         self.lens = _Buffer((most,), torch.int32, device)
         self.slots = [_Buffer((most,), torch.int32, device) for _ in range(num_groups)]
         self.tables = [_Buffer((most, max_blocks), torch.int32, device) for _ in range(num_groups)]
+        self.adapters = _Buffer((most,), torch.int64, device) if lora else None  # -1: the base model
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, list[torch.Tensor]]]] = {}
 
     def padded_size(self, num_decodes: int) -> int | None:
@@ -110,12 +115,20 @@ class DecodeGraphs:
         self.input_ids.array[start:size] = 0
         self.positions.array[start:size] = 0
         self.lens.array[start:size] = 1
+        if self.adapters is not None:
+            self.adapters.array[start:size] = -1
         for slots, table in zip(self.slots, self.tables):
             slots.array[start:size] = -1
             table.array[start:size, 0] = 0
 
     def _buffers(self) -> list[_Buffer]:
-        return [self.input_ids, self.positions, self.lens, *self.slots, *self.tables]
+        return [self.input_ids, self.positions, self.lens, *self.slots, *self.tables,
+                *([self.adapters] if self.adapters is not None else [])]
+
+    def _args(self, size: int) -> tuple:
+        """The forward's arguments for a batch of `size` rows: views of the persistent buffers."""
+        return (self.input_ids.device[:size], self.positions.device[:size], self._metas(size),
+                None if self.adapters is None else self.adapters.device[:size])
 
     def _upload(self, size: int) -> None:
         for buffer in self._buffers():
@@ -131,7 +144,7 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             self._pad(0, size)
             self._upload(size)
-            args = (self.input_ids.device[:size], self.positions.device[:size], self._metas(size))
+            args = self._args(size)
             self.forward(*args)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
@@ -141,12 +154,14 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     def run(self, input_ids: list[int], positions: list[int], group_spans: list[list[block_tables.Span]],
-            unknown: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            unknown: tuple[torch.Tensor, torch.Tensor] | None = None, adapter_slots: list[int] | None = None
+            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The forward's outputs for a step of B rows (B <= the largest size), padded to the
         captured size (the first B rows are theirs): their token ids, positions, and per KV cache
         group each request's span (as the batch builder makes them: start, end, block ids; a
         request verifying drafts spans its k + 1 rows); `unknown`: (rows, tokens) of rows whose
-        token is on the device only (async scheduling)."""
+        token is on the device only (async scheduling); `adapter_slots`: each row's LoRA slot
+        (-1: none), where the graphs take them."""
         n = len(input_ids)
         size = self.padded_size(n)
         if n != len(group_spans[0]):  # drafts to verify: a span per row
@@ -155,6 +170,8 @@ class DecodeGraphs:
             buffer.flip()
         self.input_ids.array[:n] = input_ids
         self.positions.array[:n] = positions
+        if self.adapters is not None:
+            self.adapters.array[:n] = adapter_slots
         bs = self.block_size
         self.lens.array[:n] = [end for _, end, _ in group_spans[0]]
         for spans, slots, table in zip(group_spans, self.slots, self.tables):
@@ -168,7 +185,7 @@ class DecodeGraphs:
         if unknown is not None:  # after the upload, on the same stream
             self.input_ids.device.index_copy_(0, *unknown)
         if size not in self.graphs:  # not captured (capture=False): the same padded batch, eagerly
-            return self.forward(self.input_ids.device[:size], self.positions.device[:size], self._metas(size))
+            return self.forward(*self._args(size))
         graph, outputs = self.graphs[size]
         graph.replay()
         return outputs
@@ -187,11 +204,11 @@ def capture_sizes(config_sizes: list[int], max_rows: int) -> list[int]:
     return sizes + above[:1] if above and (not sizes or sizes[-1] < max_rows) else sizes
 
 
-def graphs_off_because(on_cuda: bool, enforce_eager: bool, backend: str, lora: bool, rope_by_length: bool,
+def graphs_off_because(on_cuda: bool, enforce_eager: bool, backend: str, rope_by_length: bool,
                        tensor_parallel: bool) -> str | None:
     """Why an engine runs every step eagerly (None: it captures decode graphs)."""
     for reason, off in (("not on a GPU", not on_cuda), ("enforce_eager", enforce_eager),
-                        (f"attention backend {backend}", backend != "triton"), ("LoRA", lora),
+                        (f"attention backend {backend}", backend != "triton"),
                         ("RoPE by sequence length", rope_by_length), ("tensor parallelism", tensor_parallel)):
         if off:
             return reason

@@ -31,6 +31,7 @@ from baton.engine.worker.loader import (
     draft_fingerprint,
     peer_fingerprint,
 )
+from baton.engine.worker.lora.adapter import part_shapes
 from baton.engine.worker.lora.layers import LoRASlots
 from baton.engine.worker.models import CausalLM, model_args
 from baton.engine.worker.queued_step import PinnedRing, QueuedStep
@@ -134,13 +135,13 @@ class ModelRunner:
                                     compute_dtype, lora is not None)
         self.proposer = None if spec is None else (make_proposer(spec) if draft is None else
                                                    self._draft_proposer(draft, num_blocks))
+        self.whole_args = whole
         off = graphs_off_because(self.device.type == "cuda", config.enforce_eager, self.attention_backend,
-                                 lora is not None, model.rope_by_length, config.tensor_parallel_size > 1)
-        # Steps of one-token decodes replay CUDA graphs (captured by capture_graphs, once the engine is built).
-        self.graphs = None if off is not None else DecodeGraphs(
-            self._graph_forward, len(groups.layers),
+                                 model.rope_by_length, config.tensor_parallel_size > 1)
+        # Decode steps replay CUDA graphs (captured by capture_graphs, once the engine is built).
+        self.graphs = None if off is not None else self.make_graphs(
             capture_sizes(config.cudagraph_capture_sizes, config.max_num_seqs * (1 + self.num_spec_tokens)),
-            -(-config.max_model_len // config.block_size), config.block_size, self.device, capture=True)
+            capture=True)
         self.graphs_off = off  # why not, for the log
         # A draft's or head's KV goes to a decode peer with the prompt's (an engine with a connector's).
         draft_cache = self.proposer.cache if draft is not None and connector is not None else None
@@ -180,14 +181,26 @@ class ModelRunner:
         if self.host_kv is not None:
             self.host_kv.close()
 
+    def make_graphs(self, sizes: list[int], capture: bool) -> DecodeGraphs:
+        """The decode graphs of `sizes` (`capture`: false to run the padded batches eagerly, as a
+        CPU does in the tests), LoRA's slots then kept as stacks they read."""
+        if self.lora is not None:
+            self.lora.use_stacks(part_shapes(self.whole_args), self.config.max_lora_rank)
+        config = self.config
+        return DecodeGraphs(self._graph_forward, len(self.kv_groups.layers), sizes,
+                            -(-config.max_model_len // config.block_size), config.block_size, self.device, capture,
+                            lora=self.lora is not None)
+
     def capture_graphs(self) -> None:
         """Capture the decode steps' CUDA graphs (where this runner uses them)."""
         if self.graphs is not None:
             with self._on_device():
                 self.graphs.capture_all()
 
-    def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: list
-                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: list,
+                       adapters: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self.lora is not None:
+            self.lora.use_rows(adapters)
         hidden = self.model(input_ids, positions, self.layer_caches, [metas[g] for g in self.layer_group])
         return hidden, list(self.model.aux_hidden) if self.model.aux_layers else []
 
@@ -312,7 +325,9 @@ class ModelRunner:
             unknown = (torch.tensor(rows, device=self.device),
                        self.last_sampled[torch.tensor(picks, device=self.device)])
         if self.graphs is not None and self.graphs.takes(batch):
-            hidden, aux = self.graphs.run(batch.input_ids, batch.positions, batch.group_spans, unknown)
+            slots = (None if self.lora is None else
+                     self.lora.graph_rows(batch.adapter_spans, len(batch.input_ids)))
+            hidden, aux = self.graphs.run(batch.input_ids, batch.positions, batch.group_spans, unknown, slots)
             if aux:
                 self.model.aux_hidden = aux
             return hidden, slice(0, len(batch.input_ids))  # (every row sampled; hidden is padded to the graph's size)

@@ -21,7 +21,7 @@ from test_families import FAMILIES
 
 from baton import LLM, SamplingParams
 from baton.engine.common.errors import InvalidArgument
-from baton.engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from baton.engine.worker.cuda_graphs import capture_sizes
 from baton.testing.checkpoints import write_random_checkpoint
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,10 +32,8 @@ def graphed(llm: LLM, sizes=SIZES) -> list[tuple[int, int, int]]:
     """The engine's decode steps through DecodeGraphs of `sizes` (captured on a GPU); returns
     the (rows, padded size, requests) of every step that took them, as they come (more rows than
     requests: drafts verified)."""
-    runner, config = llm.engine.runner, llm.engine.config
-    graphs = DecodeGraphs(runner._graph_forward, len(runner.kv_groups.layers), sizes,
-                          -(-config.max_model_len // config.block_size), config.block_size, runner.device,
-                          capture=runner.device.type == "cuda")
+    runner = llm.engine.runner
+    graphs = runner.make_graphs(sizes, capture=runner.device.type == "cuda")
     graphs.capture_all()
     runner.graphs, taken, run = graphs, [], graphs.run
 
@@ -118,6 +116,31 @@ def test_an_eagle3_head_drafts_from_the_graphs_hidden_states(tiny_llama, tmp_pat
     assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (want_stats.num_draft_tokens,
                                                                    want_stats.num_accepted_tokens)
     assert any(rows > requests for rows, _, requests in taken), taken
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_lora_rows_take_their_slots_in_the_graphs(tiny_llama, adapters, peft_ref):
+    """Three adapters of ranks 4, 8 and 16 and the base model in the same decode steps, two device
+    slots (so an adapter takes the slot another left): the graphs read each row's slot from a
+    persistent buffer and the stacked weights (lora/layers.py), the prefill steps views of them;
+    every output equals transformers + PEFT's."""
+    from test_lora import GREEDY, assert_matches_peft, mixed
+
+    llm = engine(tiny_llama, lora_modules=adapters, max_loras=2)
+    taken = graphed(llm)
+    runner = llm.engine.runner
+    slots_seen, graph_rows = [], runner.lora.graph_rows
+
+    def recorded(spans, rows):
+        slots = graph_rows(spans, rows)
+        slots_seen.append(slots)
+        return slots
+    runner.lora.graph_rows = recorded
+    prompts, names = mixed(2, seed=3)
+    outputs = llm.generate(prompts, GREEDY, lora_request=names)
+    assert_matches_peft(peft_ref, adapters, prompts, names, outputs)
+    assert taken and any(len(set(s) - {-1}) == 2 and -1 in s for s in slots_seen), slots_seen  # 2 adapters + base
+    assert runner.lora.num_loads >= 3  # three adapters, two slots: one took a slot another left
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
