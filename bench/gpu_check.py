@@ -406,14 +406,16 @@ def check_spec_decode(tmp: str) -> dict:
                        **{m: {"method": m, "model": head} for m, head in heads.items()}}.items():
         llm = LLM(model_dir, dtype="float32", device="cuda", max_model_len=512, max_num_batched_tokens=64,
                   speculative_config={**spec, "num_speculative_tokens": 4})
+        replays = _count_graph_steps(llm)  # verification steps among them: more rows than requests
         t0 = time.perf_counter()
         got = [o.token_ids for o in llm.generate(prompts, params)]
         stats = llm.engine.core.scheduler.spec_stats
         row = results[name] = {"equal": got == want, "seconds": round(time.perf_counter() - t0, 3),
+                               "graph_steps": len(replays), "graph_rows_max": max(replays, default=0),
                                "drafts": stats.num_drafts, "draft_tokens": stats.num_draft_tokens,
                                "accepted": stats.num_accepted_tokens,
                                "pool_full": llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks}
-        row["ok"] = row["equal"] and row["pool_full"] and (
+        row["ok"] = row["equal"] and row["pool_full"] and row["graph_steps"] > 0 and (
             name != "draft_model" or row["accepted"] >= 0.95 * max(row["draft_tokens"], 1) > 0)
         del llm
     return {"ok": all(r["ok"] for r in results.values()), "proposers": results}
@@ -435,11 +437,12 @@ def check_tensor_parallel(tmp: str) -> dict:
     runs = {}
     for tp in (1, 2):
         with LLM(model_dir, dtype="float32", device="cuda:0", tensor_parallel_size=tp, max_model_len=512) as llm:
+            replays = _count_graph_steps(llm)  # (NCCL's all-reduces inside the graphs)
             t0 = time.perf_counter()
             runs[tp] = ([o.token_ids for o in llm.generate(prompts, params)], round(time.perf_counter() - t0, 3),
-                        llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks)
-    return {"ok": runs[1][0] == runs[2][0] and runs[2][2], "equal": runs[1][0] == runs[2][0],
-            "seconds": {tp: r[1] for tp, r in runs.items()}, "pool_full": runs[2][2]}
+                        llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks, len(replays))
+    return {"ok": runs[1][0] == runs[2][0] and runs[2][2] and runs[2][3] > 0, "equal": runs[1][0] == runs[2][0],
+            "seconds": {tp: r[1] for tp, r in runs.items()}, "pool_full": runs[2][2], "graph_steps": runs[2][3]}
 
 
 def _check_mtp(tmp: str, prompts: list[list[int]], params) -> dict:

@@ -155,7 +155,7 @@ class EngineCore:
         start = time.perf_counter()
         self.runner.capture_graphs()
         if self.runner.graphs is not None:
-            log.info("CUDA graphs for decode steps of %s requests captured in %.1f s",
+            log.info("CUDA graphs for decode steps of %s rows captured in %.1f s",
                      ", ".join(map(str, self.runner.graphs.sizes)), time.perf_counter() - start)
         else:
             log.info("decode steps run eagerly (%s)", self.runner.graphs_off)

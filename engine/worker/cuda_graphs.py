@@ -18,9 +18,10 @@ over the grid's splits (kernels/triton_attention.py), so one grid serves every c
 
 Only the forward is captured: logits, sampling, verification and the proposers run eagerly
 after it. A step with prefill chunks, prompt logprobs, or more rows than the largest size runs
-eagerly, as do engines with RoPE that depends on the sequence's length, tensor
-parallelism (NCCL inside a graph is unverified: no machine with two GPUs was lent), or an
-attention backend other than Triton's.
+eagerly, as do engines with RoPE that depends on the sequence's length or an attention backend
+other than Triton's. Under tensor parallelism every rank captures the same sizes in the same
+order at start, NCCL's collectives inside (the eager run before each capture has made the
+communicator), and every rank takes the same steps through them: the ranks' batches are the same.
 
 `capture=False` keeps the bookkeeping and runs the padded batch through the model eagerly: a
 CPU (Triton under its interpreter) checks the padding that way in CI.
@@ -148,8 +149,12 @@ class DecodeGraphs:
             self.forward(*args)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = self.forward(*args)
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs = self.forward(*args)
+            except RuntimeError as e:
+                raise RuntimeError(f"capturing the CUDA graph of decode steps of {size} rows failed: {e} "
+                                   f"(enforce_eager runs every step eagerly)") from e
             self.graphs[size] = (graph, outputs)
         torch.cuda.synchronize(self.device)
 
@@ -204,12 +209,11 @@ def capture_sizes(config_sizes: list[int], max_rows: int) -> list[int]:
     return sizes + above[:1] if above and (not sizes or sizes[-1] < max_rows) else sizes
 
 
-def graphs_off_because(on_cuda: bool, enforce_eager: bool, backend: str, rope_by_length: bool,
-                       tensor_parallel: bool) -> str | None:
+def graphs_off_because(on_cuda: bool, enforce_eager: bool, backend: str, rope_by_length: bool) -> str | None:
     """Why an engine runs every step eagerly (None: it captures decode graphs)."""
     for reason, off in (("not on a GPU", not on_cuda), ("enforce_eager", enforce_eager),
                         (f"attention backend {backend}", backend != "triton"),
-                        ("RoPE by sequence length", rope_by_length), ("tensor parallelism", tensor_parallel)):
+                        ("RoPE by sequence length", rope_by_length)):
         if off:
             return reason
     return None

@@ -9,6 +9,7 @@ step's plain output, as vLLM v1's does; it never decides what to run.
 from __future__ import annotations
 
 import functools
+import os
 from contextlib import nullcontext
 
 import numpy as np
@@ -41,6 +42,9 @@ from baton.engine.worker.spec_decode.verify import greedy_accept, sampled_accept
 from baton.kernels.kv_quant import convert_kv, is_fp8
 from baton.kv_transfer.base import KVConnectorWorker, KVFormat
 
+# Set to "1": a CPU engine with the Triton backend runs its decode steps through the graphs'
+# bookkeeping without capturing (the padded batches eagerly), its tensor-parallel ranks too.
+CPU_GRAPHS_FOR_TESTS = "BATON_TEST_CPU_GRAPHS"
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits are materialized at once
 _IDLE_WAIT_S = 0.002  # a step with nothing to compute waits this long for host-tier copies rather than spin
 
@@ -137,11 +141,14 @@ class ModelRunner:
                                                    self._draft_proposer(draft, num_blocks))
         self.whole_args = whole
         off = graphs_off_because(self.device.type == "cuda", config.enforce_eager, self.attention_backend,
-                                 model.rope_by_length, config.tensor_parallel_size > 1)
-        # Decode steps replay CUDA graphs (captured by capture_graphs, once the engine is built).
-        self.graphs = None if off is not None else self.make_graphs(
-            capture_sizes(config.cudagraph_capture_sizes, config.max_num_seqs * (1 + self.num_spec_tokens)),
-            capture=True)
+                                 model.rope_by_length)
+        # Decode steps replay CUDA graphs (captured by capture_graphs, once the engine is built; on
+        # every rank at once under tensor parallelism: their collectives are in the graphs). A
+        # test's CPU engine (and its ranks) may run the bookkeeping without capturing.
+        cpu_graphs = (os.environ.get(CPU_GRAPHS_FOR_TESTS) == "1" and self.device.type == "cpu"
+                      and self.attention_backend == "triton" and not config.enforce_eager)
+        sizes = capture_sizes(config.cudagraph_capture_sizes, config.max_num_seqs * (1 + self.num_spec_tokens))
+        self.graphs = self.make_graphs(sizes, capture=not cpu_graphs) if off is None or cpu_graphs else None
         self.graphs_off = off  # why not, for the log
         # A draft's or head's KV goes to a decode peer with the prompt's (an engine with a connector's).
         draft_cache = self.proposer.cache if draft is not None and connector is not None else None

@@ -177,6 +177,43 @@ def test_lora_adapters_over_two_ranks_equal_peft(tiny_llama, adapters, peft_ref)
     assert all(p.poll() == 0 for p in procs)
 
 
+def test_decode_graphs_over_two_ranks(tiny_llama, adapters, peft_ref, hf, monkeypatch):
+    """Every rank takes the same decode steps through the CUDA-graph bookkeeping (here without
+    capturing: the padded batches run eagerly, their all-reduces of the padded shape on both
+    ranks, which a rank that went its own way would break), LoRA's stacked slots split as the
+    projections are, an adapter unloaded and another taking its slot: greedy equal to
+    transformers and PEFT."""
+    from baton.engine.worker.model_runner import CPU_GRAPHS_FOR_TESTS
+
+    monkeypatch.setenv(CPU_GRAPHS_FOR_TESTS, "1")
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    names = [None, "sql", "chat", None, "sql", "chat"]
+    prompts = random_prompts([3, 17, 40, 9, 30, 22], seed=12)
+    with LLM(tiny_llama, dtype="float32", device="cpu", tensor_parallel_size=2, attention_backend="triton",
+             max_num_seqs=8, cudagraph_capture_sizes=[1, 2, 4, 8], max_num_batched_tokens=48, max_model_len=192,
+             max_loras=2, lora_modules={"sql": adapters["sql"], "chat": adapters["chat"]}) as llm:
+        graphs, rows = llm.engine.runner.graphs, []
+        assert graphs is not None and not graphs.capture
+        run = graphs.run
+
+        def counted(input_ids, *rest):
+            rows.append(len(input_ids))
+            return run(input_ids, *rest)
+        graphs.run = counted
+        outs = llm.generate(prompts, greedy, lora_request=names)
+        for prompt, name, out in zip(prompts, names, outs, strict=True):
+            assert out.token_ids == peft_ref.greedy(adapters[name] if name else None, prompt, 10), name
+        llm.unload_adapter("sql")
+        llm.load_adapter("code", adapters["code"])
+        again = llm.generate(prompts[:3], greedy, lora_request=["code", "chat", None])
+        assert [o.token_ids for o in again] == [peft_ref.greedy(adapters[n] if n else None, p, 10)
+                                                for n, p in zip(["code", "chat", None], prompts[:3])]
+        assert len(rows) >= 10 and any(n not in (1, 2, 4, 8) for n in rows), rows  # padded steps among them
+        assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+        procs = llm.engine.core.workers.procs
+    assert all(p.poll() == 0 for p in procs)
+
+
 def test_what_the_ranks_do_not_split_is_refused_naming_the_field(tiny_llama):
     with pytest.raises(InvalidArgument, match="do not split 4 query and 2 KV heads") as err:
         LLM(tiny_llama, device="cpu", tensor_parallel_size=3)

@@ -90,6 +90,7 @@ def main() -> None:
                          setup.num_host_blocks, setup.kv_groups, driver=False, draft_format=setup.draft_format)
     if connector is not None:  # rank 0 gathers every rank's layout for the handshake
         store.set(f"layout{start.rank}", pickle.dumps(connector.layout))
+    runner.capture_graphs()  # with rank 0 (once it has the layouts): their collectives pair up
     try:
         while not isinstance(msg := ring.recv(alive), RankStop):
             if isinstance(msg, RankAddPeer):
