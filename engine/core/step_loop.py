@@ -83,13 +83,10 @@ class StepLoop:
         return sched, result, updates
 
 
-def async_off_because(config: EngineConfig, tensor_parallel: bool, host_tier: bool, rope_by_length: bool
-                      ) -> str | None:
-    """Why an engine asked for async scheduling steps one at a time (None: it schedules ahead).
-    The host tier's swap-out would copy blocks the step in flight may still write."""
+def async_off_because(config: EngineConfig, tensor_parallel: bool, rope_by_length: bool) -> str | None:
+    """Why an engine asked for async scheduling steps one at a time (None: it schedules ahead)."""
     for reason, off in (("speculative decoding", config.speculative_config is not None),
-                        ("tensor parallelism", tensor_parallel), ("the host KV tier", host_tier),
-                        ("RoPE by sequence length", rope_by_length)):
+                        ("tensor parallelism", tensor_parallel), ("RoPE by sequence length", rope_by_length)):
         if off:
             return reason
     return None

@@ -259,17 +259,16 @@ class ModelRunner:
     @torch.inference_mode()
     def submit(self, sched: SchedulerOutput) -> QueuedStep:
         """A step of async scheduling (its requests plain: no logprobs, penalties, grammar,
-        min_tokens, drafts; no host tier or ranks), queued on the device: a request whose last
-        token is still on its way reads it there. The tokens come back by a non-blocking copy to
-        pinned memory, taken with QueuedStep.result(), with the KV connector's transfers that
-        ended by the time the step was queued (a load that ends later is seen a step later)."""
+        min_tokens, drafts; no ranks), queued on the device: a request whose last token is still
+        on its way reads it there. The tokens come back by a non-blocking copy to pinned memory,
+        taken with QueuedStep.result(), with the KV connector's and the host tier's transfers
+        that ended by the time the step was queued (one that ends later is seen a step later).
+        The host tier's copies keep their order with the step in flight: on a GPU on the
+        compute stream or a side stream that waits for it; on a CPU that step is done."""
         with self._on_device():
-            self._apply(sched)
-            if self.connector is not None:
-                self.connector.start_load_kv(sched.kv_connector_metadata)
+            self._start(sched)
             queued = self._queue(sched)
-            if self.connector is not None:
-                queued.kv_connector_output = self.connector.get_finished()
+            queued.transfers = self._ended(sched, ModelRunnerOutput({}))
             return queued
 
     def _queue(self, sched: SchedulerOutput) -> QueuedStep:
@@ -298,12 +297,21 @@ class ModelRunner:
         return ModelRunnerOutput({req_id: [token] for req_id, token in zip(req_ids, tokens)})
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._start(sched)
+        return self._ended(sched, self._run(sched) if sched.total_num_scheduled_tokens else ModelRunnerOutput({}))
+
+    def _start(self, sched: SchedulerOutput) -> None:
+        """The step's changes to the requests, then its copies and loads started (before the
+        forward: a swap-out's device blocks are reused in it)."""
         self._apply(sched)
-        if sched.host_kv_ops is not None:  # before the forward: a swap-out's device blocks are reused in it
+        if sched.host_kv_ops is not None:
             self.host_kv.submit(sched.host_kv_ops)
         if self.connector is not None:
             self.connector.start_load_kv(sched.kv_connector_metadata)
-        out = self._run(sched) if sched.total_num_scheduled_tokens else ModelRunnerOutput({})
+
+    def _ended(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> ModelRunnerOutput:
+        """`out` with the connector's and the host tier's transfers that ended by now (a step
+        with nothing to compute waits a little for the host tier's rather than spin)."""
         if self.connector is not None:
             out.kv_connector_output = self.connector.get_finished()
         if self.host_kv is not None:

@@ -8,7 +8,6 @@ from collections.abc import Callable
 import torch
 
 from baton.engine.common.scheduler_output import ModelRunnerOutput
-from baton.kv_transfer.base import KVConnectorOutput
 
 
 class PinnedRing:
@@ -33,7 +32,8 @@ class QueuedStep:
         nothing); `take(req_ids, tokens)`: the runner's, once they are on the host."""
         self.req_ids, self.take = req_ids, take
         self.host = self.ready = None
-        self.kv_connector_output: KVConnectorOutput | None = None  # the runner's, set once queued
+        # The transfers (KV connector's, host tier's) that ended by the time it was queued: the runner's.
+        self.transfers: ModelRunnerOutput | None = None
         if tokens is not None:
             self.host = ring.next(len(req_ids)) if ring is not None else torch.empty(len(req_ids), dtype=torch.int64)
             self.host.copy_(tokens, non_blocking=True)
@@ -49,5 +49,7 @@ class QueuedStep:
             if self.ready is not None:
                 self.ready.synchronize()
             out = self.take(self.req_ids, self.host.tolist())
-        out.kv_connector_output = self.kv_connector_output
+        if self.transfers is not None:
+            out.kv_connector_output, out.host_kv_finished = (self.transfers.kv_connector_output,
+                                                             self.transfers.host_kv_finished)
         return out

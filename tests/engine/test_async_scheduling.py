@@ -131,3 +131,31 @@ def test_disaggregated_engines_schedule_ahead_and_equal_colocated(tiny_llama):
     assert decode.runner.connector.num_blocks_pulled > 0
     assert_pools_full(prefill, decode)
     assert not decode.core.step_in_flight and not prefill.core.step_in_flight
+
+
+def test_the_host_tier_under_async_scheduling(tiny_llama):
+    """Swap preemption (a victim's step may still be in flight when the scheduler swaps it out:
+    its copy is ordered after that step) and prefix blocks written back and loaded from the host
+    tier, with steps queued ahead: the outputs equal a synchronous engine's with the same tier,
+    greedy and seeded, and both tiers settle with nothing in flight."""
+    from helpers import gib
+    from test_host_kv_tier import assert_tiers_settled, conversations
+
+    prompts = random_prompts([100, 60, 90, 30, 75, 45], seed=2)
+    params = [GREEDY if i % 2 == 0 else SamplingParams(max_tokens=12, temperature=0.9, seed=7 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    turns = [[conv[t] for conv in conversations(4, 2)] for t in range(2)]
+    outs = {}
+    for ahead in (False, True):
+        llm = LLM(tiny_llama, dtype="float32", device="cpu", num_kv_blocks=12, max_model_len=192,
+                  kv_offloading_size=gib(64), preemption_mode="swap", async_scheduling=ahead)
+        assert llm.engine.core.loop.ahead == ahead
+        queued = counted_ahead(llm)
+        outs[ahead] = [o.token_ids for o in llm.generate(prompts, params)]
+        outs[ahead] += [o.token_ids for prompts_of_turn in turns for o in llm.generate(prompts_of_turn, GREEDY)]
+        s = llm.engine.snapshot()
+        assert s.num_swap_preemptions > 0 and s.host_kv_cache_hits > 0
+        assert sum(queued) >= (10 if ahead else 0), queued
+        assert_tiers_settled(llm)
+        assert not llm.engine.core.step_in_flight
+    assert outs[True] == outs[False]
