@@ -147,7 +147,7 @@ class EngineCore:
             self.scheduler.recompute_at = self.runner.model.rope_recompute_at
             self.scheduler.rekey = self._rope_rekey
         # Async scheduling where nothing needs the host between steps (see async_off_because).
-        off = async_off_because(config, self.workers is not None, self.runner.model.rope_by_length)
+        off = async_off_because(config, self.runner.model.rope_by_length)
         if config.async_scheduling and off is not None:
             log.warning("async_scheduling: steps run one at a time with %s", off)
         self.loop = StepLoop(self.scheduler, self.runner, self.workers, ahead=config.async_scheduling and off is None)

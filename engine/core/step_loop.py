@@ -50,7 +50,7 @@ class StepLoop:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.times.scheduler_s += time.perf_counter() - t0
-        queued = self.runner.submit(sched)
+        queued = self.runner.submit(sched) if self.workers is None else self.workers.submit(self.runner, sched)
         done = [self._take()] if self.in_flight is not None else []
         self.in_flight = (sched, queued)
         if not sched.total_num_scheduled_tokens:  # nothing ahead: take it now
@@ -83,10 +83,10 @@ class StepLoop:
         return sched, result, updates
 
 
-def async_off_because(config: EngineConfig, tensor_parallel: bool, rope_by_length: bool) -> str | None:
+def async_off_because(config: EngineConfig, rope_by_length: bool) -> str | None:
     """Why an engine asked for async scheduling steps one at a time (None: it schedules ahead)."""
     for reason, off in (("speculative decoding", config.speculative_config is not None),
-                        ("tensor parallelism", tensor_parallel), ("RoPE by sequence length", rope_by_length)):
+                        ("RoPE by sequence length", rope_by_length)):
         if off:
             return reason
     return None

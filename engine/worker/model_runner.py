@@ -35,6 +35,7 @@ from baton.engine.worker.loader import (
 from baton.engine.worker.lora.adapter import part_shapes
 from baton.engine.worker.lora.layers import LoRASlots
 from baton.engine.worker.models import CausalLM, model_args
+from baton.engine.worker.parallel.tensor_parallel import ParallelLMHead
 from baton.engine.worker.queued_step import PinnedRing, QueuedStep
 from baton.engine.worker.sampler import apply_processors, sample, sample_on_device, skip_draws, token_logprobs
 from baton.engine.worker.spec_decode import make_proposer
@@ -259,7 +260,7 @@ class ModelRunner:
     @torch.inference_mode()
     def submit(self, sched: SchedulerOutput) -> QueuedStep:
         """A step of async scheduling (its requests plain: no logprobs, penalties, grammar,
-        min_tokens, drafts; no ranks), queued on the device: a request whose last token is still
+        min_tokens, drafts), queued on the device: a request whose last token is still
         on its way reads it there. The tokens come back by a non-blocking copy to pinned memory,
         taken with QueuedStep.result(), with the KV connector's and the host tier's transfers
         that ended by the time the step was queued (one that ends later is seen a step later).
@@ -279,8 +280,13 @@ class ModelRunner:
         if not batch.sample_req_ids:  # prompt chunks only: nothing to sample (nor to index by)
             return QueuedStep([], None, self._take_tokens)
         states = [self.states[r] for r in batch.sample_req_ids]
-        tokens = sample_on_device(self.model.compute_logits(hidden[sample_rows]),
-                                  [s.sampling_params for s in states], [s.generator for s in states])
+        logits = self.model.compute_logits(hidden[sample_rows])  # (a collective under TP)
+        if self.driver:
+            tokens = sample_on_device(logits, [s.sampling_params for s in states], [s.generator for s in states])
+        else:  # rank 0's, below: a rank that does not sample keeps no generator in step with it
+            tokens = torch.empty(len(states), dtype=torch.int64, device=self.device)
+        if isinstance(self.model.lm_head, ParallelLMHead):  # every rank reads them on its device next step
+            self.model.lm_head.tp.broadcast(tokens)
         for i, state in enumerate(states):
             state.num_pending += 1
             state.pending_index = i

@@ -102,8 +102,7 @@ FLAGS = (
                                    "ranks rather than split each"),
     Flag("enforce_eager", "on a GPU, launch every step's kernels rather than replay CUDA graphs of decode steps"),
     Flag("async_scheduling", "prepare each step while the device runs the one before (requests without logprobs, "
-                             "penalties, grammars or min_tokens; not with speculative decoding or tensor "
-                             "parallelism)"),
+                             "penalties, grammars or min_tokens; not with speculative decoding)"),
     Flag("accept_kv_from", "P/D: other checkpoints (directories, or the fingerprints `baton models` prints) whose KV "
                            "this engine's peers may send or take as this model's: another quantization of the same "
                            "model", str, "+", "CHECKPOINT"),

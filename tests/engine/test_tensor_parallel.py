@@ -214,6 +214,42 @@ def test_decode_graphs_over_two_ranks(tiny_llama, adapters, peft_ref, hf, monkey
     assert all(p.poll() == 0 for p in procs)
 
 
+def test_async_scheduling_over_two_ranks_equals_one_step_at_a_time(tiny_llama, hf):
+    """Steps queued ahead on both ranks (each reads the tokens in flight on its own device, rank
+    0's broadcast as it samples), mixed with steps run one at a time while a request asks for
+    logprobs (the tokens then reach rank 1 through the ring), a small pool preempting: greedy
+    and seeded outputs equal a synchronous engine's over two ranks, greedy equal to
+    transformers."""
+    prompts = random_prompts([3, 17, 40, 75, 9, 30], seed=21)
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=9, temperature=0.8, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)]
+    outs, ahead = {}, []
+    for mode in (False, True):
+        with LLM(tiny_llama, dtype="float32", device="cpu", tensor_parallel_size=2, async_scheduling=mode,
+                 num_kv_blocks=10, max_model_len=128, max_num_batched_tokens=48) as llm:
+            core = llm.engine.core
+            assert core.loop.ahead == mode
+            submit = core.workers.submit
+
+            def counted(runner, sched, core=core, submit=submit):
+                ahead.append(core.step_in_flight and sched.total_num_scheduled_tokens > 0)
+                return submit(runner, sched)
+            core.workers.submit = counted
+            outs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+            preempted = core.scheduler.num_preemptions
+            assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks and not core.step_in_flight
+            procs = core.workers.procs
+        assert all(p.poll() == 0 for p in procs)
+    assert outs[True] == outs[False]
+    for i in (0, 2, 3, 5):
+        assert outs[True][i] == hf.greedy(tiny_llama, prompts[i], params[i].max_tokens), i
+    assert sum(ahead) >= 5 and preempted > 0, (ahead, preempted)
+
+
 def test_what_the_ranks_do_not_split_is_refused_naming_the_field(tiny_llama):
     with pytest.raises(InvalidArgument, match="do not split 4 query and 2 KV heads") as err:
         LLM(tiny_llama, device="cpu", tensor_parallel_size=3)

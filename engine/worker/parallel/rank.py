@@ -39,6 +39,7 @@ from baton.engine.worker.parallel.rank_messages import (
 )
 from baton.engine.worker.parallel.shm_broadcast import ShmBroadcast
 from baton.engine.worker.parallel.tensor_parallel import TPGroup, shard_model
+from baton.engine.worker.queued_step import QueuedStep
 
 log = logging.getLogger("baton.tp")
 
@@ -91,6 +92,7 @@ def main() -> None:
     if connector is not None:  # rank 0 gathers every rank's layout for the handshake
         store.set(f"layout{start.rank}", pickle.dumps(connector.layout))
     runner.capture_graphs()  # with rank 0 (once it has the layouts): their collectives pair up
+    in_flight: QueuedStep | None = None  # (async scheduling) the step queued last, its tokens not taken
     try:
         while not isinstance(msg := ring.recv(alive), RankStop):
             if isinstance(msg, RankAddPeer):
@@ -100,8 +102,17 @@ def main() -> None:
                 _follow_adapter(loras, slots, msg)
                 continue
             step: RankStep = msg
+            if in_flight is not None and not step.ahead:  # a step run at once: the one in flight taken first
+                in_flight.result()
+                in_flight = None
             runner.mirror(step.sampled)
-            out = runner.execute_model(step.sched)
+            if step.ahead:  # as rank 0's StepLoop: queued, then the one before taken
+                queued = runner.submit(step.sched)
+                if in_flight is not None:
+                    in_flight.result()
+                in_flight, out = queued, queued.transfers
+            else:
+                out = runner.execute_model(step.sched)
             kv = out.kv_connector_output
             report = RankReport(start.rank, kv.finished_recving if kv else set(), kv.invalid_by_request if kv else {},
                                 out.host_kv_finished)

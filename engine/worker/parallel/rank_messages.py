@@ -50,6 +50,9 @@ class RankStep:
     # The tokens the driver (rank 0) sampled in the step before, per request: the other ranks
     # append them to their copy of each request, as the driver did, before building this step.
     sampled: dict[str, list[int]] = field(default_factory=dict)
+    # Async scheduling: queued behind the step in flight (ModelRunner.submit), whose tokens each
+    # rank takes from its own device once this one is queued (rank 0's broadcast as sampled).
+    ahead: bool = False
 
 
 @dataclass(slots=True)

@@ -84,6 +84,11 @@ class TPGroup:
         self.group.allreduce([x]).wait()
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x, on every rank (in place)."""
+        self.group.broadcast(x, 0).wait()
+        return x
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x (the same shape on each), concatenated along the last dimension."""
         parts = [torch.empty_like(x) for _ in range(self.size)]

@@ -33,6 +33,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,9 +55,11 @@ from baton.engine.worker.parallel.rank_messages import (
 )
 from baton.engine.worker.parallel.shm_broadcast import PeerGone, ShmBroadcast
 from baton.engine.worker.parallel.tensor_parallel import TPGroup
+from baton.engine.worker.queued_step import QueuedStep
 from baton.kv_transfer.base import KVConnectorOutput, KVConnectorWorker, KVLayout, KVTransfer
 
 log = logging.getLogger("baton.tp")
+T = TypeVar("T")
 
 _STORE_TIMEOUT = datetime.timedelta(seconds=600)
 _READY_POLL_S = 0.05
@@ -167,20 +170,41 @@ class TPWorkers:
     def execute(self, runner, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One step on every rank: rank 0's output (its KV loads ended once every rank's did).
         Raises RankDied once a rank died, whatever the step itself raised."""
+        out = self._on_every_rank(RankStep(sched, self.sampled), lambda: runner.execute_model(sched))
+        self.sampled = out.sampled_token_ids
+        return self._merge_reports(out, runner)
+
+    def submit(self, runner, sched: SchedulerOutput) -> QueuedStep:
+        """A step queued behind the one in flight (async scheduling) on every rank: rank 0's
+        queued step, its transfers those that ended on every rank. Each rank reads the tokens in
+        flight on its own device (rank 0 broadcasts them as it samples: ModelRunner._queue) and
+        takes them itself once the next step is queued, so none goes back through the ring."""
+        queued = self._on_every_rank(RankStep(sched, self.sampled, ahead=True), lambda: runner.submit(sched))
+        self.sampled = {}
+        queued.transfers = self._merge_reports(queued.transfers, runner)
+        return queued
+
+    def _on_every_rank(self, step: RankStep, run: Callable[[], T]) -> T:
+        """`step` sent to the other ranks, then `run` here (rank 0's part). Raises RankDied once
+        a rank died, whatever the step itself raised."""
         if self.dead is not None:
             raise self._death()
         try:
             t0 = time.perf_counter()
-            self.ring.send(RankStep(sched, self.sampled), self._alive)
+            self.ring.send(step, self._alive)
             self.broadcast_s += time.perf_counter() - t0
-            out = runner.execute_model(sched)
+            result = run()
         except Exception as e:
             if self._died.wait(_DEATH_GRACE_S):
                 raise self._death() from e
             raise
         if self.dead is not None:  # (an aborted NCCL group: what the step computed is not to be trusted)
             raise self._death()
-        self.sampled = out.sampled_token_ids
+        return result
+
+    def _merge_reports(self, out: ModelRunnerOutput, runner) -> ModelRunnerOutput:
+        """Rank 0's transfers in `out`, held back until every rank's ended (the other ranks'
+        reports read off their rings)."""
         kv = out.kv_connector_output
         reports = [RankReport(0, kv.finished_recving if kv else set(), kv.invalid_by_request if kv else {},
                               out.host_kv_finished)]
