@@ -18,7 +18,10 @@ Checks now (each passes or fails on its own; the report has every figure):
 - speculative decoding on CUDA: n-gram, suffix, draft-model (the target as its own draft) and
   random EAGLE-1/EAGLE-3 heads' and a DeepSeek-V3 MTP layer's drafts keep the greedy output,
   the self-draft keeps nearly every draft, pools full;
-- tensor parallelism over NCCL (two GPUs: two ranks greedy-equal to one; skipped on one GPU);
+- tensor parallelism over NCCL (two GPUs: two ranks greedy-equal to one, their decode steps
+  replaying graphs with the all-reduces inside; skipped on one GPU);
+- LoRA in the decode graphs: two random adapters and the base model mixed, the same tokens as
+  with enforce_eager, graph steps counted, pools full;
 - heads wider than the generic Triton kernels take (576) fall back to the reference, while MLA's
   latent of 576 runs on its own Triton kernel;
 - the quantized linear kernels (W4A16, W8A16, FP8 weight-only) in bfloat16 at Llama-8B's shapes
@@ -421,6 +424,59 @@ def check_spec_decode(tmp: str) -> dict:
     return {"ok": all(r["ok"] for r in results.values()), "proposers": results}
 
 
+def _write_random_adapter(model_dir: str, out: str, rank: int, targets: list[str], seed: int) -> str:
+    """A PEFT-format LoRA adapter of random A and B (no PEFT needed on the GPU machine)."""
+    from safetensors.torch import save_file
+
+    from baton.engine.common.config import read_config
+    from baton.engine.worker.lora.adapter import part_shapes
+    from baton.engine.worker.models import model_args
+
+    args, gen = model_args(read_config(model_dir)), torch.Generator().manual_seed(seed)
+    shapes, tensors = part_shapes(args), {}
+    for i in range(args.num_layers):
+        for name in targets:
+            n_in, n_out = shapes[name]
+            where = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{i}.{where}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) / math.sqrt(n_in)
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) / math.sqrt(rank)
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "adapter_model.safetensors"))
+    with open(os.path.join(out, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets,
+                   "bias": "none"}, f)
+    return out
+
+
+def check_lora(tmp: str) -> dict:
+    from baton import LLM, SamplingParams
+    from baton.testing.checkpoints import write_random_checkpoint
+
+    model_dir = write_random_checkpoint(os.path.join(tmp, "lora"), "LlamaConfig", seed=7, hidden_size=256,
+                                        intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                                        num_hidden_layers=2)
+    adapters = {"a": _write_random_adapter(model_dir, os.path.join(tmp, "lora-a"), 8, ["q_proj", "v_proj"], 1),
+                "b": _write_random_adapter(model_dir, os.path.join(tmp, "lora-b"), 16,
+                                           ["q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"], 2)}
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 40, 90, 17, 60, 130)]
+    names = [None, "a", "b", "a", "b", None]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(model_dir, dtype="float32", device="cuda", max_model_len=512, lora_modules=adapters, max_loras=2,
+                  max_lora_rank=16, enforce_eager=eager)
+        replays = _count_graph_steps(llm)
+        runs[eager] = ([o.token_ids for o in llm.generate(prompts, params, lora_request=names)], len(replays),
+                       llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks)
+        del llm
+    base = runs[False][0][0]
+    return {"ok": runs[False][0] == runs[True][0] and runs[False][1] > 0 and runs[False][2] and runs[True][2],
+            "equal_eager": runs[False][0] == runs[True][0], "graph_steps": runs[False][1],
+            "adapters_change_output": sum(o != base for o in runs[False][0][1:5]), "pool_full": runs[False][2]}
+
+
 def check_tensor_parallel(tmp: str) -> dict:
     """Two ranks over NCCL, one GPU each, greedy-equal to one rank (needs two GPUs)."""
     from baton import LLM, SamplingParams
@@ -501,6 +557,7 @@ def main() -> None:
                             ("quant_kernels", lambda: check_quant_kernels(tmp)),
                             ("spec_decode", lambda: check_spec_decode(tmp)), ("engine", lambda: check_engine(tmp)),
                             ("tensor_parallel", lambda: check_tensor_parallel(tmp)),
+                            ("lora", lambda: check_lora(tmp)),
                             ("fp8_kv", lambda: check_fp8_kv(tmp, _timed))):
             if args.only and name not in args.only:
                 continue
