@@ -103,3 +103,42 @@ def write_random_checkpoint(out_dir: str, config_class: str, *, seed: int = 0, s
     model.save_pretrained(out_dir, max_shard_size=max_shard_size or "50GB")
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def write_random_llava(out_dir: str, *, seed: int = 0, image_size: int = 30, patch_size: int = 6,
+                       strategy: str = "default") -> str:
+    """A LLaVA-1.5 (LlavaForConditionalGeneration) of random weights from transformers' own classes:
+    a small CLIP ViT (three layers; the projector reads the second to last's output), the
+    projector and a small Llama, its image token the tokenizer's last id; with the locally trained
+    tokenizer and CLIP's image processor (PIL backend) sized to `image_size`."""
+    import torch
+    import transformers
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tokenizer = train_tokenizer()
+    vocab = len(tokenizer)
+    text = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=112, num_attention_heads=4,
+                                    num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=1024,
+                                    rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id,
+                                    eos_token_id=tokenizer.eos_token_id, initializer_range=0.2)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                           num_attention_heads=2, image_size=image_size, patch_size=patch_size,
+                                           initializer_range=0.2)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=vocab - 1,
+                                      vision_feature_select_strategy=strategy, vision_feature_layer=-2)
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif "multi_modal_projector" in name or "embedding" in name:  # images that move the output
+                p.normal_(0, 0.5)
+    model.generation_config = transformers.GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                          crop_size={"height": image_size, "width": image_size}).save_pretrained(out_dir)
+    return out_dir

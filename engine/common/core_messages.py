@@ -50,6 +50,24 @@ class CoreOptions(msgspec.Struct):
     kv_events: bool = False  # send the KV cache's events with each step (the front publishes them)
 
 
+class ImageInput(msgspec.Struct, array_like=True, gc=False):
+    """One image of a prompt, processed by the front (engine/front/images.py): its pixels for the
+    model's image encoder, and the span of placeholder tokens its embeddings take. Those tokens
+    are image_placeholder(digest) in the prompt, so block hashes (the prefix cache's, the
+    router's, a P/D peer's) name the image with the text: the same image hits, another misses."""
+    digest: int  # a 60-bit digest of the pixels
+    offset: int  # the span's first position in the prompt
+    length: int  # its tokens (the model's tokens_per_image)
+    pixels: bytes  # float32, C order, of `shape`
+    shape: list[int]  # [3, H, W]
+
+
+def image_placeholder(digest: int) -> int:
+    """The token id an image's placeholder positions hold: negative, so never a vocabulary's, and
+    the image's own (the runner reads embeddings there, never the token)."""
+    return -1 - digest % 0x7FFFFFFF
+
+
 class CoreRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     """A request as a front hands it to its core: validated and tokenized."""
     key: int
@@ -64,6 +82,7 @@ class CoreRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True)
     hold_for_remote: bool = False  # a prefill's: hold its blocks for a decode peer (and give out a KVHandle)
     remote_kv: KVHandle | None = None  # a decode's: the prompt's KV is at this peer
     lora_name: str = ""  # its LoRA adapter ("": the base model)
+    images: list[ImageInput] = []  # a vision-language model's, in prompt order
 
 
 class CoreAbort(msgspec.Struct, tag=True, array_like=True):
@@ -155,6 +174,8 @@ class EngineFacts(msgspec.Struct):
     kv_group_windows: list[int] = []  # each KV cache group's sliding window (0: full attention); [] as [0]
     kv_cache_dtype: str = ""  # the KV cache's elements ("float8_e4m3fn" for fp8); "": dtype's
     kv_scales: str = ""  # an FP8 cache's scales: "checkpoint" (k_scale/v_scale), "calculated" or "default" (1.0)
+    image_token_id: int = -1  # a vision-language model's placeholder for one image in a prompt (-1: text only)
+    tokens_per_image: int = 0  # the positions one image's embeddings take
 
 
 class CoreReady(msgspec.Struct, tag=True, array_like=True):

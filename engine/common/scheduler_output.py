@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from baton.engine.common.core_messages import ImageInput
 from baton.engine.common.sampling_params import SamplingParams
 from baton.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput
 
@@ -37,6 +38,7 @@ class NewRequestData:
     # A decode's: a peer's load brought the draft's (or head's) KV of its first num_computed_tokens,
     # from this position on (-1: it did not).
     draft_start: int = -1
+    images: list[ImageInput] = field(default_factory=list)  # a vision-language model's (the runner encodes them)
 
 
 @dataclass(slots=True)

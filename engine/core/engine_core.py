@@ -224,7 +224,8 @@ class EngineCore:
                            str(self.runner.model.embed_tokens.weight.dtype).removeprefix("torch."), self.config.device,
                            os.getpid(), self.connector.layout if self.connector is not None else None,
                            self.config.enable_lora, self.list_adapters(), [w or 0 for w in self.kv_groups.windows],
-                           str(self.runner.kv_cache.dtype).removeprefix("torch."), self.runner.kv_scales)
+                           str(self.runner.kv_cache.dtype).removeprefix("torch."), self.runner.kv_scales,
+                           *((v.image_token_id, v.tokens_per_image) if (v := self.runner.model.args.vision) else ()))
 
     # ---- events -----------------------------------------------------------------------------
     def record_events(self) -> None:
@@ -260,7 +261,7 @@ class EngineCore:
         check(msg.request_id not in self.scheduler.requests, "request_id", f"{msg.request_id!r} is already running")
         request = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params, self.eos_token_ids,
                           msg.priority, msg.arrival_time, msg.key)
-        request.hold_for_remote, request.remote_kv = msg.hold_for_remote, msg.remote_kv
+        request.hold_for_remote, request.remote_kv, request.images = msg.hold_for_remote, msg.remote_kv, msg.images
         for token in msg.output_token_ids:
             request.append_output_token(token)
         if msg.lora_name:

@@ -12,6 +12,7 @@ from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.stats import RequestStats
 
 if TYPE_CHECKING:
+    from baton.engine.common.core_messages import ImageInput
     from baton.kv_transfer.base import KVHandle
 
 
@@ -52,7 +53,7 @@ class Request:
                  "num_cached_tokens", "num_external_tokens", "num_preemptions", "block_hashes", "hold_for_remote",
                  "remote_kv", "kv_handle", "scheduled_time", "kv_ready_time", "first_token_time", "last_token_time",
                  "finished_time", "stop_token_id", "grammar", "lora_id", "hash_root", "spec_token_ids",
-                 "num_draft_tokens", "num_accepted_tokens", "draft_start", "num_pending_tokens")
+                 "num_draft_tokens", "num_accepted_tokens", "draft_start", "num_pending_tokens", "images")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, arrival_time: float | None = None,
@@ -98,6 +99,7 @@ class Request:
         # Under async scheduling: tokens sampled in steps whose output has not come back (0 or 1 but
         # between scheduling ahead and taking the step before's output, 2).
         self.num_pending_tokens = 0
+        self.images: list[ImageInput] = []  # a vision-language model's, in prompt order (core_messages.ImageInput)
 
     @property
     def num_tokens(self) -> int:

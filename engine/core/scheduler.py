@@ -298,7 +298,7 @@ class Scheduler:
             out.scheduled_new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), self.kv.block_ids(request.request_id),
                 num_computed, request.sampling_params, request.num_prompt_tokens, request.lora_id,
-                request.hold_for_remote, request.draft_start))
+                request.hold_for_remote, request.draft_start, request.images))
             request.draft_start = -1  # (once: a preempted request's draft starts afresh)
             out.num_scheduled_tokens[request.request_id] = n
             budget -= n

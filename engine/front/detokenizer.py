@@ -21,7 +21,8 @@ class IncrementalDetokenizer:
         cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", False)
         self.decoder = backend if backend is not None and not cleans_up else tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        # (an image's placeholder positions hold no token: core_messages.image_placeholder)
+        self.token_ids = [t for t in prompt_token_ids[-_CONTEXT_TOKENS:] if t >= 0]
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.prefix_text = self._decode(self.token_ids)

@@ -10,12 +10,15 @@ from baton.engine.common.core_messages import AdapterInfo, CoreRequest, EngineFa
 from baton.engine.common.errors import NotFound, check
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.tokenizer import apply_chat_template
+from baton.engine.front.images import ImageProcessor
 from baton.kv_transfer.base import KVHandle
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, facts: EngineFacts):
+    def __init__(self, tokenizer, facts: EngineFacts, images: ImageProcessor | None = None):
+        """`images`: a vision-language model's (None: prompts are text only)."""
         self.tokenizer = tokenizer
+        self.images = images
         self.max_model_len = facts.max_model_len
         self.vocab_size = facts.vocab_size
         self.enable_lora = facts.enable_lora
@@ -41,13 +44,14 @@ class InputProcessor:
     def core_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                      priority: int = 0, arrival_time: float | None = None, hold_for_remote: bool = False,
                      remote_kv: KVHandle | None = None, resumed_output: list[int] = (),
-                     adapter: str = "") -> CoreRequest:
+                     adapter: str = "", images: list | None = None) -> CoreRequest:
         """`hold_for_remote`: a prefill's request, whose blocks wait for a decode peer once it
         ends. `remote_kv`: a decode's, whose prompt KV a prefill peer holds (its first token
         is then an output already). `resumed_output`: tokens another instance generated and
         streamed already (it failed); they become this request's first outputs, recomputed with
         the prompt, so the rest continues as an uninterrupted run would. `adapter`: a loaded LoRA
-        adapter's name ("": the base model); raises NotFound naming `adapter` when none is."""
+        adapter's name ("": the base model); raises NotFound naming `adapter` when none is.
+        `images`: a vision-language model's, one per image token in the prompt (images.py)."""
         check(isinstance(request_id, str) and request_id != "", "request_id", "must be a non-empty string")
         if adapter:
             self.adapter(adapter)
@@ -59,9 +63,15 @@ class InputProcessor:
             token_ids = list(prompt)
             self._check_token_ids("prompt_token_ids", token_ids)
         check(len(token_ids) > 0, "prompt", "has no tokens")
+        params = params or SamplingParams()
+        image_inputs = []
+        if images:
+            check(self.images is not None, "multi_modal_data", "this model takes no images (it is not a "
+                                                               "vision-language model)")
+            check(params.prompt_logprobs is None, "prompt_logprobs", "are not given for prompts with images")
+            token_ids, image_inputs = self.images.expand(token_ids, list(images), "multi_modal_data.image")
         check(len(token_ids) <= self.max_model_len, "prompt",
               f"has {len(token_ids)} tokens, more than max_model_len {self.max_model_len}")
-        params = params or SamplingParams()
         params.check_vocab(self.vocab_size)
         outputs = [remote_kv.first_token] if remote_kv is not None else []  # sampled by the prefill peer
         if resumed_output:
@@ -73,7 +83,7 @@ class InputProcessor:
             outputs += resumed_output
         return CoreRequest(next(self._keys), request_id, token_ids, params,
                            time.monotonic() if arrival_time is None else arrival_time, priority, outputs,
-                           hold_for_remote, remote_kv, adapter)
+                           hold_for_remote, remote_kv, adapter, image_inputs)
 
     def adapter(self, name: str, field: str = "adapter") -> AdapterInfo:
         """A loaded adapter; raises NotFound naming `field` (InvalidArgument when LoRA is off)."""

@@ -79,9 +79,13 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  priority: list[int] | None = None, use_tqdm: bool = False,
                  lora_request: str | list[str | None] | None = None) -> list[RequestOutput]:
-        """prompts: a text, a list of token ids, or a list of either. One output per prompt, in order.
+        """prompts: a text, a list of token ids, or a list of either; or, as vLLM takes them, dicts of
+        "prompt" (a text) or "prompt_token_ids", and "multi_modal_data": {"image": an image or a
+        list of them} (PIL images or [H, W, 3] uint8 arrays, one per image token of the prompt) for
+        a vision-language model. One output per prompt, in order.
         lora_request: a loaded adapter's name for every prompt, or one per prompt (None: the base)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if (isinstance(prompts, (str, dict))
+                or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))):
             prompts = [prompts]
         params = (sampling_params if isinstance(sampling_params, list)
                   else [sampling_params or SamplingParams()] * len(prompts))
@@ -93,17 +97,24 @@ class LLM:
         children: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             req_id = str(next(self._ids))
+            prompt, images = _prompt_and_images(prompt, i)
             out = None
             for index in range(p.n):  # the later ones find the prompt's blocks in the prefix cache
                 req = self.engine.add_request(f"{req_id}-{index}" if p.n > 1 else req_id, prompt,
                                               p.child(index), priority[i] if priority else 0,
-                                              adapter=adapters[i] or "")
-                out = out or RequestOutput(req_id, list(req.prompt_token_ids))
+                                              adapter=adapters[i] or "", images=images)
+                out = out or RequestOutput(req_id, self._shown(req.prompt_token_ids))
                 out.outputs.append(CompletionOutput(index))
                 children[req.request_id] = (out, out.outputs[-1])
             outputs.append(out)
         self._run(children, use_tqdm)
         return outputs
+
+    def _shown(self, token_ids: list[int]) -> list[int]:
+        """A prompt's token ids as its output shows them: an image's positions as the model's image
+        token (as transformers' processors expand it), not its placeholder ids."""
+        images = self.engine.inputs.images
+        return [t if t >= 0 else images.image_token_id for t in token_ids] if images is not None else list(token_ids)
 
     def chat(self, conversations: list[list[dict]] | list[dict], sampling_params=None, use_tqdm: bool = False):
         """Chat prompts through the checkpoint's chat template."""
@@ -127,6 +138,22 @@ class LLM:
         finally:
             if bar:
                 bar.close()
+
+
+def _prompt_and_images(prompt, i: int) -> tuple[str | list[int], list | None]:
+    """A prompt as generate takes it: its text or token ids, and its images (None: none)."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+    check(not unknown, f"prompts[{i}]", f"has keys {unknown}; it takes prompt or prompt_token_ids, and "
+                                        f"multi_modal_data")
+    text = prompt.get("prompt", prompt.get("prompt_token_ids"))
+    check(text is not None, f"prompts[{i}]", "has neither prompt nor prompt_token_ids")
+    data = prompt.get("multi_modal_data") or {}
+    check(isinstance(data, dict) and set(data) <= {"image"}, f"prompts[{i}].multi_modal_data",
+          "takes images only: {'image': an image or a list of them}")
+    images = data.get("image")
+    return text, None if images is None else (images if isinstance(images, list) else [images])
 
 
 def _add_step(out: RequestOutput, completion: CompletionOutput, step: StepOutput) -> None:

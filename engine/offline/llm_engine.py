@@ -11,6 +11,7 @@ from baton.engine.common.stats import EngineSnapshot, StepEvents
 from baton.engine.common.tokenizer import load_tokenizer
 from baton.engine.core.engine_core import EngineCore
 from baton.engine.core.request import Request, RequestStatus
+from baton.engine.front.images import ImageProcessor
 from baton.engine.front.input_processor import InputProcessor
 from baton.engine.front.output_processor import OutputProcessor, StepOutput
 from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker, KVHandle
@@ -22,7 +23,10 @@ class LLMEngine:
         """`kv_connector`: the scheduler and worker halves of a KV connector, or None (colocated)."""
         self.core = EngineCore(config, kv_connector)
         self.tokenizer = load_tokenizer(config.model)
-        self.inputs = InputProcessor(self.tokenizer, self.core.facts())
+        facts = self.core.facts()
+        images = (ImageProcessor(config.model, facts.image_token_id, facts.tokens_per_image)
+                  if facts.image_token_id >= 0 else None)
+        self.inputs = InputProcessor(self.tokenizer, facts, images)
         self.outputs = OutputProcessor(self.tokenizer)
 
     # The core's parts, for tests and benchmarks.
@@ -71,9 +75,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, detokenize: bool = True,
-                    hold_for_remote: bool = False, remote_kv: KVHandle | None = None, adapter: str = "") -> Request:
+                    hold_for_remote: bool = False, remote_kv: KVHandle | None = None, adapter: str = "",
+                    images: list | None = None) -> Request:
         return self.add(self.inputs.core_request(request_id, prompt, params, priority, arrival_time, hold_for_remote,
-                                                 remote_kv, adapter=adapter), detokenize)
+                                                 remote_kv, adapter=adapter, images=images), detokenize)
 
     # ---- LoRA adapters ------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str) -> AdapterInfo:

@@ -47,6 +47,9 @@ class StepBatch:
     # Async scheduling: (row, index in the last step's sampled tokens) of the rows whose token is
     # still on the device (a request's last token, sampled in the step before).
     unknown_inputs: list[tuple[int, int]]
+    # A vision-language model's rows inside images' spans: (first row, request, its image's index,
+    # the image's first embedding row they take, how many); their token ids here are 0.
+    image_rows: list[tuple[int, str, int, int, int]]
 
 
 @dataclass(slots=True)
@@ -81,7 +84,7 @@ class BatchBuilder:
         order = sorted(sched.num_scheduled_tokens.items(), key=lambda kv: (
             kv[1] != 1, states[kv[0]].lora_id if by_adapter else 0, -starts[kv[0]]))
         input_ids, positions, sample_rows, sample_req_ids, rows, prompt_rows = [], [], [], [], [], []
-        unknown_inputs = []
+        unknown_inputs, image_rows = [], []
         sample_spans = []  # per sampled request: its first row in sample_rows, and its rows (1 + drafts)
         drafts_of = sched.scheduled_spec_tokens
         rope_rows = []  # (start, end, prompt length, length) per request: what the RoPE of its rows takes
@@ -101,6 +104,8 @@ class BatchBuilder:
                 unknown_inputs.append((len(input_ids), state.pending_index))
                 input_ids.append(0)
             input_ids.extend(drafts)
+            if state.images:
+                self._image_rows(image_rows, input_ids, req_id, state.images, len(input_ids) - n, start, end)
             positions.extend(range(start, end))
             rows.append((start, end, state.block_ids))
             if by_length:
@@ -115,7 +120,19 @@ class BatchBuilder:
                        for group in range(len(self.kv_groups.layers))]
         return StepBatch(input_ids, positions, order, rows, group_spans, sum(1 for _, n in order if n == 1),
                          sample_rows, sample_req_ids, sample_spans, prompt_rows, adapter_spans, rope_rows,
-                         unknown_inputs)
+                         unknown_inputs, image_rows)
+
+    @staticmethod
+    def _image_rows(image_rows: list, input_ids: list[int], req_id: str, images: list, row0: int, start: int,
+                    end: int) -> None:
+        """The rows [start, end) of a request (from row0) that fall in its images' spans: noted, and
+        their token ids (placeholders, not tokens) made 0."""
+        for index, image in enumerate(images):
+            lo, hi = max(start, image.offset), min(end, image.offset + image.length)
+            if lo < hi:
+                first = row0 + lo - start
+                input_ids[first:first + hi - lo] = [0] * (hi - lo)
+                image_rows.append((first, req_id, index, lo - image.offset, hi - lo))
 
     def tensors(self, batch: StepBatch) -> DeviceBatch:
         """The host batch's token ids, positions, sampled rows and attention metadata on the device."""

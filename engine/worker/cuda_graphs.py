@@ -97,10 +97,10 @@ class DecodeGraphs:
 
     def takes(self, batch: StepBatch) -> bool:
         """Whether a graph runs a step: every row sampled (one-token decodes, and drafts to
-        verify with the token before them: no prompt chunk), none for prompt logprobs, no more
-        rows than the largest size."""
+        verify with the token before them: no prompt chunk), none for prompt logprobs or in an
+        image's span, no more rows than the largest size."""
         n = len(batch.input_ids)
-        return (self.enabled and len(batch.sample_rows) == n and not batch.prompt_rows
+        return (self.enabled and len(batch.sample_rows) == n and not batch.prompt_rows and not batch.image_rows
                 and self.padded_size(n) is not None)
 
     def _metas(self, size: int) -> list[AttentionMetadata]:

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from baton.engine.common.config import read_config
 from baton.engine.common.errors import InvalidArgument
-from baton.engine.worker.models import CausalLM, ModelArgs, model_args
+from baton.engine.worker.models import CausalLM, ModelArgs, llava, model_args
 from baton.engine.worker.models.basic import MLP
 from baton.engine.worker.models.layers import Attention
 from baton.engine.worker.models.moe import SparseMoE
@@ -134,10 +134,17 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
     quantized: dict[str, dict[str, torch.Tensor]] = {}  # a quantized layer's tensors, by module and field
     for path in _safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name, vision = _vision_or_language(stored, args)
+                if vision is not None:  # a vision-language model's image side: as it is named here
+                    if vision in params:
+                        with torch.no_grad():
+                            params[vision].copy_(f.get_tensor(stored))
+                        filled.add(vision)
+                    continue  # (else a ViT layer past the one the projector reads)
                 if "rotary_emb" in name or _skipped(name, args) or _kv_scale_of(name) is not None:
                     continue  # (an FP8 KV cache's scales: checkpoint_kv_scales)
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored)
                 field = None if fmt is None else fmt.split(name, tensor)
                 if field is not None:
                     quantized.setdefault(field[0], {})[field[1]] = tensor
@@ -156,6 +163,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
             loaded.add(name)
             filled.add(target)
     _check_complete(model, args, loaded, filled, params)
+    missing = next((n for n in params if n.startswith("vision.") and n not in filled), None)
+    if missing is not None:
+        raise InvalidArgument("model", f"checkpoint lacks the vision weight {missing!r}")
     scales, model.kv_scales_source = checkpoint_kv_scales(model_dir, args)
     for layer, layer_scales in zip(model.layers, scales, strict=True):
         layer.self_attn.kv_scales.copy_(layer_scales[:, :layer.self_attn.kv_scales.shape[1]])
@@ -243,6 +253,20 @@ def _skipped(name: str, args: ModelArgs) -> bool:
     parts = _canonical(name).split(".")
     return (args.skipped_layers > 0 and len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit()
             and args.num_layers <= int(parts[1]) < args.num_layers + args.skipped_layers)
+
+
+def _vision_or_language(name: str, args: ModelArgs) -> tuple[str, str | None]:
+    """A vision-language checkpoint's tensor: its language model's named as a text model's is
+    (model.language_model.X -> model.X), or the vision side's name here (llava.py)."""
+    if args.vision is None:
+        return name, None
+    for prefix, text in llava.LANGUAGE_PREFIXES.items():
+        if name.startswith(prefix):
+            return text + name.removeprefix(prefix), None
+    for prefix, ours in llava.CHECKPOINT_PREFIXES.items():
+        if name.startswith(prefix):
+            return name, ours + name.removeprefix(prefix)
+    return name, None
 
 
 def _canonical(name: str) -> str:

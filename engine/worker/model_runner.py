@@ -61,7 +61,7 @@ def kv_attention(args) -> str:
 class RequestState:
     __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens", "prompt_logprobs",
                  "matcher", "lora_id", "draft_computed", "proposer_state", "hold_for_remote", "num_pending",
-                 "pending_index")
+                 "pending_index", "images", "image_embeds")
 
     def __init__(self, token_ids, block_ids, sampling_params: SamplingParams, generator, num_prompt_tokens,
                  prompt_logprobs: list | None, lora_id: int = 0, hold_for_remote: bool = False):
@@ -79,6 +79,10 @@ class RequestState:
         # Async scheduling: its tokens sampled in queued steps not taken yet (token_ids lacks them),
         # the last one's row in the runner's last_sampled.
         self.num_pending, self.pending_index = 0, -1
+        # A vision-language model's images (core_messages.ImageInput), and the embeddings of those
+        # whose span is being computed (by index; dropped once their span is).
+        self.images: list = []
+        self.image_embeds: dict[int, torch.Tensor] = {}
 
 
 class ModelRunner:
@@ -233,6 +237,7 @@ class ModelRunner:
         state = self.states[new.req_id] = RequestState(list(new.token_ids), block_ids, params, generator,
                                                        new.num_prompt_tokens, prompt_logprobs, new.lora_id,
                                                        new.hold_for_remote)
+        state.images = new.images
         if new.draft_start >= 0 and self.driver:  # a peer's load brought the draft's KV of what is computed
             self.proposer.loaded(state, new.num_computed_tokens, new.draft_start)
         # The matcher (the driver's only): resumed, where it was; else after past outputs made elsewhere.
@@ -358,8 +363,34 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare(batch.adapter_spans)
         hidden = self.model(tensors.input_ids, tensors.positions, self.layer_caches,
-                            [tensors.metas[g] for g in self.layer_group], tensors.rope_lengths)
+                            [tensors.metas[g] for g in self.layer_group], tensors.rope_lengths,
+                            self._image_embeddings(batch.image_rows) if batch.image_rows else None)
         return hidden, tensors.sample_rows
+
+    def _image_embeddings(self, image_rows: list[tuple[int, str, int, int, int]]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, embeddings) of the step's rows in images' spans: each image encoded the first step
+        its span is in (all such images in one pass of the encoder per pixel shape), its embeddings
+        kept while the rest of its span is to come, then let go."""
+        states = self.states
+        missing = {}
+        for _, req_id, index, _, _ in image_rows:
+            state = states[req_id]
+            if index not in state.image_embeds:
+                missing.setdefault(tuple(state.images[index].shape), []).append((state, index))
+        for shape, wanted in missing.items():
+            pixels = torch.stack([torch.frombuffer(bytearray(s.images[i].pixels), dtype=torch.float32).view(shape)
+                                  for s, i in wanted]).to(self.device)
+            for (state, index), embeds in zip(wanted, self.model.vision(pixels)):
+                state.image_embeds[index] = embeds
+        rows, parts = [], []
+        for first, req_id, index, emb_start, count in image_rows:
+            state = states[req_id]
+            rows.append(torch.arange(first, first + count))
+            parts.append(state.image_embeds[index][emb_start:emb_start + count])
+            if emb_start + count == state.images[index].length:  # the span's last rows: computed now
+                del state.image_embeds[index]
+        return torch.cat(rows).to(self.device), torch.cat(parts)
 
     def _run(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.batches.rows(sched, self.states)

@@ -41,7 +41,8 @@ def apply_processors(logits: torch.Tensor, rows: list[int], params: list[Samplin
         if p.repetition_penalty != 1.0:
             # A mask of the tokens seen, not unique(): that would wait for the device every row.
             seen = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
-            seen[torch.tensor(ids, device=logits.device)] = True
+            index = torch.tensor(ids, device=logits.device)
+            seen[index[index >= 0]] = True  # (an image's placeholders are no token: core_messages.image_placeholder)
             scores = logits[row]
             penalized = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
             logits[row] = torch.where(seen, penalized, scores)

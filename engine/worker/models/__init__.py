@@ -10,6 +10,7 @@ from baton.engine.worker.models import (
     gemma3,
     gpt_oss,
     llama,
+    llava,
     mistral,
     mixtral,
     olmo2,
@@ -24,7 +25,8 @@ from baton.engine.worker.models.layers import CausalLM
 # architecture name -> the function reading its config
 FAMILIES = {"DeepseekV2ForCausalLM": deepseek.v2, "DeepseekV3ForCausalLM": deepseek.v3,
             "Gemma2ForCausalLM": gemma2.args, "Gemma3ForCausalLM": gemma3.args, "GptOssForCausalLM": gpt_oss.args,
-            "LlamaForCausalLM": llama.args, "MistralForCausalLM": mistral.args, "MixtralForCausalLM": mixtral.args,
+            "LlamaForCausalLM": llama.args, "LlavaForConditionalGeneration": llava.args,
+            "MistralForCausalLM": mistral.args, "MixtralForCausalLM": mixtral.args,
             "Olmo2ForCausalLM": olmo2.args, "Phi3ForCausalLM": phi3.args, "Qwen2ForCausalLM": qwen2.args,
             "Qwen2MoeForCausalLM": qwen_moe.qwen2_moe, "Qwen3ForCausalLM": qwen3.args,
             "Qwen3MoeForCausalLM": qwen_moe.qwen3_moe}

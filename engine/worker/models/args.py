@@ -10,6 +10,28 @@ from baton.engine.worker.models.rope import rope_settings
 
 
 @dataclass(slots=True)
+class VisionArgs:
+    """A vision-language model's image side (llava.py): a CLIP ViT and the projector into the
+    language model's embeddings."""
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    feature_layer: int  # the ViT layer whose output the projector takes (negative: from the last)
+    keep_class_token: bool  # vision_feature_select_strategy "full" (else "default": patches only)
+    projector_bias: bool
+    image_token_id: int  # the prompt's placeholder for one image, expanded to tokens_per_image
+    projector_act: str = "gelu"
+
+    @property
+    def tokens_per_image(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 + (1 if self.keep_class_token else 0)
+
+
+@dataclass(slots=True)
 class ModelArgs:
     architecture: str
     vocab_size: int
@@ -74,6 +96,7 @@ class ModelArgs:
     v_head_dim: int = 0
     rope_interleaved: bool = True  # MLA's RoPE on adjacent pairs (DeepSeek's); else on halves
     skipped_layers: int = 0  # layers past num_layers the target does not load (DeepSeek-V3's MTP: a draft head's)
+    vision: VisionArgs | None = None  # a vision-language model's image encoder (llava.py); None: text only
 
     @property
     def kv_parts(self) -> int:

@@ -12,6 +12,7 @@ from torch import nn
 
 from baton.engine.worker.models.args import ModelArgs
 from baton.engine.worker.models.basic import MLP, Embedding, Linear, norm
+from baton.engine.worker.models.llava import LlavaVision
 from baton.engine.worker.models.mla import MLAttention
 from baton.engine.worker.models.moe import SparseMoE
 from baton.engine.worker.models.rope import RotaryTable, rotate
@@ -118,6 +119,8 @@ class CausalLM(nn.Module):
         # Where each attention layer's kv_scales (an FP8 cache's) came from: "checkpoint", "calculated"
         # (engine/worker/kv_calibration.py) or "default" (1.0).
         self.kv_scales_source = "default"
+        # A vision-language model's image encoder (llava.py): images to embeddings the runner merges.
+        self.vision = LlavaVision(args.vision, args.hidden_size) if args.vision is not None else None
 
     def prepare(self, max_model_len: int) -> None:
         """RoPE tables for every position of a context of max_model_len (and one past it), and
@@ -149,15 +152,19 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata],
-                rope_lengths: torch.Tensor | None = None) -> torch.Tensor:
+                rope_lengths: torch.Tensor | None = None,
+                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; per layer, its K and V caches ([num_blocks, block_size,
         kv_heads, D] views) and the step's attention metadata for its blocks (its KV cache
         group's); `rope_lengths`: each token's sequence length where rope_by_length, on the host
-        (RotaryTable.lookup).
+        (RotaryTable.lookup); `image_rows`: (rows, embeddings) an image's placeholder rows take
+        instead of their token's embedding.
         Returns the final hidden states [T, hidden] (and keeps the aux_layers' inputs in aux_hidden)."""
         x = self.embed_tokens(input_ids)
         if self.args.embed_scale != 1.0:  # a float32 scalar cast to the weights' dtype, as Gemma's
             x = x * torch.tensor(self.args.embed_scale).to(x.dtype)
+        if image_rows is not None:
+            x = x.index_copy(0, image_rows[0], image_rows[1].to(x.dtype))
         tables = [table.lookup(positions, rope_lengths) for table in self.rope]
         aux = []
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,51 @@
+"""A vision-language model's images, as its front takes them: each processed into pixels by the
+checkpoint's own image processor (transformers', PIL backend: preprocessor_config.json beside
+config.json), digested, and its placeholder in the prompt (the model's image token, once per
+image) expanded into the span of positions its embeddings take, each holding the image's
+placeholder id (core_messages.image_placeholder), so block hashes name the image."""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from baton.engine.common.core_messages import ImageInput, image_placeholder
+from baton.engine.common.errors import check
+
+
+class ImageProcessor:
+    def __init__(self, model_dir: str, image_token_id: int, tokens_per_image: int):
+        self.model_dir, self.image_token_id, self.tokens_per_image = model_dir, image_token_id, tokens_per_image
+        self._processor = None  # loaded at the first image (transformers' import is slow)
+
+    def expand(self, token_ids: list[int], images: list, field: str) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with each image token expanded into its image's span, and the images; raises
+        InvalidArgument naming `field` (or `field[i]`) for what cannot be taken."""
+        at = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        check(len(at) == len(images), field, f"has {len(images)} images for {len(at)} image tokens "
+                                             f"({self.image_token_id}) in the prompt")
+        pixels = [self._pixels(image, f"{field}[{i}]") for i, image in enumerate(images)]
+        out, inputs, last = [], [], 0
+        for position, image in zip(at, pixels):
+            digest = int.from_bytes(hashlib.blake2b(image.tobytes(), digest_size=8).digest()) >> 4
+            out += token_ids[last:position]
+            inputs.append(ImageInput(digest, len(out), self.tokens_per_image, image.tobytes(), list(image.shape)))
+            out += [image_placeholder(digest)] * self.tokens_per_image
+            last = position + 1
+        return out + token_ids[last:], inputs
+
+    def _pixels(self, image, field: str) -> np.ndarray:
+        """One image (a PIL image, or an array [H, W, 3] of uint8) as the model's pixels [3, H, W]."""
+        from PIL import Image
+
+        if isinstance(image, np.ndarray):
+            check(image.ndim == 3 and image.shape[2] == 3 and image.dtype == np.uint8, field,
+                  f"an array image must be [height, width, 3] uint8, got {image.shape} {image.dtype}")
+            image = Image.fromarray(image)
+        check(isinstance(image, Image.Image), field,
+              f"must be a PIL image or a uint8 array, got {type(image).__name__}")
+        if self._processor is None:
+            from transformers import AutoImageProcessor
+            self._processor = AutoImageProcessor.from_pretrained(self.model_dir, backend="pil")
+        return np.ascontiguousarray(self._processor(images=[image], return_tensors="np")["pixel_values"][0],
+                                    dtype=np.float32)

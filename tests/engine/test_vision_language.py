@@ -1,0 +1,128 @@
+"""Vision-language models (LLaVA-1.5: CLIP ViT, projector, Llama), a checkpoint of random weights
+written from transformers' own classes with its image processor: images of odd sizes through the
+checkpoint's processor, their features merged where the prompt holds their placeholders. Greedy
+output equals transformers' (LlavaForConditionalGeneration.generate on the same pixels), batched
+with text-only prompts and several images per prompt, with chunked prefill cutting through image
+spans; the prefix cache hits on the same image and misses on another with the same text; bad
+input is refused naming the field."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import random_prompts
+
+from baton import LLM, SamplingParams
+from baton.engine.common.errors import InvalidArgument
+from baton.testing.checkpoints import write_random_llava
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> str:
+    return write_random_llava(str(tmp_path_factory.mktemp("llava") / "llava"), seed=3)
+
+
+def images(seed: int, sizes) -> list[np.ndarray]:
+    gen = np.random.default_rng(seed)
+    return [gen.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+
+
+def hf_greedy(model_dir: str, token_ids: list[int], pictures: list[np.ndarray], n: int) -> list[int]:
+    """transformers' greedy continuation: its processor's pixels, the image token expanded as its
+    processor would."""
+    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    config = model.config
+    per_image = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
+    ids = [t for token in token_ids for t in ([token] * per_image if token == config.image_token_index else [token])]
+    kwargs = {}
+    if pictures:
+        processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+        kwargs["pixel_values"] = torch.from_numpy(processor(images=pictures, return_tensors="np")["pixel_values"])
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, **kwargs)
+    return out[0, len(ids):].tolist()
+
+
+def image_token(model_dir: str) -> int:
+    import json
+    import os
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)["image_token_index"]
+
+
+def test_images_in_prompts_equal_transformers(llava):
+    """Text-only, one image, two images, and an image at the prompt's start, in one batch; 32-token
+    chunks cut through the 25-token image spans; the outputs equal transformers', and the images
+    change them."""
+    img = image_token(llava)
+    text = random_prompts([7, 12, 5, 9, 20], seed=5)
+    pictures = images(1, [(37, 45), (64, 30), (30, 30), (41, 33)])
+    prompts = [
+        {"prompt_token_ids": text[0]},
+        {"prompt_token_ids": text[1][:4] + [img] + text[1][4:], "multi_modal_data": {"image": pictures[0]}},
+        {"prompt_token_ids": text[2] + [img] + text[3] + [img] + [5, 6],
+         "multi_modal_data": {"image": [pictures[1], pictures[2]]}},
+        {"prompt_token_ids": [img] + text[4], "multi_modal_data": {"image": [pictures[3]]}},
+    ]
+    llm = LLM(llava, dtype="float32", device="cpu", max_num_batched_tokens=32)
+    outs = llm.generate(prompts, GREEDY)
+    wants = [hf_greedy(llava, p["prompt_token_ids"], [pictures[0]] if i == 1 else
+                       [pictures[1], pictures[2]] if i == 2 else [pictures[3]] if i == 3 else [], GREEDY.max_tokens)
+             for i, p in enumerate(prompts)]
+    assert [o.token_ids for o in outs] == wants
+    other = llm.generate({"prompt_token_ids": prompts[1]["prompt_token_ids"],
+                          "multi_modal_data": {"image": pictures[2]}}, GREEDY)[0]
+    assert other.token_ids != outs[1].token_ids  # another image, another output (else this test could not fail)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_the_prefix_cache_keys_blocks_by_their_images(llava):
+    """The same text with the same image finds its blocks; with another image it finds only the
+    blocks before the image; each output as a fresh engine computes it."""
+    img = image_token(llava)
+    prefix = random_prompts([40], seed=8)[0]
+    ids = prefix + [img] + random_prompts([30], seed=9)[0]
+    a, b = images(2, [(50, 40), (50, 40)])
+    llm = LLM(llava, dtype="float32", device="cpu")
+    first = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": a}}, GREEDY)[0]
+    again = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": a}}, GREEDY)[0]
+    other = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": b}}, GREEDY)[0]
+    assert again.token_ids == first.token_ids and again.num_cached_tokens == 80  # 5 of the 6 blocks of 95 tokens
+    assert other.num_cached_tokens == 32  # the blocks wholly before the image
+    fresh = LLM(llava, dtype="float32", device="cpu")
+    assert other.token_ids == fresh.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": b}},
+                                             GREEDY)[0].token_ids != first.token_ids
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_bad_images_are_refused_naming_the_field(llava, tiny_llama):
+    img = image_token(llava)
+    llm = LLM(llava, dtype="float32", device="cpu")
+    picture = images(3, [(20, 20)])[0]
+    for prompt, field in (
+            ({"prompt_token_ids": [5, img, 6], "multi_modal_data": {"image": [picture, picture]}},
+             "multi_modal_data.image"),
+            ({"prompt_token_ids": [5, img, 6], "multi_modal_data": {"image": np.zeros((4, 4), np.uint8)}},
+             "multi_modal_data.image[0]"),
+            ({"prompt_token_ids": [5, img, 6], "multi_modal_data": {"image": "cat.png"}}, "multi_modal_data.image[0]"),
+            ({"prompt_token_ids": [5, img], "multi_modal_data": {"audio": picture}}, "prompts[0].multi_modal_data"),
+            ({"prompt_token_ids": [5], "images": [picture]}, "prompts[0]")):
+        with pytest.raises(InvalidArgument) as err:
+            llm.generate(prompt, GREEDY)
+        assert err.value.field == field, (field, err.value)
+    with pytest.raises(InvalidArgument, match="prompt_logprobs"):
+        llm.generate({"prompt_token_ids": [5, img, 6], "multi_modal_data": {"image": picture}},
+                     SamplingParams(max_tokens=2, prompt_logprobs=1))
+    with pytest.raises(InvalidArgument) as err:
+        LLM(tiny_llama, dtype="float32", device="cpu").generate(
+            {"prompt_token_ids": [5, 6], "multi_modal_data": {"image": picture}}, GREEDY)
+    assert err.value.field == "multi_modal_data"
+    assert llm.generate({"prompt_token_ids": [5, img, 6], "multi_modal_data": {"image": picture}},
+                        GREEDY)[0].token_ids  # the engine carries on
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
