@@ -53,6 +53,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: no per-request cap beyond the step budget
+    # A vision-language model's (vLLM's names; engine/core/encoder_cache.py): the image tokens a step
+    # may encode, and the image tokens of embeddings kept for chunks and requests to come. None:
+    # max_num_batched_tokens, or one image's tokens where that is more.
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     dtype: str = "auto"  # "auto": float32 on CPU, the checkpoint's dtype (or bfloat16) on CUDA
     device: str = "auto"  # "auto": cuda when there is one, else cpu; resolved to cpu or cuda:N by resolve_device
@@ -108,6 +113,10 @@ class EngineConfig:
         check(isinstance(self.model, (str, os.PathLike)) and os.path.isdir(self.model), "model",
               f"must be a checkpoint directory, got {self.model!r}")
         self.model = os.fspath(self.model)
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            value = getattr(self, name)
+            check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1), name,
+                  f"must be an integer >= 1, got {value!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,

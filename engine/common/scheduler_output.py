@@ -51,6 +51,10 @@ class CachedRequestData:
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    # A vision-language model's encoder cache (engine/core/encoder_cache.py): the images to encode
+    # this step (request -> indices among its images), and those to let go first (digests).
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    freed_images: list[int] = field(default_factory=list)
     scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0

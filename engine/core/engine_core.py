@@ -31,6 +31,7 @@ from baton.engine.common.kv_groups import group_layers
 from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton.engine.common.stats import EngineSnapshot, EventType, StepEvents
 from baton.engine.common.tokenizer import eos_token_ids, load_tokenizer
+from baton.engine.core.encoder_cache import encoder_cache
 from baton.engine.core.host_kv_tier import HostKVTier
 from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.core.request import Request, RequestStatus, RequestUpdate
@@ -129,7 +130,8 @@ class EngineCore:
         connector_scheduler, connector_worker = kv_connector or (None, None)
         if connector_scheduler is not None:
             connector_scheduler.group_windows = self.kv_groups.windows
-        self.scheduler = Scheduler(config, self.kv, connector_scheduler, self.host)
+        self.scheduler = Scheduler(config, self.kv, connector_scheduler, self.host,
+                                   encoder_cache(config, args.vision.tokens_per_image if args.vision else 0))
         calculate_kv_scales(model, config)
         self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker, lora_slots,
                                   self.num_host_blocks, self.kv_groups, draft)

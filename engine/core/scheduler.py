@@ -23,6 +23,7 @@ from collections.abc import Callable
 from baton.engine.common.config import EngineConfig
 from baton.engine.common.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from baton.engine.common.stats import EventType, RequestEvent, SpecDecodeStats
+from baton.engine.core.encoder_cache import EncoderCache
 from baton.engine.core.host_kv_tier import HostKVTier
 from baton.engine.core.kv_arrivals import RemoteKVArrivals
 from baton.engine.core.kv_cache_manager import KVCacheManager, num_hits
@@ -32,8 +33,11 @@ from baton.kv_transfer.base import KVConnectorScheduler
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, connector: KVConnectorScheduler | None = None,
-                 host: HostKVTier | None = None):
+                 host: HostKVTier | None = None, encoder: EncoderCache | None = None):
+        """`encoder`: a vision-language model's encoder cache (its chunks over images scheduled
+        with their images' encodings)."""
         self.config = config
+        self.encoder = encoder
         self.kv = kv
         self.connector = connector
         self.host = host  # the host KV tier, when kv_offloading_size > 0
@@ -111,6 +115,8 @@ class Scheduler:
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
         self.num_host_bound -= request.sampling_params.needs_host_between_steps
+        if self.encoder is not None:
+            self.encoder.release(request)
         hold = was_loading  # freed when the worker reports the load over, not before
         if not was_loading and self.connector is not None:
             hold, request.kv_handle = self.connector.request_finished(request, self.kv.block_ids(request.request_id))
@@ -142,6 +148,8 @@ class Scheduler:
                 self._preempt(request, out, for_room=False)
                 self.rekey(request)
         self._to_recompute.clear()
+        if self.encoder is not None:
+            self.encoder.begin_step()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
@@ -155,6 +163,10 @@ class Scheduler:
             if self.ahead and request.num_computed_tokens + n >= request.num_tokens + request.num_pending_tokens:
                 request.num_pending_tokens += 1  # it samples in this step
             request.num_computed_tokens += n
+            if self.encoder is not None and request.images:  # (after the whole step: see encoder_cache.py)
+                self.encoder.computed(request, request.num_computed_tokens)
+        if self.encoder is not None:
+            out.encoder_inputs, out.freed_images = self.encoder.to_encode, self.encoder.take_freed()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         if self.host is not None:
@@ -190,6 +202,12 @@ class Scheduler:
             drafts = self._drafts(request) if speculating and request.spec_token_ids else ()
             n = min(request.num_tokens + pending - request.num_computed_tokens + len(drafts), budget,
                     threshold or budget)
+            encode = ()
+            if request.images and self.encoder is not None:
+                n, encode = self.encoder.plan(request, request.num_computed_tokens, n)
+                if n == 0:  # it would start inside an image that cannot be encoded now
+                    i += 1
+                    continue
             extra = self.lookahead if request.num_computed_tokens + n >= request.num_tokens else 0
             while (new_blocks := allocate(request, n + extra)) is None:
                 victim = self._preempt_one(out)
@@ -203,6 +221,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             scheduled.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
+            if request.images and self.encoder is not None:
+                self.encoder.commit(request, encode, request.num_computed_tokens, n)
             out.num_scheduled_tokens[request.request_id] = n
             if n > 1 and drafts:  # (a budget may cut them short)
                 out.scheduled_spec_tokens[request.request_id] = list(drafts[:n - 1])
@@ -233,6 +253,8 @@ class Scheduler:
         if self.host is not None and for_room:
             self.host.preempt(victim)
         self.kv.free(victim)
+        if self.encoder is not None:
+            self.encoder.release(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
@@ -262,6 +284,12 @@ class Scheduler:
             num_computed = request.num_computed_tokens + num_hits(computed) * self.kv.block_size + num_external
             n = 0 if load_async else min(request.num_tokens - num_computed, budget,
                                          self.config.long_prefill_token_threshold or budget)
+            encode = ()
+            if request.images and self.encoder is not None and n:
+                n, encode = self.encoder.plan(request, num_computed, n)
+                if n == 0:  # it would start inside an image that cannot be encoded now: the others pass it
+                    skipped.append(self.waiting.popleft())
+                    continue
             # A host-tier load reserves the rest of the request too: once its blocks landed it can
             # run, never holding blocks while it waits for more (two such would deadlock).
             from_host = self.host is not None and self.host.has_match(request)
@@ -274,6 +302,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_computed
+            if request.images and self.encoder is not None and n:
+                self.encoder.commit(request, encode, num_computed, n)
             block_ids = self.kv.block_ids(request.request_id)
             if from_host:  # the host tier is a local cache: its tokens count as cached, not external
                 self.host.load_after_alloc(request, block_ids[0], num_hits(computed))

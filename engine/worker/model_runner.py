@@ -61,7 +61,7 @@ def kv_attention(args) -> str:
 class RequestState:
     __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens", "prompt_logprobs",
                  "matcher", "lora_id", "draft_computed", "proposer_state", "hold_for_remote", "num_pending",
-                 "pending_index", "images", "image_embeds")
+                 "pending_index", "images")
 
     def __init__(self, token_ids, block_ids, sampling_params: SamplingParams, generator, num_prompt_tokens,
                  prompt_logprobs: list | None, lora_id: int = 0, hold_for_remote: bool = False):
@@ -79,10 +79,7 @@ class RequestState:
         # Async scheduling: its tokens sampled in queued steps not taken yet (token_ids lacks them),
         # the last one's row in the runner's last_sampled.
         self.num_pending, self.pending_index = 0, -1
-        # A vision-language model's images (core_messages.ImageInput), and the embeddings of those
-        # whose span is being computed (by index; dropped once their span is).
-        self.images: list = []
-        self.image_embeds: dict[int, torch.Tensor] = {}
+        self.images: list = []  # a vision-language model's (core_messages.ImageInput), in prompt order
 
 
 class ModelRunner:
@@ -130,6 +127,9 @@ class ModelRunner:
                       else checkpoint_kv_scales(config.model, whole)[0])
         self.states: dict[str, RequestState] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
+        # A vision-language model's image embeddings the scheduler's encoder cache says are held
+        # (engine/core/encoder_cache.py), by digest.
+        self.encoder_cache: dict[int, torch.Tensor] = {}
         self.last_sampled: torch.Tensor | None = None  # async scheduling: the last queued step's tokens, on the device
         self.token_ring = PinnedRing(config.max_num_seqs, self.device)  # (async scheduling's)
         self.grammars = None  # structured_output.Grammars, set by the engine core
@@ -315,6 +315,8 @@ class ModelRunner:
         """The step's changes to the requests, then its copies and loads started (before the
         forward: a swap-out's device blocks are reused in it)."""
         self._apply(sched)
+        if sched.freed_images or sched.encoder_inputs:
+            self._encode(sched.freed_images, sched.encoder_inputs)
         if sched.host_kv_ops is not None:
             self.host_kv.submit(sched.host_kv_ops)
         if self.connector is not None:
@@ -367,29 +369,29 @@ class ModelRunner:
                             self._image_embeddings(batch.image_rows) if batch.image_rows else None)
         return hidden, tensors.sample_rows
 
+    def _encode(self, freed: list[int], encode: dict[str, list[int]]) -> None:
+        """The encoder cache as the scheduler says: images let go, then the step's images encoded
+        (one pass of the encoder per pixel shape)."""
+        for digest in freed:
+            del self.encoder_cache[digest]
+        by_shape: dict[tuple, list] = {}
+        for req_id, indices in encode.items():
+            for index in indices:
+                image = self.states[req_id].images[index]
+                by_shape.setdefault(tuple(image.shape), []).append(image)
+        for shape, images in by_shape.items():
+            pixels = torch.stack([torch.frombuffer(bytearray(image.pixels), dtype=torch.float32).view(shape)
+                                  for image in images]).to(self.device)
+            for image, embeds in zip(images, self.model.vision(pixels)):
+                self.encoder_cache[image.digest] = embeds
+
     def _image_embeddings(self, image_rows: list[tuple[int, str, int, int, int]]
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, embeddings) of the step's rows in images' spans: each image encoded the first step
-        its span is in (all such images in one pass of the encoder per pixel shape), its embeddings
-        kept while the rest of its span is to come, then let go."""
-        states = self.states
-        missing = {}
-        for _, req_id, index, _, _ in image_rows:
-            state = states[req_id]
-            if index not in state.image_embeds:
-                missing.setdefault(tuple(state.images[index].shape), []).append((state, index))
-        for shape, wanted in missing.items():
-            pixels = torch.stack([torch.frombuffer(bytearray(s.images[i].pixels), dtype=torch.float32).view(shape)
-                                  for s, i in wanted]).to(self.device)
-            for (state, index), embeds in zip(wanted, self.model.vision(pixels)):
-                state.image_embeds[index] = embeds
+        """(rows, embeddings) of the step's rows in images' spans, from the encoder cache."""
         rows, parts = [], []
         for first, req_id, index, emb_start, count in image_rows:
-            state = states[req_id]
             rows.append(torch.arange(first, first + count))
-            parts.append(state.image_embeds[index][emb_start:emb_start + count])
-            if emb_start + count == state.images[index].length:  # the span's last rows: computed now
-                del state.image_embeds[index]
+            parts.append(self.encoder_cache[self.states[req_id].images[index].digest][emb_start:emb_start + count])
         return torch.cat(rows).to(self.device), torch.cat(parts)
 
     def _run(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -80,6 +80,10 @@ FLAGS = (
                            "another is converted on landing",
          str),
     Flag("long_prefill_token_threshold", "most prompt tokens one request gets per step; 0: no cap", int),
+    Flag("max_num_encoder_input_tokens", "a vision-language model's image tokens encoded per step at most "
+                                         "(default: --max-num-batched-tokens, or one image's)", int),
+    Flag("encoder_cache_size", "a vision-language model's image embeddings kept, in tokens (default: "
+                               "--max-num-batched-tokens, or one image's)", int),
     Flag("scheduling_policy", "fcfs (first come, first served) or priority (lowest value first)", str),
     Flag("kv_offloading_size", "GiB of host memory for a second KV cache tier: prefix blocks evicted from the device "
                                "are kept there and loaded back, not recomputed; 0: none", float),

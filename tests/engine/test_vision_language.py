@@ -56,7 +56,10 @@ def image_token(model_dir: str) -> int:
         return json.load(f)["image_token_index"]
 
 
-def test_images_in_prompts_equal_transformers(llava):
+# The default encoder budget and cache (64 tokens: two images a step), and room for one image only
+# (each step encodes one, and the next image's evicts the last).
+@pytest.mark.parametrize("encoder", [{}, {"max_num_encoder_input_tokens": 25, "encoder_cache_size": 25}])
+def test_images_in_prompts_equal_transformers(llava, encoder):
     """Text-only, one image, two images, and an image at the prompt's start, in one batch; 32-token
     chunks cut through the 25-token image spans; the outputs equal transformers', and the images
     change them."""
@@ -70,7 +73,7 @@ def test_images_in_prompts_equal_transformers(llava):
          "multi_modal_data": {"image": [pictures[1], pictures[2]]}},
         {"prompt_token_ids": [img] + text[4], "multi_modal_data": {"image": [pictures[3]]}},
     ]
-    llm = LLM(llava, dtype="float32", device="cpu", max_num_batched_tokens=32)
+    llm = LLM(llava, dtype="float32", device="cpu", max_num_batched_tokens=32, **encoder)
     outs = llm.generate(prompts, GREEDY)
     wants = [hf_greedy(llava, p["prompt_token_ids"], [pictures[0]] if i == 1 else
                        [pictures[1], pictures[2]] if i == 2 else [pictures[3]] if i == 3 else [], GREEDY.max_tokens)
@@ -98,6 +101,35 @@ def test_the_prefix_cache_keys_blocks_by_their_images(llava):
     fresh = LLM(llava, dtype="float32", device="cpu")
     assert other.token_ids == fresh.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": b}},
                                              GREEDY)[0].token_ids != first.token_ids
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_the_same_image_is_encoded_once_and_survives_preemption_and_async_scheduling(llava):
+    """Four requests with the same picture (and one with another) in a pool that preempts, steps
+    queued ahead: the shared picture is encoded once while some request needs it, a preempted
+    request finds it again or has it encoded again, and every output equals a roomy synchronous
+    engine's; the encoder cache holds nothing needed afterwards."""
+    img = image_token(llava)
+    a, b = images(6, [(33, 47), (40, 40)])
+    texts = random_prompts([20, 31, 9, 26, 14], seed=12)
+    prompts = [{"prompt_token_ids": t[:5] + [img] + t[5:], "multi_modal_data": {"image": b if i == 4 else a}}
+               for i, t in enumerate(texts)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(llava, dtype="float32", device="cpu").generate(prompts, params)]
+    llm = LLM(llava, dtype="float32", device="cpu", num_kv_blocks=9, max_model_len=128, async_scheduling=True,
+              max_num_batched_tokens=48)
+    runner, encoded = llm.engine.runner, []
+    vision = runner.model.vision.forward
+
+    def counted(pixels):
+        encoded.append(pixels.shape[0])
+        return vision(pixels)
+    runner.model.vision.forward = counted
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_preemptions > 0 and llm.engine.core.loop.ahead
+    assert sum(encoded) == 2  # each picture once: the four requests with the same one share it
+    assert not scheduler.encoder.needed
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 

@@ -22,7 +22,8 @@ GIVEN = {"device": "cpu", "dtype": "float32", "max_num_seqs": 8, "max_num_batche
          "enforce_eager": True, "async_scheduling": True, "cudagraph_capture_sizes": [1, 4, 16],
          "lora_modules": {"sql": "/adapters/sql", "odd": "/a=b"},
          "speculative_config": {"method": "ngram", "num_speculative_tokens": 4},
-         "accept_kv_from": ["0123456789abcdef0123456789abcdef"], "kv_cache_dtype": "fp8", "calculate_kv_scales": True}
+         "accept_kv_from": ["0123456789abcdef0123456789abcdef"], "kv_cache_dtype": "fp8", "calculate_kv_scales": True,
+         "max_num_encoder_input_tokens": 1024, "encoder_cache_size": 2048}
 
 
 def test_every_config_field_has_one_flag():
