@@ -47,6 +47,7 @@ from baton.engine.common.kv_cache_events import KVEvent
 from baton.engine.common.lifetime import child_argv
 from baton.engine.common.stats import StepEvents
 from baton.engine.common.tokenizer import load_tokenizer
+from baton.engine.front.images import image_processor
 from baton.engine.front.input_processor import InputProcessor
 from baton.engine.front.output_processor import OutputProcessor, StepOutput
 
@@ -194,7 +195,8 @@ class CoreClient:
             raise error_from(msg.error)
         assert isinstance(msg, CoreReady), msg
         self.facts = msg.facts
-        self.inputs = InputProcessor(self.tokenizer, self.facts)
+        self.inputs = InputProcessor(self.tokenizer, self.facts,
+                                     image_processor(self.config.model, self.tokenizer, self.facts))
         self._receiver = asyncio.ensure_future(self._receive())
         return self.facts
 

@@ -6,16 +6,28 @@ placeholder id (core_messages.image_placeholder), so block hashes name the image
 from __future__ import annotations
 
 import hashlib
+import io
 
 import numpy as np
 
-from baton.engine.common.core_messages import ImageInput, image_placeholder
-from baton.engine.common.errors import check
+from baton.engine.common.core_messages import EngineFacts, ImageInput, image_placeholder
+from baton.engine.common.errors import InvalidArgument, check
+
+
+def image_processor(model_dir: str, tokenizer, facts: EngineFacts) -> ImageProcessor | None:
+    """A vision-language model's image processor, as its core's facts describe the model (None:
+    a text model)."""
+    if facts.image_token_id < 0:
+        return None
+    return ImageProcessor(model_dir, facts.image_token_id, facts.tokens_per_image,
+                          tokenizer.convert_ids_to_tokens(facts.image_token_id))
 
 
 class ImageProcessor:
-    def __init__(self, model_dir: str, image_token_id: int, tokens_per_image: int):
+    def __init__(self, model_dir: str, image_token_id: int, tokens_per_image: int, image_text: str):
+        """`image_text`: the image token as the tokenizer writes it ("<image>")."""
         self.model_dir, self.image_token_id, self.tokens_per_image = model_dir, image_token_id, tokens_per_image
+        self.image_text = image_text  # (a chat turn's images go where it stands)
         self._processor = None  # loaded at the first image (transformers' import is slow)
 
     def expand(self, token_ids: list[int], images: list, field: str) -> tuple[list[int], list[ImageInput]]:
@@ -34,10 +46,26 @@ class ImageProcessor:
             last = position + 1
         return out + token_ids[last:], inputs
 
+    @staticmethod
+    def decode(data: bytes, field: str):
+        """An encoded image file's bytes (PNG, JPEG, ...) as a PIL image; raises InvalidArgument
+        naming `field` when they are not one."""
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            image = Image.open(io.BytesIO(data))
+            image.load()
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+            raise InvalidArgument(field, f"does not decode as an image ({e})") from None
+        return image.convert("RGB")
+
     def _pixels(self, image, field: str) -> np.ndarray:
-        """One image (a PIL image, or an array [H, W, 3] of uint8) as the model's pixels [3, H, W]."""
+        """One image (a PIL image, an array [H, W, 3] of uint8, or an encoded file's bytes) as the
+        model's pixels [3, H, W]."""
         from PIL import Image
 
+        if isinstance(image, bytes):
+            image = self.decode(image, field)
         if isinstance(image, np.ndarray):
             check(image.ndim == 3 and image.shape[2] == 3 and image.dtype == np.uint8, field,
                   f"an array image must be [height, width, 3] uint8, got {image.shape} {image.dtype}")

@@ -11,7 +11,7 @@ from baton.engine.common.stats import EngineSnapshot, StepEvents
 from baton.engine.common.tokenizer import load_tokenizer
 from baton.engine.core.engine_core import EngineCore
 from baton.engine.core.request import Request, RequestStatus
-from baton.engine.front.images import ImageProcessor
+from baton.engine.front.images import image_processor
 from baton.engine.front.input_processor import InputProcessor
 from baton.engine.front.output_processor import OutputProcessor, StepOutput
 from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker, KVHandle
@@ -24,9 +24,7 @@ class LLMEngine:
         self.core = EngineCore(config, kv_connector)
         self.tokenizer = load_tokenizer(config.model)
         facts = self.core.facts()
-        images = (ImageProcessor(config.model, facts.image_token_id, facts.tokens_per_image)
-                  if facts.image_token_id >= 0 else None)
-        self.inputs = InputProcessor(self.tokenizer, facts, images)
+        self.inputs = InputProcessor(self.tokenizer, facts, image_processor(config.model, self.tokenizer, facts))
         self.outputs = OutputProcessor(self.tokenizer)
 
     # The core's parts, for tests and benchmarks.

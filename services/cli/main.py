@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
 
+from baton.engine.common.errors import InvalidArgument
 from baton.services.cli.engine_args import DEFAULT_MODELS_DIR, add_engine_flags, engine_argv, engine_config, model_dir
 from baton.services.cli.tls_flags import add_tls_flags, tls_config
 
@@ -53,7 +55,7 @@ def _serve(args) -> None:
                            max_waiting_requests=args.max_waiting_requests, grace_s=args.grace_period,
                            role=args.role, internal_token=args.internal_token, kv_hold_timeout_s=args.kv_hold_timeout,
                            advertise_host=args.advertise_host, stream_interval=args.stream_interval, tls=_tls(args),
-                           **_telemetry_options(args))
+                           media=_media_options(args), **_telemetry_options(args))
         make = lambda: Server(engine_config(args), options)  # noqa: E731
 
     async def run() -> None:
@@ -108,6 +110,19 @@ def _tls(args):
         return tls_config(args)
     except ValueError as e:
         sys.exit(f"baton {args.command}: {e}")
+
+
+def _media_options(args):
+    """The image flags as MediaOptions, or a one-line exit naming the bad one."""
+    from baton.services.server.media import MediaOptions
+
+    try:
+        limits = json.loads(args.limit_mm_per_prompt)
+        if not isinstance(limits, dict) or set(limits) - {"image"}:
+            raise ValueError(f"takes images only, as {{\"image\": N}}, got {args.limit_mm_per_prompt}")
+        return MediaOptions(args.allowed_local_media_path, args.allowed_media_domains or [], limits.get("image", 4))
+    except (ValueError, InvalidArgument) as e:
+        sys.exit(f"baton serve: --limit-mm-per-prompt / media: {e}")
 
 
 def _telemetry_options(args) -> dict:
@@ -247,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="new tokens a streamed message carries, the first token's and the last aside (vLLM's flag): "
                         "1 streams token by token; more sends fewer, larger messages, each hop's CPU cost "
                         "per token falling about as much (default: %(default)s)")
+    s.add_argument("--allowed-local-media-path", metavar="DIR",
+                   help="a vision-language model's images: file:// URLs under DIR are read (default: none are)")
+    s.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
+                   help="a vision-language model's images: the hosts http(s) URLs may name (default: any)")
+    s.add_argument("--limit-mm-per-prompt", metavar="JSON", default='{"image": 4}',
+                   help="the images one request may carry, as vLLM takes it (default: %(default)s)")
     s.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds in-flight streams get to finish on shutdown before they are aborted")
     s.add_argument("--role", choices=["both", "prefill", "decode", "router"], default="both",

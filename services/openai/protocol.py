@@ -188,9 +188,12 @@ def chat_messages_from_body(body: dict) -> list[pb.ChatMessage]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages: must be a non-empty list", "messages")
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):  # [{"type": "text", "text": ...}]: the text parts
+        images = []
+        if isinstance(content, list):  # content parts: the text ones joined, the images before them
+            images = [_image_part(p, f"messages[{i}].content[{j}]") for j, p in enumerate(content)
+                      if isinstance(p, dict) and p.get("type") == "image_url"]
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
         calls = m.get("tool_calls") if isinstance(m, dict) else None
         if content is None and calls:  # an assistant turn that only called tools
@@ -198,7 +201,8 @@ def chat_messages_from_body(body: dict) -> list[pb.ChatMessage]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
             raise ApiError(400, "messages: each needs a role and a text content (an assistant's may be null "
                                 "when it has tool_calls)", "messages")
-        message = pb.ChatMessage(role=m["role"], content=content, tool_call_id=str(m.get("tool_call_id") or ""))
+        message = pb.ChatMessage(role=m["role"], content=content, tool_call_id=str(m.get("tool_call_id") or ""),
+                                 images=images)
         if calls:
             message.tool_calls_json = json.dumps(calls)
             try:
@@ -207,6 +211,16 @@ def chat_messages_from_body(body: dict) -> list[pb.ChatMessage]:
                 raise ApiError(400, f"messages: tool_calls {e.reason}", "messages") from None
         out.append(message)
     return out
+
+
+def _image_part(part: dict, param: str) -> pb.Image:
+    """An image_url content part ({"type": "image_url", "image_url": {"url": ...}}) as the server
+    reads it (data:, file:// or http(s) URLs)."""
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str) or not url:
+        raise ApiError(400, f"{param}: an image_url part needs image_url.url", param)
+    return pb.Image(url=url)
 
 
 def prompts_from_body(body: dict) -> list[pb.GenerateRequest]:

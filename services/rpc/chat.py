@@ -8,12 +8,13 @@ from baton.engine.common.errors import InvalidArgument
 from baton.v1 import generate_pb2 as pb
 
 
-def chat_messages(chat: pb.Chat) -> list[dict]:
-    """The conversation as chat templates take it. Raises InvalidArgument naming
+def chat_messages(chat: pb.Chat, image_text: str = "") -> list[dict]:
+    """The conversation as chat templates take it, each message's images as `image_text` (the
+    model's image token) before its text, a line each. Raises InvalidArgument naming
     chat.messages.tool_calls_json when an assistant's calls are not a JSON list of calls."""
     out = []
     for m in chat.messages:
-        message = {"role": m.role, "content": m.content}
+        message = {"role": m.role, "content": "".join(f"{image_text}\n" for _ in m.images) + m.content}
         if m.tool_calls_json:
             message["tool_calls"] = tool_calls_for_template(m.tool_calls_json)
         if m.tool_call_id:

@@ -50,10 +50,10 @@ class MadeRequest:
 
 
 def core_request_from_proto(msg: pb.GenerateRequest, core: CoreClient, role: str,
-                            for_prefill: bool = False) -> MadeRequest:
+                            for_prefill: bool = False, images: list = ()) -> MadeRequest:
     """The engine request for a GenerateRequest to the loaded `core` of a server of `role`;
     raises InvalidArgument naming the API field. `for_prefill`: only the first token, with
-    the blocks held for a decode peer."""
+    the blocks held for a decode peer. `images`: its chat's, read (media.py)."""
     inputs = core.inputs
     check(msg.output in pb.Output.values(), "output", f"unknown value {msg.output}")
     check(len(msg.request_id) <= MAX_REQUEST_ID_CHARS, "request_id",
@@ -75,11 +75,12 @@ def core_request_from_proto(msg: pb.GenerateRequest, core: CoreClient, role: str
     if not for_prefill and (remote_kv is not None or msg.resume.ids):  # the prompt's logprobs went out already
         params = dataclasses.replace(params, prompt_logprobs=None)
     try:
-        request = inputs.core_request(msg.request_id or uuid.uuid4().hex, _prompt(msg, core), params, msg.priority,
-                                      hold_for_remote=hold, remote_kv=remote_kv,
-                                      resumed_output=list(msg.resume.ids), adapter=msg.adapter)
-    except InvalidArgument as e:
-        raise type(e)(api_field(e.field), e.reason) from None
+        request = inputs.core_request(msg.request_id or uuid.uuid4().hex, _prompt(msg, core, bool(images)), params,
+                                      msg.priority, hold_for_remote=hold, remote_kv=remote_kv,
+                                      resumed_output=list(msg.resume.ids), adapter=msg.adapter, images=list(images))
+    except InvalidArgument as e:  # (the images' count: the chat's text held image tokens of its own)
+        field = "chat.messages" if e.field.startswith("multi_modal_data") else api_field(e.field)
+        raise type(e)(field, e.reason) from None
     num_prompt = len(request.prompt_token_ids)
     if remote_kv is not None:
         facts = core.facts
@@ -97,10 +98,11 @@ def core_request_from_proto(msg: pb.GenerateRequest, core: CoreClient, role: str
     return MadeRequest(request, msg.output or pb.OUTPUT_TEXT_AND_TOKEN_IDS, min_tokens)
 
 
-def _prompt(msg: pb.GenerateRequest, core: CoreClient) -> str | list[int]:
+def _prompt(msg: pb.GenerateRequest, core: CoreClient, images: bool) -> str | list[int]:
     kind = msg.WhichOneof("prompt")
     check(kind is not None, "prompt", "set one of text, token_ids or chat")
     if kind == "chat":
         check(len(msg.chat.messages) > 0, "chat.messages", "must not be empty")
-        return core.inputs.apply_chat_template(chat_messages(msg.chat), chat_tools(msg.chat))
+        image_text = core.inputs.images.image_text if images else ""
+        return core.inputs.apply_chat_template(chat_messages(msg.chat, image_text), chat_tools(msg.chat))
     return msg.text if kind == "text" else list(msg.token_ids.ids)

@@ -18,6 +18,7 @@ from baton.services.server.call_checks import CallChecks
 from baton.services.server.core_requests import MadeRequest, core_request_from_proto
 from baton.services.server.engine_telemetry import EngineTelemetry
 from baton.services.server.kv_peers import KVPeers
+from baton.services.server.media import MediaOptions, read_images
 from baton.services.server.responses import ENGINE_ERRORS, abort_for_engine_error, decode_timing, response_from_output
 from baton.v1 import generate_pb2 as pb
 
@@ -27,8 +28,9 @@ class GenerationService:
     engine_runtime_api.py). `calls`: the Generate calls in flight, which Abort looks up."""
 
     def __init__(self, core: CoreClient, role: str, checks: CallChecks, calls: CallRegistry,
-                 telemetry: EngineTelemetry, kv_peers: KVPeers):
+                 telemetry: EngineTelemetry, kv_peers: KVPeers, media: MediaOptions):
         self.core = core
+        self.media = media
         self.role = role
         self.checks = checks
         self.calls = calls
@@ -48,7 +50,8 @@ class GenerationService:
             try:
                 n = num_completions(msg)
                 check(n == 1 or handle is None, "sampling.n", "must be 1 with a kv_handle")
-                made = [core_request_from_proto(child, self.core, self.role)
+                images = await read_images(msg.chat, self.core.inputs.images, self.media)
+                made = [core_request_from_proto(child, self.core, self.role, images=images)
                         for child in (child_requests(msg, n) if n > 1 else [msg])]
             except InvalidArgument as e:
                 await abort_invalid(context, e)

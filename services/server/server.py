@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -41,6 +41,7 @@ from baton.services.server.engine_telemetry import EngineTelemetry
 from baton.services.server.generation import GenerationService
 from baton.services.server.kv_event_hub import KVEventHub
 from baton.services.server.kv_peers import KVPeers, KVPeerService
+from baton.services.server.media import MediaOptions
 from baton.services.server.prefill import PrefillService
 from baton.services.server.snapshots import stats_to_proto
 from baton.services.telemetry import tracing
@@ -71,6 +72,7 @@ class ServerOptions:
     tls: TLSConfig | None = None  # serve TLS (mTLS with a CA), and call peers over it
     advertise_host: str | None = None  # in KV handles; default: host, or this host's IP when host is a wildcard
     stream_interval: int = 1  # new tokens a stream's message carries, the first and last aside (CoreClient's)
+    media: MediaOptions = field(default_factory=MediaOptions)  # where a vision-language model's images come from
 
     def __post_init__(self):
         check(self.role in ROLES, "role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
@@ -133,7 +135,7 @@ class Server:
         checks = CallChecks(self.core, o.internal_token, lambda: self.serving)
         calls = CallRegistry()  # Generate and Prefill calls in flight, for Abort
         self.kv_peers = KVPeers(self.core, o.tls, o.internal_token)
-        self.generation = GenerationService(self.core, o.role, checks, calls, self.telemetry, self.kv_peers)
+        self.generation = GenerationService(self.core, o.role, checks, calls, self.telemetry, self.kv_peers, o.media)
         self.runtime_api = EngineRuntimeApi(self.core, o.role, checks, calls, config.model, self.model_name,
                                             self.address)
         add_text_generation(self.grpc, self.generation.Generate, self.runtime_api)
@@ -142,7 +144,7 @@ class Server:
                                                       self.grpc)
         services = [SERVICE_NAME, *(internal_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("KVPeer", "Admin"))]
         if o.role != "decode":
-            prefill = PrefillService(self.core, o.role, checks, calls, self.telemetry, self.address)
+            prefill = PrefillService(self.core, o.role, checks, calls, self.telemetry, self.address, o.media)
             internal_pb2_grpc.add_PrefillServicer_to_server(prefill, self.grpc)
             services.append(internal_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

@@ -1,0 +1,127 @@
+"""Images through `baton serve` (a LLaVA of random weights, test_vision_language.py's): gRPC chat
+messages carry images (bytes or URLs) and the OpenAI front takes image_url content parts; data:
+URLs, file:// under --allowed-local-media-path and http(s) from a server on loopback give the
+offline engine's output for the same pictures. Bad images are INVALID_ARGUMENT / 400 naming the
+image's field: bytes that are no image, a file outside the allowed path, a host not allowed, a
+file over the byte limit, more images than --limit-mm-per-prompt, images sent to a text model;
+the server carries on, its pool full."""
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+
+import grpc
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from baton import LLM, SamplingParams
+from baton.services.server.media import MediaOptions
+from baton.testing.checkpoints import write_random_llava
+from baton.v1 import generate_pb2 as pb
+from baton.v1 import generate_pb2_grpc as pb_grpc
+
+TEXT = "What is in this picture?"
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> str:
+    return write_random_llava(str(tmp_path_factory.mktemp("llava") / "llava"), seed=3)
+
+
+def png(seed: int, size=(37, 45)) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def offline(model_dir: str, picture: bytes, n: int) -> list[int]:
+    """The offline engine's greedy tokens for TEXT after the picture, through the chat template."""
+    llm = LLM(model_dir, dtype="float32", device="cpu")
+    ids = llm.engine.inputs.apply_chat_template([{"role": "user", "content": f"<image>\n{TEXT}"}])
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": Image.open(io.BytesIO(picture))}},
+                       SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    return out[0].token_ids
+
+
+def generate(address: str, *images: pb.Image, n: int = 8) -> list[int]:
+    request = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=TEXT, images=images)]),
+                                 sampling=pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    with grpc.insecure_channel(address) as channel:
+        return [t for r in pb_grpc.TextGenerationStub(channel).Generate(request, timeout=60) for t in r.token_ids]
+
+
+class _Pictures(http.server.BaseHTTPRequestHandler):
+    files: dict[str, bytes] = {}
+
+    def do_GET(self):
+        body = self.files.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def pictures_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Pictures)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_images_through_grpc_and_the_openai_front(serve, llava, tmp_path, pictures_server):
+    picture, big = png(1), png(2, (400, 400))
+    (tmp_path / "cat.png").write_bytes(picture)
+    _Pictures.files = {"/cat.png": picture, "/big.png": big}
+    want = offline(llava, picture, 8)
+    srv = serve(llava, {"http_port": 0, "media": MediaOptions(
+        allowed_local_media_path=str(tmp_path), allowed_media_domains=["127.0.0.1"], limit_images=2,
+        max_image_bytes=len(big) - 1)})
+    host, port = pictures_server.server_address
+    data_url = "data:image/png;base64," + base64.b64encode(picture).decode()
+    for image in (pb.Image(data=picture), pb.Image(url=data_url), pb.Image(url=f"file://{tmp_path}/cat.png"),
+                  pb.Image(url=f"http://{host}:{port}/cat.png")):
+        assert generate(srv.address, image) == want, image.WhichOneof("source")
+    client = openai.OpenAI(base_url=srv.server.http.url + "/v1", api_key="none", max_retries=0)
+    chat = client.chat.completions.create(
+        model=srv.server.model_name, max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [{"type": "text", "text": TEXT},
+                                               {"type": "image_url", "image_url": {"url": data_url}}]}])
+    assert chat.choices[0].message.content == srv.server.core.tokenizer.decode(want, skip_special_tokens=True)
+    assert chat.usage.prompt_tokens > 25  # the image's span counted
+    outside = tmp_path.parent / "outside.png"
+    outside.write_bytes(picture)
+    for images, field in (
+            ([pb.Image(data=b"not an image")], "chat.messages[0].images[0]"),
+            ([pb.Image(data=picture), pb.Image(url=f"file://{outside}")], "chat.messages[0].images[1]"),
+            ([pb.Image(url=f"http://localhost:{port}/cat.png")], "chat.messages[0].images[0]"),
+            ([pb.Image(url=f"http://{host}:{port}/big.png")], "chat.messages[0].images[0]"),
+            ([pb.Image(url=f"http://{host}:{port}/missing.png")], "chat.messages[0].images[0]"),
+            ([pb.Image(url="ftp://example.com/a.png")], "chat.messages[0].images[0]"),
+            ([pb.Image(data=picture)] * 3, "chat.messages.images")):
+        with pytest.raises(grpc.RpcError) as err:
+            generate(srv.address, *images)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field), \
+            (field, err.value.details())
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=srv.server.model_name, max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    assert "images[0]" in str(bad.value)
+    assert generate(srv.address, pb.Image(data=picture)) == want  # nothing disturbed
+    assert srv.wait_pool_full()
+
+
+def test_images_to_a_text_model_are_refused(serve, tiny_llama):
+    srv = serve(tiny_llama)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(srv.address, pb.Image(data=png(3)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "chat.messages.images" in err.value.details()
