@@ -158,3 +158,35 @@ def test_bad_images_are_refused_naming_the_field(llava, tiny_llama):
     assert llm.generate({"prompt_token_ids": [5, img, 6], "multi_modal_data": {"image": picture}},
                         GREEDY)[0].token_ids  # the engine carries on
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_prefill_and_decode_over_nixl_equal_colocated_and_the_decode_never_encodes(llava):
+    """The prefill encodes the images and computes the prompt; the decode READs the blocks (their
+    hashes name the images, on both sides alike) and never runs its encoder."""
+    from nixl_engines import agent_ids, assert_pools_full, connect, nixl_engine, run_until_done
+
+    img = image_token(llava)
+    pictures = images(9, [(44, 52), (30, 61)])
+    texts = random_prompts([11, 23], seed=14)
+    prompts = [texts[0][:3] + [img] + texts[0][3:], [img] + texts[1] + [img]]
+    data = [[pictures[0]], [pictures[1], pictures[0]]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(llava, dtype="float32", device="cpu").generate(
+        [{"prompt_token_ids": p, "multi_modal_data": {"image": d}} for p, d in zip(prompts, data)], params)]
+    prefill, decode = nixl_engine(llava, "prefill", max_num_batched_tokens=32), nixl_engine(llava, "decode")
+    connect(prefill, decode)
+    encoded = []
+    decode.runner.model.vision.forward = lambda pixels: encoded.append(pixels) or pytest.fail("the decode encoded")
+    handles = []
+    for p, d in zip(prompts, data):
+        req = prefill.add_request(f"p{next(agent_ids)}", p, SamplingParams(max_tokens=1, temperature=0.0),
+                                  hold_for_remote=True, images=d)
+        handles.append(req)
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    ids = [decode.add_request(f"d{next(agent_ids)}", p, params, remote_kv=r.kv_handle, images=d).request_id
+           for p, d, r in zip(prompts, data, handles)]
+    tokens = run_until_done(prefill, decode)
+    assert [[r.kv_handle.first_token] + tokens[i] for r, i in zip(handles, ids)] == want
+    assert not encoded and decode.runner.connector.num_blocks_pulled > 0
+    assert_pools_full(prefill, decode)
