@@ -106,11 +106,12 @@ def write_random_checkpoint(out_dir: str, config_class: str, *, seed: int = 0, s
 
 
 def write_random_llava(out_dir: str, *, seed: int = 0, image_size: int = 30, patch_size: int = 6,
-                       strategy: str = "default") -> str:
+                       strategy: str = "default", vision: dict | None = None, text: dict | None = None) -> str:
     """A LLaVA-1.5 (LlavaForConditionalGeneration) of random weights from transformers' own classes:
     a small CLIP ViT (three layers; the projector reads the second to last's output), the
     projector and a small Llama, its image token "<image>" (a special token added to the locally
-    trained tokenizer, as llava-hf's); with CLIP's image processor (PIL backend) sized to `image_size`."""
+    trained tokenizer, as llava-hf's); with CLIP's image processor (PIL backend) sized to `image_size`.
+    `vision`, `text`: other sizes for the ViT's and the language model's configs (a benchmark's)."""
     import torch
     import transformers
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
@@ -118,14 +119,15 @@ def write_random_llava(out_dir: str, *, seed: int = 0, image_size: int = 30, pat
     tokenizer = train_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     vocab = len(tokenizer)
-    text = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=112, num_attention_heads=4,
-                                    num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=1024,
-                                    rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id,
-                                    eos_token_id=tokenizer.eos_token_id, initializer_range=0.2)
-    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                                           num_attention_heads=2, image_size=image_size, patch_size=patch_size,
-                                           initializer_range=0.2)
-    config = transformers.LlavaConfig(vision_config=vision, text_config=text,
+    text_config = transformers.LlamaConfig(**{
+        "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 112, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, "initializer_range": 0.2,
+        **(text or {})})
+    vision_config = transformers.CLIPVisionConfig(**{
+        "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
+        "image_size": image_size, "patch_size": patch_size, "initializer_range": 0.2, **(vision or {})})
+    config = transformers.LlavaConfig(vision_config=vision_config, text_config=text_config,
                                       image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
                                       vision_feature_select_strategy=strategy, vision_feature_layer=-2)
     torch.manual_seed(seed)
