@@ -27,6 +27,7 @@ from baton.services.openai.protocol import (
     chat_messages_from_body,
     check_parameters,
     error_for_status,
+    image_error,
     in_range,
     int_list,
     prompts_from_body,
@@ -248,6 +249,7 @@ class OpenAIFront:
         return await self._complete(request, chat=True)
 
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = {}
         try:
             body = await _json(request)
             check_parameters(body, chat)
@@ -281,7 +283,7 @@ class OpenAIFront:
             responses = self._responses(requests, request, max(sampling.n, 1))
             first = await anext(responses, None)  # errors before any token still get their HTTP status
         except ApiError as e:
-            return _error_response(e)
+            return _error_response(image_error(e, body) if chat else e)
         shape = Completion(self.token_text, request_id, model, chat, time.time(), tools)
         try:
             return await (self._stream(request, shape, first, responses, include_usage) if stream

@@ -5,6 +5,7 @@ statuses as HTTP ones."""
 from __future__ import annotations
 
 import json
+import re
 
 import grpc
 
@@ -211,6 +212,25 @@ def chat_messages_from_body(body: dict) -> list[pb.ChatMessage]:
                 raise ApiError(400, f"messages: tool_calls {e.reason}", "messages") from None
         out.append(message)
     return out
+
+
+_IMAGE_FIELD = re.compile(r"chat\.messages(?:\[(\d+)\]\.images\[(\d+)\]|\.images)")
+
+
+def image_error(error: ApiError, body: dict) -> ApiError:
+    """An error about a chat's images named as the request named them: chat.messages[i].images[j]
+    as messages[i].content[k] (the message's k-th content part is its j-th image), and
+    chat.messages.images as messages."""
+    match = _IMAGE_FIELD.match(error.param or "")
+    if match is None:
+        return error
+    param = "messages"
+    if match.group(1) is not None:
+        i, j = int(match.group(1)), int(match.group(2))
+        parts = body["messages"][i]["content"]
+        k = [n for n, p in enumerate(parts) if isinstance(p, dict) and p.get("type") == "image_url"][j]
+        param = f"messages[{i}].content[{k}]"
+    return ApiError(error.status, param + str(error).removeprefix(match.group(0)), param, error.kind)
 
 
 def _image_part(part: dict, param: str) -> pb.Image:

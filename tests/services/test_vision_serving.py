@@ -112,10 +112,13 @@ def test_images_through_grpc_and_the_openai_front(serve, llava, tmp_path, pictur
             generate(srv.address, *images)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field), \
             (field, err.value.details())
-    with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=srv.server.model_name, max_tokens=2, messages=[
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
-    assert "images[0]" in str(bad.value)
+    not_png = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    for parts, param in (([{"type": "text", "text": TEXT}, not_png], "messages[0].content[1]"),
+                         ([{"type": "image_url", "image_url": {"url": data_url}}] * 3, "messages")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model=srv.server.model_name, max_tokens=2,
+                                           messages=[{"role": "user", "content": parts}])
+        assert bad.value.body["param"] == param and bad.value.body["message"].startswith(param), bad.value.body
     assert generate(srv.address, pb.Image(data=picture)) == want  # nothing disturbed
     assert srv.wait_pool_full()
 
