@@ -106,12 +106,14 @@ def write_random_checkpoint(out_dir: str, config_class: str, *, seed: int = 0, s
 
 
 def write_random_llava(out_dir: str, *, seed: int = 0, image_size: int = 30, patch_size: int = 6,
-                       strategy: str = "default", vision: dict | None = None, text: dict | None = None) -> str:
+                       strategy: str = "default", vision: dict | None = None, text: dict | None = None,
+                       text_model: str = "LlamaConfig") -> str:
     """A LLaVA-1.5 (LlavaForConditionalGeneration) of random weights from transformers' own classes:
     a small CLIP ViT (three layers; the projector reads the second to last's output), the
     projector and a small Llama, its image token "<image>" (a special token added to the locally
     trained tokenizer, as llava-hf's); with CLIP's image processor (PIL backend) sized to `image_size`.
-    `vision`, `text`: other sizes for the ViT's and the language model's configs (a benchmark's)."""
+    `vision`, `text`: other sizes for the ViT's and the language model's configs (a benchmark's);
+    `text_model`: the language model's config class ("MistralConfig": LLaVA over Mistral)."""
     import torch
     import transformers
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
@@ -119,7 +121,7 @@ def write_random_llava(out_dir: str, *, seed: int = 0, image_size: int = 30, pat
     tokenizer = train_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     vocab = len(tokenizer)
-    text_config = transformers.LlamaConfig(**{
+    text_config = getattr(transformers, text_model)(**{
         "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 112, "num_attention_heads": 4,
         "num_key_value_heads": 2, "num_hidden_layers": 2, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
         "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id, "initializer_range": 0.2,

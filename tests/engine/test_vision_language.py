@@ -85,6 +85,20 @@ def test_images_in_prompts_equal_transformers(llava, encoder):
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
+def test_llava_over_mistral_with_a_sliding_window_equals_transformers(tmp_path):
+    """The language model read as its family reads it: Mistral's 16-token window, which the
+    image's 25 tokens and the text around them cross."""
+    model_dir = write_random_llava(str(tmp_path / "llava-mistral"), seed=4, text_model="MistralConfig",
+                                   text={"sliding_window": 16})
+    img = image_token(model_dir)
+    ids = random_prompts([9], seed=2)[0] + [img] + random_prompts([14], seed=3)[0]
+    picture = images(4, [(35, 29)])
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=16)
+    assert llm.engine.runner.model.args.sliding_window == 16
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": picture}}, GREEDY)[0]
+    assert out.token_ids == hf_greedy(model_dir, ids, picture, GREEDY.max_tokens)
+
+
 def test_the_prefix_cache_keys_blocks_by_their_images(llava):
     """The same text with the same image finds its blocks; with another image it finds only the
     blocks before the image; each output as a fresh engine computes it."""

@@ -14,16 +14,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.common.errors import InvalidArgument
-from baton.engine.worker.models.args import ModelArgs, VisionArgs, decoder_args
+from baton.engine.worker.models import llama, mistral
+from baton.engine.worker.models.args import ModelArgs, VisionArgs
 
+# The language models LLaVA checkpoints are published over, by text_config.model_type (Mistral's
+# sliding window read as its family reads it).
+_LANGUAGE_MODELS = {"llama": llama.args, "mistral": mistral.args}
 _ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 
 
 def args(cfg: dict) -> ModelArgs:
     text, vision = cfg.get("text_config") or {}, cfg.get("vision_config") or {}
-    if text.get("model_type", "llama") not in ("llama", "mistral"):
+    language = _LANGUAGE_MODELS.get(text.get("model_type", "llama"))
+    if language is None:
         raise InvalidArgument("model", f"LLaVA over a {text.get('model_type')!r} language model is not supported "
-                                       f"(llama, mistral)")
+                                       f"({', '.join(_LANGUAGE_MODELS)})")
     if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
         raise InvalidArgument("model", f"LLaVA's vision tower {vision.get('model_type')!r} is not supported (CLIP)")
     if vision.get("hidden_act", "quick_gelu") != "quick_gelu" or cfg.get("projector_hidden_act", "gelu") != "gelu":
@@ -33,8 +38,8 @@ def args(cfg: dict) -> ModelArgs:
     if strategy not in ("default", "full") or not isinstance(layer, int):
         raise InvalidArgument("model", f"vision_feature_select_strategy {strategy!r} with vision_feature_layer "
                                        f"{layer!r} is not supported (one layer, default or full)")
-    out = decoder_args({**text, "architectures": cfg.get("architectures"),
-                        "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))})
+    out = language({**text, "architectures": cfg.get("architectures"),
+                    "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))})
     heads = vision.get("num_attention_heads", 12)
     out.vision = VisionArgs(
         hidden_size=vision.get("hidden_size", 768), intermediate_size=vision.get("intermediate_size", 3072),
