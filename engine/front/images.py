@@ -5,6 +5,8 @@ image) expanded into the span of positions its embeddings take, each holding the
 placeholder id (core_messages.image_placeholder), so block hashes name the image."""
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import io
 
@@ -12,6 +14,46 @@ import numpy as np
 
 from baton.engine.common.core_messages import EngineFacts, ImageInput, image_placeholder
 from baton.engine.common.errors import InvalidArgument, check
+
+
+def data_url_bytes(url: str, field: str) -> bytes:
+    """A data: URL's bytes (data:image/...;base64,...); raises InvalidArgument naming `field`."""
+    head, _, payload = url.partition(",")
+    check(head.startswith("data:") and head.endswith(";base64"), field,
+          "a data: URL must be base64 (data:image/...;base64,...)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error as e:
+        raise InvalidArgument(field, f"is not base64 ({e})") from None
+
+
+def chat_with_images(messages: list[dict], image_text: str, field: str = "messages") -> tuple[list[dict], list]:
+    """OpenAI-style chat messages whose content may be parts (text; image_url with a data: URL;
+    vLLM's image_pil) as a chat template takes them, each message's images as `image_text`
+    before its text, and the images in order (PIL images, or encoded bytes)."""
+    out, images = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        texts, mine = [], []
+        for j, part in enumerate(content):
+            kind, name = part.get("type") if isinstance(part, dict) else None, f"{field}[{i}].content[{j}]"
+            if kind == "text":
+                texts.append(part.get("text", ""))
+            elif kind == "image_pil":
+                mine.append(part.get("image_pil"))
+            elif kind == "image_url":
+                url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
+                check(isinstance(url, str) and url.startswith("data:"), name,
+                      "an image_url offline must be a data: URL (or give a PIL image as image_pil)")
+                mine.append(data_url_bytes(url, name))
+            else:
+                raise InvalidArgument(name, f"unknown content part type {kind!r} (text, image_url, image_pil)")
+        images += mine
+        out.append({**message, "content": "".join(f"{image_text}\n" for _ in mine) + "".join(texts)})
+    return out, images
 
 
 def image_processor(model_dir: str, tokenizer, facts: EngineFacts) -> ImageProcessor | None:

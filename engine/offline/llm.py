@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from baton.engine.common.config import EngineConfig
 from baton.engine.common.errors import check
 from baton.engine.common.sampling_params import SamplingParams
+from baton.engine.front.images import chat_with_images
 from baton.engine.offline.llm_engine import LLMEngine, StepOutput
 
 
@@ -117,11 +118,18 @@ class LLM:
         return [t if t >= 0 else images.image_token_id for t in token_ids] if images is not None else list(token_ids)
 
     def chat(self, conversations: list[list[dict]] | list[dict], sampling_params=None, use_tqdm: bool = False):
-        """Chat prompts through the checkpoint's chat template."""
+        """Chat prompts through the checkpoint's chat template. A message's content may be parts, as
+        OpenAI's and vLLM's: text, and for a vision-language model images (image_url with a data:
+        URL, or image_pil), which go before the message's text."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([self.engine.apply_chat_template(c) for c in conversations], sampling_params,
-                             use_tqdm=use_tqdm)
+        images = self.engine.inputs.images
+        prompts = []
+        for c in conversations:
+            messages, pictures = chat_with_images(c, images.image_text if images is not None else "")
+            ids = self.engine.apply_chat_template(messages)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": pictures}} if pictures else ids)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, children: dict[str, tuple[RequestOutput, CompletionOutput]], use_tqdm: bool) -> None:
         bar = None

@@ -5,8 +5,6 @@ the model's image processor (engine/front/images.py). Errors name the image's fi
 chat.messages[i].images[j]."""
 from __future__ import annotations
 
-import base64
-import binascii
 import os
 import urllib.parse
 from dataclasses import dataclass, field
@@ -14,7 +12,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from baton.engine.common.errors import InvalidArgument, check
-from baton.engine.front.images import ImageProcessor
+from baton.engine.front.images import ImageProcessor, data_url_bytes
 from baton.v1 import generate_pb2 as pb
 
 
@@ -56,12 +54,7 @@ async def _image_bytes(image: pb.Image, name: str, options: MediaOptions) -> byt
     url = image.url
     scheme = urllib.parse.urlsplit(url).scheme
     if scheme == "data":
-        head, _, payload = url.partition(",")
-        check(head.endswith(";base64"), name, "a data: URL must be base64 (data:image/...;base64,...)")
-        try:
-            return base64.b64decode(payload, validate=True)
-        except binascii.Error as e:
-            raise InvalidArgument(name, f"is not base64 ({e})") from None
+        return data_url_bytes(url, name)
     if scheme == "file":
         return _local_file(urllib.parse.unquote(urllib.parse.urlsplit(url).path), name, options)
     check(scheme in ("http", "https"), name, f"URL scheme {scheme!r} is not read (data:, file://, http(s)://)")

@@ -147,6 +147,30 @@ def test_the_same_image_is_encoded_once_and_survives_preemption_and_async_schedu
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
 
 
+def test_chat_takes_images_as_content_parts(llava):
+    """LLM.chat's content parts (vLLM's image_pil, and image_url with a data: URL) give what
+    generate gives the same pictures before the text, through the chat template."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    picture = Image.fromarray(images(7, [(40, 36)])[0])
+    encoded = io.BytesIO()
+    picture.save(encoded, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(encoded.getvalue()).decode()
+    llm = LLM(llava, dtype="float32", device="cpu")
+    ids = llm.engine.inputs.apply_chat_template([{"role": "user", "content": "<image>\nWhat is it?"}])
+    want = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": picture}}, GREEDY)[0].token_ids
+    for part in ({"type": "image_pil", "image_pil": picture}, {"type": "image_url", "image_url": {"url": url}}):
+        out = llm.chat([{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}], GREEDY)
+        assert out[0].token_ids == want, part["type"]
+    with pytest.raises(InvalidArgument) as err:
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                               {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])
+    assert err.value.field == "messages[0].content[1]"
+
+
 def test_bad_images_are_refused_naming_the_field(llava, tiny_llama):
     img = image_token(llava)
     llm = LLM(llava, dtype="float32", device="cpu")
