@@ -128,3 +128,21 @@ def test_images_to_a_text_model_are_refused(serve, tiny_llama):
     with pytest.raises(grpc.RpcError) as err:
         generate(srv.address, pb.Image(data=png(3)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "chat.messages.images" in err.value.details()
+
+
+def test_an_image_request_through_the_router_to_prefill_and_decode(llava):
+    """The router passes a chat's images to both tiers: the prefill encodes them and computes the
+    prompt, the decode READs its blocks (it reads the images too, so that it could compute the
+    prompt itself were the blocks gone); the stream equals the offline engine's."""
+    from helpers import pools_full, stats
+    from servers import pd_stack
+
+    picture = png(5)
+    want = offline(llava, picture, 8)
+    with pd_stack(llava) as (prefills, decodes, router):
+        assert generate(router.address, pb.Image(data=picture)) == want
+        assert generate(router.address, pb.Image(url="data:image/png;base64," + base64.b64encode(picture).decode())) \
+            == want
+        decode = decodes[0].address
+        assert stats(decode).num_blocks_pulled > 0  # its prompt's KV came over the wire, images and all
+        assert pools_full(decode) and pools_full(prefills[0].address)
