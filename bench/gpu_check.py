@@ -20,6 +20,9 @@ Checks now (each passes or fails on its own; the report has every figure):
   the self-draft keeps nearly every draft, pools full;
 - tensor parallelism over NCCL (two GPUs: two ranks greedy-equal to one, their decode steps
   replaying graphs with the all-reduces inside; skipped on one GPU);
+- a vision-language model (LLaVA of random weights) on CUDA, float32: two pictures and a
+  text-only prompt batched, chunked through the image spans, greedy-equal to transformers on the
+  same GPU, pool full;
 - LoRA in the decode graphs: two random adapters and the base model mixed, the same tokens as
   with enforce_eager, graph steps counted, pools full;
 - heads wider than the generic Triton kernels take (576) fall back to the reference, while MLA's
@@ -477,6 +480,41 @@ def check_lora(tmp: str) -> dict:
             "adapters_change_output": sum(o != base for o in runs[False][0][1:5]), "pool_full": runs[False][2]}
 
 
+def check_vision(tmp: str) -> dict:
+    import numpy as np
+    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
+
+    from baton import LLM, SamplingParams
+    from baton.testing.checkpoints import write_random_llava
+
+    model_dir = write_random_llava(os.path.join(tmp, "llava"), seed=3)
+    rng = np.random.default_rng(1)
+    pictures = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((37, 45), (64, 30))]
+    hf = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    image_token = hf.config.image_token_index
+    text = [rng.integers(3, 500, n).tolist() for n in (12, 20, 9)]
+    prompts = [text[0][:4] + [image_token] + text[0][4:], [image_token] + text[1], text[2]]
+    data = [[pictures[0]], [pictures[1]], []]
+    llm = LLM(model_dir, dtype="float32", device="cuda", max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(
+        [{"prompt_token_ids": p, "multi_modal_data": {"image": d}} if d else p for p, d in zip(prompts, data)], params)]
+    processor, want = AutoImageProcessor.from_pretrained(model_dir, backend="pil"), []
+    per_image = (hf.config.vision_config.image_size // hf.config.vision_config.patch_size) ** 2
+    with torch.inference_mode():
+        for p, d in zip(prompts, data):
+            ids = torch.tensor([[t for token in p for t in ([token] * per_image if token == image_token else [token])]],
+                               device="cuda")
+            extra = ({"pixel_values": torch.from_numpy(processor(images=d, return_tensors="np")["pixel_values"]).cuda()}
+                     if d else {})
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                              do_sample=False, eos_token_id=None, **extra)
+            want.append(out[0, ids.shape[1]:].tolist())
+    pool_full = llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+    return {"ok": got == want and pool_full, "equal_transformers": [g == w for g, w in zip(got, want)],
+            "pool_full": pool_full}
+
+
 def check_tensor_parallel(tmp: str) -> dict:
     """Two ranks over NCCL, one GPU each, greedy-equal to one rank (needs two GPUs)."""
     from baton import LLM, SamplingParams
@@ -557,7 +595,7 @@ def main() -> None:
                             ("quant_kernels", lambda: check_quant_kernels(tmp)),
                             ("spec_decode", lambda: check_spec_decode(tmp)), ("engine", lambda: check_engine(tmp)),
                             ("tensor_parallel", lambda: check_tensor_parallel(tmp)),
-                            ("lora", lambda: check_lora(tmp)),
+                            ("lora", lambda: check_lora(tmp)), ("vision", lambda: check_vision(tmp)),
                             ("fp8_kv", lambda: check_fp8_kv(tmp, _timed))):
             if args.only and name not in args.only:
                 continue
