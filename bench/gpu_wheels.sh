@@ -8,7 +8,8 @@
 # protobuf comes too: baton/v1's generated code needs a 7.35.1 runtime at least, whatever the
 # image has. NIXL (the engine core makes a NIXL agent even when colocated) weighs 59 MB as
 # published; its wheel is trimmed here to what a UCX agent loads (no expert-parallel kernels,
-# tools or other transfer plugins), about 22 MB. grpcio is left out (the image's is taken;
+# tools or other transfer plugins), about 22 MB. pillow (7 MB) reads images for vision-language
+# models (gpu_check's vision check). grpcio is left out (the image's is taken;
 # baton/v1 needs 1.85.1 or later): WITH_GRPCIO=1 adds it (about 7 MB).
 #
 #     bench/gpu_wheels.sh          # then carry .whl (ignored: echo /.whl/ >> .git/info/exclude)
@@ -21,7 +22,7 @@ TAG=cp${PYVER/./}
 rm -rf .whl
 mkdir -p .whl
 pkgs=(grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 googleapis-common-protos==1.76.0 protobuf==7.36.2
-      msgspec==0.22.0 pyzmq==27.3.0 nixl==1.5.1 nixl-cu13==1.5.1)
+      msgspec==0.22.0 pyzmq==27.3.0 nixl==1.5.1 nixl-cu13==1.5.1 pillow==13.0.0)
 if [ "${WITH_GRPCIO:-0}" = 1 ]; then
   pkgs+=(grpcio==1.85.3)
 fi
