@@ -6,19 +6,19 @@ A decode step is one whose every row is sampled: one-token decodes, and requests
 drafts, whose k + 1 rows (the last token, then each draft) run as k + 1 one-token decodes of the
 same sequence at consecutive positions, each over its own context length (the layer writes every
 row's K and V before any row attends, so row j reads the drafts before it). A step of B rows runs
-the graph of the smallest captured size P >= B. Its inputs live in
-persistent buffers the graphs read (token ids, positions, and per KV cache group the slots and
-block tables; the context lengths shared; with LoRA each row's adapter slot, lora/layers.py's
-stacks): the step writes its rows into pinned host copies and
-one copy per buffer brings them to the device. Padding rows B..P-1 hold token 0 at position 0,
-slot -1 (the KV write skips a negative slot), no adapter, and a context of one key, block 0's first (finite,
-whatever it holds, and never written), so they compute something harmless that nobody reads.
+the graph of the smallest captured size P >= B. Its inputs live in persistent buffers the
+graphs read (token ids, positions, and per KV cache group the slots and block tables; the
+context lengths shared; with LoRA each row's adapter slot, lora/layers.py's stacks): the step
+writes its rows into pinned host copies and one copy per buffer brings them to the device.
+Padding rows B..P-1 hold token 0 at position 0, slot -1 (the KV write skips a negative slot), no
+adapter, and a context of one key, block 0's first (finite, whatever it holds, and never
+written), so they compute something harmless that nobody reads.
 The tables are as wide as max_model_len: the decode kernels share each sequence's own key tiles
 over the grid's splits (kernels/triton_attention.py), so one grid serves every context length.
 
 Only the forward is captured: logits, sampling, verification and the proposers run eagerly
-after it. A step with prefill chunks, prompt logprobs, or more rows than the largest size runs
-eagerly, as do engines with RoPE that depends on the sequence's length or an attention backend
+after it. A step with prefill chunks, prompt logprobs, rows in an image's span, or more rows
+than the largest size runs eagerly, as do engines with RoPE that depends on the sequence's length or an attention backend
 other than Triton's. Under tensor parallelism every rank captures the same sizes in the same
 order at start, NCCL's collectives inside (the eager run before each capture has made the
 communicator), and every rank takes the same steps through them: the ranks' batches are the same.

@@ -1,10 +1,11 @@
-"""Runs one SchedulerOutput through the model: builds the flat batch (batch_builder.py) and runs
-it (a step of one-token decodes on a GPU replays a CUDA graph: cuda_graphs.py), samples the
-next tokens (or, for requests with drafts, verifies them: spec_decode/), and drafts the next
-step's.
+"""Runs one SchedulerOutput through the model: encodes the step's images (a vision-language
+model's, as the scheduler's encoder cache says), builds the flat batch (batch_builder.py) and
+runs it (a decode step on a GPU replays a CUDA graph: cuda_graphs.py), samples the next tokens
+(or, for requests with drafts, verifies them: spec_decode/), and drafts the next step's.
 
-The runner keeps its own per-request state (token ids, block ids, RNG), updated from each
-step's plain output, as vLLM v1's does; it never decides what to run.
+The runner keeps its own per-request state (token ids, block ids, RNG, images) and the images'
+embeddings by digest, updated from each step's plain output, as vLLM v1's does; it never
+decides what to run.
 """
 from __future__ import annotations
 
