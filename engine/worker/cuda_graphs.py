@@ -19,9 +19,10 @@ over the grid's splits (kernels/triton_attention.py), so one grid serves every c
 Only the forward is captured: logits, sampling, verification and the proposers run eagerly
 after it. A step with prefill chunks, prompt logprobs, rows in an image's span, or more rows
 than the largest size runs eagerly, as do engines with RoPE that depends on the sequence's
-length or an attention backend other than Triton's. Under tensor parallelism every rank captures the same sizes in the same
-order at start, NCCL's collectives inside (the eager run before each capture has made the
-communicator), and every rank takes the same steps through them: the ranks' batches are the same.
+length or an attention backend other than Triton's. Under tensor parallelism every rank
+captures the same sizes in the same order at start, NCCL's collectives inside (the eager run
+before each capture has made the communicator), and every rank takes the same steps through
+them: the ranks' batches are the same.
 
 `capture=False` keeps the bookkeeping and runs the padded batch through the model eagerly: a
 CPU (Triton under its interpreter) checks the padding that way in CI.
