@@ -79,10 +79,12 @@ class RouterRuntimeApi:
 
     async def _abort_at_peers(self, request_ids: list[str]) -> dict[str, int]:
         """What the peers answer for calls not known here: aborted or finished where one carries
-        it (the first such answer per id); peers that do not answer count as not knowing it."""
+        it (the first such answer per id); peers that do not answer count as not knowing it. A
+        peer whose channel is reconnecting (replicas start in any order, and one restarts) gets
+        the call's deadline to come back, not an immediate UNAVAILABLE."""
         request = pb.AbortRequest(request_ids=request_ids)
         metadata = ((ABORT_FORWARDED_KEY, "1"), *token_metadata(self.internal_token))
-        answers = await asyncio.gather(*(p.api.Abort(request, metadata=metadata, timeout=5)
+        answers = await asyncio.gather(*(p.api.Abort(request, metadata=metadata, timeout=5, wait_for_ready=True)
                                          for p in self.peers.backends.values()), return_exceptions=True)
         found = {}
         for answer in answers:

@@ -134,12 +134,13 @@ def test_an_image_request_through_the_router_to_prefill_and_decode(llava):
     """The router passes a chat's images to both tiers: the prefill encodes them and computes the
     prompt, the decode READs its blocks (it reads the images too, so that it could compute the
     prompt itself were the blocks gone); the stream equals the offline engine's."""
-    from helpers import pools_full, stats
+    from helpers import pools_full, stats, wait_serving
     from servers import pd_stack
 
     picture = png(5)
     want = offline(llava, picture, 8)
     with pd_stack(llava) as (prefills, decodes, router):
+        wait_serving(router.address, timeout=60)
         assert generate(router.address, pb.Image(data=picture)) == want
         assert generate(router.address, pb.Image(url="data:image/png;base64," + base64.b64encode(picture).decode())) \
             == want
