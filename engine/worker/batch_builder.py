@@ -14,6 +14,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 
+from baton.engine.common.core_messages import ImageInput
 from baton.engine.common.kv_groups import KVGroups
 from baton.engine.common.scheduler_output import SchedulerOutput
 from baton.engine.worker import block_tables
@@ -47,9 +48,9 @@ class StepBatch:
     # Async scheduling: (row, index in the last step's sampled tokens) of the rows whose token is
     # still on the device (a request's last token, sampled in the step before).
     unknown_inputs: list[tuple[int, int]]
-    # A vision-language model's rows inside images' spans: (first row, request, its image's index,
-    # the image's first embedding row they take, how many); their token ids here are 0.
-    image_rows: list[tuple[int, str, int, int, int]]
+    # A vision-language model's rows inside images' spans: (first row, the image, its first
+    # embedding row they take, how many); their token ids here are 0.
+    image_rows: list[tuple[int, ImageInput, int, int]]
 
 
 @dataclass(slots=True)
@@ -105,7 +106,7 @@ class BatchBuilder:
                 input_ids.append(0)
             input_ids.extend(drafts)
             if state.images:
-                self._image_rows(image_rows, input_ids, req_id, state.images, len(input_ids) - n, start, end)
+                self._image_rows(image_rows, input_ids, state.images, len(input_ids) - n, start, end)
             positions.extend(range(start, end))
             rows.append((start, end, state.block_ids))
             if by_length:
@@ -123,16 +124,16 @@ class BatchBuilder:
                          unknown_inputs, image_rows)
 
     @staticmethod
-    def _image_rows(image_rows: list, input_ids: list[int], req_id: str, images: list, row0: int, start: int,
+    def _image_rows(image_rows: list, input_ids: list[int], images: list[ImageInput], row0: int, start: int,
                     end: int) -> None:
         """The rows [start, end) of a request (from row0) that fall in its images' spans: noted, and
         their token ids (placeholders, not tokens) made 0."""
-        for index, image in enumerate(images):
+        for image in images:
             lo, hi = max(start, image.offset), min(end, image.offset + image.length)
             if lo < hi:
                 first = row0 + lo - start
                 input_ids[first:first + hi - lo] = [0] * (hi - lo)
-                image_rows.append((first, req_id, index, lo - image.offset, hi - lo))
+                image_rows.append((first, image, lo - image.offset, hi - lo))
 
     def tensors(self, batch: StepBatch) -> DeviceBatch:
         """The host batch's token ids, positions, sampled rows and attention metadata on the device."""

@@ -26,6 +26,7 @@ from baton.engine.worker.batch_builder import BatchBuilder, StepBatch
 from baton.engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_because
 from baton.engine.worker.grammar import mask_logits
 from baton.engine.worker.host_kv_copier import HostKVCopier
+from baton.engine.worker.image_embeddings import ImageEmbeddings
 from baton.engine.worker.kv_calibration import model_kv_scales
 from baton.engine.worker.loader import (
     checkpoint_fingerprint,
@@ -128,9 +129,8 @@ class ModelRunner:
                       else checkpoint_kv_scales(config.model, whole)[0])
         self.states: dict[str, RequestState] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
-        # A vision-language model's image embeddings the scheduler's encoder cache says are held
-        # (engine/core/encoder_cache.py), by digest.
-        self.encoder_cache: dict[int, torch.Tensor] = {}
+        # A vision-language model's image embeddings, by digest (image_embeddings.py).
+        self.images = ImageEmbeddings(model.vision, self.device) if model.vision is not None else None
         self.last_sampled: torch.Tensor | None = None  # async scheduling: the last queued step's tokens, on the device
         self.token_ring = PinnedRing(config.max_num_seqs, self.device)  # (async scheduling's)
         self.grammars = None  # structured_output.Grammars, set by the engine core
@@ -317,7 +317,8 @@ class ModelRunner:
         forward: a swap-out's device blocks are reused in it)."""
         self._apply(sched)
         if sched.freed_images or sched.encoder_inputs:
-            self._encode(sched.freed_images, sched.encoder_inputs)
+            self.images.update(sched.freed_images, [self.states[r].images[i] for r, indices in
+                                                    sched.encoder_inputs.items() for i in indices])
         if sched.host_kv_ops is not None:
             self.host_kv.submit(sched.host_kv_ops)
         if self.connector is not None:
@@ -367,33 +368,8 @@ class ModelRunner:
             self.lora.prepare(batch.adapter_spans)
         hidden = self.model(tensors.input_ids, tensors.positions, self.layer_caches,
                             [tensors.metas[g] for g in self.layer_group], tensors.rope_lengths,
-                            self._image_embeddings(batch.image_rows) if batch.image_rows else None)
+                            self.images.rows(batch.image_rows) if batch.image_rows else None)
         return hidden, tensors.sample_rows
-
-    def _encode(self, freed: list[int], encode: dict[str, list[int]]) -> None:
-        """The encoder cache as the scheduler says: images let go, then the step's images encoded
-        (one pass of the encoder per pixel shape)."""
-        for digest in freed:
-            del self.encoder_cache[digest]
-        by_shape: dict[tuple, list] = {}
-        for req_id, indices in encode.items():
-            for index in indices:
-                image = self.states[req_id].images[index]
-                by_shape.setdefault(tuple(image.shape), []).append(image)
-        for shape, images in by_shape.items():
-            pixels = torch.stack([torch.frombuffer(bytearray(image.pixels), dtype=torch.float32).view(shape)
-                                  for image in images]).to(self.device)
-            for image, embeds in zip(images, self.model.vision(pixels)):
-                self.encoder_cache[image.digest] = embeds
-
-    def _image_embeddings(self, image_rows: list[tuple[int, str, int, int, int]]
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, embeddings) of the step's rows in images' spans, from the encoder cache."""
-        rows, parts = [], []
-        for first, req_id, index, emb_start, count in image_rows:
-            rows.append(torch.arange(first, first + count))
-            parts.append(self.encoder_cache[self.states[req_id].images[index].digest][emb_start:emb_start + count])
-        return torch.cat(rows).to(self.device), torch.cat(parts)
 
     def _run(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.batches.rows(sched, self.states)
