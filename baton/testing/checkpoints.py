@@ -148,3 +148,51 @@ def write_random_llava(out_dir: str, *, seed: int = 0, image_size: int = 30, pat
     CLIPImageProcessorPil(size={"shortest_edge": image_size},
                           crop_size={"height": image_size, "width": image_size}).save_pretrained(out_dir)
     return out_dir
+
+
+def write_random_qwen2_5_vl(out_dir: str, *, seed: int = 0, patch_size: int = 4, window_size: int = 16,
+                            max_pixels: int = 48 * 48, vision: dict | None = None, text: dict | None = None) -> str:
+    """A Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration) of random weights from transformers' own
+    classes: a three-block ViT of `patch_size`-pixel patches (the last block full attention, the
+    others in windows of `window_size` pixels: two merge blocks a side) and a small Qwen2 with
+    M-RoPE; the tokenizer's <|vision_start|>, <|image_pad|> and <|vision_end|> special tokens; and
+    Qwen2-VL's image processor (PIL backend) for images of at most `max_pixels` pixels, each resized
+    to multiples of 2 x patch_size. `vision`, `text`: other sizes for the configs."""
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = train_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
+                                                                "<|vision_end|>"]})
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in ("<|vision_start|>", "<|image_pad|>",
+                                                                    "<|vision_end|>")}
+    text_config = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 112,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                   "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "initializer_range": 0.2,
+                   "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                   **(text or {})}
+    vision_config = {"depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                     "patch_size": patch_size, "window_size": window_size, "fullatt_block_indexes": [2],
+                     "out_hidden_size": text_config["hidden_size"], "initializer_range": 0.2, **(vision or {})}
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=text_config, vision_config=vision_config, image_token_id=ids["<|image_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        video_token_id=ids["<|image_pad|>"] + 100)  # (no video: an id no prompt holds)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif "merger" in name or "patch_embed" in name:  # images that move the output
+                p.normal_(0, 0.5)
+    model.generation_config = transformers.GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=2, temporal_patch_size=2,
+                             min_pixels=(2 * patch_size) ** 2, max_pixels=max_pixels).save_pretrained(out_dir)
+    return out_dir

@@ -57,9 +57,9 @@ class ImageInput(msgspec.Struct, array_like=True, gc=False):
     router's, a P/D peer's) name the image with the text: the same image hits, another misses."""
     digest: int  # a 60-bit digest of the pixels
     offset: int  # the span's first position in the prompt
-    length: int  # its tokens (the model's tokens_per_image)
+    length: int  # its tokens (the model's tokens_per_image, or by its size)
     pixels: bytes  # float32, C order, of `shape`
-    shape: list[int]  # [3, H, W]
+    shape: list[int]  # [3, H, W] (LLaVA); [grid_t, grid_h, grid_w, patch values] (Qwen2.5-VL)
 
 
 def image_placeholder(digest: int) -> int:
@@ -175,7 +175,9 @@ class EngineFacts(msgspec.Struct):
     kv_cache_dtype: str = ""  # the KV cache's elements ("float8_e4m3fn" for fp8); "": dtype's
     kv_scales: str = ""  # an FP8 cache's scales: "checkpoint" (k_scale/v_scale), "calculated" or "default" (1.0)
     image_token_id: int = -1  # a vision-language model's placeholder for one image in a prompt (-1: text only)
-    tokens_per_image: int = 0  # the positions one image's embeddings take
+    tokens_per_image: int = 0  # the positions one image's embeddings take (0: each image's own, by its size)
+    max_image_tokens: int = 0  # the most one image may take (the encoder cache's budget and room)
+    image_wrap: list[int] = []  # the tokens around each image token in a prompt (Qwen2.5-VL's vision start, end)
 
 
 class CoreReady(msgspec.Struct, tag=True, array_like=True):

@@ -35,6 +35,11 @@ class EncoderCache:
         self.freed: list[int] = []  # evicted since the last step went out
         self.to_encode: dict[str, list[int]] = {}  # this step's: request -> its images' indices
 
+    @property
+    def max_image_tokens(self) -> int:
+        """The most tokens one image may take: what a step may encode, and the cache hold."""
+        return min(self.size, self.budget)
+
     def begin_step(self) -> None:
         self.step_budget, self.to_encode = self.budget, {}
 
@@ -108,10 +113,11 @@ class EncoderCache:
         return freed
 
 
-def encoder_cache(config: EngineConfig, tokens_per_image: int) -> EncoderCache | None:
+def encoder_cache(config: EngineConfig, tokens_per_image: int | None) -> EncoderCache | None:
     """A vision-language model's encoder cache as the config sizes it (its defaults: the step's
-    token budget, or one image's tokens where that is more); None for a text model."""
-    if not tokens_per_image:
+    token budget, or the most tokens one image takes, `tokens_per_image`, where that is more);
+    None for a text model (`tokens_per_image` None)."""
+    if tokens_per_image is None:
         return None
     budget = config.max_num_encoder_input_tokens or max(config.max_num_batched_tokens, tokens_per_image)
     size = config.encoder_cache_size or max(config.max_num_batched_tokens, tokens_per_image)

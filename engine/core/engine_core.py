@@ -131,7 +131,7 @@ class EngineCore:
         if connector_scheduler is not None:
             connector_scheduler.group_windows = self.kv_groups.windows
         self.scheduler = Scheduler(config, self.kv, connector_scheduler, self.host,
-                                   encoder_cache(config, args.vision.tokens_per_image if args.vision else 0))
+                                   encoder_cache(config, args.vision.most_tokens(config.model) if args.vision else None))
         calculate_kv_scales(model, config)
         self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker, lora_slots,
                                   self.num_host_blocks, self.kv_groups, draft)
@@ -227,7 +227,15 @@ class EngineCore:
                            os.getpid(), self.connector.layout if self.connector is not None else None,
                            self.config.enable_lora, self.list_adapters(), [w or 0 for w in self.kv_groups.windows],
                            str(self.runner.kv_cache.dtype).removeprefix("torch."), self.runner.kv_scales,
-                           *((v.image_token_id, v.tokens_per_image) if (v := self.runner.model.args.vision) else ()))
+                           *self._image_facts())
+
+    def _image_facts(self) -> tuple:
+        """EngineFacts' fields from image_token_id on: a vision-language model's (none for a text model)."""
+        vision = self.runner.model.args.vision
+        if vision is None:
+            return ()
+        return (vision.image_token_id, vision.tokens_per_image, self.scheduler.encoder.max_image_tokens,
+                vision.prompt_wrap)
 
     # ---- events -----------------------------------------------------------------------------
     def record_events(self) -> None:

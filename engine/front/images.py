@@ -30,7 +30,7 @@ def data_url_bytes(url: str, field: str) -> bytes:
 def chat_with_images(messages: list[dict], image_text: str, field: str = "messages") -> tuple[list[dict], list]:
     """OpenAI-style chat messages whose content may be parts (text; image_url with a data: URL;
     vLLM's image_pil) as a chat template takes them, each message's images as `image_text`
-    before its text, and the images in order (PIL images, or encoded bytes)."""
+    before its text (ImageProcessor.image_text), and the images in order (PIL images, or encoded bytes)."""
     out, images = [], []
     for i, message in enumerate(messages):
         content = message.get("content")
@@ -52,7 +52,7 @@ def chat_with_images(messages: list[dict], image_text: str, field: str = "messag
             else:
                 raise InvalidArgument(name, f"unknown content part type {kind!r} (text, image_url, image_pil)")
         images += mine
-        out.append({**message, "content": "".join(f"{image_text}\n" for _ in mine) + "".join(texts)})
+        out.append({**message, "content": image_text * len(mine) + "".join(texts)})
     return out, images
 
 
@@ -61,15 +61,23 @@ def image_processor(model_dir: str, tokenizer, facts: EngineFacts) -> ImageProce
     a text model)."""
     if facts.image_token_id < 0:
         return None
-    return ImageProcessor(model_dir, facts.image_token_id, facts.tokens_per_image,
-                          tokenizer.convert_ids_to_tokens(facts.image_token_id))
+    # An image in a chat turn as the model's chat template writes it: LLaVA's "<image>\n";
+    # Qwen2.5-VL's "<|vision_start|><|image_pad|><|vision_end|>".
+    image, wrap = tokenizer.convert_ids_to_tokens(facts.image_token_id), facts.image_wrap
+    start, end = tokenizer.convert_ids_to_tokens(wrap) if wrap else ("", "\n")
+    image_text = start + image + end
+    return ImageProcessor(model_dir, facts.image_token_id, facts.tokens_per_image, facts.max_image_tokens,
+                          image_text)
 
 
 class ImageProcessor:
-    def __init__(self, model_dir: str, image_token_id: int, tokens_per_image: int, image_text: str):
-        """`image_text`: the image token as the tokenizer writes it ("<image>")."""
+    def __init__(self, model_dir: str, image_token_id: int, tokens_per_image: int, max_image_tokens: int,
+                 image_text: str):
+        """`tokens_per_image`: the tokens every image takes (0: each image's own, by its size, at
+        most `max_image_tokens`); `image_text`: an image in a chat turn's text, its image token
+        where the image's tokens go."""
         self.model_dir, self.image_token_id, self.tokens_per_image = model_dir, image_token_id, tokens_per_image
-        self.image_text = image_text  # (a chat turn's images go where it stands)
+        self.max_image_tokens, self.image_text = max_image_tokens, image_text
         self._processor = None  # loaded at the first image (transformers' import is slow)
 
     def expand(self, token_ids: list[int], images: list, field: str) -> tuple[list[int], list[ImageInput]]:
@@ -80,11 +88,11 @@ class ImageProcessor:
                                              f"({self.image_token_id}) in the prompt")
         pixels = [self._pixels(image, f"{field}[{i}]") for i, image in enumerate(images)]
         out, inputs, last = [], [], 0
-        for position, image in zip(at, pixels):
+        for position, (image, tokens) in zip(at, pixels):
             digest = int.from_bytes(hashlib.blake2b(image.tobytes(), digest_size=8).digest()) >> 4
             out += token_ids[last:position]
-            inputs.append(ImageInput(digest, len(out), self.tokens_per_image, image.tobytes(), list(image.shape)))
-            out += [image_placeholder(digest)] * self.tokens_per_image
+            inputs.append(ImageInput(digest, len(out), tokens, image.tobytes(), list(image.shape)))
+            out += [image_placeholder(digest)] * tokens
             last = position + 1
         return out + token_ids[last:], inputs
 
@@ -101,9 +109,10 @@ class ImageProcessor:
             raise InvalidArgument(field, f"does not decode as an image ({e})") from None
         return image.convert("RGB")
 
-    def _pixels(self, image, field: str) -> np.ndarray:
+    def _pixels(self, image, field: str) -> tuple[np.ndarray, int]:
         """One image (a PIL image, an array [H, W, 3] of uint8, or an encoded file's bytes) as the
-        model's pixels [3, H, W]."""
+        model's pixels (LLaVA's [3, H, W]; Qwen2.5-VL's patches [grid_t, grid_h, grid_w, values],
+        in the processor's order), and the tokens its embeddings take."""
         from PIL import Image
 
         if isinstance(image, bytes):
@@ -117,5 +126,12 @@ class ImageProcessor:
         if self._processor is None:
             from transformers import AutoImageProcessor
             self._processor = AutoImageProcessor.from_pretrained(self.model_dir, backend="pil")
-        return np.ascontiguousarray(self._processor(images=[image], return_tensors="np")["pixel_values"][0],
-                                    dtype=np.float32)
+        out = self._processor(images=[image], return_tensors="np")
+        if self.tokens_per_image:
+            return np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32), self.tokens_per_image
+        grid = [int(n) for n in out["image_grid_thw"][0]]  # its size in patches decides its tokens
+        tokens = grid[0] * grid[1] * grid[2] // self._processor.merge_size ** 2
+        check(tokens <= self.max_image_tokens, field,
+              f"takes {tokens} tokens at {image.width}x{image.height}, more than the {self.max_image_tokens} an "
+              f"image may take here (max_num_encoder_input_tokens, encoder_cache_size)")
+        return np.ascontiguousarray(out["pixel_values"], dtype=np.float32).reshape(*grid, -1), tokens

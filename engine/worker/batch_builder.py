@@ -18,6 +18,7 @@ from baton.engine.common.core_messages import ImageInput
 from baton.engine.common.kv_groups import KVGroups
 from baton.engine.common.scheduler_output import SchedulerOutput
 from baton.engine.worker import block_tables
+from baton.engine.worker.models import mrope
 from baton.kernels.attention import (
     DECODE_PADDING_ELEMS,
     AttentionMetadata,
@@ -51,6 +52,9 @@ class StepBatch:
     # A vision-language model's rows inside images' spans: (first row, the image, its first
     # embedding row they take, how many); their token ids here are 0.
     image_rows: list[tuple[int, ImageInput, int, int]]
+    # M-RoPE (mrope.py), where a request in the step has images: every row's three positions
+    # [3, T]; None: the RoPE takes `positions`.
+    rope_positions: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -61,6 +65,7 @@ class DeviceBatch:
     metas: list[AttentionMetadata]  # one per KV cache group
     sample_rows: torch.Tensor
     rope_lengths: torch.Tensor | None  # each token's sequence length (on the host), where RoPE depends on it
+    rope_positions: torch.Tensor | None = None  # M-RoPE's [3, T] (StepBatch.rope_positions)
 
 
 class BatchBuilder:
@@ -121,7 +126,18 @@ class BatchBuilder:
                        for group in range(len(self.kv_groups.layers))]
         return StepBatch(input_ids, positions, order, rows, group_spans, sum(1 for _, n in order if n == 1),
                          sample_rows, sample_req_ids, sample_spans, prompt_rows, adapter_spans, rope_rows,
-                         unknown_inputs, image_rows)
+                         unknown_inputs, image_rows, self._mrope_positions(order, starts, states))
+
+    def _mrope_positions(self, order: list[tuple[str, int]], starts: dict[str, int], states: dict
+                         ) -> np.ndarray | None:
+        """M-RoPE's positions of the step's rows, where a request in it has images (its positions
+        are not its token indices from its first image on)."""
+        if not self.model.args.mrope_section or all(states[req_id].mrope is None for req_id, _ in order):
+            return None
+        return np.concatenate([np.broadcast_to(np.arange(starts[req_id], starts[req_id] + n), (3, n))
+                               if states[req_id].mrope is None else
+                               mrope.rows(*states[req_id].mrope, starts[req_id], starts[req_id] + n)
+                               for req_id, n in order], axis=1)
 
     @staticmethod
     def _image_rows(image_rows: list, input_ids: list[int], images: list[ImageInput], row0: int, start: int,
@@ -152,8 +168,9 @@ class BatchBuilder:
                      for spans, window in zip(group_spans, self.kv_groups.windows)]
         for meta, spans in zip(metas, group_spans):
             self._count_decodes(meta, spans, num_decodes, self.model.args.attention == "mla")
+        rope_positions = None if batch.rope_positions is None else torch.from_numpy(batch.rope_positions).to(dev)
         return DeviceBatch(torch.tensor(batch.input_ids, device=dev), positions_t, metas,
-                           torch.tensor(batch.sample_rows, device=dev), rope_lengths)
+                           torch.tensor(batch.sample_rows, device=dev), rope_lengths, rope_positions)
 
     def metadata(self, spans: list[block_tables.Span], positions: torch.Tensor, num_decodes: int, backend: str,
                  latent: bool) -> AttentionMetadata:

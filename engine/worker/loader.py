@@ -15,7 +15,8 @@ from safetensors import safe_open
 
 from baton.engine.common.config import read_config
 from baton.engine.common.errors import InvalidArgument
-from baton.engine.worker.models import CausalLM, ModelArgs, llava, model_args
+from baton.engine.worker.models import CausalLM, ModelArgs, llava, model_args, qwen2_5_vl
+from baton.engine.worker.models.args import VisionArgs
 from baton.engine.worker.models.basic import MLP
 from baton.engine.worker.models.layers import Attention
 from baton.engine.worker.models.moe import SparseMoE
@@ -257,13 +258,14 @@ def _skipped(name: str, args: ModelArgs) -> bool:
 
 def _vision_or_language(name: str, args: ModelArgs) -> tuple[str, str | None]:
     """A vision-language checkpoint's tensor: its language model's named as a text model's is
-    (model.language_model.X -> model.X), or the vision side's name here (llava.py)."""
+    (model.language_model.X -> model.X), or the vision side's name here (llava.py, qwen2_5_vl.py)."""
     if args.vision is None:
         return name, None
-    for prefix, text in llava.LANGUAGE_PREFIXES.items():
+    family = llava if isinstance(args.vision, VisionArgs) else qwen2_5_vl
+    for prefix, text in family.LANGUAGE_PREFIXES.items():
         if name.startswith(prefix):
             return text + name.removeprefix(prefix), None
-    for prefix, ours in llava.CHECKPOINT_PREFIXES.items():
+    for prefix, ours in family.CHECKPOINT_PREFIXES.items():
         if name.startswith(prefix):
             return name, ours + name.removeprefix(prefix)
     return name, None

@@ -36,7 +36,7 @@ from baton.engine.worker.loader import (
 )
 from baton.engine.worker.lora.adapter import part_shapes
 from baton.engine.worker.lora.layers import LoRASlots
-from baton.engine.worker.models import CausalLM, model_args
+from baton.engine.worker.models import CausalLM, model_args, mrope
 from baton.engine.worker.parallel.tensor_parallel import ParallelLMHead
 from baton.engine.worker.queued_step import PinnedRing, QueuedStep
 from baton.engine.worker.sampler import apply_processors, sample, sample_on_device, skip_draws, token_logprobs
@@ -63,7 +63,7 @@ def kv_attention(args) -> str:
 class RequestState:
     __slots__ = ("token_ids", "block_ids", "sampling_params", "generator", "num_prompt_tokens", "prompt_logprobs",
                  "matcher", "lora_id", "draft_computed", "proposer_state", "hold_for_remote", "num_pending",
-                 "pending_index", "images")
+                 "pending_index", "images", "mrope")
 
     def __init__(self, token_ids, block_ids, sampling_params: SamplingParams, generator, num_prompt_tokens,
                  prompt_logprobs: list | None, lora_id: int = 0, hold_for_remote: bool = False):
@@ -82,6 +82,7 @@ class RequestState:
         # the last one's row in the runner's last_sampled.
         self.num_pending, self.pending_index = 0, -1
         self.images: list = []  # a vision-language model's (core_messages.ImageInput), in prompt order
+        self.mrope: tuple | None = None  # M-RoPE with images: the prompt's positions and the delta after (mrope.py)
 
 
 class ModelRunner:
@@ -239,6 +240,9 @@ class ModelRunner:
                                                        new.num_prompt_tokens, prompt_logprobs, new.lora_id,
                                                        new.hold_for_remote)
         state.images = new.images
+        if new.images and self.model.args.mrope_section:
+            state.mrope = mrope.prompt_positions(new.images, new.num_prompt_tokens,
+                                                 self.model.args.vision.spatial_merge_size)
         if new.draft_start >= 0 and self.driver:  # a peer's load brought the draft's KV of what is computed
             self.proposer.loaded(state, new.num_computed_tokens, new.draft_start)
         # The matcher (the driver's only): resumed, where it was; else after past outputs made elsewhere.
@@ -357,7 +361,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.takes(batch):
             slots = (None if self.lora is None else
                      self.lora.graph_rows(batch.adapter_spans, len(batch.input_ids)))
-            hidden, aux = self.graphs.run(batch.input_ids, batch.positions, batch.group_spans, unknown, slots)
+            positions = batch.positions if batch.rope_positions is None else batch.rope_positions[0]  # (text rows)
+            hidden, aux = self.graphs.run(batch.input_ids, positions, batch.group_spans, unknown, slots)
             if aux:
                 self.model.aux_hidden = aux
             return hidden, slice(0, len(batch.input_ids))  # (every row sampled; hidden is padded to the graph's size)
@@ -366,7 +371,8 @@ class ModelRunner:
             tensors.input_ids.index_copy_(0, *unknown)
         if self.lora is not None:
             self.lora.prepare(batch.adapter_spans)
-        hidden = self.model(tensors.input_ids, tensors.positions, self.layer_caches,
+        hidden = self.model(tensors.input_ids, tensors.positions if tensors.rope_positions is None
+                            else tensors.rope_positions, self.layer_caches,
                             [tensors.metas[g] for g in self.layer_group], tensors.rope_lengths,
                             self.images.rows(batch.image_rows) if batch.image_rows else None)
         return hidden, tensors.sample_rows

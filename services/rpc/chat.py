@@ -14,7 +14,7 @@ def chat_messages(chat: pb.Chat, image_text: str = "") -> list[dict]:
     chat.messages.tool_calls_json when an assistant's calls are not a JSON list of calls."""
     out = []
     for m in chat.messages:
-        message = {"role": m.role, "content": "".join(f"{image_text}\n" for _ in m.images) + m.content}
+        message = {"role": m.role, "content": image_text * len(m.images) + m.content}
         if m.tool_calls_json:
             message["tool_calls"] = tool_calls_for_template(m.tool_calls_json)
         if m.tool_call_id:

@@ -16,6 +16,7 @@ from baton.engine.worker.models import (
     olmo2,
     phi3,
     qwen2,
+    qwen2_5_vl,
     qwen3,
     qwen_moe,
 )
@@ -28,6 +29,7 @@ FAMILIES = {"DeepseekV2ForCausalLM": deepseek.v2, "DeepseekV3ForCausalLM": deeps
             "LlamaForCausalLM": llama.args, "LlavaForConditionalGeneration": llava.args,
             "MistralForCausalLM": mistral.args, "MixtralForCausalLM": mixtral.args,
             "Olmo2ForCausalLM": olmo2.args, "Phi3ForCausalLM": phi3.args, "Qwen2ForCausalLM": qwen2.args,
+            "Qwen2_5_VLForConditionalGeneration": qwen2_5_vl.args,
             "Qwen2MoeForCausalLM": qwen_moe.qwen2_moe, "Qwen3ForCausalLM": qwen3.args,
             "Qwen3MoeForCausalLM": qwen_moe.qwen3_moe}
 

@@ -3,10 +3,14 @@ take. Each family (llama.py, qwen2.py, ...) reads its own config into one of the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.worker.models.moe import GLU, SWIGLU
 from baton.engine.worker.models.rope import rope_settings
+
+if TYPE_CHECKING:  # (qwen2_5_vl.py imports this module)
+    from baton.engine.worker.models.qwen2_5_vl import QwenVisionArgs
 
 
 @dataclass(slots=True)
@@ -29,6 +33,15 @@ class VisionArgs:
     @property
     def tokens_per_image(self) -> int:
         return (self.image_size // self.patch_size) ** 2 + (1 if self.keep_class_token else 0)
+
+    @property
+    def prompt_wrap(self) -> list[int]:
+        """The tokens around the image token in a prompt: none."""
+        return []
+
+    def most_tokens(self, model_dir: str) -> int:
+        """The most tokens one image takes: every image's."""
+        return self.tokens_per_image
 
 
 @dataclass(slots=True)
@@ -96,7 +109,11 @@ class ModelArgs:
     v_head_dim: int = 0
     rope_interleaved: bool = True  # MLA's RoPE on adjacent pairs (DeepSeek's); else on halves
     skipped_layers: int = 0  # layers past num_layers the target does not load (DeepSeek-V3's MTP: a draft head's)
-    vision: VisionArgs | None = None  # a vision-language model's image encoder (llava.py); None: text only
+    # A vision-language model's image encoder (llava.py, qwen2_5_vl.py); None: text only.
+    vision: VisionArgs | QwenVisionArgs | None = None
+    # M-RoPE (Qwen2.5-VL; mrope.py): how many of the rotary half-dims turn with each of the time,
+    # height and width positions; empty: one position per token.
+    mrope_section: list[int] = field(default_factory=list)
 
     @property
     def kv_parts(self) -> int:

@@ -10,11 +10,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from baton.engine.worker.models.args import ModelArgs
+from baton.engine.worker.models import mrope
+from baton.engine.worker.models.args import ModelArgs, VisionArgs
 from baton.engine.worker.models.basic import MLP, Embedding, Linear, norm
 from baton.engine.worker.models.llava import LlavaVision
 from baton.engine.worker.models.mla import MLAttention
 from baton.engine.worker.models.moe import SparseMoE
+from baton.engine.worker.models.qwen2_5_vl import QwenVision
 from baton.engine.worker.models.rope import RotaryTable, rotate
 from baton.kernels.attention import AttentionMetadata, paged_attention
 
@@ -119,8 +121,10 @@ class CausalLM(nn.Module):
         # Where each attention layer's kv_scales (an FP8 cache's) came from: "checkpoint", "calculated"
         # (engine/worker/kv_calibration.py) or "default" (1.0).
         self.kv_scales_source = "default"
-        # A vision-language model's image encoder (llava.py): images to embeddings the runner merges.
-        self.vision = LlavaVision(args.vision, args.hidden_size) if args.vision is not None else None
+        # A vision-language model's image encoder (llava.py, qwen2_5_vl.py): images to embeddings
+        # the runner merges.
+        self.vision = (None if args.vision is None else LlavaVision(args.vision, args.hidden_size)
+                       if isinstance(args.vision, VisionArgs) else QwenVision(args.vision, args.hidden_size))
 
     def prepare(self, max_model_len: int) -> None:
         """RoPE tables for every position of a context of max_model_len (and one past it), and
@@ -154,18 +158,21 @@ class CausalLM(nn.Module):
                 caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata],
                 rope_lengths: torch.Tensor | None = None,
                 image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """input_ids, positions: [T]; per layer, its K and V caches ([num_blocks, block_size,
-        kv_heads, D] views) and the step's attention metadata for its blocks (its KV cache
-        group's); `rope_lengths`: each token's sequence length where rope_by_length, on the host
-        (RotaryTable.lookup); `image_rows`: (rows, embeddings) an image's placeholder rows take
-        instead of their token's embedding.
+        """input_ids: [T]; positions: the RoPE's, [T], or [3, T] for M-RoPE's streams (mrope.py);
+        per layer, its K and V caches ([num_blocks, block_size, kv_heads, D] views) and the step's
+        attention metadata for its blocks (its KV cache group's); `rope_lengths`: each token's
+        sequence length where rope_by_length, on the host (RotaryTable.lookup); `image_rows`:
+        (rows, embeddings) an image's placeholder rows take instead of their token's embedding.
         Returns the final hidden states [T, hidden] (and keeps the aux_layers' inputs in aux_hidden)."""
         x = self.embed_tokens(input_ids)
         if self.args.embed_scale != 1.0:  # a float32 scalar cast to the weights' dtype, as Gemma's
             x = x * torch.tensor(self.args.embed_scale).to(x.dtype)
         if image_rows is not None:
             x = x.index_copy(0, image_rows[0], image_rows[1].to(x.dtype))
-        tables = [table.lookup(positions, rope_lengths) for table in self.rope]
+        if positions.dim() == 2:
+            tables = [mrope.lookup(*table.tables[0], positions, self.args.mrope_section) for table in self.rope]
+        else:
+            tables = [table.lookup(positions, rope_lengths) for table in self.rope]
         aux = []
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:

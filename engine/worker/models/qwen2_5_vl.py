@@ -1,0 +1,231 @@
+"""Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration): a ViT over images at their own resolution
+(each cut into 14-pixel patches, two frames deep), with 2D RoPE over patch rows and columns,
+attention within windows of 112 pixels except in a few full-attention layers, and a merger that
+folds each 2x2 patch block into one token of the language model; a Qwen2 language model whose
+RoPE turns three position streams (M-RoPE: time, height, width; mrope.py). The prompt holds
+<|vision_start|><|image_pad|><|vision_end|> per image; the front expands the pad into the
+image's (grid_h / 2) x (grid_w / 2) tokens.
+
+Pixels reach the model as the front made them with the checkpoint's own image processor
+(Qwen2VLImageProcessor): one row of 3 x 2 x 14 x 14 values per patch, in its order (2x2 merge
+blocks contiguous), shaped [grid_t, grid_h, grid_w, row] so the grid travels with them."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.engine.common.errors import InvalidArgument
+from baton.engine.worker.models import qwen2
+from baton.engine.worker.models.args import ModelArgs
+from baton.engine.worker.models.basic import RMSNorm
+
+
+@dataclass(slots=True)
+class QwenVisionArgs:
+    hidden_size: int
+    intermediate_size: int
+    depth: int
+    num_heads: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    window_size: int  # pixels a window's side spans
+    full_attention_layers: list[int]  # the layers that attend over the whole image (fullatt_block_indexes)
+    out_hidden_size: int
+    rope_theta: float
+    image_token_id: int  # <|image_pad|>: one per image in a prompt, expanded to the image's tokens
+    start_token_id: int  # <|vision_start|>, before it in a prompt
+    end_token_id: int  # <|vision_end|>, after it
+
+    @property
+    def tokens_per_image(self) -> int:
+        """0: each image takes as many tokens as its size gives (its grid over spatial_merge_size^2)."""
+        return 0
+
+    @property
+    def prompt_wrap(self) -> list[int]:
+        """The tokens around the image token in a prompt."""
+        return [self.start_token_id, self.end_token_id]
+
+    def most_tokens(self, model_dir: str) -> int:
+        """The most tokens one image takes: its processor's max_pixels over a token's pixels."""
+        path = os.path.join(model_dir, "preprocessor_config.json")
+        processor = {}
+        if os.path.isfile(path):
+            with open(path) as f:
+                processor = json.load(f)
+        max_pixels = (processor.get("size") or {}).get("longest_edge") or processor.get("max_pixels") or 12845056
+        return max_pixels // (self.patch_size * self.spatial_merge_size) ** 2
+
+
+def args(cfg: dict) -> ModelArgs:
+    text, vision = dict(cfg.get("text_config") or cfg), cfg.get("vision_config") or {}
+    # M-RoPE's sections (of the rotary half-dims: time, height, width) ride in the rope parameters,
+    # as a rope_type "mrope" that is otherwise the default RoPE.
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or cfg.get("rope_scaling") or {})
+    section = rope.pop("mrope_section", None)
+    if section is None:
+        raise InvalidArgument("model", "a Qwen2.5-VL config must give rope_parameters.mrope_section")
+    if rope.get("rope_type", rope.get("type", "default")) in ("mrope", "default"):
+        rope["rope_type"] = "default"
+        rope.pop("type", None)
+    text.pop("rope_scaling", None)
+    text["rope_parameters"] = {"rope_theta": text.get("rope_theta", 1_000_000.0), **rope}
+    if vision.get("hidden_act", "silu") != "silu":
+        raise InvalidArgument("model", f"Qwen2.5-VL's vision hidden_act {vision.get('hidden_act')!r} is not "
+                                       "supported (silu)")
+    out = qwen2.args({**text, "architectures": cfg.get("architectures"),
+                      "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))})
+    half = out.head_dim // 2
+    if sum(section) != half:
+        raise InvalidArgument("model", f"mrope_section {section} must sum to half the head dim ({half})")
+    out.mrope_section = list(section)
+    vision_rope = vision.get("rope_parameters") or {}
+    out.vision = QwenVisionArgs(
+        hidden_size=vision.get("hidden_size", 3584), intermediate_size=vision.get("intermediate_size", 3420),
+        depth=vision.get("depth", vision.get("num_hidden_layers", 32)),
+        num_heads=vision.get("num_heads", vision.get("num_attention_heads", 16)),
+        patch_size=vision.get("patch_size", 14), temporal_patch_size=vision.get("temporal_patch_size", 2),
+        spatial_merge_size=vision.get("spatial_merge_size", 2), window_size=vision.get("window_size", 112),
+        full_attention_layers=list(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+        out_hidden_size=vision.get("out_hidden_size", out.hidden_size),
+        rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
+        image_token_id=cfg.get("image_token_id", 151655), start_token_id=cfg.get("vision_start_token_id", 151652),
+        end_token_id=cfg.get("vision_end_token_id", 151653))
+    if out.vision.out_hidden_size != out.hidden_size:
+        raise InvalidArgument("model", f"vision_config.out_hidden_size {out.vision.out_hidden_size} must be the "
+                                       f"language model's hidden_size {out.hidden_size}")
+    return out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Attention(nn.Module):
+    def __init__(self, v: QwenVisionArgs):
+        super().__init__()
+        self.heads = v.num_heads
+        self.qkv = nn.Linear(v.hidden_size, 3 * v.hidden_size)
+        self.proj = nn.Linear(v.hidden_size, v.hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """x [seq, hidden]; attention within each of the consecutive runs of `lengths` patches."""
+        seq = x.shape[0]
+        q, k, v = self.qkv(x).view(seq, 3, self.heads, -1).unbind(1)
+        q, k = ((t.float() * cos + _rotate_half(t.float()) * sin).to(t.dtype) for t in (q, k))  # in float32
+        out = [F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in parts)).transpose(0, 1)
+               for parts in zip(*(t.split(lengths) for t in (q, k, v)))]
+        return self.proj(torch.cat(out).reshape(seq, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, v: QwenVisionArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(v.hidden_size, v.intermediate_size)
+        self.up_proj = nn.Linear(v.hidden_size, v.intermediate_size)
+        self.down_proj = nn.Linear(v.intermediate_size, v.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, v: QwenVisionArgs):
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(v.hidden_size, 1e-6), RMSNorm(v.hidden_size, 1e-6)
+        self.attn, self.mlp = _Attention(v), _MLP(v)
+
+    def forward(self, x, cos, sin, lengths):
+        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+        return x + self.mlp(self.norm2(x))
+
+
+class _PatchEmbed(nn.Module):
+    def __init__(self, v: QwenVisionArgs):
+        super().__init__()
+        self.shape = (3, v.temporal_patch_size, v.patch_size, v.patch_size)
+        self.proj = nn.Conv3d(3, v.hidden_size, self.shape[1:], self.shape[1:], bias=False)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.proj(rows.view(-1, *self.shape).to(self.proj.weight.dtype)).flatten(1)
+
+
+class _Merger(nn.Module):
+    def __init__(self, v: QwenVisionArgs):
+        super().__init__()
+        self.width = v.hidden_size * v.spatial_merge_size ** 2
+        self.ln_q = RMSNorm(v.hidden_size, 1e-6)
+        self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width,
+                                                                                       v.out_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.width))
+
+
+class _Layout:
+    """What an image's grid fixes for the tower: each patch's (row, column) for the 2D RoPE, the
+    order that puts each window's merge blocks together, and the windows' and the image's lengths."""
+
+    def __init__(self, v: QwenVisionArgs, t: int, h: int, w: int):
+        m = v.spatial_merge_size
+        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        blocked = (h // m, m, w // m, m)  # the processor's order: each m x m block's patches together
+        self.rowcol = torch.stack([p.reshape(blocked).transpose(1, 2).flatten() for p in (rows, cols)], 1).repeat(t, 1)
+        # Windows of `side` x `side` merge blocks, the last row and column of windows cut short.
+        side, mh, mw = v.window_size // m // v.patch_size, h // m, w // m
+        index = torch.arange(t * mh * mw).view(t, mh, mw)
+        order, lengths = [], []
+        for frame in index:
+            for top in range(0, mh, side):
+                for left in range(0, mw, side):
+                    window = frame[top:top + side, left:left + side].flatten()
+                    order.append(window)
+                    lengths.append(window.numel() * m * m)
+        self.order = torch.cat(order)  # merge blocks, window by window
+        self.windows, self.frames = lengths, [h * w] * t
+
+
+class QwenVision(nn.Module):
+    """Pixels [images, grid_t, grid_h, grid_w, row] (images of one grid) -> each image's
+    embeddings [images, grid_t * grid_h * grid_w / merge^2, hidden]."""
+
+    def __init__(self, v: QwenVisionArgs, text_hidden: int):
+        super().__init__()
+        self.vision = v
+        self.patch_embed = _PatchEmbed(v)
+        self.blocks = nn.ModuleList(_Block(v) for _ in range(v.depth))
+        self.merger = _Merger(v)
+        spatial = v.hidden_size // v.num_heads // 2  # each axis's frequencies turn a quarter of a head
+        self.register_buffer("inv_freq", 1.0 / (v.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float)
+                                                                  / spatial)), persistent=False)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        t, h, w = pixels.shape[1:4]
+        layout, unit = _Layout(self.vision, t, h, w), self.vision.spatial_merge_size ** 2
+        freqs = (layout.rowcol.to(pixels.device)[..., None].float() * self.inv_freq).flatten(1)  # rows' then cols'
+        angles = torch.cat((freqs, freqs), dim=-1)
+        order = layout.order.to(pixels.device)
+
+        def windowed(x: torch.Tensor) -> torch.Tensor:  # merge blocks in window order
+            return x.view(-1, unit, x.shape[-1])[order].flatten(0, 1)
+        cos, sin = (windowed(f(angles))[:, None, :] for f in (torch.cos, torch.sin))
+        out = []
+        for image in pixels:
+            x = windowed(self.patch_embed(image.reshape(t * h * w, -1)))
+            for i, block in enumerate(self.blocks):
+                x = block(x, cos, sin, layout.frames if i in self.vision.full_attention_layers else layout.windows)
+            out.append(self.merger(x)[torch.argsort(order)])
+        return torch.stack(out)
+
+
+# The checkpoint's prefixes of the vision side (transformers 5's, then the Hub's older layout),
+# and of the language model (its text-model names).
+CHECKPOINT_PREFIXES = {"model.visual.": "vision.", "visual.": "vision."}
+LANGUAGE_PREFIXES = {"model.language_model.": "model."}

@@ -1,0 +1,169 @@
+"""Qwen2.5-VL (a windowed ViT with 2D RoPE over images at their own resolution, a Qwen2 with
+M-RoPE), a checkpoint of random weights written from transformers' own classes with Qwen2-VL's
+image processor: images of odd sizes, each taking the tokens its size gives, several per prompt.
+Greedy output equals transformers' (Qwen2_5_VLForConditionalGeneration.generate on the same
+pixels and grids), batched with a text-only prompt, with chunked prefill cutting through image
+spans, and after preemption; a prefill and a decode over NIXL equal colocated with the decode
+never encoding (it needs the images' grids for the positions, not their pixels)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from helpers import random_prompts
+
+from baton import LLM, SamplingParams
+from baton.engine.common.errors import InvalidArgument
+from baton.testing.checkpoints import write_random_qwen2_5_vl
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen_vl(tmp_path_factory) -> str:
+    return write_random_qwen2_5_vl(str(tmp_path_factory.mktemp("qwen-vl") / "qwen-vl"), seed=5)
+
+
+def images(seed: int, sizes) -> list[np.ndarray]:
+    gen = np.random.default_rng(seed)
+    return [gen.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+
+
+def special(model_dir: str) -> tuple[int, int, int]:
+    """(vision start, image pad, vision end) token ids."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    return cfg["vision_start_token_id"], cfg["image_token_id"], cfg["vision_end_token_id"]
+
+
+def with_images(model_dir: str, *parts) -> list[int]:
+    """A prompt of token lists and None (an image: start, pad, end)."""
+    start, pad, end = special(model_dir)
+    return [t for part in parts for t in ([start, pad, end] if part is None else part)]
+
+
+def hf_greedy(model_dir: str, token_ids: list[int], pictures: list[np.ndarray], n: int) -> list[int]:
+    """transformers' greedy continuation: its processor's pixels and grids, each image pad expanded
+    to its image's tokens as its processor would, and the image tokens marked for its M-RoPE."""
+    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad, kwargs, ids = model.config.image_token_id, {}, list(token_ids)
+    if pictures:
+        processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+        out = processor(images=pictures, return_tensors="pt")
+        counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
+        ids = [t for token in token_ids for t in ([token] * next(counts) if token == pad else [token])]
+        kwargs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
+                  "mm_token_type_ids": torch.tensor([[int(t == pad) for t in ids]])}
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, **kwargs)
+    return out[0, len(ids):].tolist()
+
+
+def test_images_in_prompts_equal_transformers(qwen_vl):
+    """Text only; one image; two images of other sizes (their windows cut short at the edges); an
+    image at the prompt's start and one at its end (the positions after it go on from the image's
+    larger side); in one batch, 16-token chunks cutting through the spans. The outputs equal
+    transformers', and another image changes them."""
+    text = random_prompts([7, 12, 5, 9, 20, 6], seed=5)
+    pictures = images(1, [(37, 53), (64, 30), (30, 30), (41, 33), (24, 70)])
+    prompts = [([text[0]], []), ([text[1][:4], None, text[1][4:]], pictures[:1]),
+               ([text[2], None, text[3], None, [5, 6]], pictures[1:3]), ([None, text[4]], pictures[3:4]),
+               ([text[5], None], pictures[4:])]
+    requests = [{"prompt_token_ids": with_images(qwen_vl, *parts), "multi_modal_data": {"image": pics}} if pics else
+                {"prompt_token_ids": with_images(qwen_vl, *parts)} for parts, pics in prompts]
+    llm = LLM(qwen_vl, dtype="float32", device="cpu", max_num_batched_tokens=16)
+    outs = llm.generate(requests, GREEDY)
+    wants = [hf_greedy(qwen_vl, r["prompt_token_ids"], pics, GREEDY.max_tokens)
+             for r, (_, pics) in zip(requests, prompts)]
+    assert [o.token_ids for o in outs] == wants
+    other = llm.generate({**requests[1], "multi_modal_data": {"image": pictures[2]}}, GREEDY)[0]
+    assert other.token_ids != outs[1].token_ids  # another image, another output (else this test could not fail)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_preemption_and_async_scheduling_keep_images_and_positions(qwen_vl):
+    """Requests with images in a pool that preempts, steps queued ahead: each preempted request's
+    prompt is computed again with its images' positions (and encodings found or made again), and
+    every output equals a roomy synchronous engine's."""
+    a, b = images(6, [(33, 47), (40, 24)])
+    texts = random_prompts([20, 31, 9, 26], seed=12)
+    prompts = [{"prompt_token_ids": with_images(qwen_vl, t[:5], None, t[5:]),
+                "multi_modal_data": {"image": b if i % 2 else a}} for i, t in enumerate(texts)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(qwen_vl, dtype="float32", device="cpu").generate(prompts, params)]
+    llm = LLM(qwen_vl, dtype="float32", device="cpu", num_kv_blocks=9, max_model_len=128, async_scheduling=True,
+              max_num_batched_tokens=48)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.core.loop.ahead
+    assert not llm.engine.scheduler.encoder.needed
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_chat_writes_each_image_between_vision_start_and_end(qwen_vl):
+    """LLM.chat's image parts become <|vision_start|><|image_pad|><|vision_end|> before the text,
+    as Qwen's chat template writes them, and give what generate gives that prompt."""
+    from PIL import Image
+
+    picture = Image.fromarray(images(7, [(40, 36)])[0])
+    llm = LLM(qwen_vl, dtype="float32", device="cpu")
+    ids = llm.engine.inputs.apply_chat_template(
+        [{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>What is it?"}])
+    start, pad, end = special(qwen_vl)
+    assert [start, pad, end] == ids[ids.index(pad) - 1:ids.index(pad) + 2]
+    want = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": picture}}, GREEDY)[0].token_ids
+    out = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": picture},
+                                                 {"type": "text", "text": "What is it?"}]}], GREEDY)
+    assert out[0].token_ids == want == hf_greedy(qwen_vl, ids, [np.asarray(picture)], GREEDY.max_tokens)
+
+
+def test_an_image_over_the_encoder_budget_is_refused_naming_it(qwen_vl):
+    """An encoder budget under the largest image the processor makes is refused at start; an image
+    the processor makes larger than the engine takes (its max_pixels raised after) is refused by
+    the front, naming the image; the engine carries on."""
+    with pytest.raises(InvalidArgument) as err:
+        LLM(qwen_vl, dtype="float32", device="cpu", max_num_encoder_input_tokens=20)
+    assert err.value.field == "max_num_encoder_input_tokens"
+    llm = LLM(qwen_vl, dtype="float32", device="cpu")
+    processor = llm.engine.inputs.images
+    processor.max_image_tokens = 30  # as if the processor's config allowed more than the engine was sized for
+    big, small = images(8, [(48, 48), (16, 24)])
+    with pytest.raises(InvalidArgument) as err:
+        llm.generate({"prompt_token_ids": with_images(qwen_vl, [5], None, [6], None),
+                      "multi_modal_data": {"image": [small, big]}}, GREEDY)
+    assert err.value.field == "multi_modal_data.image[1]" and "36 tokens" in str(err.value)
+    assert llm.generate({"prompt_token_ids": with_images(qwen_vl, [5], None, [6]),
+                         "multi_modal_data": {"image": small}}, GREEDY)[0].token_ids
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_prefill_and_decode_over_nixl_equal_colocated_and_the_decode_never_encodes(qwen_vl):
+    """The prefill encodes the images and computes the prompt; the decode READs the blocks and
+    takes its positions' delta from the images' grids, never running its encoder."""
+    from nixl_engines import agent_ids, assert_pools_full, connect, nixl_engine, run_until_done
+
+    pictures = images(9, [(44, 52), (30, 61)])
+    texts = random_prompts([11, 23], seed=14)
+    prompts = [with_images(qwen_vl, texts[0][:3], None, texts[0][3:]), with_images(qwen_vl, None, texts[1], None)]
+    data = [[pictures[0]], [pictures[1], pictures[0]]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(qwen_vl, dtype="float32", device="cpu").generate(
+        [{"prompt_token_ids": p, "multi_modal_data": {"image": d}} for p, d in zip(prompts, data)], params)]
+    prefill, decode = nixl_engine(qwen_vl, "prefill", max_num_batched_tokens=32), nixl_engine(qwen_vl, "decode")
+    connect(prefill, decode)
+    decode.runner.model.vision.forward = lambda pixels: pytest.fail("the decode encoded")
+    handles = [prefill.add_request(f"p{next(agent_ids)}", p, SamplingParams(max_tokens=1, temperature=0.0),
+                                   hold_for_remote=True, images=d) for p, d in zip(prompts, data)]
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    ids = [decode.add_request(f"d{next(agent_ids)}", p, params, remote_kv=r.kv_handle, images=d).request_id
+           for p, d, r in zip(prompts, data, handles)]
+    tokens = run_until_done(prefill, decode)
+    assert [[r.kv_handle.first_token] + tokens[i] for r, i in zip(handles, ids)] == want
+    assert decode.runner.connector.num_blocks_pulled > 0
+    assert_pools_full(prefill, decode)
