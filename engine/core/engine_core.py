@@ -130,8 +130,8 @@ class EngineCore:
         connector_scheduler, connector_worker = kv_connector or (None, None)
         if connector_scheduler is not None:
             connector_scheduler.group_windows = self.kv_groups.windows
-        self.scheduler = Scheduler(config, self.kv, connector_scheduler, self.host,
-                                   encoder_cache(config, args.vision.most_tokens(config.model) if args.vision else None))
+        image_tokens = args.vision.most_tokens(config.model) if args.vision else None  # (None: a text model)
+        self.scheduler = Scheduler(config, self.kv, connector_scheduler, self.host, encoder_cache(config, image_tokens))
         calculate_kv_scales(model, config)
         self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker, lora_slots,
                                   self.num_host_blocks, self.kv_groups, draft)
