@@ -20,7 +20,7 @@ from PIL import Image
 
 from baton import LLM, SamplingParams
 from baton.services.server.media import MediaOptions
-from baton.testing.checkpoints import write_random_llava
+from baton.testing.checkpoints import write_random_llava, write_random_qwen2_5_vl
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc as pb_grpc
 
@@ -42,7 +42,8 @@ def png(seed: int, size=(37, 45)) -> bytes:
 def offline(model_dir: str, picture: bytes, n: int) -> list[int]:
     """The offline engine's greedy tokens for TEXT after the picture, through the chat template."""
     llm = LLM(model_dir, dtype="float32", device="cpu")
-    ids = llm.engine.inputs.apply_chat_template([{"role": "user", "content": f"<image>\n{TEXT}"}])
+    image_text = llm.engine.inputs.images.image_text  # ("<image>\n"; Qwen2.5-VL's vision start, pad, end)
+    ids = llm.engine.inputs.apply_chat_template([{"role": "user", "content": image_text + TEXT}])
     out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": Image.open(io.BytesIO(picture))}},
                        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     return out[0].token_ids
@@ -147,3 +148,29 @@ def test_an_image_request_through_the_router_to_prefill_and_decode(llava):
         decode = decodes[0].address
         assert stats(decode).num_blocks_pulled > 0  # its prompt's KV came over the wire, images and all
         assert pools_full(decode) and pools_full(prefills[0].address)
+
+
+def test_a_qwen_vl_image_request_through_the_router_and_the_openai_front(serve, tmp_path):
+    """Qwen2.5-VL served: the image (its own tokens by its size, between vision start and end)
+    through the router to a prefill and a decode, whose positions after the image go on from the
+    image's grid; and through the OpenAI front; both equal the offline engine's."""
+    from helpers import pools_full, stats, wait_serving
+    from servers import pd_stack
+
+    model_dir = write_random_qwen2_5_vl(str(tmp_path / "qwen-vl"), seed=6)
+    picture = png(6, (41, 57))
+    want = offline(model_dir, picture, 8)
+    with pd_stack(model_dir) as (prefills, decodes, router):
+        wait_serving(router.address, timeout=60)
+        assert generate(router.address, pb.Image(data=picture)) == want
+        assert stats(decodes[0].address).num_blocks_pulled > 0
+        assert pools_full(decodes[0].address) and pools_full(prefills[0].address)
+    srv = serve(model_dir, {"http_port": 0})
+    client = openai.OpenAI(base_url=srv.server.http.url + "/v1", api_key="none", max_retries=0)
+    data_url = "data:image/png;base64," + base64.b64encode(picture).decode()
+    chat = client.chat.completions.create(
+        model=srv.server.model_name, max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url}},
+                                               {"type": "text", "text": TEXT}]}])
+    assert chat.choices[0].message.content == srv.server.core.tokenizer.decode(want, skip_special_tokens=True)
+    assert srv.wait_pool_full()
