@@ -1,5 +1,7 @@
-"""Time to first token of an image request on a LLaVA of random weights (a ViT-B/16 at 224 px: 196
-image tokens, and a small Llama), offline, one request at a time, median of --repeat:
+"""Time to first token of an image request on a vision-language model of random weights, offline,
+one request at a time, median of --repeat: a LLaVA (a ViT-B/16 at 224 px: 196 image tokens, and a
+small Llama), or with --family qwen a Qwen2.5-VL (a 12-layer ViT of 14-pixel patches in 112-pixel
+windows, the 320x240 picture at its own resolution: 99 tokens, and a small Qwen2 with M-RoPE):
 
 - cold: a picture the engine has not seen (its encoder runs, its prompt is computed);
 - encoder-cache hit: the same picture under another text (its embeddings are still held: no
@@ -10,7 +12,7 @@ image tokens, and a small Llama), offline, one request at a time, median of --re
 It also prints what a decode tier receives for an image in P/D (its span's KV blocks), beside the
 pixels and the encoder run that computing the span there would need.
 
-    python bench/images.py [--repeat 5] [--model DIR]
+    python bench/images.py [--repeat 5] [--family llava|qwen] [--model DIR]
 """
 from __future__ import annotations
 
@@ -22,11 +24,14 @@ import time
 import numpy as np
 
 from baton import LLM, SamplingParams
-from baton.testing.checkpoints import write_random_llava
+from baton.testing.checkpoints import write_random_llava, write_random_qwen2_5_vl
 
 VISION = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12}
 TEXT = {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8, "num_key_value_heads": 8,
         "num_hidden_layers": 8}
+QWEN_VISION = {"depth": 12, "hidden_size": 768, "intermediate_size": 3072, "num_heads": 12,
+               "fullatt_block_indexes": [5, 11]}
+QWEN_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]}}
 
 
 def ttft(llm: LLM, prompt: dict | list[int]) -> float:
@@ -38,35 +43,47 @@ def ttft(llm: LLM, prompt: dict | list[int]) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--model", help="a LLaVA checkpoint (default: a random one written here)")
+    p.add_argument("--family", choices=("llava", "qwen"), default="llava")
+    p.add_argument("--model", help="a checkpoint of that family (default: a random one written here)")
     args = p.parse_args()
-    model = args.model or write_random_llava(tempfile.mkdtemp() + "/llava", seed=1, image_size=224, patch_size=16,
-                                             vision=VISION, text=TEXT)
+    if args.model:
+        model = args.model
+    elif args.family == "qwen":
+        model = write_random_qwen2_5_vl(tempfile.mkdtemp() + "/qwen-vl", seed=1, patch_size=14, window_size=112,
+                                        max_pixels=1280 * 28 * 28, vision=QWEN_VISION, text={**TEXT, **QWEN_ROPE})
+    else:
+        model = write_random_llava(tempfile.mkdtemp() + "/llava", seed=1, image_size=224, patch_size=16,
+                                   vision=VISION, text=TEXT)
     llm = LLM(model, dtype="float32", device="cpu")
-    image_token, per_image = llm.engine.inputs.images.image_token_id, llm.engine.inputs.images.tokens_per_image
+    images = llm.engine.inputs.images
+    image_token, wrap = images.image_token_id, list(llm.engine.core.facts().image_wrap)
     rng = np.random.default_rng(0)
+    sample = rng.integers(0, 256, (240, 320, 3), dtype=np.uint8)
+    per_image = images.expand([image_token], [sample], "image")[1][0].length
     rows = {"cold": [], "encoder-cache hit": [], "prefix-cache hit": [], "text only": []}
     for _ in range(args.repeat):
         picture = rng.integers(0, 256, (240, 320, 3), dtype=np.uint8)
         texts = [rng.integers(3, 500, 40).tolist() for _ in range(3)]
-        with_image = [{"prompt_token_ids": t[:8] + [image_token] + t[8:], "multi_modal_data": {"image": picture}}
+        image = wrap[:1] + [image_token] + wrap[1:]
+        with_image = [{"prompt_token_ids": t[:8] + image + t[8:], "multi_modal_data": {"image": picture}}
                       for t in texts[:2]]
         rows["cold"].append(ttft(llm, with_image[0]))
         rows["encoder-cache hit"].append(ttft(llm, with_image[1]))
         rows["prefix-cache hit"].append(ttft(llm, with_image[0]))
         rows["text only"].append(ttft(llm, texts[2] + rng.integers(3, 500, per_image).tolist()))
-    print(f"LLaVA: ViT {VISION['num_hidden_layers']}x{VISION['hidden_size']} at 224 px ({per_image} image tokens), "
-          f"Llama {TEXT['num_hidden_layers']}x{TEXT['hidden_size']}; prompts of {40 + per_image} tokens; "
+    print(f"{llm.engine.runner.model.args.architecture}: {per_image} image tokens for a 320x240 picture, "
+          f"language model {TEXT['num_hidden_layers']}x{TEXT['hidden_size']}; prompts of {40 + per_image} tokens; "
           f"median of {args.repeat}")
     cold = statistics.median(rows["cold"])
     for name, times in rows.items():
         median = statistics.median(times)
         print(f"  {name:18s} TTFT {median * 1e3:8.1f} ms   {median / cold:5.2f}x cold")
     runner = llm.engine.runner
+    picture_bytes = images.expand([image_token], [picture], "image")[1][0].pixels
     kv_bytes = runner.kv_cache[0].nbytes // llm.engine.config.block_size * per_image
     encoder_s = statistics.median(rows["cold"]) - statistics.median(rows["encoder-cache hit"])
     print(f"  P/D: a decode READs {kv_bytes / 1024:.0f} KiB of KV for an image's span (float32) and runs nothing "
-          f"of it; re-encoding there would take the {3 * 224 * 224 * 4 / 1024:.0f} KiB of pixels, {encoder_s:.3f} s "
+          f"of it; re-encoding there would take {len(picture_bytes) / 1024:.0f} KiB of pixels, {encoder_s:.3f} s "
           f"of encoder here, and the span's prefill")
 
 
