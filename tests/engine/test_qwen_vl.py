@@ -4,7 +4,8 @@ image processor: images of odd sizes, each taking the tokens its size gives, sev
 Greedy output equals transformers' (Qwen2_5_VLForConditionalGeneration.generate on the same
 pixels and grids), batched with a text-only prompt, with chunked prefill cutting through image
 spans, and after preemption; a prefill and a decode over NIXL equal colocated with the decode
-never encoding (it needs the images' grids for the positions, not their pixels)."""
+never encoding (it needs the images' grids for the positions, not their pixels); two tensor-
+parallel ranks equal one."""
 from __future__ import annotations
 
 import json
@@ -167,3 +168,16 @@ def test_prefill_and_decode_over_nixl_equal_colocated_and_the_decode_never_encod
     assert [[r.kv_handle.first_token] + tokens[i] for r, i in zip(handles, ids)] == want
     assert decode.runner.connector.num_blocks_pulled > 0
     assert_pools_full(prefill, decode)
+
+
+def test_two_tensor_parallel_ranks_equal_one(qwen_vl):
+    """Each rank encodes the step's images with its whole ViT and computes the positions from the
+    images' grids itself; the language model split over two gloo ranks gives one rank's outputs."""
+    pictures = images(10, [(37, 53), (29, 45)])
+    texts = random_prompts([9, 14], seed=21)
+    requests = [{"prompt_token_ids": with_images(qwen_vl, t[:4], None, t[4:]), "multi_modal_data": {"image": pic}}
+                for t, pic in zip(texts, pictures)]
+    want = [o.token_ids for o in LLM(qwen_vl, dtype="float32", device="cpu").generate(requests, GREEDY)]
+    with LLM(qwen_vl, dtype="float32", device="cpu", tensor_parallel_size=2, max_num_batched_tokens=16) as llm:
+        assert [o.token_ids for o in llm.generate(requests, GREEDY)] == want
+        assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
