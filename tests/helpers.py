@@ -40,6 +40,14 @@ def random_prompts(lengths, seed=0, vocab=500) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
+def random_images(seed: int, sizes) -> list:
+    """Pictures of random pixels ([height, width, 3] uint8 arrays) of the given (height, width) sizes."""
+    import numpy as np
+
+    gen = np.random.default_rng(seed)
+    return [gen.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+
+
 def workload(n=32, seed=0):
     """Mixed lengths; even requests greedy, odd ones seeded sampling."""
     rng = random.Random(seed)

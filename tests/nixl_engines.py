@@ -75,6 +75,28 @@ def disaggregated(prefill, decode, prompts, params, on_step=None) -> list[list[i
     return [[h.first_token] + tokens.get(r, []) for h, r in zip(handles, ids)]
 
 
+def images_across_pd(model_dir: str, prompts: list[list[int]], images: list[list], params: SamplingParams
+                     ) -> list[list[int]]:
+    """Prompts with images through a prefill (32-token chunks) and a decode over NIXL: the outputs,
+    each the prefill's first token and the decode's; the decode's encoder must never run, its
+    blocks come over the wire, and both pools end full."""
+    import pytest
+
+    prefill, decode = nixl_engine(model_dir, "prefill", max_num_batched_tokens=32), nixl_engine(model_dir, "decode")
+    connect(prefill, decode)
+    decode.runner.model.vision.forward = lambda pixels: pytest.fail("the decode encoded")
+    handles = [prefill.add_request(f"p{next(agent_ids)}", p, SamplingParams(max_tokens=1, temperature=0.0),
+                                   hold_for_remote=True, images=d) for p, d in zip(prompts, images)]
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    ids = [decode.add_request(f"d{next(agent_ids)}", p, params, remote_kv=r.kv_handle, images=d).request_id
+           for p, d, r in zip(prompts, images, handles)]
+    tokens = run_until_done(prefill, decode)
+    assert decode.runner.connector.num_blocks_pulled > 0
+    assert_pools_full(prefill, decode)
+    return [[r.kv_handle.first_token] + tokens[i] for r, i in zip(handles, ids)]
+
+
 def events_by_request(*engines) -> dict[str, list]:
     out: dict[str, list] = {}
     for eng in engines:

@@ -114,7 +114,6 @@ def write_random_llava(out_dir: str, *, seed: int = 0, image_size: int = 30, pat
     trained tokenizer, as llava-hf's); with CLIP's image processor (PIL backend) sized to `image_size`.
     `vision`, `text`: other sizes for the ViT's and the language model's configs (a benchmark's);
     `text_model`: the language model's config class ("MistralConfig": LLaVA over Mistral)."""
-    import torch
     import transformers
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
@@ -132,19 +131,8 @@ def write_random_llava(out_dir: str, *, seed: int = 0, image_size: int = 30, pat
     config = transformers.LlavaConfig(vision_config=vision_config, text_config=text_config,
                                       image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
                                       vision_feature_select_strategy=strategy, vision_feature_layer=-2)
-    torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.1)
-            elif "multi_modal_projector" in name or "embedding" in name:  # images that move the output
-                p.normal_(0, 0.5)
-    model.generation_config = transformers.GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    _save_vision_language(out_dir, transformers.LlavaForConditionalGeneration, config, tokenizer, seed,
+                          ("multi_modal_projector", "embedding"))
     CLIPImageProcessorPil(size={"shortest_edge": image_size},
                           crop_size={"height": image_size, "width": image_size}).save_pretrained(out_dir)
     return out_dir
@@ -158,7 +146,6 @@ def write_random_qwen2_5_vl(out_dir: str, *, seed: int = 0, patch_size: int = 4,
     M-RoPE; the tokenizer's <|vision_start|>, <|image_pad|> and <|vision_end|> special tokens; and
     Qwen2-VL's image processor (PIL backend) for images of at most `max_pixels` pixels, each resized
     to multiples of 2 x patch_size. `vision`, `text`: other sizes for the configs."""
-    import torch
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -180,19 +167,29 @@ def write_random_qwen2_5_vl(out_dir: str, *, seed: int = 0, patch_size: int = 4,
         text_config=text_config, vision_config=vision_config, image_token_id=ids["<|image_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         video_token_id=ids["<|image_pad|>"] + 100)  # (no video: an id no prompt holds)
+    _save_vision_language(out_dir, transformers.Qwen2_5_VLForConditionalGeneration, config, tokenizer, seed,
+                          ("merger", "patch_embed"))
+    Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=2, temporal_patch_size=2,
+                             min_pixels=(2 * patch_size) ** 2, max_pixels=max_pixels).save_pretrained(out_dir)
+    return out_dir
+
+
+def _save_vision_language(out_dir: str, model_class, config, tokenizer, seed: int, moving: tuple[str, ...]) -> None:
+    """A vision-language model of random weights saved with its tokenizer: biases random too, and
+    the weights named by `moving` spread wide, so that images move the output."""
+    import torch
+    import transformers
+
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).float()
+    model = model_class(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
-            elif "merger" in name or "patch_embed" in name:  # images that move the output
+            elif any(part in name for part in moving):
                 p.normal_(0, 0.5)
     model.generation_config = transformers.GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=2, temporal_patch_size=2,
-                             min_pixels=(2 * patch_size) ** 2, max_pixels=max_pixels).save_pretrained(out_dir)
-    return out_dir

@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import random_images as images
 from helpers import random_prompts
 
 from baton import LLM, SamplingParams
@@ -26,11 +27,6 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def qwen_vl(tmp_path_factory) -> str:
     return write_random_qwen2_5_vl(str(tmp_path_factory.mktemp("qwen-vl") / "qwen-vl"), seed=5)
-
-
-def images(seed: int, sizes) -> list[np.ndarray]:
-    gen = np.random.default_rng(seed)
-    return [gen.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
 
 
 def special(model_dir: str) -> tuple[int, int, int]:
@@ -146,7 +142,7 @@ def test_an_image_over_the_encoder_budget_is_refused_naming_it(qwen_vl):
 def test_prefill_and_decode_over_nixl_equal_colocated_and_the_decode_never_encodes(qwen_vl):
     """The prefill encodes the images and computes the prompt; the decode READs the blocks and
     takes its positions' delta from the images' grids, never running its encoder."""
-    from nixl_engines import agent_ids, assert_pools_full, connect, nixl_engine, run_until_done
+    from nixl_engines import images_across_pd
 
     pictures = images(9, [(44, 52), (30, 61)])
     texts = random_prompts([11, 23], seed=14)
@@ -155,19 +151,7 @@ def test_prefill_and_decode_over_nixl_equal_colocated_and_the_decode_never_encod
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = [o.token_ids for o in LLM(qwen_vl, dtype="float32", device="cpu").generate(
         [{"prompt_token_ids": p, "multi_modal_data": {"image": d}} for p, d in zip(prompts, data)], params)]
-    prefill, decode = nixl_engine(qwen_vl, "prefill", max_num_batched_tokens=32), nixl_engine(qwen_vl, "decode")
-    connect(prefill, decode)
-    decode.runner.model.vision.forward = lambda pixels: pytest.fail("the decode encoded")
-    handles = [prefill.add_request(f"p{next(agent_ids)}", p, SamplingParams(max_tokens=1, temperature=0.0),
-                                   hold_for_remote=True, images=d) for p, d in zip(prompts, data)]
-    while prefill.has_unfinished_requests():
-        prefill.step()
-    ids = [decode.add_request(f"d{next(agent_ids)}", p, params, remote_kv=r.kv_handle, images=d).request_id
-           for p, d, r in zip(prompts, data, handles)]
-    tokens = run_until_done(prefill, decode)
-    assert [[r.kv_handle.first_token] + tokens[i] for r, i in zip(handles, ids)] == want
-    assert decode.runner.connector.num_blocks_pulled > 0
-    assert_pools_full(prefill, decode)
+    assert images_across_pd(qwen_vl, prompts, data, params) == want
 
 
 def test_two_tensor_parallel_ranks_equal_one(qwen_vl):

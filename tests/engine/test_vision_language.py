@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import random_images as images
 from helpers import random_prompts
 
 from baton import LLM, SamplingParams
@@ -22,11 +23,6 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory) -> str:
     return write_random_llava(str(tmp_path_factory.mktemp("llava") / "llava"), seed=3)
-
-
-def images(seed: int, sizes) -> list[np.ndarray]:
-    gen = np.random.default_rng(seed)
-    return [gen.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
 
 
 def hf_greedy(model_dir: str, token_ids: list[int], pictures: list[np.ndarray], n: int) -> list[int]:
@@ -201,7 +197,7 @@ def test_bad_images_are_refused_naming_the_field(llava, tiny_llama):
 def test_prefill_and_decode_over_nixl_equal_colocated_and_the_decode_never_encodes(llava):
     """The prefill encodes the images and computes the prompt; the decode READs the blocks (their
     hashes name the images, on both sides alike) and never runs its encoder."""
-    from nixl_engines import agent_ids, assert_pools_full, connect, nixl_engine, run_until_done
+    from nixl_engines import images_across_pd
 
     img = image_token(llava)
     pictures = images(9, [(44, 52), (30, 61)])
@@ -211,20 +207,4 @@ def test_prefill_and_decode_over_nixl_equal_colocated_and_the_decode_never_encod
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = [o.token_ids for o in LLM(llava, dtype="float32", device="cpu").generate(
         [{"prompt_token_ids": p, "multi_modal_data": {"image": d}} for p, d in zip(prompts, data)], params)]
-    prefill, decode = nixl_engine(llava, "prefill", max_num_batched_tokens=32), nixl_engine(llava, "decode")
-    connect(prefill, decode)
-    encoded = []
-    decode.runner.model.vision.forward = lambda pixels: encoded.append(pixels) or pytest.fail("the decode encoded")
-    handles = []
-    for p, d in zip(prompts, data):
-        req = prefill.add_request(f"p{next(agent_ids)}", p, SamplingParams(max_tokens=1, temperature=0.0),
-                                  hold_for_remote=True, images=d)
-        handles.append(req)
-    while prefill.has_unfinished_requests():
-        prefill.step()
-    ids = [decode.add_request(f"d{next(agent_ids)}", p, params, remote_kv=r.kv_handle, images=d).request_id
-           for p, d, r in zip(prompts, data, handles)]
-    tokens = run_until_done(prefill, decode)
-    assert [[r.kv_handle.first_token] + tokens[i] for r, i in zip(handles, ids)] == want
-    assert not encoded and decode.runner.connector.num_blocks_pulled > 0
-    assert_pools_full(prefill, decode)
+    assert images_across_pd(llava, prompts, data, params) == want
