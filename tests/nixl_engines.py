@@ -78,8 +78,10 @@ def disaggregated(prefill, decode, prompts, params, on_step=None) -> list[list[i
 def images_across_pd(model_dir: str, prompts: list[list[int]], images: list[list], params: SamplingParams
                      ) -> list[list[int]]:
     """Prompts with images through a prefill (32-token chunks) and a decode over NIXL: the outputs,
-    each the prefill's first token and the decode's; the decode's encoder must never run, its
-    blocks come over the wire, and both pools end full."""
+    each the prefill's first token and the decode's. The decode takes the images as a prefill's
+    handle names them, their spans without pixels; its encoder must never run, its blocks come
+    over the wire, and both pools end full."""
+    import msgspec
     import pytest
 
     prefill, decode = nixl_engine(model_dir, "prefill", max_num_batched_tokens=32), nixl_engine(model_dir, "decode")
@@ -89,10 +91,11 @@ def images_across_pd(model_dir: str, prompts: list[list[int]], images: list[list
                                    hold_for_remote=True, images=d) for p, d in zip(prompts, images)]
     while prefill.has_unfinished_requests():
         prefill.step()
-    ids = [decode.add_request(f"d{next(agent_ids)}", p, params, remote_kv=r.kv_handle, images=d).request_id
-           for p, d, r in zip(prompts, images, handles)]
+    ids = [decode.add_request(f"d{next(agent_ids)}", p, params, remote_kv=r.kv_handle,
+                              images=[msgspec.structs.replace(i, pixels=b"") for i in r.images]).request_id
+           for p, r in zip(prompts, handles)]
     tokens = run_until_done(prefill, decode)
-    assert decode.runner.connector.num_blocks_pulled > 0
+    assert decode.runner.connector.num_blocks_pulled > 0 and not decode.failed
     assert_pools_full(prefill, decode)
     return [[r.kv_handle.first_token] + tokens[i] for r, i in zip(handles, ids)]
 

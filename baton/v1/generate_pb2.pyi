@@ -29,6 +29,7 @@ class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_REASON_KV_PEER_UNREACHABLE: _ClassVar[FailureReason]
     FAILURE_REASON_KV_PEER_RESTARTED: _ClassVar[FailureReason]
     FAILURE_REASON_KV_FORMAT_MISMATCH: _ClassVar[FailureReason]
+    FAILURE_REASON_IMAGES_NOT_SENT: _ClassVar[FailureReason]
 
 class KVTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -56,6 +57,7 @@ FAILURE_REASON_ENGINE_UNAVAILABLE: FailureReason
 FAILURE_REASON_KV_PEER_UNREACHABLE: FailureReason
 FAILURE_REASON_KV_PEER_RESTARTED: FailureReason
 FAILURE_REASON_KV_FORMAT_MISMATCH: FailureReason
+FAILURE_REASON_IMAGES_NOT_SENT: FailureReason
 KV_TIER_UNSPECIFIED: KVTier
 KV_TIER_DEVICE: KVTier
 KV_TIER_HOST: KVTier
@@ -238,7 +240,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("engine_id", "address", "request_id", "block_ids", "num_tokens", "first_token", "trace_context", "hold_seconds", "tier", "draft_start")
+    __slots__ = ("engine_id", "address", "request_id", "block_ids", "num_tokens", "first_token", "trace_context", "hold_seconds", "tier", "draft_start", "images")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +258,7 @@ class KVHandle(_message.Message):
     HOLD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     DRAFT_START_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     address: str
     request_id: str
@@ -266,7 +269,20 @@ class KVHandle(_message.Message):
     hold_seconds: float
     tier: KVTier
     draft_start: int
-    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., hold_seconds: _Optional[float] = ..., tier: _Optional[_Union[KVTier, str]] = ..., draft_start: _Optional[int] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageSpan]
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., hold_seconds: _Optional[float] = ..., tier: _Optional[_Union[KVTier, str]] = ..., draft_start: _Optional[int] = ..., images: _Optional[_Iterable[_Union[ImageSpan, _Mapping]]] = ...) -> None: ...
+
+class ImageSpan(_message.Message):
+    __slots__ = ("digest", "offset", "length", "shape")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    digest: int
+    offset: int
+    length: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, digest: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import msgspec
 
-from baton.engine.common.errors import InUse, InvalidArgument, NotFound, StartupError
+from baton.engine.common.errors import ImagesNotSent, InUse, InvalidArgument, NotFound, StartupError
 from baton.engine.common.kv_cache_events import KVEvent
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.stats import EngineSnapshot, StepEvents
@@ -58,7 +58,9 @@ class ImageInput(msgspec.Struct, array_like=True, gc=False):
     digest: int  # a 60-bit digest of the pixels
     offset: int  # the span's first position in the prompt
     length: int  # its tokens (the model's tokens_per_image, or by its size)
-    pixels: bytes  # float32, C order, of `shape`
+    # float32, C order, of `shape`; empty: not sent (a decode's, from its prefill's KV handle:
+    # errors.ImagesNotSent)
+    pixels: bytes
     shape: list[int]  # [3, H, W] (LLaVA); [grid_t, grid_h, grid_w, patch values] (Qwen2.5-VL)
 
 
@@ -124,6 +126,7 @@ class ErrorKind(enum.Enum):
     IN_USE = "in_use"
     INVALID_ARGUMENT = "invalid_argument"
     KV_FORMAT_MISMATCH = "kv_format_mismatch"
+    IMAGES_NOT_SENT = "images_not_sent"  # errors.ImagesNotSent
     STARTUP = "startup"  # the engine cannot start (or its KV cache cannot be read by peers)
     INTERNAL = "internal"  # anything else: a defect, said in one sentence
 
@@ -273,4 +276,6 @@ def error_from(err: CallError) -> Exception:
         return _ERROR_KINDS[err.kind](err.field, err.message)
     if err.kind is ErrorKind.STARTUP:
         return StartupError(err.message)
+    if err.kind is ErrorKind.IMAGES_NOT_SENT:
+        return ImagesNotSent(err.message)
     return CoreCallFailed(err.message)

@@ -25,3 +25,9 @@ class NotFound(InvalidArgument):
 
 class InUse(InvalidArgument):
     """A change refused because requests still use what it would remove (FAILED_PRECONDITION)."""
+
+
+class ImagesNotSent(RuntimeError):
+    """A request's images came as their spans only (a decode's, from its prefill's KV handle) and
+    its KV over one of them must be computed here (its load failed, or it was preempted): it
+    must come again with its images (services: FAILURE_REASON_IMAGES_NOT_SENT)."""

@@ -63,6 +63,11 @@ class EncoderCache:
             room -= image.length
         return n, encode
 
+    @staticmethod
+    def unsent(request: Request, encode: list[int]) -> bool:
+        """Whether an image `plan` says to encode came without its pixels (a decode's: errors.ImagesNotSent)."""
+        return any(not request.images[i].pixels for i in encode)
+
     def commit(self, request: Request, encode: list[int], start: int, n: int) -> None:
         """Take what `plan` said (the chunk's KV slots are allocated): the request noted as needing
         every image its chunk overlaps, then its encodings scheduled, room made for them."""

@@ -308,7 +308,10 @@ class EngineCore:
 
     def take_failures(self) -> list[CoreFailure]:
         failures, self.failures = self.failures, []
-        return failures
+        return failures + [CoreFailure(r.key, CallError(
+            ErrorKind.IMAGES_NOT_SENT, f"request {r.request_id} came with its images' spans only (a prefill's KV "
+                                       f"handle) and must compute KV over one of them here"))
+            for r in self.scheduler.take_refused()]
 
     def abort(self, request_ids) -> list[CoreOutput]:
         """End live requests (their last outputs, finish reason "abort"), and let go of blocks

@@ -70,6 +70,7 @@ class Scheduler:
         # request then counting the tokens on their way (Request.num_pending_tokens).
         self.ahead = config.async_scheduling
         self.num_host_bound = 0  # live requests whose next step needs their tokens on the host first
+        self.refused: list[Request] = []  # ended for images not sent (_refuse), until the engine takes them
 
     def record(self, request: Request | None, kind: EventType, when: float, **fields) -> None:
         if self.events is not None and request is not None:
@@ -107,6 +108,15 @@ class Scheduler:
             self._finish(request, status)
             done.append(request)
         return done
+
+    def _refuse(self, request: Request) -> None:
+        """End a request whose images must be encoded here and were not sent (ImagesNotSent)."""
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        self.refused.append(request)
+
+    def take_refused(self) -> list[Request]:
+        refused, self.refused = self.refused, []
+        return refused
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -205,6 +215,9 @@ class Scheduler:
             encode = ()
             if request.images and self.encoder is not None:
                 n, encode = self.encoder.plan(request, request.num_computed_tokens, n)
+                if encode and self.encoder.unsent(request, encode):
+                    self._refuse(self.running.pop(i))
+                    continue
                 if n == 0:  # it would start inside an image that cannot be encoded now
                     i += 1
                     continue
@@ -287,6 +300,9 @@ class Scheduler:
             encode = ()
             if request.images and self.encoder is not None and n:
                 n, encode = self.encoder.plan(request, num_computed, n)
+                if encode and self.encoder.unsent(request, encode):
+                    self._refuse(self.waiting.popleft())
+                    continue
                 if n == 0:  # it would start inside an image that cannot be encoded now: the others pass it
                     skipped.append(self.waiting.popleft())
                     continue

@@ -82,19 +82,26 @@ class ImageProcessor:
 
     def expand(self, token_ids: list[int], images: list, field: str) -> tuple[list[int], list[ImageInput]]:
         """The prompt with each image token expanded into its image's span, and the images; raises
-        InvalidArgument naming `field` (or `field[i]`) for what cannot be taken."""
+        InvalidArgument naming `field` (or `field[i]`) for what cannot be taken. An image may be
+        an ImageInput without pixels (a decode's, from its prefill's KV handle): its span as given."""
         at = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         check(len(at) == len(images), field, f"has {len(images)} images for {len(at)} image tokens "
                                              f"({self.image_token_id}) in the prompt")
-        pixels = [self._pixels(image, f"{field}[{i}]") for i, image in enumerate(images)]
+        processed = [image if isinstance(image, ImageInput) else self._processed(image, f"{field}[{i}]")
+                     for i, image in enumerate(images)]
         out, inputs, last = [], [], 0
-        for position, (image, tokens) in zip(at, pixels):
-            digest = int.from_bytes(hashlib.blake2b(image.tobytes(), digest_size=8).digest()) >> 4
+        for position, image in zip(at, processed):
             out += token_ids[last:position]
-            inputs.append(ImageInput(digest, len(out), tokens, image.tobytes(), list(image.shape)))
-            out += [image_placeholder(digest)] * tokens
+            inputs.append(ImageInput(image.digest, len(out), image.length, image.pixels, image.shape))
+            out += [image_placeholder(image.digest)] * image.length
             last = position + 1
         return out + token_ids[last:], inputs
+
+    def _processed(self, image, field: str) -> ImageInput:
+        """One image as the model takes it (its span's offset not known yet: 0)."""
+        pixels, tokens = self._pixels(image, field)
+        digest = int.from_bytes(hashlib.blake2b(pixels.tobytes(), digest_size=8).digest()) >> 4
+        return ImageInput(digest, 0, tokens, pixels.tobytes(), list(pixels.shape))
 
     @staticmethod
     def decode(data: bytes, field: str):

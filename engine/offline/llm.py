@@ -143,6 +143,9 @@ class LLM:
                     _add_step(out, completion, step)
                     if step.finished and bar:
                         bar.update(1)
+            if self.engine.failed:  # a request the core ended unfinished (the others ran to their end)
+                failed, self.engine.failed = self.engine.failed, []
+                raise failed[0]
         finally:
             if bar:
                 bar.close()

@@ -4,7 +4,7 @@ same three pieces with the core in a process of its own (core_client.py)."""
 from __future__ import annotations
 
 from baton.engine.common.config import EngineConfig
-from baton.engine.common.core_messages import AdapterInfo, CoreRequest, LoadAdapter
+from baton.engine.common.core_messages import AdapterInfo, CoreRequest, LoadAdapter, error_from
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.common.stats import EngineSnapshot, StepEvents
@@ -26,6 +26,7 @@ class LLMEngine:
         facts = self.core.facts()
         self.inputs = InputProcessor(self.tokenizer, facts, image_processor(config.model, self.tokenizer, facts))
         self.outputs = OutputProcessor(self.tokenizer)
+        self.failed: list[Exception] = []  # errors of requests the core ended unfinished (step), for the caller
 
     # The core's parts, for tests and benchmarks.
     config = property(lambda self: self.core.config)
@@ -105,9 +106,14 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """The step's outputs. A request the core ended unfinished (errors.ImagesNotSent) has none:
+        its error goes to `failed`."""
         outputs, stopped = self.outputs.process(self.core.step(), self.core.scheduler.last_step_time)
         if stopped:  # ended by a stop string: at once, before the next step
             self.core.abort(stopped)
+        for failure in self.core.take_failures():
+            self.outputs.drop(failure.key)
+            self.failed.append(error_from(failure.error))
         return outputs
 
 

@@ -21,9 +21,10 @@ from baton.v1 import generate_pb2 as pb
 # UNAVAILABLE with no reason is a connection that failed before any server answered.
 INSTANCE_FAILED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 # A decode's answer when the prefill holding the prompt's blocks cannot give them (unreachable,
-# restarted as another engine, or its KV of another format): the request goes on without them.
+# restarted as another engine, or its KV of another format), or when it must compute KV over the
+# prompt's images, which it was sent as spans only: the request goes on without the blocks.
 PREFILL_GONE = frozenset({pb.FAILURE_REASON_KV_PEER_UNREACHABLE, pb.FAILURE_REASON_KV_PEER_RESTARTED,
-                          pb.FAILURE_REASON_KV_FORMAT_MISMATCH})
+                          pb.FAILURE_REASON_KV_FORMAT_MISMATCH, pb.FAILURE_REASON_IMAGES_NOT_SENT})
 
 
 def prefill_gone(e: grpc.aio.AioRpcError) -> bool:

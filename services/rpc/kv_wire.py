@@ -3,6 +3,7 @@
 layouts (traded at the KV handshake)."""
 from __future__ import annotations
 
+from baton.engine.common.core_messages import ImageInput
 from baton.kv_transfer.base import KVFormat, KVHandle, KVLayout, KVTier
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2
@@ -11,18 +12,27 @@ TIER_TO_WIRE = {KVTier.DEVICE: pb.KV_TIER_DEVICE, KVTier.HOST: pb.KV_TIER_HOST}
 TIER_FROM_WIRE = {wire: tier for tier, wire in TIER_TO_WIRE.items()}
 
 
-def handle_to_proto(handle: KVHandle, address: str, trace_context: dict[str, str]) -> pb.KVHandle:
+def handle_to_proto(handle: KVHandle, address: str, trace_context: dict[str, str], images: list[ImageInput] = ()
+                    ) -> pb.KVHandle:
     """`address`: the prefill server's, where a router releases the hold; `trace_context`: the
-    hold's span, which the decode's transfer span follows."""
+    hold's span, which the decode's transfer span follows; `images`: the prompt's (their spans go,
+    never their pixels)."""
     return pb.KVHandle(engine_id=handle.engine_id, address=address, request_id=handle.request_id,
                        block_ids=handle.block_ids, num_tokens=handle.num_tokens, first_token=handle.first_token,
                        hold_seconds=handle.hold_s, tier=TIER_TO_WIRE[handle.tier], trace_context=trace_context,
-                       draft_start=handle.draft_start if handle.draft_start >= 0 else None)
+                       draft_start=handle.draft_start if handle.draft_start >= 0 else None,
+                       images=[pb.ImageSpan(digest=i.digest, offset=i.offset, length=i.length, shape=i.shape)
+                               for i in images])
 
 
 def handle_from_proto(h: pb.KVHandle) -> KVHandle:
     return KVHandle(h.engine_id, h.request_id, list(h.block_ids), h.num_tokens, h.first_token, h.hold_seconds,
                     TIER_FROM_WIRE.get(h.tier, KVTier.DEVICE), h.draft_start if h.HasField("draft_start") else -1)
+
+
+def image_spans_from_proto(h: pb.KVHandle) -> list[ImageInput]:
+    """A handle's image spans, as images without pixels (errors.ImagesNotSent)."""
+    return [ImageInput(i.digest, i.offset, i.length, b"", list(i.shape)) for i in h.images]
 
 
 def layout_to_proto(layout: KVLayout) -> internal_pb2.KVLayout:

@@ -14,6 +14,7 @@ from baton.engine.front.core_client import CoreClient
 from baton.services.rpc.calls import CallRegistry
 from baton.services.rpc.errors import abort, abort_invalid
 from baton.services.rpc.fan_out import child_requests, merge, num_completions
+from baton.services.rpc.kv_wire import image_spans_from_proto
 from baton.services.server.call_checks import CallChecks
 from baton.services.server.core_requests import MadeRequest, core_request_from_proto
 from baton.services.server.engine_telemetry import EngineTelemetry
@@ -50,7 +51,9 @@ class GenerationService:
             try:
                 n = num_completions(msg)
                 check(n == 1 or handle is None, "sampling.n", "must be 1 with a kv_handle")
-                images = await read_images(msg.chat, self.core.inputs.images, self.media)
+                # A prefill's handle names the images' spans: the decode reads none of them (errors.ImagesNotSent).
+                images = (image_spans_from_proto(handle) if handle is not None and handle.images else
+                          await read_images(msg.chat, self.core.inputs.images, self.media))
                 made = [core_request_from_proto(child, self.core, self.role, images=images)
                         for child in (child_requests(msg, n) if n > 1 else [msg])]
             except InvalidArgument as e:

@@ -18,7 +18,7 @@ from baton.services.rpc.fan_out import num_completions
 from baton.services.rpc.kv_wire import handle_to_proto
 from baton.services.rpc.serving import in_background
 from baton.services.server.call_checks import CallChecks
-from baton.services.server.core_requests import core_request_from_proto
+from baton.services.server.core_requests import MadeRequest, core_request_from_proto
 from baton.services.server.engine_telemetry import EngineTelemetry
 from baton.services.server.media import MediaOptions, read_images
 from baton.services.server.responses import ENGINE_ERRORS, abort_for_engine_error, response_from_output
@@ -73,17 +73,17 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             if last is None or last.finish_reason not in ("stop", "length"):
                 await abort(context, grpc.StatusCode.ABORTED, f"request {request.request_id} ended without its "
                                                               f"first token")
-            return self._reply(last, made.output, rt)
+            return self._reply(last, made, rt)
 
-    def _reply(self, last: StepOutput, output: int, rt) -> internal_pb2.PrefillResponse:
-        first = response_from_output(last, output)
+    def _reply(self, last: StepOutput, made: MadeRequest, rt) -> internal_pb2.PrefillResponse:
+        first = response_from_output(last, made.output)
         handle = last.kv_handle
         if handle is None:  # the first token ended the request (a stop token or string, or max_tokens 1)
             return internal_pb2.PrefillResponse(first=first)
         first.ClearField("finish_reason")  # the request goes on at the decode side
         first.ClearField("usage")
         return internal_pb2.PrefillResponse(first=first, handle=handle_to_proto(
-            handle, self.address, rt.hold_context() if rt is not None else {}))
+            handle, self.address, rt.hold_context() if rt is not None else {}, made.request.images))
 
     async def Release(self, handle: pb.KVHandle, context: grpc.aio.ServicerContext):
         await self.checks.internal(context)

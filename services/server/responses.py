@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from baton.engine.common.core_messages import TokenLogprobs
-from baton.engine.common.errors import InvalidArgument
+from baton.engine.common.errors import ImagesNotSent, InvalidArgument
 from baton.engine.common.sampling_params import SamplingParams
 from baton.engine.front.core_client import DuplicateRequest, EngineDead, QueueFull
 from baton.engine.front.output_processor import StepOutput
@@ -13,7 +13,8 @@ from baton.services.rpc.errors import abort, abort_invalid
 from baton.services.rpc.names import DECODE_STEP_KEY, FINISH_REASONS
 from baton.v1 import generate_pb2 as pb
 
-ENGINE_ERRORS = (InvalidArgument, DuplicateRequest, QueueFull, EngineDead)  # raised by CoreClient.generate
+# raised by CoreClient.generate
+ENGINE_ERRORS = (InvalidArgument, DuplicateRequest, QueueFull, EngineDead, ImagesNotSent)
 # Engine field names the public API spells otherwise (sampling parameters: under "sampling.").
 _API_FIELD = {"prompt_token_ids": "token_ids", "resumed_output": "resume", "messages": "chat"}
 
@@ -33,6 +34,8 @@ async def abort_for_engine_error(context: grpc.aio.ServicerContext, e: Exception
                     field="request_id")
     if isinstance(e, QueueFull):
         await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+    if isinstance(e, ImagesNotSent):  # the router sends it again, images and all, without the handle
+        await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e), pb.FAILURE_REASON_IMAGES_NOT_SENT)
     # The engine core is gone: another instance can serve the request (the router moves it).
     await abort(context, grpc.StatusCode.UNAVAILABLE, str(e), pb.FAILURE_REASON_ENGINE_UNAVAILABLE)
 

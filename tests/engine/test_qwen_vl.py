@@ -165,3 +165,26 @@ def test_two_tensor_parallel_ranks_equal_one(qwen_vl):
     with LLM(qwen_vl, dtype="float32", device="cpu", tensor_parallel_size=2, max_num_batched_tokens=16) as llm:
         assert [o.token_ids for o in llm.generate(requests, GREEDY)] == want
         assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_images_without_pixels_are_refused_where_they_must_be_encoded(qwen_vl):
+    """A request whose images came as spans only (a decode's, from its prefill's handle) and whose
+    KV over them must be computed here (no blocks to load here) ends with ImagesNotSent before any
+    encoder runs; the request beside it runs to its end, and the engine carries on."""
+    import msgspec
+
+    from baton.engine.common.errors import ImagesNotSent
+
+    llm = LLM(qwen_vl, dtype="float32", device="cpu")
+    a, b = images(11, [(37, 53), (29, 45)])
+    prompt = with_images(qwen_vl, [5, 6], None, [7])
+    _, processed = llm.engine.inputs.images.expand(prompt, [a], "image")
+    spans = [msgspec.structs.replace(image, pixels=b"") for image in processed]
+    other = {"prompt_token_ids": prompt, "multi_modal_data": {"image": b}}
+    want = llm.generate(other, GREEDY)[0].token_ids
+    llm.engine.runner.model.vision.forward = lambda pixels: pytest.fail("an image without pixels was encoded")
+    with pytest.raises(ImagesNotSent):
+        llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"image": spans}},
+                      {"prompt_token_ids": prompt + [8]}], GREEDY)
+    assert llm.generate(other, GREEDY)[0].token_ids == want  # (its embeddings still held: no encoder)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks and not llm.engine.scheduler.encoder.needed

@@ -58,8 +58,10 @@ def generate(address: str, *images: pb.Image, n: int = 8) -> list[int]:
 
 class _Pictures(http.server.BaseHTTPRequestHandler):
     files: dict[str, bytes] = {}
+    hits: list[str] = []  # the paths asked for, in order
 
     def do_GET(self):
+        self.hits.append(self.path)
         body = self.files.get(self.path)
         self.send_response(200 if body is not None else 404)
         self.send_header("Content-Length", str(len(body or b"")))
@@ -150,21 +152,31 @@ def test_an_image_request_through_the_router_to_prefill_and_decode(llava):
         assert pools_full(decode) and pools_full(prefills[0].address)
 
 
-def test_a_qwen_vl_image_request_through_the_router_and_the_openai_front(serve, tmp_path):
-    """Qwen2.5-VL served: the image (its own tokens by its size, between vision start and end)
-    through the router to a prefill and a decode, whose positions after the image go on from the
-    image's grid; and through the OpenAI front; both equal the offline engine's."""
+def test_a_qwen_vl_image_through_the_router_reaches_the_decode_as_its_span(serve, tmp_path, pictures_server):
+    """Qwen2.5-VL served: an image URL through the router to a prefill and a decode equals the
+    offline engine's, and only the prefill fetches it (the decode takes the image's span from the
+    prefill's KV handle: its positions need the grid, not the pixels). Where the decode must
+    compute over the image after all (the prefill's hold too short to read within), it says so
+    and the router sends the request again without the handle: the decode fetches the image then,
+    and the stream is the same. The OpenAI front gives the same tokens."""
     from helpers import pools_full, stats, wait_serving
     from servers import pd_stack
 
     model_dir = write_random_qwen2_5_vl(str(tmp_path / "qwen-vl"), seed=6)
     picture = png(6, (41, 57))
+    host, port = pictures_server.server_address
+    _Pictures.files, _Pictures.hits = {"/cat.png": picture}, []
+    url = pb.Image(url=f"http://{host}:{port}/cat.png")
     want = offline(model_dir, picture, 8)
-    with pd_stack(model_dir) as (prefills, decodes, router):
-        wait_serving(router.address, timeout=60)
-        assert generate(router.address, pb.Image(data=picture)) == want
-        assert stats(decodes[0].address).num_blocks_pulled > 0
-        assert pools_full(decodes[0].address) and pools_full(prefills[0].address)
+    media = ("--allowed-media-domains", "127.0.0.1")
+    for prefill_flags, fetches, pulled in (((), 1, True), (("--kv-hold-timeout", "10"), 2, False)):
+        _Pictures.hits.clear()
+        with pd_stack(model_dir, common=media, prefill=prefill_flags) as (prefills, decodes, router):
+            wait_serving(router.address, timeout=60)
+            assert generate(router.address, url) == want, prefill_flags
+            assert len(_Pictures.hits) == fetches, prefill_flags
+            assert (stats(decodes[0].address).num_blocks_pulled > 0) == pulled
+            assert pools_full(decodes[0].address) and pools_full(prefills[0].address)
     srv = serve(model_dir, {"http_port": 0})
     client = openai.OpenAI(base_url=srv.server.http.url + "/v1", api_key="none", max_retries=0)
     data_url = "data:image/png;base64," + base64.b64encode(picture).decode()
