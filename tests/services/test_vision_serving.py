@@ -135,8 +135,8 @@ def test_images_to_a_text_model_are_refused(serve, tiny_llama):
 
 def test_an_image_request_through_the_router_to_prefill_and_decode(llava):
     """The router passes a chat's images to both tiers: the prefill encodes them and computes the
-    prompt, the decode READs its blocks (it reads the images too, so that it could compute the
-    prompt itself were the blocks gone); the stream equals the offline engine's."""
+    prompt, the decode READs its blocks (taking the images' spans from the prefill's handle); the
+    stream equals the offline engine's."""
     from helpers import pools_full, stats, wait_serving
     from servers import pd_stack
 
