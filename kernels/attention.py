@@ -37,6 +37,9 @@ class PrefillSeq:
     block_table: torch.Tensor  # [ceil(ctx_len / block_size)] block ids
     mask: torch.Tensor | None = None  # filled on first use, see causal_mask
     windowed: dict = field(default_factory=dict)  # sliding window -> its mask, filled on first use
+    # Key ranges [lo, hi) (positions counted as ctx_len's) whose queries also see the range's later
+    # keys: a Gemma 3 image's tokens attend to all of that image.
+    open_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -103,13 +106,16 @@ _MAX_CPU_SCORES = 1 << 24  # score elements (64 MiB in float32) a prefill may ma
 
 
 def causal_mask(q_len: int, ctx_len: int, group: int, dtype: torch.dtype, device,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, open_spans: list[tuple[int, int]] = ()) -> torch.Tensor:
     """Additive mask [group * q_len, ctx_len] for a chunk that ends the context: query i
     (at position ctx_len - q_len + i) sees positions up to its own (and, with a sliding
-    `window`, fewer than `window` behind it); rows repeat per query head."""
+    `window`, fewer than `window` behind it), and within each of `open_spans` ([lo, hi)) the
+    span's later positions too; rows repeat per query head."""
     q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
     kv_pos = torch.arange(ctx_len, device=device)[None, :]
     hidden = kv_pos > q_pos[:, None]
+    for lo, hi in open_spans:
+        hidden &= ~(((q_pos >= lo) & (q_pos < hi))[:, None] & (kv_pos >= lo) & (kv_pos < hi))
     if window is not None:
         hidden |= kv_pos <= q_pos[:, None] - window
     return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf")).repeat(group, 1)
@@ -228,12 +234,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             kp = read(gather_blocks(k_cache, seq.block_table).flatten(0, 1)[:seq.ctx_len], 0).transpose(0, 1)
             vp = read(gather_blocks(v_cache, seq.block_table).flatten(0, 1)[:seq.ctx_len], 1).transpose(0, 1)
         if seq.mask is None:  # the same for every layer: built once per step
-            seq.mask = causal_mask(seq.q_len, seq.ctx_len, group, q.dtype, q.device)
+            seq.mask = causal_mask(seq.q_len, seq.ctx_len, group, q.dtype, q.device, open_spans=seq.open_spans)
         mask = seq.mask
         if window is not None:  # per window, once per step
             mask = seq.windowed.get(window)
             if mask is None:
-                mask = seq.windowed[window] = causal_mask(seq.q_len, seq.ctx_len, group, q.dtype, q.device, window)
+                mask = seq.windowed[window] = causal_mask(seq.q_len, seq.ctx_len, group, q.dtype, q.device, window,
+                                                          seq.open_spans)
         if softcap is not None or sinks is not None:  # capped before the mask, as Gemma 2's eager attention does
             scores = _capped(torch.bmm(qp, kp.transpose(1, 2)) * scale, softcap) + mask
             sink = None if sinks is None else sinks.view(num_kv_heads, group, 1).repeat_interleave(seq.q_len, 1)

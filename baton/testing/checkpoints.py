@@ -193,3 +193,37 @@ def _save_vision_language(out_dir: str, model_class, config, tokenizer, seed: in
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+def write_random_gemma3_vl(out_dir: str, *, seed: int = 0, image_size: int = 32, patch_size: int = 4,
+                           tokens_per_image: int = 16, vision: dict | None = None, text: dict | None = None) -> str:
+    """A Gemma 3 with images (Gemma3ForConditionalGeneration) of random weights from transformers'
+    own classes: a small SigLIP ViT (two layers) of `image_size` pixels in `patch_size` patches,
+    pooled to `tokens_per_image` tokens, over a small Gemma 3 text model (a sliding layer of a
+    16-token window, then a global one); the tokenizer's <start_of_image>, <image_soft_token> and
+    <end_of_image> special tokens; Gemma 3's image processor (PIL backend)."""
+    import transformers
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = train_tokenizer()
+    names = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": names})
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in names}
+    text_config = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 112,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2,
+                   "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "initializer_range": 0.2,
+                   "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
+                   "tie_word_embeddings": False,
+                   "query_pre_attn_scalar": 16, "bos_token_id": tokenizer.bos_token_id,
+                   "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, **(text or {})}
+    vision_config = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "image_size": image_size, "patch_size": patch_size, "vision_use_head": False, **(vision or {})}
+    config = transformers.Gemma3Config(
+        text_config=text_config, vision_config=vision_config, mm_tokens_per_image=tokens_per_image,
+        image_token_index=ids["<image_soft_token>"], boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"], initializer_range=0.2,
+        tie_word_embeddings=False)  # (tied, the scaled input embedding dominates: the last token repeats)
+    _save_vision_language(out_dir, transformers.Gemma3ForConditionalGeneration, config, tokenizer, seed,
+                          ("multi_modal_projector", "embedding"))
+    Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size}).save_pretrained(out_dir)
+    return out_dir

@@ -23,10 +23,11 @@ from baton.engine.core.request import Request
 
 
 class EncoderCache:
-    def __init__(self, size: int, budget: int):
+    def __init__(self, size: int, budget: int, whole_images: bool = False):
         """`size`: the tokens of embeddings the runner holds at most; `budget`: the tokens of
-        images a step may encode."""
-        self.size, self.budget = size, budget
+        images a step may encode; `whole_images`: a chunk never ends inside an image's span (an
+        image whose tokens attend to each other both ways, Gemma 3's, is computed in one step)."""
+        self.size, self.budget, self.whole_images = size, budget, whole_images
         self.needed: dict[int, set[str]] = {}  # digest -> the requests that still need it
         self.idle: OrderedDict[int, int] = OrderedDict()  # held, needed by nobody: digest -> tokens, oldest first
         self.tokens: dict[int, int] = {}  # every held image's tokens
@@ -61,7 +62,19 @@ class EncoderCache:
             digests.add(image.digest)
             budget -= image.length
             room -= image.length
+        if self.whole_images:
+            n = self._uncut(request, start, n)
+            encode = [i for i in encode if request.images[i].offset < start + n]
         return n, encode
+
+    @staticmethod
+    def _uncut(request: Request, start: int, n: int) -> int:
+        """n, or fewer so that the chunk from `start` ends before an image it would cut (0: it
+        starts inside one it cannot finish this step)."""
+        for image in request.images:
+            if image.offset < start + n < image.offset + image.length:
+                return max(0, image.offset - start)
+        return n
 
     @staticmethod
     def unsent(request: Request, encode: list[int]) -> bool:
@@ -118,7 +131,8 @@ class EncoderCache:
         return freed
 
 
-def encoder_cache(config: EngineConfig, tokens_per_image: int | None) -> EncoderCache | None:
+def encoder_cache(config: EngineConfig, tokens_per_image: int | None, whole_images: bool = False
+                  ) -> EncoderCache | None:
     """A vision-language model's encoder cache as the config sizes it (its defaults: the step's
     token budget, or the most tokens one image takes, `tokens_per_image`, where that is more);
     None for a text model (`tokens_per_image` None)."""
@@ -130,4 +144,9 @@ def encoder_cache(config: EngineConfig, tokens_per_image: int | None) -> Encoder
           f"is {budget}, less than one image's {tokens_per_image} tokens: no image could be encoded")
     check(size >= tokens_per_image, "encoder_cache_size",
           f"is {size}, less than one image's {tokens_per_image} tokens: no image's embeddings would fit")
-    return EncoderCache(size, budget)
+    if whole_images:  # (else a request would wait for a step with room for an image forever)
+        for name, most in (("max_num_batched_tokens", config.max_num_batched_tokens),
+                           ("long_prefill_token_threshold", config.long_prefill_token_threshold)):
+            check(not most or most >= tokens_per_image, name, f"is {most}, less than one image's {tokens_per_image} "
+                                                               f"tokens, which this model computes in one step")
+    return EncoderCache(size, budget, whole_images)

@@ -131,7 +131,8 @@ class EngineCore:
         if connector_scheduler is not None:
             connector_scheduler.group_windows = self.kv_groups.windows
         image_tokens = args.vision.most_tokens(config.model) if args.vision else None  # (None: a text model)
-        self.scheduler = Scheduler(config, self.kv, connector_scheduler, self.host, encoder_cache(config, image_tokens))
+        encoder = encoder_cache(config, image_tokens, args.vision is not None and args.vision.bidirectional)
+        self.scheduler = Scheduler(config, self.kv, connector_scheduler, self.host, encoder)
         calculate_kv_scales(model, config)
         self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker, lora_slots,
                                   self.num_host_blocks, self.kv_groups, draft)

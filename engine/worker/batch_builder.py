@@ -8,7 +8,7 @@ DeviceBatch (a CUDA graph takes the host batch instead: cuda_graphs.py); `metada
 draft models and heads (spec_decode/), which attend over their own caches with the same blocks."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import numpy as np
@@ -55,6 +55,10 @@ class StepBatch:
     # M-RoPE (mrope.py), where a request in the step has images: every row's three positions
     # [3, T]; None: the RoPE takes `positions`.
     rope_positions: np.ndarray | None = None
+    # A model whose images attend to themselves both ways (Gemma 3): per request (by its index in
+    # `spans`), its images' position spans its chunk computes; the step then attends on the
+    # reference, whose masks open them (PrefillSeq.open_spans).
+    open_spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -124,9 +128,17 @@ class BatchBuilder:
         # Each group's blocks: its own tables and slots.
         group_spans = [[(start, end, blocks[group]) for start, end, blocks in rows]
                        for group in range(len(self.kv_groups.layers))]
+        open_spans = {}
+        if image_rows and self.model.args.vision.bidirectional:
+            for i, (req_id, n) in enumerate(order):
+                start = starts[req_id]
+                mine = [(image.offset, image.offset + image.length) for image in states[req_id].images
+                        if image.offset < start + n and image.offset + image.length > start]
+                if mine:
+                    open_spans[i] = mine
         return StepBatch(input_ids, positions, order, rows, group_spans, sum(1 for _, n in order if n == 1),
                          sample_rows, sample_req_ids, sample_spans, prompt_rows, adapter_spans, rope_rows,
-                         unknown_inputs, image_rows, self._mrope_positions(order, starts, states))
+                         unknown_inputs, image_rows, self._mrope_positions(order, starts, states), open_spans)
 
     def _mrope_positions(self, order: list[tuple[str, int]], starts: dict[str, int], states: dict
                          ) -> np.ndarray | None:
@@ -159,12 +171,14 @@ class BatchBuilder:
         if self.model.rope_by_length:  # dynamic NTK, LongRoPE: each token's sequence length (on the host)
             rope_lengths = torch.from_numpy(np.concatenate([self.model.rope_lengths(*lens)
                                                             for lens in batch.rope_rows]))
-        if self.attention_backend == "cpu":
+        # Images that attend to themselves both ways: the reference's masks open them.
+        backend = "torch" if batch.open_spans else self.attention_backend
+        if backend == "cpu":
             metas = [self._kernel_batch(spans, positions_t) for spans in group_spans]
-        elif self.attention_backend == "triton":
+        elif backend == "triton":
             metas = self._triton_batches(group_spans, num_decodes)
         else:
-            metas = [self._reference_batch(spans, num_decodes, window)
+            metas = [self._reference_batch(spans, num_decodes, window, batch.open_spans)
                      for spans, window in zip(group_spans, self.kv_groups.windows)]
         for meta, spans in zip(metas, group_spans):
             self._count_decodes(meta, spans, num_decodes, self.model.args.attention == "mla")
@@ -232,10 +246,10 @@ class BatchBuilder:
             for (slots, dec_tab_t, pre_tab_t), (dec_tab, pre_tab) in zip(zip(*[iter(per_group)] * 3), tables)]
 
     def _reference_batch(self, spans: list[block_tables.Span], num_decodes: int,
-                         window: int | None = None) -> AttentionMetadata:
+                         window: int | None = None, open_spans: dict | None = None) -> AttentionMetadata:
         """With a sliding `window`, each row's table starts at the first block its queries read
         and its context counts from there (the masks are relative, so they hold): a long
-        request's decode gathers its window, not its whole context."""
+        request's decode gathers its window, not its whole context. `open_spans`: StepBatch's."""
         bs, dev = self.block_size, self.device
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(block_tables.slots(spans, bs)).to(dev))
         skips = [first_needed_block(end - 1 if i < num_decodes else start, window, bs)
@@ -244,6 +258,9 @@ class BatchBuilder:
             [blocks[skip:-(-end // bs)] for (_, end, blocks), skip in zip(spans[:num_decodes], skips)],
             [end - skip * bs for (_, end, _), skip in zip(spans[:num_decodes], skips)])
         meta.prefills = self._prefill_seqs(spans, num_decodes, skips)
+        for i, opened in (open_spans or {}).items():
+            shift = skips[i] * bs  # (positions counted from the table's first block)
+            meta.prefills[i - num_decodes].open_spans = [(lo - shift, hi - shift) for lo, hi in opened]
         return meta
 
     def _prefill_seqs(self, spans: list[block_tables.Span], num_decodes: int, skips: list[int]) -> list[PrefillSeq]:

@@ -16,10 +16,10 @@ from safetensors import safe_open
 from baton.engine.common.config import read_config
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.worker.models import CausalLM, ModelArgs, llava, model_args, qwen2_5_vl
-from baton.engine.worker.models.args import VisionArgs
 from baton.engine.worker.models.basic import MLP
 from baton.engine.worker.models.layers import Attention
 from baton.engine.worker.models.moe import SparseMoE
+from baton.engine.worker.models.qwen2_5_vl import QwenVisionArgs
 from baton.engine.worker.quant.formats import MXFP4, CheckpointFormat, checkpoint_format
 from baton.engine.worker.quant.placement import QuantizedPlacement
 
@@ -261,7 +261,7 @@ def _vision_or_language(name: str, args: ModelArgs) -> tuple[str, str | None]:
     (model.language_model.X -> model.X), or the vision side's name here (llava.py, qwen2_5_vl.py)."""
     if args.vision is None:
         return name, None
-    family = llava if isinstance(args.vision, VisionArgs) else qwen2_5_vl
+    family = qwen2_5_vl if isinstance(args.vision, QwenVisionArgs) else llava  # (Gemma 3's are LLaVA's names)
     for prefix, text in family.LANGUAGE_PREFIXES.items():
         if name.startswith(prefix):
             return text + name.removeprefix(prefix), None

@@ -29,7 +29,7 @@ def image_prompt(rng: random.Random, pictures: list[int], per_image: int, max_le
     while len(ids) < max_len - per_image - 4:
         if rng.random() < 0.4:
             digest = rng.choice(pictures)
-            images.append(ImageInput(digest, len(ids), per_image, b"", [3, 1, 1]))
+            images.append(ImageInput(digest, len(ids), per_image, b"\0", [3, 1, 1]))
             ids += [image_placeholder(digest)] * per_image
         else:
             ids += [rng.randrange(2) for _ in range(rng.randint(1, 9))]
@@ -43,11 +43,13 @@ def test_randomized_encoder_budget_and_cache(tmp_path, seed):
     rng = random.Random(seed)
     per_image = rng.choice([3, 5, 8])
     size, budget = rng.choice([per_image, 2 * per_image, 5 * per_image]), rng.choice([per_image, 3 * per_image, 64])
+    whole = seed % 2 == 1  # images computed in one step (Gemma 3's): steps and chunks that can hold one
     config = EngineConfig(model=str(tmp_path), block_size=4, max_num_seqs=rng.randint(1, 5),
-                          max_num_batched_tokens=rng.choice([6, 16, 64]), max_model_len=64,
-                          enable_prefix_caching=rng.random() < 0.7, long_prefill_token_threshold=rng.choice([0, 4]))
+                          max_num_batched_tokens=rng.choice([8, 16, 64] if whole else [6, 16, 64]), max_model_len=64,
+                          enable_prefix_caching=rng.random() < 0.7,
+                          long_prefill_token_threshold=rng.choice([0, 8] if whole else [0, 4]))
     kv = KVCacheManager(rng.randint(16, 40), config.block_size, config.enable_prefix_caching)
-    encoder = EncoderCache(size, budget)
+    encoder = EncoderCache(size, budget, whole)
     sched = Scheduler(config, kv, encoder=encoder)
     pictures = [rng.getrandbits(60) for _ in range(rng.randint(1, 4))]
     pending = []
@@ -84,6 +86,7 @@ def test_randomized_encoder_budget_and_cache(tmp_path, seed):
             for image in request.images:
                 if image.offset < start + n and image.offset + image.length > start:
                     assert image.digest in held, f"{req_id}'s chunk [{start}, {start + n}) reads an image not held"
+                assert not (whole and image.offset < start + n < image.offset + image.length), "an image cut"
         sched.update_from_output(out, fake_run(sched, out, rng))
         if not pending and not sched.requests:
             break
@@ -100,7 +103,7 @@ def test_a_chunk_stops_before_an_image_the_step_cannot_encode(tmp_path):
     sched = Scheduler(config, kv, encoder=EncoderCache(size=16, budget=8))
     request = Request("a", [1, 2] + [image_placeholder(7)] * 8 + [3] + [image_placeholder(9)] * 8 + [4],
                       SamplingParams(max_tokens=1))
-    request.images = [ImageInput(7, 2, 8, b"", [3, 1, 1]), ImageInput(9, 11, 8, b"", [3, 1, 1])]
+    request.images = [ImageInput(7, 2, 8, b"\0", [3, 1, 1]), ImageInput(9, 11, 8, b"\0", [3, 1, 1])]
     sched.add_request(request)
     first = sched.schedule()
     assert first.num_scheduled_tokens == {"a": 11} and first.encoder_inputs == {"a": [0]}
@@ -111,7 +114,7 @@ def test_a_chunk_stops_before_an_image_the_step_cannot_encode(tmp_path):
 
 def test_the_sizes_are_checked_naming_the_field(tmp_path):
     config = EngineConfig(model=str(tmp_path), max_num_batched_tokens=64)
-    assert encoder_cache(config, 0) is None
+    assert encoder_cache(config, None) is None
     cache = encoder_cache(config, 576)
     assert (cache.size, cache.budget) == (576, 576)
     for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
@@ -120,4 +123,8 @@ def test_the_sizes_are_checked_naming_the_field(tmp_path):
         assert err.value.field == name
         with pytest.raises(InvalidArgument) as err:
             EngineConfig(model=str(tmp_path), **{name: 0})
+        assert err.value.field == name
+    for name in ("max_num_batched_tokens", "long_prefill_token_threshold"):  # an image computed in one step
+        with pytest.raises(InvalidArgument) as err:
+            encoder_cache(EngineConfig(model=str(tmp_path), **{name: 100}), 256, whole_images=True)
         assert err.value.field == name

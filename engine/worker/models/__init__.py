@@ -8,6 +8,7 @@ from baton.engine.worker.models import (
     deepseek,
     gemma2,
     gemma3,
+    gemma3_vl,
     gpt_oss,
     llama,
     llava,
@@ -25,7 +26,8 @@ from baton.engine.worker.models.layers import CausalLM
 
 # architecture name -> the function reading its config
 FAMILIES = {"DeepseekV2ForCausalLM": deepseek.v2, "DeepseekV3ForCausalLM": deepseek.v3,
-            "Gemma2ForCausalLM": gemma2.args, "Gemma3ForCausalLM": gemma3.args, "GptOssForCausalLM": gpt_oss.args,
+            "Gemma2ForCausalLM": gemma2.args, "Gemma3ForCausalLM": gemma3.args,
+            "Gemma3ForConditionalGeneration": gemma3_vl.args, "GptOssForCausalLM": gpt_oss.args,
             "LlamaForCausalLM": llama.args, "LlavaForConditionalGeneration": llava.args,
             "MistralForCausalLM": mistral.args, "MixtralForCausalLM": mixtral.args,
             "Olmo2ForCausalLM": olmo2.args, "Phi3ForCausalLM": phi3.args, "Qwen2ForCausalLM": qwen2.args,

@@ -29,6 +29,7 @@ class VisionArgs:
     projector_bias: bool
     image_token_id: int  # the prompt's placeholder for one image, expanded to tokens_per_image
     projector_act: str = "gelu"
+    hidden_act: str = "quick_gelu"  # the ViT's MLP's
 
     @property
     def tokens_per_image(self) -> int:
@@ -42,6 +43,11 @@ class VisionArgs:
     def most_tokens(self, model_dir: str) -> int:
         """The most tokens one image takes: every image's."""
         return self.tokens_per_image
+
+    @property
+    def bidirectional(self) -> bool:
+        """An image's tokens attend causally, as text does."""
+        return False
 
 
 @dataclass(slots=True)

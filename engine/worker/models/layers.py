@@ -13,10 +13,11 @@ from torch import nn
 from baton.engine.worker.models import mrope
 from baton.engine.worker.models.args import ModelArgs, VisionArgs
 from baton.engine.worker.models.basic import MLP, Embedding, Linear, norm
+from baton.engine.worker.models.gemma3_vl import Gemma3Vision, SiglipArgs
 from baton.engine.worker.models.llava import LlavaVision
 from baton.engine.worker.models.mla import MLAttention
 from baton.engine.worker.models.moe import SparseMoE
-from baton.engine.worker.models.qwen2_5_vl import QwenVision
+from baton.engine.worker.models.qwen2_5_vl import QwenVision, QwenVisionArgs
 from baton.engine.worker.models.rope import RotaryTable, rotate
 from baton.kernels.attention import AttentionMetadata, paged_attention
 
@@ -99,6 +100,10 @@ class DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
+# A vision-language model's image encoder, by its args' type (llava.py, qwen2_5_vl.py, gemma3_vl.py).
+_VISION = {VisionArgs: LlavaVision, QwenVisionArgs: QwenVision, SiglipArgs: Gemma3Vision}
+
+
 class CausalLM(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -123,8 +128,7 @@ class CausalLM(nn.Module):
         self.kv_scales_source = "default"
         # A vision-language model's image encoder (llava.py, qwen2_5_vl.py): images to embeddings
         # the runner merges.
-        self.vision = (None if args.vision is None else LlavaVision(args.vision, args.hidden_size)
-                       if isinstance(args.vision, VisionArgs) else QwenVision(args.vision, args.hidden_size))
+        self.vision = None if args.vision is None else _VISION[type(args.vision)](args.vision, args.hidden_size)
 
     def prepare(self, max_model_len: int) -> None:
         """RoPE tables for every position of a context of max_model_len (and one past it), and

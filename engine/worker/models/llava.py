@@ -20,7 +20,8 @@ from baton.engine.worker.models.args import ModelArgs, VisionArgs
 # The language models LLaVA checkpoints are published over, by text_config.model_type (Mistral's
 # sliding window read as its family reads it).
 _LANGUAGE_MODELS = {"llama": llama.args, "mistral": mistral.args}
-_ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
+_ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def args(cfg: dict) -> ModelArgs:
@@ -81,14 +82,17 @@ class _Attention(nn.Module):
 class _MLP(nn.Module):
     def __init__(self, v: VisionArgs):
         super().__init__()
+        self.act = v.hidden_act
         self.fc1, self.fc2 = nn.Linear(v.hidden_size, v.intermediate_size), nn.Linear(v.intermediate_size,
                                                                                      v.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(_ACTIVATIONS["quick_gelu"](self.fc1(x)))
+        return self.fc2(_ACTIVATIONS[self.act](self.fc1(x)))
 
 
-class _EncoderLayer(nn.Module):
+class EncoderLayer(nn.Module):
+    """A CLIP (or SigLIP) ViT layer: pre-norm attention over every patch, then the MLP."""
+
     def __init__(self, v: VisionArgs):
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
@@ -104,7 +108,7 @@ class _EncoderLayer(nn.Module):
 class _Encoder(nn.Module):
     def __init__(self, v: VisionArgs, layers: int):
         super().__init__()
-        self.layers = nn.ModuleList(_EncoderLayer(v) for _ in range(layers))
+        self.layers = nn.ModuleList(EncoderLayer(v) for _ in range(layers))
 
 
 class CLIPVisionTower(nn.Module):

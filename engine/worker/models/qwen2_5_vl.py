@@ -62,6 +62,11 @@ class QwenVisionArgs:
         max_pixels = (processor.get("size") or {}).get("longest_edge") or processor.get("max_pixels") or 12845056
         return max_pixels // (self.patch_size * self.spatial_merge_size) ** 2
 
+    @property
+    def bidirectional(self) -> bool:
+        """An image's tokens attend causally, as text does."""
+        return False
+
 
 def args(cfg: dict) -> ModelArgs:
     text, vision = dict(cfg.get("text_config") or cfg), cfg.get("vision_config") or {}
