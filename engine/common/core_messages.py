@@ -181,6 +181,7 @@ class EngineFacts(msgspec.Struct):
     tokens_per_image: int = 0  # the positions one image's embeddings take (0: each image's own, by its size)
     max_image_tokens: int = 0  # the most one image may take (the encoder cache's budget and room)
     image_wrap: list[int] = []  # the tokens around each image token in a prompt (Qwen2.5-VL's vision start, end)
+    image_padding: list[str] = []  # the text before and after those in a chat turn, as the model's processor writes it
 
 
 class CoreReady(msgspec.Struct, tag=True, array_like=True):

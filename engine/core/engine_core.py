@@ -236,7 +236,7 @@ class EngineCore:
         if vision is None:
             return ()
         return (vision.image_token_id, vision.tokens_per_image, self.scheduler.encoder.max_image_tokens,
-                vision.prompt_wrap)
+                vision.prompt_wrap, vision.prompt_padding)
 
     # ---- events -----------------------------------------------------------------------------
     def record_events(self) -> None:

@@ -61,11 +61,12 @@ def image_processor(model_dir: str, tokenizer, facts: EngineFacts) -> ImageProce
     a text model)."""
     if facts.image_token_id < 0:
         return None
-    # An image in a chat turn as the model's chat template writes it: LLaVA's "<image>\n";
-    # Qwen2.5-VL's "<|vision_start|><|image_pad|><|vision_end|>".
+    # An image in a chat turn as the model's processor writes it: LLaVA's "<image>\n"; Qwen2.5-VL's
+    # "<|vision_start|><|image_pad|><|vision_end|>"; Gemma 3's "\n\n<start_of_image>...<end_of_image>\n\n".
     image, wrap = tokenizer.convert_ids_to_tokens(facts.image_token_id), facts.image_wrap
-    start, end = tokenizer.convert_ids_to_tokens(wrap) if wrap else ("", "\n")
-    image_text = start + image + end
+    start, end = tokenizer.convert_ids_to_tokens(wrap) if wrap else ("", "")
+    before, after = facts.image_padding or ("", "")
+    image_text = before + start + image + end + after
     return ImageProcessor(model_dir, facts.image_token_id, facts.tokens_per_image, facts.max_image_tokens,
                           image_text)
 

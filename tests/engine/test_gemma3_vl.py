@@ -113,3 +113,18 @@ def test_a_chunk_stops_before_an_image_rather_than_cut_it(gemma_vl):
     assert chunks[:2] == [6, 16]  # the text before the image, then the image with what fits after it
     assert chunked.token_ids == whole.token_ids
     assert [lp.logprob for lp in chunked.logprobs] == pytest.approx([lp.logprob for lp in whole.logprobs], abs=1e-4)
+
+
+def test_chat_writes_each_image_as_gemma3s_processor_does(gemma_vl):
+    """LLM.chat's image parts become "\\n\\n<start_of_image><image_soft_token><end_of_image>\\n\\n"
+    before the text (Gemma3Processor's full image sequence), and give transformers' output."""
+    from PIL import Image
+
+    picture = Image.fromarray(images(7, [(40, 36)])[0])
+    llm = LLM(gemma_vl, dtype="float32", device="cpu")
+    assert llm.engine.inputs.images.image_text == "\n\n<start_of_image><image_soft_token><end_of_image>\n\n"
+    ids = llm.engine.inputs.apply_chat_template([{"role": "user", "content": llm.engine.inputs.images.image_text
+                                                  + "What is it?"}])
+    out = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": picture},
+                                                 {"type": "text", "text": "What is it?"}]}], GREEDY)
+    assert out[0].token_ids == hf_greedy(gemma_vl, ids, [picture], GREEDY.max_tokens)

@@ -45,6 +45,11 @@ class VisionArgs:
         return self.tokens_per_image
 
     @property
+    def prompt_padding(self) -> list[str]:
+        """The text before and after an image in a chat turn, as the model's processor writes it."""
+        return ["", "\n"]
+
+    @property
     def bidirectional(self) -> bool:
         """An image's tokens attend causally, as text does."""
         return False

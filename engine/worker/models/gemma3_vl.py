@@ -46,6 +46,11 @@ class SiglipArgs:
         return self.tokens_per_image
 
     @property
+    def prompt_padding(self) -> list[str]:
+        """The text before and after an image in a chat turn, as the model's processor writes it."""
+        return ["\n\n", "\n\n"]
+
+    @property
     def bidirectional(self) -> bool:
         """An image's tokens attend to each other both ways."""
         return True

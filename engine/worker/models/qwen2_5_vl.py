@@ -63,6 +63,11 @@ class QwenVisionArgs:
         return max_pixels // (self.patch_size * self.spatial_merge_size) ** 2
 
     @property
+    def prompt_padding(self) -> list[str]:
+        """The text before and after an image in a chat turn, as the model's processor writes it."""
+        return ["", ""]
+
+    @property
     def bidirectional(self) -> bool:
         """An image's tokens attend causally, as text does."""
         return False
