@@ -86,7 +86,7 @@ def images_across_pd(model_dir: str, prompts: list[list[int]], images: list[list
 
     prefill, decode = nixl_engine(model_dir, "prefill", max_num_batched_tokens=32), nixl_engine(model_dir, "decode")
     connect(prefill, decode)
-    decode.runner.model.vision.forward = lambda pixels: pytest.fail("the decode encoded")
+    decode.runner.model.vision.forward = lambda pixels, sizes: pytest.fail("the decode encoded")
     handles = [prefill.add_request(f"p{next(agent_ids)}", p, SamplingParams(max_tokens=1, temperature=0.0),
                                    hold_for_remote=True, images=d) for p, d in zip(prompts, images)]
     while prefill.has_unfinished_requests():

@@ -107,15 +107,18 @@ def write_random_checkpoint(out_dir: str, config_class: str, *, seed: int = 0, s
 
 def write_random_llava(out_dir: str, *, seed: int = 0, image_size: int = 30, patch_size: int = 6,
                        strategy: str = "default", vision: dict | None = None, text: dict | None = None,
-                       text_model: str = "LlamaConfig") -> str:
+                       text_model: str = "LlamaConfig", grid_pinpoints: list[list[int]] | None = None) -> str:
     """A LLaVA-1.5 (LlavaForConditionalGeneration) of random weights from transformers' own classes:
     a small CLIP ViT (three layers; the projector reads the second to last's output), the
     projector and a small Llama, its image token "<image>" (a special token added to the locally
     trained tokenizer, as llava-hf's); with CLIP's image processor (PIL backend) sized to `image_size`.
     `vision`, `text`: other sizes for the ViT's and the language model's configs (a benchmark's);
-    `text_model`: the language model's config class ("MistralConfig": LLaVA over Mistral)."""
+    `text_model`: the language model's config class ("MistralConfig": LLaVA over Mistral);
+    `grid_pinpoints`: a LLaVA-NeXT (LlavaNextForConditionalGeneration) tiling images at these
+    resolutions in tiles of `image_size`, with its image processor."""
     import transformers
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
     tokenizer = train_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
@@ -128,13 +131,20 @@ def write_random_llava(out_dir: str, *, seed: int = 0, image_size: int = 30, pat
     vision_config = transformers.CLIPVisionConfig(**{
         "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2,
         "image_size": image_size, "patch_size": patch_size, "initializer_range": 0.2, **(vision or {})})
-    config = transformers.LlavaConfig(vision_config=vision_config, text_config=text_config,
-                                      image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
-                                      vision_feature_select_strategy=strategy, vision_feature_layer=-2)
+    common = {"vision_config": vision_config, "text_config": text_config, "vision_feature_layer": -2,
+              "image_token_index": tokenizer.convert_tokens_to_ids("<image>"),
+              "vision_feature_select_strategy": strategy}
+    sizes = {"size": {"shortest_edge": image_size}, "crop_size": {"height": image_size, "width": image_size}}
+    if grid_pinpoints:
+        config = transformers.LlavaNextConfig(**common, image_grid_pinpoints=grid_pinpoints)
+        _save_vision_language(out_dir, transformers.LlavaNextForConditionalGeneration, config, tokenizer, seed,
+                              ("multi_modal_projector", "embedding", "image_newline"))
+        LlavaNextImageProcessorPil(**sizes, image_grid_pinpoints=grid_pinpoints).save_pretrained(out_dir)
+        return out_dir
+    config = transformers.LlavaConfig(**common)
     _save_vision_language(out_dir, transformers.LlavaForConditionalGeneration, config, tokenizer, seed,
                           ("multi_modal_projector", "embedding"))
-    CLIPImageProcessorPil(size={"shortest_edge": image_size},
-                          crop_size={"height": image_size, "width": image_size}).save_pretrained(out_dir)
+    CLIPImageProcessorPil(**sizes).save_pretrained(out_dir)
     return out_dir
 
 

@@ -61,7 +61,8 @@ class ImageInput(msgspec.Struct, array_like=True, gc=False):
     # float32, C order, of `shape`; empty: not sent (a decode's, from its prefill's KV handle:
     # errors.ImagesNotSent)
     pixels: bytes
-    shape: list[int]  # [3, H, W] (LLaVA); [grid_t, grid_h, grid_w, patch values] (Qwen2.5-VL)
+    shape: list[int]  # [3, H, W] (LLaVA); [tiles, 3, H, W] (LLaVA-NeXT); [grid_t, grid_h, grid_w, values] (Qwen2.5-VL)
+    size: list[int] = []  # the image's own [height, width], where its tokens depend on it (LLaVA-NeXT)
 
 
 def image_placeholder(digest: int) -> int:

@@ -12,6 +12,8 @@ import io
 
 import numpy as np
 
+from baton.engine.common import anyres
+from baton.engine.common.config import read_config
 from baton.engine.common.core_messages import EngineFacts, ImageInput, image_placeholder
 from baton.engine.common.errors import InvalidArgument, check
 
@@ -80,6 +82,7 @@ class ImageProcessor:
         self.model_dir, self.image_token_id, self.tokens_per_image = model_dir, image_token_id, tokens_per_image
         self.max_image_tokens, self.image_text = max_image_tokens, image_text
         self._processor = None  # loaded at the first image (transformers' import is slow)
+        self._layout: tuple | None = None  # LLaVA-NeXT's (grid resolutions, tile pixels, patches a side)
 
     def expand(self, token_ids: list[int], images: list, field: str) -> tuple[list[int], list[ImageInput]]:
         """The prompt with each image token expanded into its image's span, and the images; raises
@@ -93,16 +96,19 @@ class ImageProcessor:
         out, inputs, last = [], [], 0
         for position, image in zip(at, processed):
             out += token_ids[last:position]
-            inputs.append(ImageInput(image.digest, len(out), image.length, image.pixels, image.shape))
+            inputs.append(ImageInput(image.digest, len(out), image.length, image.pixels, image.shape, image.size))
             out += [image_placeholder(image.digest)] * image.length
             last = position + 1
         return out + token_ids[last:], inputs
 
     def _processed(self, image, field: str) -> ImageInput:
         """One image as the model takes it (its span's offset not known yet: 0)."""
-        pixels, tokens = self._pixels(image, field)
+        pixels, tokens, size = self._pixels(image, field)
+        check(tokens <= self.max_image_tokens, field,
+              f"takes {tokens} tokens at {size[1]}x{size[0]}, more than the {self.max_image_tokens} an image may "
+              f"take here (max_num_encoder_input_tokens, encoder_cache_size)")
         digest = int.from_bytes(hashlib.blake2b(pixels.tobytes(), digest_size=8).digest()) >> 4
-        return ImageInput(digest, 0, tokens, pixels.tobytes(), list(pixels.shape))
+        return ImageInput(digest, 0, tokens, pixels.tobytes(), list(pixels.shape), size if self._layout else [])
 
     @staticmethod
     def decode(data: bytes, field: str):
@@ -117,10 +123,11 @@ class ImageProcessor:
             raise InvalidArgument(field, f"does not decode as an image ({e})") from None
         return image.convert("RGB")
 
-    def _pixels(self, image, field: str) -> tuple[np.ndarray, int]:
+    def _pixels(self, image, field: str) -> tuple[np.ndarray, int, list[int]]:
         """One image (a PIL image, an array [H, W, 3] of uint8, or an encoded file's bytes) as the
-        model's pixels (LLaVA's [3, H, W]; Qwen2.5-VL's patches [grid_t, grid_h, grid_w, values],
-        in the processor's order), and the tokens its embeddings take."""
+        model's pixels (LLaVA's [3, H, W]; LLaVA-NeXT's tiles [n, 3, H, W]; Qwen2.5-VL's patches
+        [grid_t, grid_h, grid_w, values], in the processor's order), the tokens its embeddings
+        take, and its own [height, width]."""
         from PIL import Image
 
         if isinstance(image, bytes):
@@ -132,14 +139,26 @@ class ImageProcessor:
         check(isinstance(image, Image.Image), field,
               f"must be a PIL image or a uint8 array, got {type(image).__name__}")
         if self._processor is None:
-            from transformers import AutoImageProcessor
-            self._processor = AutoImageProcessor.from_pretrained(self.model_dir, backend="pil")
-        out = self._processor(images=[image], return_tensors="np")
+            self._load()
+        out, size = self._processor(images=[image], return_tensors="np"), [image.height, image.width]
+        pixels = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
         if self.tokens_per_image:
-            return np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32), self.tokens_per_image
-        grid = [int(n) for n in out["image_grid_thw"][0]]  # its size in patches decides its tokens
+            return pixels, self.tokens_per_image, size
+        if self._layout is not None:  # LLaVA-NeXT: tiles at the grid its size picks (anyres.py)
+            pinpoints, tile, side = self._layout
+            return pixels, anyres.num_tokens(*size, pinpoints, tile, side), size
+        grid = [int(n) for n in out["image_grid_thw"][0]]  # Qwen2.5-VL: its size in patches decides its tokens
         tokens = grid[0] * grid[1] * grid[2] // self._processor.merge_size ** 2
-        check(tokens <= self.max_image_tokens, field,
-              f"takes {tokens} tokens at {image.width}x{image.height}, more than the {self.max_image_tokens} an "
-              f"image may take here (max_num_encoder_input_tokens, encoder_cache_size)")
-        return np.ascontiguousarray(out["pixel_values"], dtype=np.float32).reshape(*grid, -1), tokens
+        return np.ascontiguousarray(out["pixel_values"], dtype=np.float32).reshape(*grid, -1), tokens, size
+
+    def _load(self) -> None:
+        """The checkpoint's image processor, and LLaVA-NeXT's tiling (its grid resolutions, the
+        ViT's size and its patches a side) from config.json."""
+        from transformers import AutoImageProcessor
+
+        self._processor = AutoImageProcessor.from_pretrained(self.model_dir, backend="pil")
+        cfg = read_config(self.model_dir)
+        if cfg.get("image_grid_pinpoints") and not self.tokens_per_image:
+            vision = cfg.get("vision_config") or {}
+            tile = vision.get("image_size", 336)
+            self._layout = (cfg["image_grid_pinpoints"], tile, tile // vision.get("patch_size", 14))

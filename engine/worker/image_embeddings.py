@@ -12,8 +12,9 @@ from baton.engine.common.core_messages import ImageInput
 
 
 class ImageEmbeddings:
-    def __init__(self, encode: Callable[[torch.Tensor], torch.Tensor], device: torch.device):
-        """`encode`: pixels [images, 3, H, W] -> embeddings [images, tokens, hidden] (the model's vision)."""
+    def __init__(self, encode: Callable[[torch.Tensor, list], torch.Tensor | list[torch.Tensor]], device: torch.device):
+        """`encode`: pixels [images, *shape] and the images' sizes -> each image's embeddings
+        [tokens, hidden] (the model's vision)."""
         self.encode, self.device = encode, device
         self.held: dict[int, torch.Tensor] = {}
 
@@ -27,7 +28,7 @@ class ImageEmbeddings:
         for shape, same in by_shape.items():
             pixels = torch.stack([torch.frombuffer(bytearray(image.pixels), dtype=torch.float32).view(shape)
                                   for image in same]).to(self.device)
-            for image, embeds in zip(same, self.encode(pixels)):
+            for image, embeds in zip(same, self.encode(pixels, [image.size for image in same])):
                 self.held[image.digest] = embeds
 
     def rows(self, image_rows: list[tuple[int, ImageInput, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -182,7 +182,7 @@ def test_images_without_pixels_are_refused_where_they_must_be_encoded(qwen_vl):
     spans = [msgspec.structs.replace(image, pixels=b"") for image in processed]
     other = {"prompt_token_ids": prompt, "multi_modal_data": {"image": b}}
     want = llm.generate(other, GREEDY)[0].token_ids
-    llm.engine.runner.model.vision.forward = lambda pixels: pytest.fail("an image without pixels was encoded")
+    llm.engine.runner.model.vision.forward = lambda pixels, sizes: pytest.fail("an image without pixels was encoded")
     with pytest.raises(ImagesNotSent):
         llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"image": spans}},
                       {"prompt_token_ids": prompt + [8]}], GREEDY)

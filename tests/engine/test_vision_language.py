@@ -131,9 +131,9 @@ def test_the_same_image_is_encoded_once_and_survives_preemption_and_async_schedu
     runner, encoded = llm.engine.runner, []
     vision = runner.model.vision.forward
 
-    def counted(pixels):
+    def counted(pixels, sizes):
         encoded.append(pixels.shape[0])
-        return vision(pixels)
+        return vision(pixels, sizes)
     runner.model.vision.forward = counted
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     scheduler = llm.engine.scheduler
@@ -208,3 +208,47 @@ def test_prefill_and_decode_over_nixl_equal_colocated_and_the_decode_never_encod
     want = [o.token_ids for o in LLM(llava, dtype="float32", device="cpu").generate(
         [{"prompt_token_ids": p, "multi_modal_data": {"image": d}} for p, d in zip(prompts, data)], params)]
     assert images_across_pd(llava, prompts, data, params) == want
+
+
+PINPOINTS = [[16, 32], [32, 16], [32, 32], [48, 16]]
+
+
+def test_llava_next_tiles_images_at_their_own_aspect_equal_to_transformers(tmp_path):
+    """LLaVA-NeXT: each image tiled at the grid resolution its size picks, plus the whole image; its
+    tiles' features unpadded with a newline a row, so images of other sizes take other counts of
+    tokens (36 to 88 here). Batched with a text prompt, in 24-token chunks, equal to transformers'
+    (LlavaNextForConditionalGeneration.generate on the same tiles and sizes)."""
+    from transformers import AutoImageProcessor, LlavaNextForConditionalGeneration
+
+    from baton.engine.common import anyres
+
+    model_dir = write_random_llava(str(tmp_path / "llava-next"), seed=3, image_size=16, patch_size=4,
+                                   grid_pinpoints=PINPOINTS)
+    img = image_token(model_dir)
+    sizes = [(37, 53), (60, 20), (16, 16), (33, 33)]
+    pictures = images(12, sizes)
+    texts = random_prompts([6, 9, 4, 11], seed=16)
+    prompts = [{"prompt_token_ids": texts[0]},
+               {"prompt_token_ids": texts[1][:3] + [img] + texts[1][3:], "multi_modal_data": {"image": pictures[0]}},
+               {"prompt_token_ids": [img] + texts[2] + [img] + [7], "multi_modal_data": {"image": pictures[1:3]}},
+               {"prompt_token_ids": texts[3] + [img], "multi_modal_data": {"image": pictures[3]}}]
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=24)
+    outs = llm.generate(prompts, GREEDY)
+    model = LlavaNextForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    for out, prompt, mine in zip(outs, prompts, [[], [0], [1, 2], [3]]):
+        counts = iter([anyres.num_tokens(*sizes[i], PINPOINTS, 16, 4) for i in mine])
+        ids = [t for token in prompt["prompt_token_ids"] for t in ([token] * next(counts) if token == img else [token])]
+        assert len(ids) == len(out.prompt_token_ids)  # (the engine's spans as transformers' processor counts them)
+        kwargs = {}
+        if mine:
+            processed = processor(images=[pictures[i] for i in mine], return_tensors="pt")
+            kwargs = {"pixel_values": processed["pixel_values"], "image_sizes": processed["image_sizes"]}
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  max_new_tokens=GREEDY.max_tokens, min_new_tokens=GREEDY.max_tokens,
+                                  do_sample=False, eos_token_id=None, **kwargs)[0, len(ids):].tolist()
+        assert out.token_ids == want, mine
+    other = llm.generate({**prompts[1], "multi_modal_data": {"image": pictures[3]}}, GREEDY)[0]
+    assert other.token_ids != outs[1].token_ids  # another image, another output
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks

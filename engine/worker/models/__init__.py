@@ -29,6 +29,7 @@ FAMILIES = {"DeepseekV2ForCausalLM": deepseek.v2, "DeepseekV3ForCausalLM": deeps
             "Gemma2ForCausalLM": gemma2.args, "Gemma3ForCausalLM": gemma3.args,
             "Gemma3ForConditionalGeneration": gemma3_vl.args, "GptOssForCausalLM": gpt_oss.args,
             "LlamaForCausalLM": llama.args, "LlavaForConditionalGeneration": llava.args,
+            "LlavaNextForConditionalGeneration": llava.args,
             "MistralForCausalLM": mistral.args, "MixtralForCausalLM": mixtral.args,
             "Olmo2ForCausalLM": olmo2.args, "Phi3ForCausalLM": phi3.args, "Qwen2ForCausalLM": qwen2.args,
             "Qwen2_5_VLForConditionalGeneration": qwen2_5_vl.args,

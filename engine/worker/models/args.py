@@ -30,9 +30,17 @@ class VisionArgs:
     image_token_id: int  # the prompt's placeholder for one image, expanded to tokens_per_image
     projector_act: str = "gelu"
     hidden_act: str = "quick_gelu"  # the ViT's MLP's
+    # LLaVA-NeXT's resolutions an image is tiled at (engine/common/anyres.py); empty: LLaVA-1.5's one
+    # resized image.
+    grid_pinpoints: list[list[int]] = field(default_factory=list)
 
     @property
     def tokens_per_image(self) -> int:
+        """0: each image takes as many as its size gives (LLaVA-NeXT)."""
+        return 0 if self.grid_pinpoints else self.patches_per_tile
+
+    @property
+    def patches_per_tile(self) -> int:
         return (self.image_size // self.patch_size) ** 2 + (1 if self.keep_class_token else 0)
 
     @property
@@ -41,8 +49,13 @@ class VisionArgs:
         return []
 
     def most_tokens(self, model_dir: str) -> int:
-        """The most tokens one image takes: every image's."""
-        return self.tokens_per_image
+        """The most tokens one image takes: every image's, or LLaVA-NeXT's at its largest grid (its
+        base, and every tile's patches with a newline a row)."""
+        if not self.grid_pinpoints:
+            return self.tokens_per_image
+        side = self.image_size // self.patch_size
+        return side * side + max(h // self.image_size * side * (w // self.image_size * side + 1)
+                                 for h, w in self.grid_pinpoints)
 
     @property
     def prompt_padding(self) -> list[str]:

@@ -136,5 +136,5 @@ class Gemma3Vision(nn.Module):
         self.tower = SiglipTower(v)
         self.projector = Gemma3Projector(v, text_hidden)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor, sizes: list | None = None) -> torch.Tensor:
         return self.projector(self.tower(pixels))

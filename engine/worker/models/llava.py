@@ -1,6 +1,8 @@
 """LLaVA-1.5 (LlavaForConditionalGeneration): a CLIP ViT encodes each image into patch features,
 a two-layer projector maps them into the language model's embeddings, and a Llama-family decoder
 reads them where the prompt holds the image's placeholder tokens (one per projected feature).
+LLaVA-NeXT (LlavaNextForConditionalGeneration) runs the same ViT and projector over an image's
+tiles and packs their features (engine/common/anyres.py), each row ended by `image_newline`.
 
 The language model is the families' own (its config is `text_config`); the vision side is here,
 named as the checkpoint names it under `model.vision_tower` and `model.multi_modal_projector`
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.engine.common import anyres
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.worker.models import llama, mistral
 from baton.engine.worker.models.args import ModelArgs, VisionArgs
@@ -42,12 +45,17 @@ def args(cfg: dict) -> ModelArgs:
     out = language({**text, "architectures": cfg.get("architectures"),
                     "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))})
     heads = vision.get("num_attention_heads", 12)
+    next_ = (cfg.get("architectures") or [""])[0] == "LlavaNextForConditionalGeneration"
     out.vision = VisionArgs(
         hidden_size=vision.get("hidden_size", 768), intermediate_size=vision.get("intermediate_size", 3072),
         num_layers=vision.get("num_hidden_layers", 12), num_heads=heads, image_size=vision.get("image_size", 224),
         patch_size=vision.get("patch_size", 32), layer_norm_eps=vision.get("layer_norm_eps", 1e-5),
         feature_layer=layer, keep_class_token=strategy == "full",
-        projector_bias=cfg.get("multimodal_projector_bias", True), image_token_id=cfg.get("image_token_index", 32000))
+        projector_bias=cfg.get("multimodal_projector_bias", True), image_token_id=cfg.get("image_token_index", 32000),
+        grid_pinpoints=[list(p) for p in cfg.get("image_grid_pinpoints") or ()] if next_ else [])
+    if next_ and (not out.vision.grid_pinpoints or out.vision.keep_class_token):
+        raise InvalidArgument("model", "LLaVA-NeXT needs image_grid_pinpoints and vision_feature_select_strategy "
+                                       "'default'")
     return out
 
 
@@ -141,21 +149,41 @@ class LlavaProjector(nn.Module):
 
 
 class LlavaVision(nn.Module):
-    """Pixels [images, 3, H, W] -> each image's embeddings [images, tokens_per_image, hidden]."""
+    """Pixels [images, 3, H, W] -> each image's embeddings [images, tokens_per_image, hidden]; for
+    LLaVA-NeXT pixels [images, tiles, 3, H, W] (the base first) and each image's [height, width] ->
+    each image's embeddings [tokens, hidden] (engine/common/anyres.py)."""
 
     def __init__(self, v: VisionArgs, text_hidden: int):
         super().__init__()
+        self.vision = v
         self.tower = CLIPVisionTower(v)
         self.projector = LlavaProjector(v, text_hidden)
+        if v.grid_pinpoints:  # LLaVA-NeXT: the token that ends each row of its tiles' features
+            self.image_newline = nn.Parameter(torch.empty(text_hidden))
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.projector(self.tower(pixels))
+    def forward(self, pixels: torch.Tensor, sizes: list | None = None) -> torch.Tensor | list[torch.Tensor]:
+        if not self.vision.grid_pinpoints:
+            return self.projector(self.tower(pixels))
+        return [self._packed(self.projector(self.tower(tiles)), size) for tiles, size in zip(pixels, sizes)]
+
+    def _packed(self, features: torch.Tensor, size: list[int]) -> torch.Tensor:
+        """One image's tiles' features [tiles, side^2, hidden] as its tokens: the base's, then the
+        tiles' as one grid, its padding cut, each row ended by the newline (transformers' order)."""
+        v, (height, width) = self.vision, size
+        side = v.image_size // v.patch_size
+        grid_h, grid_w = anyres.tile_grid(height, width, v.grid_pinpoints, v.image_size)
+        grid = features[1:].view(grid_h, grid_w, side, side, -1).permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)
+        cut, axis = anyres.unpadded(height, width, grid.shape[1], grid.shape[2])
+        grid = grid.narrow(1 + axis, cut, grid.shape[1 + axis] - 2 * cut)
+        rows = torch.cat((grid, self.image_newline[:, None, None].expand(-1, grid.shape[1], 1).to(grid.dtype)), dim=-1)
+        return torch.cat((features[0], rows.flatten(1, 2).transpose(0, 1)))
 
 
 # The checkpoint's prefixes (as the Hub's llava-hf checkpoints and transformers 5 write them) of
 # the vision side, and this module's names for them; of the language model, and a text model's.
 CHECKPOINT_PREFIXES = {"model.vision_tower.": "vision.tower.", "model.multi_modal_projector.": "vision.projector.",
                        "vision_tower.vision_model.": "vision.tower.", "vision_tower.": "vision.tower.",
-                       "multi_modal_projector.": "vision.projector."}  # (the first prefix that matches)
+                       "multi_modal_projector.": "vision.projector.", "model.image_newline": "vision.image_newline",
+                       "image_newline": "vision.image_newline"}  # (the first prefix that matches)
 LANGUAGE_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
                      "language_model.lm_head.": "lm_head."}

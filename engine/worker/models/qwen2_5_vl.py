@@ -217,7 +217,7 @@ class QwenVision(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (v.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float)
                                                                   / spatial)), persistent=False)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor, sizes: list | None = None) -> torch.Tensor:
         t, h, w = pixels.shape[1:4]
         layout, unit = _Layout(self.vision, t, h, w), self.vision.spatial_merge_size ** 2
         freqs = (layout.rowcol.to(pixels.device)[..., None].float() * self.inv_freq).flatten(1)  # rows' then cols'
