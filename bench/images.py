@@ -1,7 +1,9 @@
 """Time to first token of an image request on a vision-language model of random weights, offline,
 one request at a time, median of --repeat: a LLaVA (a ViT-B/16 at 224 px: 196 image tokens, and a
 small Llama), or with --family qwen a Qwen2.5-VL (a 12-layer ViT of 14-pixel patches in 112-pixel
-windows, the 320x240 picture at its own resolution: 99 tokens, and a small Qwen2 with M-RoPE):
+windows, the 320x240 picture at its own resolution: 99 tokens, and a small Qwen2 with M-RoPE), or
+with --family gemma a Gemma 3 (a SigLIP ViT-B/16 at 224 px pooled to 49 tokens whose steps attend
+on the PyTorch reference, over a small Gemma 3 text model):
 
 - cold: a picture the engine has not seen (its encoder runs, its prompt is computed);
 - encoder-cache hit: the same picture under another text (its embeddings are still held: no
@@ -12,7 +14,7 @@ windows, the 320x240 picture at its own resolution: 99 tokens, and a small Qwen2
 It also prints what a decode tier receives for an image in P/D (its span's KV blocks), beside the
 pixels and the encoder run that computing the span there would need.
 
-    python bench/images.py [--repeat 5] [--family llava|qwen] [--model DIR]
+    python bench/images.py [--repeat 5] [--family llava|qwen|gemma] [--model DIR]
 """
 from __future__ import annotations
 
@@ -26,13 +28,15 @@ import numpy as np
 from PIL import Image
 
 from baton import LLM, SamplingParams
-from baton.testing.checkpoints import write_random_llava, write_random_qwen2_5_vl
+from baton.testing.checkpoints import write_random_gemma3_vl, write_random_llava, write_random_qwen2_5_vl
 
 VISION = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12}
 TEXT = {"hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8, "num_key_value_heads": 8,
         "num_hidden_layers": 8}
 QWEN_VISION = {"depth": 12, "hidden_size": 768, "intermediate_size": 3072, "num_heads": 12,
                "fullatt_block_indexes": [5, 11]}
+GEMMA_TEXT = {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 512,
+              "layer_types": ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2}
 QWEN_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]}}
 
 
@@ -45,7 +49,7 @@ def ttft(llm: LLM, prompt: dict | list[int]) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--family", choices=("llava", "qwen"), default="llava")
+    p.add_argument("--family", choices=("llava", "qwen", "gemma"), default="llava")
     p.add_argument("--model", help="a checkpoint of that family (default: a random one written here)")
     args = p.parse_args()
     if args.model:
@@ -53,6 +57,9 @@ def main() -> None:
     elif args.family == "qwen":
         model = write_random_qwen2_5_vl(tempfile.mkdtemp() + "/qwen-vl", seed=1, patch_size=14, window_size=112,
                                         max_pixels=1280 * 28 * 28, vision=QWEN_VISION, text={**TEXT, **QWEN_ROPE})
+    elif args.family == "gemma":
+        model = write_random_gemma3_vl(tempfile.mkdtemp() + "/gemma3-vl", seed=1, image_size=224, patch_size=16,
+                                       tokens_per_image=49, vision=VISION, text={**TEXT, **GEMMA_TEXT})
     else:
         model = write_random_llava(tempfile.mkdtemp() + "/llava", seed=1, image_size=224, patch_size=16,
                                    vision=VISION, text=TEXT)
@@ -88,7 +95,8 @@ def main() -> None:
         t0 = time.perf_counter()
         picture_bytes = images.expand([image_token], [png.getvalue()], "image")[1][0].pixels
         reads.append(time.perf_counter() - t0)
-    kv_bytes = runner.kv_cache[0].nbytes // llm.engine.config.block_size * per_image
+    a = runner.model.args  # (every layer's K and V of every token: what a decode pulls, windows aside)
+    kv_bytes = a.num_layers * 2 * a.num_kv_heads * a.head_dim * runner.kv_cache.element_size() * per_image
     encoder_s = statistics.median(rows["cold"]) - statistics.median(rows["encoder-cache hit"])
     print(f"  P/D: a decode READs {kv_bytes / 1024:.0f} KiB of KV for an image's span (float32) and runs nothing "
           f"of it; re-encoding there would take {len(picture_bytes) / 1024:.0f} KiB of pixels, {encoder_s:.3f} s "
