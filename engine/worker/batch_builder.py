@@ -128,17 +128,25 @@ class BatchBuilder:
         # Each group's blocks: its own tables and slots.
         group_spans = [[(start, end, blocks[group]) for start, end, blocks in rows]
                        for group in range(len(self.kv_groups.layers))]
-        open_spans = {}
-        if image_rows and self.model.args.vision.bidirectional:
-            for i, (req_id, n) in enumerate(order):
-                start = starts[req_id]
-                mine = [(image.offset, image.offset + image.length) for image in states[req_id].images
-                        if image.offset < start + n and image.offset + image.length > start]
-                if mine:
-                    open_spans[i] = mine
+        open_spans = self._open_spans(order, starts, states) if image_rows else {}
         return StepBatch(input_ids, positions, order, rows, group_spans, sum(1 for _, n in order if n == 1),
                          sample_rows, sample_req_ids, sample_spans, prompt_rows, adapter_spans, rope_rows,
                          unknown_inputs, image_rows, self._mrope_positions(order, starts, states), open_spans)
+
+    def _open_spans(self, order: list[tuple[str, int]], starts: dict[str, int], states: dict
+                    ) -> dict[int, list[tuple[int, int]]]:
+        """StepBatch.open_spans: where images attend to themselves both ways, each request's images
+        its chunk computes (the scheduler computes each whole: encoder_cache.py)."""
+        if not self.model.args.vision.bidirectional:
+            return {}
+        out = {}
+        for i, (req_id, n) in enumerate(order):
+            start = starts[req_id]
+            mine = [(image.offset, image.offset + image.length) for image in states[req_id].images
+                    if image.offset < start + n and image.offset + image.length > start]
+            if mine:
+                out[i] = mine
+        return out
 
     def _mrope_positions(self, order: list[tuple[str, int]], starts: dict[str, int], states: dict
                          ) -> np.ndarray | None:
