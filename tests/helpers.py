@@ -150,3 +150,24 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def assert_image_prompts_as_reference(model_dir: str, prompts: list, prompt_ids, reference, **engine) -> list:
+    """`prompts`: (parts, pictures) each, `prompt_ids(model_dir, *parts)` its token ids; in one
+    batch of an engine with `engine`'s args, greedy outputs equal `reference(model_dir, ids,
+    pictures, n)`'s, another picture changes the second prompt's output (else the check could not
+    fail), and the pool ends full. Returns the outputs."""
+    from baton import LLM, SamplingParams
+
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    requests = [{"prompt_token_ids": prompt_ids(model_dir, *parts), "multi_modal_data": {"image": pics}} if pics else
+                {"prompt_token_ids": prompt_ids(model_dir, *parts)} for parts, pics in prompts]
+    llm = LLM(model_dir, dtype="float32", device="cpu", **engine)
+    outs = llm.generate(requests, greedy)
+    assert [o.token_ids for o in outs] == [reference(model_dir, r["prompt_token_ids"], pics, greedy.max_tokens)
+                                           for r, (_, pics) in zip(requests, prompts)]
+    others = [pic for _, pics in prompts for pic in pics if pic is not prompts[1][1][0]]
+    other = llm.generate({**requests[1], "multi_modal_data": {"image": others[-1]}}, greedy)[0]
+    assert other.token_ids != outs[1].token_ids
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+    return outs

@@ -14,8 +14,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import assert_image_prompts_as_reference, random_prompts
 from helpers import random_images as images
-from helpers import random_prompts
 
 from baton import LLM, SamplingParams
 from baton.engine.common.errors import InvalidArgument
@@ -72,16 +72,7 @@ def test_images_in_prompts_equal_transformers(qwen_vl):
     prompts = [([text[0]], []), ([text[1][:4], None, text[1][4:]], pictures[:1]),
                ([text[2], None, text[3], None, [5, 6]], pictures[1:3]), ([None, text[4]], pictures[3:4]),
                ([text[5], None], pictures[4:])]
-    requests = [{"prompt_token_ids": with_images(qwen_vl, *parts), "multi_modal_data": {"image": pics}} if pics else
-                {"prompt_token_ids": with_images(qwen_vl, *parts)} for parts, pics in prompts]
-    llm = LLM(qwen_vl, dtype="float32", device="cpu", max_num_batched_tokens=16)
-    outs = llm.generate(requests, GREEDY)
-    wants = [hf_greedy(qwen_vl, r["prompt_token_ids"], pics, GREEDY.max_tokens)
-             for r, (_, pics) in zip(requests, prompts)]
-    assert [o.token_ids for o in outs] == wants
-    other = llm.generate({**requests[1], "multi_modal_data": {"image": pictures[2]}}, GREEDY)[0]
-    assert other.token_ids != outs[1].token_ids  # another image, another output (else this test could not fail)
-    assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
+    assert_image_prompts_as_reference(qwen_vl, prompts, with_images, hf_greedy, max_num_batched_tokens=16)
 
 
 def test_preemption_and_async_scheduling_keep_images_and_positions(qwen_vl):
