@@ -149,13 +149,16 @@ def write_random_llava(out_dir: str, *, seed: int = 0, image_size: int = 30, pat
 
 
 def write_random_qwen2_5_vl(out_dir: str, *, seed: int = 0, patch_size: int = 4, window_size: int = 16,
-                            max_pixels: int = 48 * 48, vision: dict | None = None, text: dict | None = None) -> str:
+                            max_pixels: int = 48 * 48, vision: dict | None = None, text: dict | None = None,
+                            qwen2: bool = False) -> str:
     """A Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration) of random weights from transformers' own
     classes: a three-block ViT of `patch_size`-pixel patches (the last block full attention, the
     others in windows of `window_size` pixels: two merge blocks a side) and a small Qwen2 with
     M-RoPE; the tokenizer's <|vision_start|>, <|image_pad|> and <|vision_end|> special tokens; and
     Qwen2-VL's image processor (PIL backend) for images of at most `max_pixels` pixels, each resized
-    to multiples of 2 x patch_size. `vision`, `text`: other sizes for the configs."""
+    to multiples of 2 x patch_size. `vision`, `text`: other sizes for the configs. `qwen2`: a Qwen2-VL
+    (Qwen2VLForConditionalGeneration: its ViT of LayerNorms and fc1/fc2 MLPs, every block full
+    attention) instead."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -170,14 +173,19 @@ def write_random_qwen2_5_vl(out_dir: str, *, seed: int = 0, patch_size: int = 4,
                    "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
                    **(text or {})}
-    vision_config = {"depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
-                     "patch_size": patch_size, "window_size": window_size, "fullatt_block_indexes": [2],
-                     "out_hidden_size": text_config["hidden_size"], "initializer_range": 0.2, **(vision or {})}
-    config = transformers.Qwen2_5_VLConfig(
+    if qwen2:  # (its vision hidden_size is the output's, embed_dim the tower's)
+        vision_config = {"depth": 3, "embed_dim": 32, "mlp_ratio": 2, "num_heads": 2, "patch_size": patch_size,
+                         "hidden_size": text_config["hidden_size"], "initializer_range": 0.2, **(vision or {})}
+    else:
+        vision_config = {"depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                         "patch_size": patch_size, "window_size": window_size, "fullatt_block_indexes": [2],
+                         "out_hidden_size": text_config["hidden_size"], "initializer_range": 0.2, **(vision or {})}
+    config = (transformers.Qwen2VLConfig if qwen2 else transformers.Qwen2_5_VLConfig)(
         text_config=text_config, vision_config=vision_config, image_token_id=ids["<|image_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         video_token_id=ids["<|image_pad|>"] + 100)  # (no video: an id no prompt holds)
-    _save_vision_language(out_dir, transformers.Qwen2_5_VLForConditionalGeneration, config, tokenizer, seed,
+    _save_vision_language(out_dir, transformers.Qwen2VLForConditionalGeneration if qwen2
+                          else transformers.Qwen2_5_VLForConditionalGeneration, config, tokenizer, seed,
                           ("merger", "patch_embed"))
     Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=2, temporal_patch_size=2,
                              min_pixels=(2 * patch_size) ** 2, max_pixels=max_pixels).save_pretrained(out_dir)

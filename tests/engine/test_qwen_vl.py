@@ -45,9 +45,9 @@ def with_images(model_dir: str, *parts) -> list[int]:
 def hf_greedy(model_dir: str, token_ids: list[int], pictures: list[np.ndarray], n: int) -> list[int]:
     """transformers' greedy continuation: its processor's pixels and grids, each image pad expanded
     to its image's tokens as its processor would, and the image tokens marked for its M-RoPE."""
-    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad, kwargs, ids = model.config.image_token_id, {}, list(token_ids)
     if pictures:
         processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
@@ -73,6 +73,17 @@ def test_images_in_prompts_equal_transformers(qwen_vl):
                ([text[2], None, text[3], None, [5, 6]], pictures[1:3]), ([None, text[4]], pictures[3:4]),
                ([text[5], None], pictures[4:])]
     assert_image_prompts_as_reference(qwen_vl, prompts, with_images, hf_greedy, max_num_batched_tokens=16)
+
+
+def test_qwen2_vl_equals_transformers(tmp_path):
+    """Qwen2-VL: the same tower with LayerNorms, an fc1/fc2 MLP and full attention in every block,
+    the same M-RoPE; two images of other sizes and one at the prompt's end, chunked."""
+    model_dir = write_random_qwen2_5_vl(str(tmp_path / "qwen2-vl"), seed=4, qwen2=True)
+    text = random_prompts([7, 12, 6], seed=6)
+    pictures = images(2, [(37, 53), (64, 30), (24, 70)])
+    prompts = [([text[0][:3], None, text[0][3:], None], pictures[:2]), ([text[1], None], pictures[2:]),
+               ([text[2]], [])]
+    assert_image_prompts_as_reference(model_dir, prompts, with_images, hf_greedy, max_num_batched_tokens=16)
 
 
 def test_preemption_and_async_scheduling_keep_images_and_positions(qwen_vl):

@@ -32,7 +32,7 @@ FAMILIES = {"DeepseekV2ForCausalLM": deepseek.v2, "DeepseekV3ForCausalLM": deeps
             "LlavaNextForConditionalGeneration": llava.args,
             "MistralForCausalLM": mistral.args, "MixtralForCausalLM": mixtral.args,
             "Olmo2ForCausalLM": olmo2.args, "Phi3ForCausalLM": phi3.args, "Qwen2ForCausalLM": qwen2.args,
-            "Qwen2_5_VLForConditionalGeneration": qwen2_5_vl.args,
+            "Qwen2_5_VLForConditionalGeneration": qwen2_5_vl.args, "Qwen2VLForConditionalGeneration": qwen2_5_vl.args,
             "Qwen2MoeForCausalLM": qwen_moe.qwen2_moe, "Qwen3ForCausalLM": qwen3.args,
             "Qwen3MoeForCausalLM": qwen_moe.qwen3_moe}
 

@@ -1,4 +1,5 @@
-"""Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration): a ViT over images at their own resolution
+"""Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration) and Qwen2-VL (Qwen2VLForConditionalGeneration,
+whose ViT has LayerNorms, an fc1/fc2 MLP and no windows): a ViT over images at their own resolution
 (each cut into 14-pixel patches, two frames deep), with 2D RoPE over patch rows and columns,
 attention within windows of 112 pixels except in a few full-attention layers, and a merger that
 folds each 2x2 patch block into one token of the language model; a Qwen2 language model whose
@@ -41,6 +42,10 @@ class QwenVisionArgs:
     image_token_id: int  # <|image_pad|>: one per image in a prompt, expanded to the image's tokens
     start_token_id: int  # <|vision_start|>, before it in a prompt
     end_token_id: int  # <|vision_end|>, after it
+    # Qwen2-VL's tower: LayerNorms (with biases) in place of RMSNorms, and an fc1/fc2 MLP of this
+    # activation in place of the gated SiLU one; no windows (window_size 0).
+    qwen2: bool = False
+    mlp_act: str = "quick_gelu"
 
     @property
     def tokens_per_image(self) -> int:
@@ -86,9 +91,10 @@ def args(cfg: dict) -> ModelArgs:
         rope.pop("type", None)
     text.pop("rope_scaling", None)
     text["rope_parameters"] = {"rope_theta": text.get("rope_theta", 1_000_000.0), **rope}
-    if vision.get("hidden_act", "silu") != "silu":
-        raise InvalidArgument("model", f"Qwen2.5-VL's vision hidden_act {vision.get('hidden_act')!r} is not "
-                                       "supported (silu)")
+    v2 = (cfg.get("architectures") or [""])[0] == "Qwen2VLForConditionalGeneration"
+    act = vision.get("hidden_act", "quick_gelu" if v2 else "silu")
+    if act not in (_MLP_ACTIVATIONS if v2 else ("silu",)):
+        raise InvalidArgument("model", f"the vision tower's hidden_act {act!r} is not supported")
     out = qwen2.args({**text, "architectures": cfg.get("architectures"),
                       "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))})
     half = out.head_dim // 2
@@ -96,17 +102,24 @@ def args(cfg: dict) -> ModelArgs:
         raise InvalidArgument("model", f"mrope_section {section} must sum to half the head dim ({half})")
     out.mrope_section = list(section)
     vision_rope = vision.get("rope_parameters") or {}
+    depth = vision.get("depth", vision.get("num_hidden_layers", 32))
+    if v2:  # (its vision hidden_size is the language model's: embed_dim is the tower's own)
+        width = vision.get("embed_dim", 1280)
+        shape = {"hidden_size": width, "intermediate_size": int(width * vision.get("mlp_ratio", 4)), "window_size": 0,
+                 "full_attention_layers": list(range(depth)), "out_hidden_size": vision.get("hidden_size", 3584)}
+    else:
+        shape = {"hidden_size": vision.get("hidden_size", 3584),
+                 "intermediate_size": vision.get("intermediate_size", 3420),
+                 "window_size": vision.get("window_size", 112),
+                 "full_attention_layers": list(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+                 "out_hidden_size": vision.get("out_hidden_size", out.hidden_size)}
     out.vision = QwenVisionArgs(
-        hidden_size=vision.get("hidden_size", 3584), intermediate_size=vision.get("intermediate_size", 3420),
-        depth=vision.get("depth", vision.get("num_hidden_layers", 32)),
-        num_heads=vision.get("num_heads", vision.get("num_attention_heads", 16)),
+        **shape, depth=depth, num_heads=vision.get("num_heads", vision.get("num_attention_heads", 16)),
         patch_size=vision.get("patch_size", 14), temporal_patch_size=vision.get("temporal_patch_size", 2),
-        spatial_merge_size=vision.get("spatial_merge_size", 2), window_size=vision.get("window_size", 112),
-        full_attention_layers=list(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
-        out_hidden_size=vision.get("out_hidden_size", out.hidden_size),
-        rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
-        image_token_id=cfg.get("image_token_id", 151655), start_token_id=cfg.get("vision_start_token_id", 151652),
-        end_token_id=cfg.get("vision_end_token_id", 151653))
+        spatial_merge_size=vision.get("spatial_merge_size", 2),
+        rope_theta=float(vision_rope.get("rope_theta", 10000.0)), image_token_id=cfg.get("image_token_id", 151655),
+        start_token_id=cfg.get("vision_start_token_id", 151652), end_token_id=cfg.get("vision_end_token_id", 151653),
+        qwen2=v2, mlp_act=act)
     if out.vision.out_hidden_size != out.hidden_size:
         raise InvalidArgument("model", f"vision_config.out_hidden_size {out.vision.out_hidden_size} must be the "
                                        f"language model's hidden_size {out.hidden_size}")
@@ -147,11 +160,31 @@ class _MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class _FcMLP(nn.Module):
+    """Qwen2-VL's."""
+
+    def __init__(self, v: QwenVisionArgs):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(v.hidden_size, v.intermediate_size), nn.Linear(v.intermediate_size,
+                                                                                     v.hidden_size)
+        self.act = _MLP_ACTIVATIONS[v.mlp_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+_MLP_ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu, "silu": F.silu}
+
+
+def _norm(v: QwenVisionArgs) -> nn.Module:
+    return nn.LayerNorm(v.hidden_size, eps=1e-6) if v.qwen2 else RMSNorm(v.hidden_size, 1e-6)
+
+
 class _Block(nn.Module):
     def __init__(self, v: QwenVisionArgs):
         super().__init__()
-        self.norm1, self.norm2 = RMSNorm(v.hidden_size, 1e-6), RMSNorm(v.hidden_size, 1e-6)
-        self.attn, self.mlp = _Attention(v), _MLP(v)
+        self.norm1, self.norm2 = _norm(v), _norm(v)
+        self.attn, self.mlp = _Attention(v), (_FcMLP(v) if v.qwen2 else _MLP(v))
 
     def forward(self, x, cos, sin, lengths):
         x = x + self.attn(self.norm1(x), cos, sin, lengths)
@@ -172,7 +205,7 @@ class _Merger(nn.Module):
     def __init__(self, v: QwenVisionArgs):
         super().__init__()
         self.width = v.hidden_size * v.spatial_merge_size ** 2
-        self.ln_q = RMSNorm(v.hidden_size, 1e-6)
+        self.ln_q = _norm(v)
         self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width,
                                                                                        v.out_hidden_size))
 
@@ -189,8 +222,10 @@ class _Layout:
         rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
         blocked = (h // m, m, w // m, m)  # the processor's order: each m x m block's patches together
         self.rowcol = torch.stack([p.reshape(blocked).transpose(1, 2).flatten() for p in (rows, cols)], 1).repeat(t, 1)
-        # Windows of `side` x `side` merge blocks, the last row and column of windows cut short.
-        side, mh, mw = v.window_size // m // v.patch_size, h // m, w // m
+        # Windows of `side` x `side` merge blocks, the last row and column of windows cut short
+        # (no windows: one a frame, the order unchanged).
+        mh, mw = h // m, w // m
+        side = v.window_size // m // v.patch_size or max(mh, mw)
         index = torch.arange(t * mh * mw).view(t, mh, mw)
         order, lengths = [], []
         for frame in index:
