@@ -75,14 +75,25 @@ def disaggregated(prefill, decode, prompts, params, on_step=None) -> list[list[i
     return [[h.first_token] + tokens.get(r, []) for h, r in zip(handles, ids)]
 
 
-def images_across_pd(model_dir: str, prompts: list[list[int]], images: list[list], params: SamplingParams
-                     ) -> list[list[int]]:
-    """Prompts with images through a prefill (32-token chunks) and a decode over NIXL: the outputs,
-    each the prefill's first token and the decode's. The decode takes the images as a prefill's
-    handle names them, their spans without pixels; its encoder must never run, its blocks come
-    over the wire, and both pools end full."""
+def assert_images_across_pd_as_colocated(model_dir: str, image: list[int]) -> None:
+    """Two prompts with images (one image; two, at the start and the end; `image`: the tokens that
+    stand for one in a prompt) through a prefill (32-token chunks) and a decode over NIXL equal a
+    colocated engine's. The decode takes the images as a prefill's handle names them, their spans
+    without pixels; its encoder must never run, its blocks come over the wire, and both pools end
+    full."""
     import msgspec
     import pytest
+    from helpers import random_images, random_prompts
+
+    from baton import LLM
+
+    pictures = random_images(9, [(44, 52), (30, 61)])
+    texts = random_prompts([11, 23], seed=14)
+    prompts = [texts[0][:3] + image + texts[0][3:], image + texts[1] + image]
+    images = [[pictures[0]], [pictures[1], pictures[0]]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(model_dir, dtype="float32", device="cpu").generate(
+        [{"prompt_token_ids": p, "multi_modal_data": {"image": d}} for p, d in zip(prompts, images)], params)]
 
     prefill, decode = nixl_engine(model_dir, "prefill", max_num_batched_tokens=32), nixl_engine(model_dir, "decode")
     connect(prefill, decode)
@@ -95,9 +106,9 @@ def images_across_pd(model_dir: str, prompts: list[list[int]], images: list[list
                               images=[msgspec.structs.replace(i, pixels=b"") for i in r.images]).request_id
            for p, r in zip(prompts, handles)]
     tokens = run_until_done(prefill, decode)
+    assert [[r.kv_handle.first_token] + tokens[i] for r, i in zip(handles, ids)] == want
     assert decode.runner.connector.num_blocks_pulled > 0 and not decode.failed
     assert_pools_full(prefill, decode)
-    return [[r.kv_handle.first_token] + tokens[i] for r, i in zip(handles, ids)]
 
 
 def events_by_request(*engines) -> dict[str, list]:

@@ -71,16 +71,9 @@ def test_a_step_too_small_for_an_image_is_refused_at_start(gemma_vl):
 
 
 def test_prefill_and_decode_over_nixl_equal_colocated(gemma_vl):
-    from nixl_engines import images_across_pd
+    from nixl_engines import assert_images_across_pd_as_colocated
 
-    pictures = images(9, [(44, 52), (30, 61)])
-    texts = random_prompts([11, 23], seed=14)
-    prompts = [with_images(gemma_vl, texts[0][:3], None, texts[0][3:]), with_images(gemma_vl, None, texts[1], None)]
-    data = [[pictures[0]], [pictures[1], pictures[0]]]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    want = [o.token_ids for o in LLM(gemma_vl, dtype="float32", device="cpu").generate(
-        [{"prompt_token_ids": p, "multi_modal_data": {"image": d}} for p, d in zip(prompts, data)], params)]
-    assert images_across_pd(gemma_vl, prompts, data, params) == want
+    assert_images_across_pd_as_colocated(gemma_vl, with_images(gemma_vl, None))
 
 
 def test_a_chunk_stops_before_an_image_rather_than_cut_it(gemma_vl):

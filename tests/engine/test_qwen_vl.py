@@ -144,16 +144,9 @@ def test_an_image_over_the_encoder_budget_is_refused_naming_it(qwen_vl):
 def test_prefill_and_decode_over_nixl_equal_colocated_and_the_decode_never_encodes(qwen_vl):
     """The prefill encodes the images and computes the prompt; the decode READs the blocks and
     takes its positions' delta from the images' grids, never running its encoder."""
-    from nixl_engines import images_across_pd
+    from nixl_engines import assert_images_across_pd_as_colocated
 
-    pictures = images(9, [(44, 52), (30, 61)])
-    texts = random_prompts([11, 23], seed=14)
-    prompts = [with_images(qwen_vl, texts[0][:3], None, texts[0][3:]), with_images(qwen_vl, None, texts[1], None)]
-    data = [[pictures[0]], [pictures[1], pictures[0]]]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    want = [o.token_ids for o in LLM(qwen_vl, dtype="float32", device="cpu").generate(
-        [{"prompt_token_ids": p, "multi_modal_data": {"image": d}} for p, d in zip(prompts, data)], params)]
-    assert images_across_pd(qwen_vl, prompts, data, params) == want
+    assert_images_across_pd_as_colocated(qwen_vl, with_images(qwen_vl, None))
 
 
 def test_two_tensor_parallel_ranks_equal_one(qwen_vl):

@@ -197,17 +197,9 @@ def test_bad_images_are_refused_naming_the_field(llava, tiny_llama):
 def test_prefill_and_decode_over_nixl_equal_colocated_and_the_decode_never_encodes(llava):
     """The prefill encodes the images and computes the prompt; the decode READs the blocks (their
     hashes name the images, on both sides alike) and never runs its encoder."""
-    from nixl_engines import images_across_pd
+    from nixl_engines import assert_images_across_pd_as_colocated
 
-    img = image_token(llava)
-    pictures = images(9, [(44, 52), (30, 61)])
-    texts = random_prompts([11, 23], seed=14)
-    prompts = [texts[0][:3] + [img] + texts[0][3:], [img] + texts[1] + [img]]
-    data = [[pictures[0]], [pictures[1], pictures[0]]]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    want = [o.token_ids for o in LLM(llava, dtype="float32", device="cpu").generate(
-        [{"prompt_token_ids": p, "multi_modal_data": {"image": d}} for p, d in zip(prompts, data)], params)]
-    assert images_across_pd(llava, prompts, data, params) == want
+    assert_images_across_pd_as_colocated(llava, [image_token(llava)])
 
 
 PINPOINTS = [[16, 32], [32, 16], [32, 32], [48, 16]]

@@ -3,18 +3,42 @@ take. Each family (llama.py, qwen2.py, ...) reads its own config into one of the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.worker.models.moe import GLU, SWIGLU
 from baton.engine.worker.models.rope import rope_settings
 
-if TYPE_CHECKING:  # (qwen2_5_vl.py imports this module)
-    from baton.engine.worker.models.qwen2_5_vl import QwenVisionArgs
+
+@dataclass(slots=True)
+class ImageEncoderArgs:
+    """What every vision-language model's image side says of its prompts and its attention (each
+    family's args override what differs): the tokens around its image token, the text around
+    those in a chat turn, how many tokens an image takes at most, and whether an image's tokens
+    attend to each other both ways. Each has `tokens_per_image`: every image's, or 0 where each
+    image takes its own count, by its size."""
+
+    @property
+    def prompt_wrap(self) -> list[int]:
+        """The tokens around the image token in a prompt."""
+        return []
+
+    @property
+    def prompt_padding(self) -> list[str]:
+        """The text before and after an image in a chat turn, as the model's processor writes it."""
+        return ["", ""]
+
+    def most_tokens(self, model_dir: str) -> int:
+        """The most tokens one image takes: every image's."""
+        return self.tokens_per_image
+
+    @property
+    def bidirectional(self) -> bool:
+        """Whether an image's tokens attend to each other both ways (else causally, as text does)."""
+        return False
 
 
 @dataclass(slots=True)
-class VisionArgs:
+class VisionArgs(ImageEncoderArgs):
     """A vision-language model's image side (llava.py): a CLIP ViT and the projector into the
     language model's embeddings."""
     hidden_size: int
@@ -43,11 +67,6 @@ class VisionArgs:
     def patches_per_tile(self) -> int:
         return (self.image_size // self.patch_size) ** 2 + (1 if self.keep_class_token else 0)
 
-    @property
-    def prompt_wrap(self) -> list[int]:
-        """The tokens around the image token in a prompt: none."""
-        return []
-
     def most_tokens(self, model_dir: str) -> int:
         """The most tokens one image takes: every image's, or LLaVA-NeXT's at its largest grid (its
         base, and every tile's patches with a newline a row)."""
@@ -59,13 +78,7 @@ class VisionArgs:
 
     @property
     def prompt_padding(self) -> list[str]:
-        """The text before and after an image in a chat turn, as the model's processor writes it."""
         return ["", "\n"]
-
-    @property
-    def bidirectional(self) -> bool:
-        """An image's tokens attend causally, as text does."""
-        return False
 
 
 @dataclass(slots=True)
@@ -133,8 +146,8 @@ class ModelArgs:
     v_head_dim: int = 0
     rope_interleaved: bool = True  # MLA's RoPE on adjacent pairs (DeepSeek's); else on halves
     skipped_layers: int = 0  # layers past num_layers the target does not load (DeepSeek-V3's MTP: a draft head's)
-    # A vision-language model's image encoder (llava.py, qwen2_5_vl.py); None: text only.
-    vision: VisionArgs | QwenVisionArgs | None = None
+    # A vision-language model's image encoder (llava.py, qwen2_5_vl.py, gemma3_vl.py); None: text only.
+    vision: ImageEncoderArgs | None = None
     # M-RoPE (Qwen2.5-VL; mrope.py): how many of the rotary half-dims turn with each of the time,
     # height and width positions; empty: one position per token.
     mrope_section: list[int] = field(default_factory=list)

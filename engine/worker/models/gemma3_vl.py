@@ -16,13 +16,13 @@ from torch import nn
 
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.worker.models import gemma3
-from baton.engine.worker.models.args import ModelArgs
+from baton.engine.worker.models.args import ImageEncoderArgs, ModelArgs
 from baton.engine.worker.models.basic import RMSNorm
 from baton.engine.worker.models.llava import EncoderLayer
 
 
 @dataclass(slots=True)
-class SiglipArgs:
+class SiglipArgs(ImageEncoderArgs):
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -38,21 +38,14 @@ class SiglipArgs:
 
     @property
     def prompt_wrap(self) -> list[int]:
-        """The tokens around the image token in a prompt."""
         return [self.start_token_id, self.end_token_id]
-
-    def most_tokens(self, model_dir: str) -> int:
-        """The most tokens one image takes: every image's."""
-        return self.tokens_per_image
 
     @property
     def prompt_padding(self) -> list[str]:
-        """The text before and after an image in a chat turn, as the model's processor writes it."""
         return ["\n\n", "\n\n"]
 
     @property
     def bidirectional(self) -> bool:
-        """An image's tokens attend to each other both ways."""
         return True
 
 

@@ -23,8 +23,9 @@ from baton.engine.worker.models.args import ModelArgs, VisionArgs
 # The language models LLaVA checkpoints are published over, by text_config.model_type (Mistral's
 # sliding window read as its family reads it).
 _LANGUAGE_MODELS = {"llama": llama.args, "mistral": mistral.args}
-_ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+# The ViTs' MLP activations by their config names (CLIP's, SigLIP's, Qwen2-VL's).
+ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
 
 def args(cfg: dict) -> ModelArgs:
@@ -87,7 +88,9 @@ class _Attention(nn.Module):
         return self.out_proj(out.transpose(1, 2).reshape(n, t, d))
 
 
-class _MLP(nn.Module):
+class FcMLP(nn.Module):
+    """A ViT's MLP: fc1, the config's activation, fc2."""
+
     def __init__(self, v: VisionArgs):
         super().__init__()
         self.act = v.hidden_act
@@ -95,7 +98,7 @@ class _MLP(nn.Module):
                                                                                      v.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(_ACTIVATIONS[self.act](self.fc1(x)))
+        return self.fc2(ACTIVATIONS[self.act](self.fc1(x)))
 
 
 class EncoderLayer(nn.Module):
@@ -106,7 +109,7 @@ class EncoderLayer(nn.Module):
         self.layer_norm1 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
         self.self_attn = _Attention(v)
         self.layer_norm2 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
-        self.mlp = _MLP(v)
+        self.mlp = FcMLP(v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))

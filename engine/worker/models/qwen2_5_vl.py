@@ -22,12 +22,14 @@ from torch import nn
 
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.worker.models import qwen2
-from baton.engine.worker.models.args import ModelArgs
+from baton.engine.worker.models.args import ImageEncoderArgs, ModelArgs
 from baton.engine.worker.models.basic import RMSNorm
+from baton.engine.worker.models.llava import ACTIVATIONS, FcMLP
+from baton.engine.worker.models.rope import rotate
 
 
 @dataclass(slots=True)
-class QwenVisionArgs:
+class QwenVisionArgs(ImageEncoderArgs):
     hidden_size: int
     intermediate_size: int
     depth: int
@@ -45,7 +47,7 @@ class QwenVisionArgs:
     # Qwen2-VL's tower: LayerNorms (with biases) in place of RMSNorms, and an fc1/fc2 MLP of this
     # activation in place of the gated SiLU one; no windows (window_size 0).
     qwen2: bool = False
-    mlp_act: str = "quick_gelu"
+    hidden_act: str = "quick_gelu"
 
     @property
     def tokens_per_image(self) -> int:
@@ -54,7 +56,6 @@ class QwenVisionArgs:
 
     @property
     def prompt_wrap(self) -> list[int]:
-        """The tokens around the image token in a prompt."""
         return [self.start_token_id, self.end_token_id]
 
     def most_tokens(self, model_dir: str) -> int:
@@ -66,16 +67,6 @@ class QwenVisionArgs:
                 processor = json.load(f)
         max_pixels = (processor.get("size") or {}).get("longest_edge") or processor.get("max_pixels") or 12845056
         return max_pixels // (self.patch_size * self.spatial_merge_size) ** 2
-
-    @property
-    def prompt_padding(self) -> list[str]:
-        """The text before and after an image in a chat turn, as the model's processor writes it."""
-        return ["", ""]
-
-    @property
-    def bidirectional(self) -> bool:
-        """An image's tokens attend causally, as text does."""
-        return False
 
 
 def args(cfg: dict) -> ModelArgs:
@@ -93,7 +84,7 @@ def args(cfg: dict) -> ModelArgs:
     text["rope_parameters"] = {"rope_theta": text.get("rope_theta", 1_000_000.0), **rope}
     v2 = (cfg.get("architectures") or [""])[0] == "Qwen2VLForConditionalGeneration"
     act = vision.get("hidden_act", "quick_gelu" if v2 else "silu")
-    if act not in (_MLP_ACTIVATIONS if v2 else ("silu",)):
+    if act not in (ACTIVATIONS if v2 else ("silu",)):
         raise InvalidArgument("model", f"the vision tower's hidden_act {act!r} is not supported")
     out = qwen2.args({**text, "architectures": cfg.get("architectures"),
                       "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))})
@@ -119,16 +110,11 @@ def args(cfg: dict) -> ModelArgs:
         spatial_merge_size=vision.get("spatial_merge_size", 2),
         rope_theta=float(vision_rope.get("rope_theta", 10000.0)), image_token_id=cfg.get("image_token_id", 151655),
         start_token_id=cfg.get("vision_start_token_id", 151652), end_token_id=cfg.get("vision_end_token_id", 151653),
-        qwen2=v2, mlp_act=act)
+        qwen2=v2, hidden_act=act)
     if out.vision.out_hidden_size != out.hidden_size:
         raise InvalidArgument("model", f"vision_config.out_hidden_size {out.vision.out_hidden_size} must be the "
                                        f"language model's hidden_size {out.hidden_size}")
     return out
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class _Attention(nn.Module):
@@ -142,14 +128,14 @@ class _Attention(nn.Module):
         """x [seq, hidden]; attention within each of the consecutive runs of `lengths` patches."""
         seq = x.shape[0]
         q, k, v = self.qkv(x).view(seq, 3, self.heads, -1).unbind(1)
-        q, k = ((t.float() * cos + _rotate_half(t.float()) * sin).to(t.dtype) for t in (q, k))  # in float32
+        q, k = (rotate(t.float(), cos, sin).to(t.dtype) for t in (q, k))  # in float32
         # [1, heads, n, D] each: SDPA's fused CPU kernel takes 4D inputs (3D ones take its ~8x slower math path)
         out = [F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in parts))[0].transpose(0, 1)
                for parts in zip(*(t.split(lengths) for t in (q, k, v)))]
         return self.proj(torch.cat(out).reshape(seq, -1))
 
 
-class _MLP(nn.Module):
+class _GatedMLP(nn.Module):
     def __init__(self, v: QwenVisionArgs):
         super().__init__()
         self.gate_proj = nn.Linear(v.hidden_size, v.intermediate_size)
@@ -160,22 +146,6 @@ class _MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class _FcMLP(nn.Module):
-    """Qwen2-VL's."""
-
-    def __init__(self, v: QwenVisionArgs):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(v.hidden_size, v.intermediate_size), nn.Linear(v.intermediate_size,
-                                                                                     v.hidden_size)
-        self.act = _MLP_ACTIVATIONS[v.mlp_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-_MLP_ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu, "silu": F.silu}
-
-
 def _norm(v: QwenVisionArgs) -> nn.Module:
     return nn.LayerNorm(v.hidden_size, eps=1e-6) if v.qwen2 else RMSNorm(v.hidden_size, 1e-6)
 
@@ -184,7 +154,7 @@ class _Block(nn.Module):
     def __init__(self, v: QwenVisionArgs):
         super().__init__()
         self.norm1, self.norm2 = _norm(v), _norm(v)
-        self.attn, self.mlp = _Attention(v), (_FcMLP(v) if v.qwen2 else _MLP(v))
+        self.attn, self.mlp = _Attention(v), (FcMLP(v) if v.qwen2 else _GatedMLP(v))
 
     def forward(self, x, cos, sin, lengths):
         x = x + self.attn(self.norm1(x), cos, sin, lengths)
