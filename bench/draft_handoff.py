@@ -104,7 +104,8 @@ def main() -> None:
         if nbytes not in reads:
             reads[nbytes] = raw_read(nbytes, args.read_repeats)
         return reads[nbytes]
-    paths = {"random-2L": lambda: random_draft(args.model, tempfile.mkdtemp()), "self": lambda: args.model}
+    scratch = tempfile.TemporaryDirectory()  # (removed at exit: the random draft is not left behind)
+    paths = {"random-2L": lambda: random_draft(args.model, scratch.name), "self": lambda: args.model}
     report = []
     for name in args.drafts.split(","):
         times, draft_block, target_block = recompute(args.model, paths[name](), lengths, args.repeats,

@@ -52,16 +52,21 @@ def main() -> None:
     p.add_argument("--family", choices=("llava", "qwen", "gemma"), default="llava")
     p.add_argument("--model", help="a checkpoint of that family (default: a random one written here)")
     args = p.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:  # the random checkpoint is ~0.5 GB: never left behind
+        run(args, scratch)
+
+
+def run(args: argparse.Namespace, scratch: str) -> None:
     if args.model:
         model = args.model
     elif args.family == "qwen":
-        model = write_random_qwen2_5_vl(tempfile.mkdtemp() + "/qwen-vl", seed=1, patch_size=14, window_size=112,
+        model = write_random_qwen2_5_vl(scratch + "/qwen-vl", seed=1, patch_size=14, window_size=112,
                                         max_pixels=1280 * 28 * 28, vision=QWEN_VISION, text={**TEXT, **QWEN_ROPE})
     elif args.family == "gemma":
-        model = write_random_gemma3_vl(tempfile.mkdtemp() + "/gemma3-vl", seed=1, image_size=224, patch_size=16,
+        model = write_random_gemma3_vl(scratch + "/gemma3-vl", seed=1, image_size=224, patch_size=16,
                                        tokens_per_image=49, vision=VISION, text={**TEXT, **GEMMA_TEXT})
     else:
-        model = write_random_llava(tempfile.mkdtemp() + "/llava", seed=1, image_size=224, patch_size=16,
+        model = write_random_llava(scratch + "/llava", seed=1, image_size=224, patch_size=16,
                                    vision=VISION, text=TEXT)
     llm = LLM(model, dtype="float32", device="cpu")
     images = llm.engine.inputs.images
