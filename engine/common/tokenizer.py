@@ -20,8 +20,10 @@ def load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def apply_chat_template(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """A conversation's prompt token ids, the assistant's turn opened for the reply. Tools go to
+def apply_chat_template(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                        tokenize: bool = True) -> list[int] | str:
+    """A conversation's prompt token ids (its text, not `tokenize`), the assistant's turn opened
+    for the reply. Tools go to
     a template that renders them; a template that knows none (SmolLM2's, ChatML's) gets them in
     a system prompt of Baton's own, asking for Hermes-style calls, which the tool parser reads;
     an agent's earlier calls and their results are then written as Hermes writes them."""
@@ -31,7 +33,7 @@ def apply_chat_template(tokenizer, messages: list[dict], tools: list[dict] | Non
         messages = hermes_history(messages)
     if tools and "tools" not in tokenizer.chat_template:
         messages, tools = with_tool_prompt(messages, tools), None
-    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=tokenize,
                                          return_dict=False)
 
 

@@ -1,6 +1,10 @@
 """A prompt's block hashes at the router, as the engines' prefix caches hash it, for the
 policies that route by them (prefix_affinity, kv_aware): of its token ids when the router has
-the checkpoint's tokenizer, else of its UTF-8 bytes."""
+the checkpoint's tokenizer, else of its UTF-8 bytes.
+
+A chat with images is hashed up to its first image only. An engine's blocks from there on hash
+the image's digest, of its processed pixels, which only fetching and processing the image would
+tell; the blocks before it are the same text whatever the image, and hash as the engines do."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +15,7 @@ from baton.services.rpc.chat import chat_messages, chat_tools
 from baton.v1 import generate_pb2 as pb
 
 HASHING_POLICIES = ("prefix_affinity", "kv_aware")  # they hash the prompt's blocks as the engines do
+IMAGE_MARK = "\ue000"  # (a private-use character) where a chat's first image goes, to cut the prompt there
 
 
 class PromptHasher:
@@ -40,14 +45,24 @@ class PromptHasher:
             units = self.tokenizer.encode(msg.text) if self.tokenizer else list(msg.text.encode())
         elif kind == "chat":
             try:
-                messages = chat_messages(msg.chat)
-                if self.tokenizer is not None and self.tokenizer.chat_template and messages:
-                    from baton.engine.common.tokenizer import apply_chat_template  # loaded with the tokenizer
-                    units = apply_chat_template(self.tokenizer, messages, chat_tools(msg.chat))
-                else:
-                    units = list("\n".join(f"{m['role']}: {m['content']}" for m in messages).encode())
+                units = self._chat_units(msg.chat)
             except InvalidArgument:  # the engine refuses it, naming the field
                 return []
         else:
             return []
         return extend_block_hashes([], units, self.block_size, self.max_blocks, root)
+
+    def _chat_units(self, chat: pb.Chat) -> list[int]:
+        """A chat's token ids (or bytes), up to its first image."""
+        images = any(m.images for m in chat.messages)
+        messages = chat_messages(chat, IMAGE_MARK if images else "")
+        if self.tokenizer is None or not self.tokenizer.chat_template or not messages:
+            text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+            return list(text.split(IMAGE_MARK)[0].encode())
+        from baton.engine.common.tokenizer import apply_chat_template  # loaded with the tokenizer
+        if not images:
+            return apply_chat_template(self.tokenizer, messages, chat_tools(chat))
+        text = apply_chat_template(self.tokenizer, messages, chat_tools(chat), tokenize=False)
+        # The last token before the image may merge with the image's own text (Gemma's "\n\n")
+        # in the engine's tokenization: it is left out.
+        return self.tokenizer.encode(text.split(IMAGE_MARK)[0], add_special_tokens=False)[:-1]

@@ -4,7 +4,8 @@ URLs, file:// under --allowed-local-media-path and http(s) from a server on loop
 offline engine's output for the same pictures. Bad images are INVALID_ARGUMENT / 400 naming the
 image's field: bytes that are no image, a file outside the allowed path, a host not allowed, a
 file over the byte limit, more images than --limit-mm-per-prompt, images sent to a text model;
-the server carries on, its pool full."""
+the server carries on, its pool full. The router hashes an image chat's blocks up to its first
+image as the engines do."""
 from __future__ import annotations
 
 import base64
@@ -186,3 +187,40 @@ def test_a_qwen_vl_image_through_the_router_reaches_the_decode_as_its_span(serve
                                                {"type": "text", "text": TEXT}]}])
     assert chat.choices[0].message.content == srv.server.core.tokenizer.decode(want, skip_special_tokens=True)
     assert srv.wait_pool_full()
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen", "gemma"])
+def test_the_router_hashes_an_image_chat_up_to_its_image_as_the_engines_do(family, tmp_path):
+    """The blocks before a chat's first image hash as an engine's do (kv_aware and prefix_affinity
+    find them); the router hashes nothing past it, where the engines' hashes depend on the image."""
+    from baton.engine.common.block_hashes import ROOT_HASH, extend_block_hashes
+    from baton.engine.common.tokenizer import load_tokenizer
+    from baton.services.router.prompt_hashes import PromptHasher
+    from baton.services.rpc.chat import chat_messages
+    from baton.testing.checkpoints import write_random_gemma3_vl
+
+    writer = {"llava": write_random_llava, "qwen": write_random_qwen2_5_vl, "gemma": write_random_gemma3_vl}[family]
+    model = writer(str(tmp_path / family), seed=1)
+    block = 16
+    hasher = PromptHasher(model, block, None)
+    hasher.tokenizer = load_tokenizer(model)
+    inputs = LLM(model, dtype="float32", device="cpu").engine.inputs
+    system = "You describe pictures in plain words, briefly and without guessing at what is not shown. " * 2
+
+    def chat(picture: bytes) -> pb.GenerateRequest:
+        return pb.GenerateRequest(chat=pb.Chat(messages=[
+            pb.ChatMessage(role="system", content=system),
+            pb.ChatMessage(role="user", content=TEXT, images=[pb.Image(data=picture)])]))
+
+    def engine_hashes(picture: bytes) -> list[int]:
+        ids = inputs.apply_chat_template(chat_messages(chat(picture).chat, inputs.images.image_text))
+        return extend_block_hashes([], inputs.images.expand(ids, [picture], "images")[0], block)
+
+    routed = hasher.hashes(chat(png(1)), ROOT_HASH)
+    one, other = engine_hashes(png(1)), engine_hashes(png(2, size=(40, 33)))
+    assert len(routed) >= 2 and routed == one[:len(routed)]
+    assert hasher.hashes(chat(png(2, size=(40, 33))), ROOT_HASH) == routed
+    assert one[:len(routed)] == other[:len(routed)] and one[len(routed) + 1:] != other[len(routed) + 1:]
+    text_only = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=system)]))
+    assert hasher.hashes(text_only, ROOT_HASH) == extend_block_hashes(
+        [], inputs.apply_chat_template([{"role": "user", "content": system}]), block)
