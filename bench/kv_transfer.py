@@ -31,7 +31,7 @@ from baton.engine.core.kv_cache_manager import KVCacheManager
 from baton.engine.core.request import Request, RequestStatus
 from baton.engine.worker.models import model_args
 from baton.kv_transfer.base import KVFormat
-from baton.kv_transfer.nixl_connector import _new_agent, make_nixl_connector
+from baton.kv_transfer.nixl_connector import make_nixl_connector, new_agent
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = {  # name: (layers, kv heads, head dim, parts: K and V, or MLA's latent alone)
@@ -122,7 +122,7 @@ def handoff(prefill: Side, decode: Side, n_tokens: int, tag: str) -> tuple[float
 def raw_read(nbytes: int, repeats: int) -> float:
     """Median seconds of one READ of nbytes in one descriptor between two fresh agents."""
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-    target, initiator = _new_agent(f"raw-target-{nbytes}"), _new_agent(f"raw-init-{nbytes}")
+    target, initiator = new_agent(f"raw-target-{nbytes}"), new_agent(f"raw-init-{nbytes}")
     regs = target.register_memory(src), initiator.register_memory(dst)
     peer = initiator.add_remote_agent(target.get_agent_metadata())
     peer = peer.decode() if isinstance(peer, bytes) else peer

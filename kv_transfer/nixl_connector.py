@@ -125,7 +125,7 @@ def _torch_dtype(name: str):
             "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}[name]
 
 
-def _new_agent(name: str):
+def new_agent(name: str):
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs to stdout otherwise
     from nixl._api import nixl_agent, nixl_agent_config
     # No progress thread: on 2 cores it slowed 256 MiB READs from 5-6 to ~3 GB/s and delayed
@@ -140,7 +140,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         must not park a request forever). `rank`: this worker's tensor-parallel rank (its
         engine_id then names the rank); only rank 0 keeps holds and tells peers about reads."""
         self.engine_id = engine_id
-        self.agent = agent if agent is not None else _new_agent(engine_id)
+        self.agent = agent if agent is not None else new_agent(engine_id)
         self.load_timeout_s = load_timeout_s
         self.rank = rank
         self.tp = 1  # the engine's ranks, from the registered format
@@ -194,7 +194,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         from baton.kv_transfer.reachability import probe_read  # torch: only where the cache is
 
         probe_read(self.agent, self._lock, self.layout, kv_cache,
-                   probe_agent if probe_agent is not None else _new_agent(f"{self.engine_id}-probe"))
+                   probe_agent if probe_agent is not None else new_agent(f"{self.engine_id}-probe"))
 
     def for_rank(self, rank: int):
         return functools.partial(NixlConnectorWorker, f"{self.engine_id}.r{rank}", None, self.load_timeout_s, rank)

@@ -153,6 +153,21 @@ def pd_stack(model_dir: str, num_prefill: int = 1, num_decode: int = 1, prefill:
             arg for flag, procs in backends if procs for arg in (flag, ",".join(p.address for p in procs))))
 
 
+@contextlib.contextmanager
+def epd_stack(model_dir: str, num_encoder: int = 1, encoder: tuple = (), **pd):
+    """pd_stack with an encoder tier (E/P/D) its router sends image requests through: yields
+    (encoders, prefills, decodes, router)."""
+    with contextlib.ExitStack() as stack:
+        encoders = []
+        for _ in range(num_encoder):
+            encoders.append(ServerProcess(model_dir, "--role", "encoder", "--internal-token", TOKEN,
+                                          *pd.get("common", ()), *encoder))
+            stack.callback(encoders[-1].stop)
+        router = ("--encoder", ",".join(e.address for e in encoders), *pd.pop("router", ()))
+        with pd_stack(model_dir, router=router, **pd) as (prefills, decodes, router_proc):
+            yield encoders, prefills, decodes, router_proc
+
+
 def baton(*argv: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "baton.services.cli", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **kwargs)

@@ -67,7 +67,7 @@ ABORT_STATUS_ALREADY_FINISHED: AbortStatus
 ABORT_STATUS_NOT_FOUND: AbortStatus
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "output", "adapter", "kv_handle", "resume")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "output", "adapter", "kv_handle", "resume", "encoded_images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class GenerateRequest(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -88,7 +89,8 @@ class GenerateRequest(_message.Message):
     adapter: str
     kv_handle: KVHandle
     resume: TokenIds
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., output: _Optional[_Union[Output, str]] = ..., adapter: _Optional[str] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., resume: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    encoded_images: EncodedImages
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., output: _Optional[_Union[Output, str]] = ..., adapter: _Optional[str] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., resume: _Optional[_Union[TokenIds, _Mapping]] = ..., encoded_images: _Optional[_Union[EncodedImages, _Mapping]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -283,6 +285,32 @@ class ImageSpan(_message.Message):
     length: int
     shape: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, digest: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EncodedImages(_message.Message):
+    __slots__ = ("encoder_id", "agent_metadata", "images", "hold_seconds")
+    ENCODER_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    HOLD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    encoder_id: str
+    agent_metadata: bytes
+    images: _containers.RepeatedCompositeFieldContainer[EncodedImage]
+    hold_seconds: float
+    def __init__(self, encoder_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., images: _Optional[_Iterable[_Union[EncodedImage, _Mapping]]] = ..., hold_seconds: _Optional[float] = ...) -> None: ...
+
+class EncodedImage(_message.Message):
+    __slots__ = ("span", "address", "nbytes", "dtype", "hidden")
+    SPAN_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    span: ImageSpan
+    address: int
+    nbytes: int
+    dtype: str
+    hidden: int
+    def __init__(self, span: _Optional[_Union[ImageSpan, _Mapping]] = ..., address: _Optional[int] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[str] = ..., hidden: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

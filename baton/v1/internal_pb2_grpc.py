@@ -145,6 +145,84 @@ class Prefill:
             _registered_method=True)
 
 
+class EncoderStub:
+    """The encoder tier (baton serve --role encoder): a vision-language model's image encoder alone.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Encode = channel.unary_unary(
+                '/baton.v1.Encoder/Encode',
+                request_serializer=baton_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generate__pb2.EncodedImages.FromString,
+                _registered_method=True)
+
+
+class EncoderServicer:
+    """The encoder tier (baton serve --role encoder): a vision-language model's image encoder alone.
+    """
+
+    def Encode(self, request, context):
+        """Reads, processes and encodes the images of the request's chat (the request's other fields
+        are not read) and holds their embeddings for a prefill to READ. INVALID_ARGUMENT names the
+        image's field as Generate would; RESOURCE_EXHAUSTED: every slot is held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EncoderServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Encode': grpc.unary_unary_rpc_method_handler(
+                    servicer.Encode,
+                    request_deserializer=baton_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generate__pb2.EncodedImages.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'baton.v1.Encoder', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('baton.v1.Encoder', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Encoder:
+    """The encoder tier (baton serve --role encoder): a vision-language model's image encoder alone.
+    """
+
+    @staticmethod
+    def Encode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Encoder/Encode',
+            baton_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+            baton_dot_v1_dot_generate__pb2.EncodedImages.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class KVPeerStub:
     """Missing associated documentation comment in .proto file."""
 

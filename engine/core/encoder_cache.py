@@ -56,11 +56,12 @@ class EncoderCache:
             image = request.images[index]
             if image.digest in self.tokens or image.digest in digests:  # held, or twice in the prompt
                 continue
-            if image.length > budget or image.length > room:
+            cost = 0 if image.encoded else image.length  # (an encoder tier's: nothing to run)
+            if cost > budget or image.length > room:
                 return max(0, image.offset - start), encode
             encode.append(index)
             digests.add(image.digest)
-            budget -= image.length
+            budget -= cost
             room -= image.length
         if self.whole_images:
             n = self._uncut(request, start, n)
@@ -96,7 +97,7 @@ class EncoderCache:
                 self.freed.append(digest)
             self.num_free -= image.length
             self.tokens[image.digest] = image.length
-            self.step_budget -= image.length
+            self.step_budget -= 0 if image.encoded else image.length
             self.to_encode.setdefault(request.request_id, []).append(index)
             self._claim(image.digest, request.request_id)
 

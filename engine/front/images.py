@@ -10,6 +10,7 @@ import binascii
 import hashlib
 import io
 
+import msgspec
 import numpy as np
 
 from baton.engine.common import anyres
@@ -87,21 +88,22 @@ class ImageProcessor:
     def expand(self, token_ids: list[int], images: list, field: str) -> tuple[list[int], list[ImageInput]]:
         """The prompt with each image token expanded into its image's span, and the images; raises
         InvalidArgument naming `field` (or `field[i]`) for what cannot be taken. An image may be
-        an ImageInput without pixels (a decode's, from its prefill's KV handle): its span as given."""
+        an ImageInput without pixels (a decode's, from its prefill's KV handle) or with its embeddings
+        (an encoder tier's): its span as given."""
         at = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         check(len(at) == len(images), field, f"has {len(images)} images for {len(at)} image tokens "
                                              f"({self.image_token_id}) in the prompt")
-        processed = [image if isinstance(image, ImageInput) else self._processed(image, f"{field}[{i}]")
+        processed = [image if isinstance(image, ImageInput) else self.processed(image, f"{field}[{i}]")
                      for i, image in enumerate(images)]
         out, inputs, last = [], [], 0
         for position, image in zip(at, processed):
             out += token_ids[last:position]
-            inputs.append(ImageInput(image.digest, len(out), image.length, image.pixels, image.shape, image.size))
+            inputs.append(msgspec.structs.replace(image, offset=len(out)))
             out += [image_placeholder(image.digest)] * image.length
             last = position + 1
         return out + token_ids[last:], inputs
 
-    def _processed(self, image, field: str) -> ImageInput:
+    def processed(self, image, field: str) -> ImageInput:
         """One image as the model takes it (its span's offset not known yet: 0)."""
         pixels, tokens, size = self._pixels(image, field)
         check(tokens <= self.max_image_tokens, field,

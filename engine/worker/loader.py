@@ -17,7 +17,7 @@ from baton.engine.common.config import read_config
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.worker.models import CausalLM, ModelArgs, llava, model_args, qwen2_5_vl
 from baton.engine.worker.models.basic import MLP
-from baton.engine.worker.models.layers import Attention
+from baton.engine.worker.models.layers import VISION_ENCODERS, Attention
 from baton.engine.worker.models.moe import SparseMoE
 from baton.engine.worker.models.qwen2_5_vl import QwenVisionArgs
 from baton.engine.worker.quant.formats import MXFP4, CheckpointFormat, checkpoint_format
@@ -164,14 +164,40 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
             loaded.add(name)
             filled.add(target)
     _check_complete(model, args, loaded, filled, params)
-    missing = next((n for n in params if n.startswith("vision.") and n not in filled), None)
-    if missing is not None:
-        raise InvalidArgument("model", f"checkpoint lacks the vision weight {missing!r}")
+    _check_vision(params, filled)
     scales, model.kv_scales_source = checkpoint_kv_scales(model_dir, args)
     for layer, layer_scales in zip(model.layers, scales, strict=True):
         layer.self_attn.kv_scales.copy_(layer_scales[:, :layer.self_attn.kv_scales.shape[1]])
     model.eval()
     return model if fmt is None else model.to(device)
+
+
+def load_vision(model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """A vision-language checkpoint's image encoder alone, without its language model (an
+    encoder tier's): pixels [images, *shape] and their sizes -> each image's embeddings."""
+    args = model_args(read_config(model_dir))
+    if args.vision is None:
+        raise InvalidArgument("model", f"{model_dir!r} is not a vision-language model: it has no image encoder")
+    with torch.device(device), default_dtype(dtype):
+        vision = VISION_ENCODERS[type(args.vision)](args.vision, args.hidden_size)
+    params = {"vision." + name: p for name, p in vision.named_parameters()}
+    filled: set[str] = set()
+    for path in _safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for stored in f.keys():
+                ours = _vision_or_language(stored, args)[1]
+                if ours in params:
+                    with torch.no_grad():
+                        params[ours].copy_(f.get_tensor(stored))
+                    filled.add(ours)
+    _check_vision(params, filled)
+    return vision.eval()
+
+
+def _check_vision(params: dict, filled: set[str]) -> None:
+    missing = next((n for n in params if n.startswith("vision.") and n not in filled), None)
+    if missing is not None:
+        raise InvalidArgument("model", f"checkpoint lacks the vision weight {missing!r}")
 
 
 # An FP8 KV cache's scales as checkpoints name them (after _canonical): compressed-tensors'

@@ -131,7 +131,8 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         # A vision-language model's image embeddings, by digest (image_embeddings.py).
-        self.images = ImageEmbeddings(model.vision, self.device) if model.vision is not None else None
+        self.images = (ImageEmbeddings(model.vision, self.device, compute_dtype) if model.vision is not None
+                       else None)
         self.last_sampled: torch.Tensor | None = None  # async scheduling: the last queued step's tokens, on the device
         self.token_ring = PinnedRing(config.max_num_seqs, self.device)  # (async scheduling's)
         self.grammars = None  # structured_output.Grammars, set by the engine core

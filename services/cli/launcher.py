@@ -190,11 +190,12 @@ class Stack:
 
 def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
                 policy: str, http_port: int | None = None, placements: list[Placement] | None = None,
-                router_argv: tuple[str, ...] = ()) -> Stack:
+                router_argv: tuple[str, ...] = (), num_encoder: int = 0) -> Stack:
     """`placements`: each engine's device and tensor parallel size (prefill engines first;
     default: the engine's own device, one rank). `http_port`: the router's OpenAI front, which
     serves its /metrics too (None or 0: none; the router then gets a metrics port, as engines do);
-    `router_argv`: the router's own flags."""
+    `router_argv`: the router's own flags; `num_encoder`: an encoder tier's instances (E/P/D: a
+    vision-language model's image encoder alone, with the engines' model, dtype and device)."""
     serve = [sys.executable, "-m", "baton.services.cli", "serve", "--host", host, "--model", model]
 
     def service(name: str, role: str, port: int, *argv: str, http_port: int | None = None) -> Service:
@@ -211,15 +212,18 @@ def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: 
                for (role, i), place in zip(roles, placements, strict=True)]
     for engine, place in zip(engines, placements):
         engine.placement = place
-    backends = [arg for e in engines for arg in ("--" + e.role, e.address)]
+    encoders = [Service(f"encoder-{i}", "encoder", f"{host}:{p}", [*serve, "--role", "encoder", "--port", str(p),
+                                                                    *engine_argv])
+                for i, p in enumerate(free_port(host) for _ in range(num_encoder))]
+    backends = [arg for e in [*engines, *encoders] for arg in ("--" + e.role, e.address)]
     return Stack([service("router", "router", port, "--policy", policy, *backends, *router_argv, http_port=http_port),
-                  *engines])
+                  *engines, *encoders])
 
 
 def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engine_argv: list[str],
        policy: str = "round_robin", start_timeout_s: float = 300.0, grace_s: float = 10.0, trace: bool = False,
        http_port: int | None = None, restart: bool = True, placements: list[Placement] | None = None,
-       router_argv: tuple[str, ...] = ()) -> int:
+       router_argv: tuple[str, ...] = (), num_encoder: int = 0) -> int:
     if not os.path.isfile(os.path.join(model, "config.json")):
         print(f"baton up: {model} is not a checkpoint directory (no config.json); "
               f"`baton prepare-models` writes the demo model", file=sys.stderr)
@@ -229,7 +233,7 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
             print(f"baton up: {host}:{taken} is taken; pick another with {flag}", file=sys.stderr)
             return 2
     stack = build_stack(model, host, port, num_prefill, num_decode, engine_argv, policy, http_port, placements,
-                        router_argv)
+                        router_argv, num_encoder)
     env = dict(os.environ, BATON_INTERNAL_TOKEN=os.environ.get("BATON_INTERNAL_TOKEN") or secrets.token_hex(16),
                **{UP_CHILD_ENV: "1"})
     # Engines share the cores instead of each assuming all of them: every rank is a process of its own.
@@ -254,12 +258,14 @@ def up(model: str, host: str, port: int, num_prefill: int, num_decode: int, engi
             print(f"baton up: {e}", file=sys.stderr)
             return 1
         engines = ", ".join(s.address + s.placement.summary() for s in stack.services[1:])
-        metrics = "".join(f"\n  {s.name:<10} {s.metrics_url}" for s in stack.services)
+        metrics = "".join(f"\n  {s.name:<10} {s.metrics_url}" for s in stack.services if s.metrics_url)
         traces = (f"\nTraces: every request's waterfall is printed here (receiver on {receiver.endpoint})"
                   if receiver is not None else "")
         http = (f"OpenAI API: http://{host}:{http_port}/v1 (e.g. curl http://{host}:{http_port}/v1/models)\n"
                 if http_port else "")
-        print(f"Baton is up: router on {host}:{port} -> {num_prefill} prefill + {num_decode} decode ({engines})\n"
+        encode = f"{num_encoder} encoder + " if num_encoder else ""
+        print(f"Baton is up: router on {host}:{port} -> {encode}{num_prefill} prefill + {num_decode} decode "
+              f"({engines})\n"
               f"  baton generate --target {host}:{port} 'What is the capital of France?'\n"
               f"{http}Metrics:{metrics}{traces}\nCtrl-C stops all.", flush=True)
         while not stopping.wait(0.5):

@@ -48,6 +48,15 @@ def _serve(args) -> None:
             from baton.engine.common.lifetime import die_with_parent
             die_with_parent(os.getppid())  # one of a set: never left serving without it
         make = lambda: Router(options)  # noqa: E731
+    elif args.role == "encoder":
+        from baton.services.encoder.encoder_server import EncoderOptions, EncoderServer
+        telemetry = _telemetry_options(args)
+        options = _checked(EncoderOptions, host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
+                           grace_s=args.grace_period, internal_token=args.internal_token, slots=args.encoder_slots,
+                           hold_s=args.encoder_hold_timeout, advertise_host=args.advertise_host, tls=_tls(args),
+                           media=_media_options(args), otlp_traces_endpoint=telemetry.get("otlp_traces_endpoint"),
+                           served_model_name=telemetry.get("served_model_name"))
+        make = lambda: EncoderServer(engine_config(args), options)  # noqa: E731
     else:
         from baton.services.server.server import Server, ServerOptions
         options = _checked(ServerOptions, host=args.host, port=args.port,
@@ -146,7 +155,8 @@ def _router_options(args):
         unknown = set(config) - set(RouterOptions.__slots__)
         if unknown:
             sys.exit(f"baton serve: {args.router_config}: unknown keys {', '.join(sorted(unknown))}")
-    for name, values in (("prefill", args.prefill), ("decode", args.decode), ("peers", args.router_peers)):
+    for name, values in (("prefill", args.prefill), ("decode", args.decode), ("encoder", args.encoder),
+                         ("peers", args.router_peers)):
         flags = [a for value in values or () for a in value.split(",") if a]
         if flags:
             config[name] = flags
@@ -174,8 +184,8 @@ def _up(args) -> None:
     from baton.services.cli.launcher import up
     from baton.services.cli.placement import place_engines, tier_tensor_parallel, visible_gpus
 
-    if args.decode < 1 or args.prefill < 0:
-        sys.exit("baton up: --decode must be >= 1 and --prefill >= 0")
+    if args.decode < 1 or args.prefill < 0 or args.encode < 0:
+        sys.exit("baton up: --decode must be >= 1, --prefill and --encode >= 0")
     # Each tier's --tensor-parallel-size and --kv-cache-dtype come with its placement, not with the shared flags.
     argv = engine_argv(args, leave_out=("tensor_parallel_size", "kv_cache_dtype"))
     if args.stream_interval != 1:  # a server flag, not an engine's: the decodes' streams are the ones it shapes
@@ -195,7 +205,8 @@ def _up(args) -> None:
                   for place, role in zip(placements, roles, strict=True)]
     sys.exit(up(model_dir(args), args.host, args.port, args.prefill, args.decode, argv, args.policy,
                 args.start_timeout, trace=args.trace, http_port=args.http_port or None, restart=not args.no_restart,
-                placements=placements, router_argv=(f"--router-workers={args.router_workers}",)))
+                placements=placements, router_argv=(f"--router-workers={args.router_workers}",),
+                num_encoder=args.encode))
 
 
 def _models(args) -> None:
@@ -270,10 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the images one request may carry, as vLLM takes it (default: %(default)s)")
     s.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds in-flight streams get to finish on shutdown before they are aborted")
-    s.add_argument("--role", choices=["both", "prefill", "decode", "router"], default="both",
+    s.add_argument("--role", choices=["both", "prefill", "decode", "router", "encoder"], default="both",
                    help="prefill: also serve the internal Prefill call (hold KV for decode peers); decode: also "
                         "take KV handles in Generate and pull the blocks over NIXL; both: either (default); "
-                        "router: no engine, route each request to a prefill and a decode instance")
+                        "router: no engine, route each request to a prefill and a decode instance; encoder: a "
+                        "vision-language model's image encoder alone, whose embeddings a prefill reads over NIXL")
+    e = s.add_argument_group("encoder (--role encoder)")
+    e.add_argument("--encoder-slots", type=int, default=64,
+                   help="images whose embeddings it holds (its cache by image), each slot as large as the largest "
+                        "image the model's processor makes (default: %(default)s)")
+    e.add_argument("--encoder-hold-timeout", type=float, default=30.0,
+                   help="seconds an image's embeddings stay held for the prefill that reads them, unless it says "
+                        "it is done sooner; a prefill reads them within 90%% of it, or reads the image itself")
     s.add_argument("--internal-token", default=os.environ.get("BATON_INTERNAL_TOKEN"),
                    help="shared secret internal calls must carry (default: $BATON_INTERNAL_TOKEN; unset: none)")
     s.add_argument("--kv-hold-timeout", type=float, default=120.0,
@@ -297,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill instances; a DNS name stands for every address it resolves to (re-resolved "
                         "periodically); repeat or comma-separate")
     r.add_argument("--decode", action="append", metavar="HOST:PORT[,…]", help="decode instances, as --prefill")
+    r.add_argument("--encoder", action="append", metavar="HOST:PORT[,…]",
+                   help="encoder instances (E/P/D), as --prefill: a chat's images are encoded there first and the "
+                        "prefill reads their embeddings; without one, the prefill encodes them")
     r.add_argument("--policy", choices=POLICIES,
                    help="how to pick an instance (default round_robin); prefix_affinity sends shared prompt "
                         "prefixes to one instance, within a load bound; kv_aware follows every instance's KV "
@@ -334,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--prefill", type=int, default=1, help="prefill instances (default: %(default)s; 0: decode "
                                                            "instances compute prompts themselves)")
     u.add_argument("--decode", type=int, default=1, help="decode instances (default: %(default)s)")
+    u.add_argument("--encode", type=int, default=0,
+                   help="encoder instances (E/P/D) of a vision-language model: its image encoder alone, on the "
+                        "engines' device; the router sends chats with images through one first (default: none)")
     u.add_argument("--prefill-device", metavar="DEVICE[,…]",
                    help="the prefill engines' device (cpu, cuda:N), or devices taken in turn (default: --device; "
                         "else, with several GPUs, one GPU per engine in turn; engines sharing a GPU split "

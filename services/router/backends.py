@@ -46,6 +46,7 @@ class Backend:
                                                   request_serializer=pb.GenerateRequest.SerializeToString,
                                                   response_deserializer=None)
         self.prefill = internal_pb2_grpc.PrefillStub(self.channel)
+        self.encoder = internal_pb2_grpc.EncoderStub(self.channel)  # (an encoder tier's)
         self.api = generate_pb2_grpc.TextGenerationStub(self.channel)  # the runtime API
         self.healthy = False
         self.ever_served = False  # reported SERVING at least once: not starting any more

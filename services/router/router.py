@@ -46,6 +46,7 @@ log = logging.getLogger("baton.router")
 class RouterOptions:
     prefill: list[str] = field(default_factory=list)  # HOST:PORT, the host an address or a DNS name
     decode: list[str] = field(default_factory=list)
+    encoder: list[str] = field(default_factory=list)  # an encoder tier (E/P/D): image requests go through it first
     peers: list[str] = field(default_factory=list)  # the router's other replicas, for Abort (as prefill)
     host: str = "127.0.0.1"
     port: int = 50051
@@ -95,7 +96,7 @@ class RouterOptions:
             raise ValueError(f"workers: must be an integer >= 1, got {self.workers!r}")
         if not (isinstance(self.max_migrations, int) and self.max_migrations >= 0):
             raise ValueError(f"max_migrations: must be an integer >= 0, got {self.max_migrations!r}")
-        for addr in (*self.prefill, *self.decode, *self.peers):
+        for addr in (*self.prefill, *self.decode, *self.encoder, *self.peers):
             split_host_port(addr)
 
 
@@ -108,6 +109,7 @@ class Router:
         self.options = o = options
         self.prefill = Tier("prefill", o.prefill, o.health_retry_s, self._health_changed, o.tls)
         self.decode = Tier("decode", o.decode, o.health_retry_s, self._health_changed, o.tls)
+        self.encoder = Tier("encoder", o.encoder, o.health_retry_s, lambda: None, o.tls)
         slot = o.worker
         peers = [*o.peers, *(slot.peers if slot is not None else ())]
         self.peers = Tier("router", peers, o.health_retry_s, lambda: None, o.tls)  # replicas and workers, for Abort
@@ -139,11 +141,11 @@ class Router:
                                                 also=(f"127.0.0.1:{slot.grpc_port}",) if slot is not None else ())
         self.address = f"{o.host}:{self.port}"
         self.generation = RouterGeneration(
-            self.prefill, self.decode, policies, o.policy, self.prompts if o.policy in HASHING_POLICIES else None,
-            self.in_flight, self.tracer, self.metrics, self.model_name, o.internal_token, o.max_migrations,
-            lambda: self.serving)
+            self.prefill, self.decode, self.encoder, policies, o.policy,
+            self.prompts if o.policy in HASHING_POLICIES else None, self.in_flight, self.tracer, self.metrics,
+            self.model_name, o.internal_token, o.max_migrations, lambda: self.serving)
         self.runtime_api = RouterRuntimeApi(self.prefill, self.decode, self.in_flight, self.model_name, self.address,
-                                            o.internal_token, self.peers)
+                                            o.internal_token, self.peers, self.encoder)
         # Generate's responses pass through as the backends serialized them.
         add_text_generation(self.grpc, self.generation.Generate, self.runtime_api, generate_serialized=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -184,6 +186,7 @@ class Router:
         for tier in (self.prefill, self.decode):
             await tier.refresh()
             await asyncio.gather(*(b.refresh_adapters() for b in tier.healthy()))
+        await self.encoder.refresh()
         await self.peers.refresh()
         if self.kv_index is None:
             return
@@ -218,7 +221,7 @@ class Router:
             self._resolver.cancel()
         for subscription in self.kv_subscriptions.values():
             await subscription.close()
-        for tier in (self.prefill, self.decode, self.peers):
+        for tier in (self.prefill, self.decode, self.encoder, self.peers):
             await tier.close()
         tracing.shutdown(self.tracer)
         if self.metrics_server is not None:

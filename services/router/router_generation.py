@@ -18,12 +18,19 @@ import grpc
 from baton.engine.common.block_hashes import ROOT_HASH
 from baton.engine.common.errors import InvalidArgument
 from baton.services.router.backends import Backend, Lease, Tier
-from baton.services.router.decode_leg import DecodeRoute, Relay, aborted_response, decode_leg, pass_on_or_take_out
+from baton.services.router.decode_leg import (
+    DecodeRoute,
+    Relay,
+    aborted_response,
+    decode_leg,
+    instance_failed,
+    pass_on_or_take_out,
+)
 from baton.services.router.in_flight import InFlight
-from baton.services.router.policies import Policy
+from baton.services.router.policies import LeastOutstanding, Policy
 from baton.services.router.prompt_hashes import PromptHasher
 from baton.services.router.router_telemetry import RouterTrace
-from baton.services.rpc.errors import abort_invalid
+from baton.services.rpc.errors import abort_invalid, pass_on
 from baton.services.rpc.fan_out import child_requests, merge, num_completions, retag
 from baton.services.rpc.names import TOKEN_KEY, token_metadata
 from baton.services.rpc.serving import in_background
@@ -44,10 +51,11 @@ class RouterGeneration:
     it needs none); the tracer, metrics and model name make each request's RouterTrace;
     `is_serving`: whether the router takes requests now."""
 
-    def __init__(self, prefill: Tier, decode: Tier, policies: tuple[Policy, Policy], policy: str,
+    def __init__(self, prefill: Tier, decode: Tier, encoder: Tier, policies: tuple[Policy, Policy], policy: str,
                  hasher: PromptHasher | None, in_flight: InFlight, tracer, metrics: RouterMetrics | None,
                  model_name: str, internal_token: str | None, max_migrations: int, is_serving: Callable[[], bool]):
-        self.prefill, self.decode = prefill, decode
+        self.prefill, self.decode, self.encoder = prefill, decode, encoder
+        self.encoder_policy = LeastOutstanding()  # (an image's cost is its own: no affinity to keep)
         self.prefill_policy, self.decode_policy = policies
         self.policy = policy
         self.hasher = hasher
@@ -65,6 +73,7 @@ class RouterGeneration:
         # The router's to set: a client's handle would reach a decode with the stack's token.
         msg.ClearField("kv_handle")
         msg.ClearField("resume")
+        msg.ClearField("encoded_images")
         if in_flight.is_live(msg.request_id):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {msg.request_id!r} is already in flight")
         if in_flight.full():  # shed now, rather than queue past every deadline
@@ -101,6 +110,7 @@ class RouterGeneration:
         # Tokenizing for affinity takes a while on a long prompt: not on the event loop.
         hashes = (await asyncio.to_thread(self.hasher.hashes, msg, self._hash_root(msg.adapter))
                   if self.hasher is not None else [])
+        await self._encode(msg, metadata, context, trace)
         relay = Relay(msg)  # before the prefill call: its first token is the client's too
         prefill_tried: list[Backend] = []
         reply = None
@@ -170,6 +180,36 @@ class RouterGeneration:
         finally:
             lease.end()
             trace.call_ended(span, "prefill", prefill, error)
+
+    async def _encode(self, msg: pb.GenerateRequest, metadata, context, trace: RouterTrace) -> None:
+        """A chat's images through an encoder tier, where one is healthy: their embeddings' handle
+        set on msg for the prefill (or the decode) to read. An error of the request's own (an image
+        that does not decode, a URL not allowed) goes to the client; any other leaves the images
+        to the prefill."""
+        if msg.WhichOneof("prompt") != "chat" or not any(m.images for m in msg.chat.messages):
+            return
+        backends = self.encoder.healthy()
+        if not backends:
+            return
+        choice = self.encoder_policy.choose(backends, [])
+        trace.picked("encoder", "least_outstanding", backends, choice)
+        lease, encoder = Lease(choice.backend, msg.request_id, choice.charge), choice.backend
+        span, metadata = trace.client_call("encoder", encoder, "Encode", metadata)
+        error = None
+        try:
+            msg.encoded_images.CopyFrom(await encoder.encoder.Encode(msg, metadata=metadata,
+                                                                     timeout=context.time_remaining()))
+        except grpc.aio.AioRpcError as e:
+            error = e
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                await pass_on(context, e)
+            if instance_failed(e):
+                encoder.failed()
+            log.warning("encoder %s failed for %s: %s; the prefill reads the images", encoder.address,
+                        msg.request_id, e.details())
+        finally:
+            lease.end()
+            trace.call_ended(span, "encoder", encoder, error)
 
     def _pick(self, tier: Tier, policy: Policy, hashes: list[int], trace: RouterTrace, request_id: str,
               exclude=(), adapter: str = "") -> Lease | None:

@@ -23,8 +23,8 @@ class RouterRuntimeApi:
     it makes to backends on the stack's behalf; `peers`: the router's other replicas."""
 
     def __init__(self, prefill: Tier, decode: Tier, in_flight: InFlight, model_name: str, address: str,
-                 internal_token: str | None, peers: Tier):
-        self.prefill, self.decode = prefill, decode
+                 internal_token: str | None, peers: Tier, encoder: Tier):
+        self.prefill, self.decode, self.encoder = prefill, decode, encoder  # (an encoder answers no runtime API)
         self.peers = peers  # this router's other replicas: the calls they carry are theirs to abort
         self.in_flight = in_flight
         self.model_name = model_name
@@ -141,10 +141,11 @@ class RouterRuntimeApi:
 
     async def _load(self) -> pb.Load:
         """The router's requests in flight, and each backend's own load (when it answers)."""
-        backends = [(tier.name, b) for tier in (self.prefill, self.decode) for b in tier.backends.values()]
+        backends = [(tier.name, b) for tier in (self.prefill, self.decode, self.encoder)
+                    for b in tier.backends.values()]
 
         async def ask(backend):
-            if not backend.healthy:
+            if not backend.healthy or backend in self.encoder.backends.values():
                 return None
             try:
                 return await backend.api.GetLoad(pb.GetLoadRequest(), timeout=1)

@@ -17,9 +17,9 @@ from baton.services.rpc.fan_out import child_requests, merge, num_completions
 from baton.services.rpc.kv_wire import image_spans_from_proto
 from baton.services.server.call_checks import CallChecks
 from baton.services.server.core_requests import MadeRequest, core_request_from_proto
+from baton.services.server.encoded_images import ChatImages
 from baton.services.server.engine_telemetry import EngineTelemetry
 from baton.services.server.kv_peers import KVPeers
-from baton.services.server.media import MediaOptions, read_images
 from baton.services.server.responses import ENGINE_ERRORS, abort_for_engine_error, decode_timing, response_from_output
 from baton.v1 import generate_pb2 as pb
 
@@ -29,9 +29,9 @@ class GenerationService:
     engine_runtime_api.py). `calls`: the Generate calls in flight, which Abort looks up."""
 
     def __init__(self, core: CoreClient, role: str, checks: CallChecks, calls: CallRegistry,
-                 telemetry: EngineTelemetry, kv_peers: KVPeers, media: MediaOptions):
+                 telemetry: EngineTelemetry, kv_peers: KVPeers, images: ChatImages):
         self.core = core
-        self.media = media
+        self.images = images
         self.role = role
         self.checks = checks
         self.calls = calls
@@ -42,7 +42,7 @@ class GenerationService:
         handle = msg.kv_handle if msg.HasField("kv_handle") else None
         with self.telemetry.server_span(context, msg, "Generate") as span:
             await self.checks.serving(context)
-            if handle is not None:
+            if handle is not None or msg.HasField("encoded_images"):  # the stack's to set
                 await self.checks.from_stack(context)
             msg.request_id = msg.request_id or uuid.uuid4().hex
             if msg.request_id in self.calls.live:
@@ -53,7 +53,7 @@ class GenerationService:
                 check(n == 1 or handle is None, "sampling.n", "must be 1 with a kv_handle")
                 # A prefill's handle names the images' spans: the decode reads none of them (errors.ImagesNotSent).
                 images = (image_spans_from_proto(handle) if handle is not None and handle.images else
-                          await read_images(msg.chat, self.core.inputs.images, self.media))
+                          await self.images.of(msg, self.core.inputs.images))
                 made = [core_request_from_proto(child, self.core, self.role, images=images)
                         for child in (child_requests(msg, n) if n > 1 else [msg])]
             except InvalidArgument as e:

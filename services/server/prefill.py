@@ -19,8 +19,8 @@ from baton.services.rpc.kv_wire import handle_to_proto
 from baton.services.rpc.serving import in_background
 from baton.services.server.call_checks import CallChecks
 from baton.services.server.core_requests import MadeRequest, core_request_from_proto
+from baton.services.server.encoded_images import ChatImages
 from baton.services.server.engine_telemetry import EngineTelemetry
-from baton.services.server.media import MediaOptions, read_images
 from baton.services.server.responses import ENGINE_ERRORS, abort_for_engine_error, response_from_output
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2, internal_pb2_grpc
@@ -31,9 +31,9 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
     where decodes reach this server, in the handles it gives out."""
 
     def __init__(self, core: CoreClient, role: str, checks: CallChecks, calls: CallRegistry,
-                 telemetry: EngineTelemetry, address: str, media: MediaOptions):
+                 telemetry: EngineTelemetry, address: str, images: ChatImages):
         self.core = core
-        self.media = media
+        self.images = images
         self.role = role
         self.checks = checks
         self.calls = calls
@@ -48,7 +48,7 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
             await self.checks.serving(context)
             try:
                 check(num_completions(msg) == 1, "sampling.n", "must be 1 at a prefill (the router fans n out)")
-                images = await read_images(msg.chat, self.core.inputs.images, self.media)
+                images = await self.images.of(msg, self.core.inputs.images)
                 made = core_request_from_proto(msg, self.core, self.role, for_prefill=True, images=images)
             except InvalidArgument as e:
                 await abort_invalid(context, e)

@@ -36,6 +36,7 @@ from baton.services.rpc.serving import (
 )
 from baton.services.rpc.tls import TLSConfig
 from baton.services.server.call_checks import CallChecks
+from baton.services.server.encoded_images import ChatImages
 from baton.services.server.engine_runtime_api import EngineRuntimeApi
 from baton.services.server.engine_telemetry import EngineTelemetry
 from baton.services.server.generation import GenerationService
@@ -135,7 +136,9 @@ class Server:
         checks = CallChecks(self.core, o.internal_token, lambda: self.serving)
         calls = CallRegistry()  # Generate and Prefill calls in flight, for Abort
         self.kv_peers = KVPeers(self.core, o.tls, o.internal_token)
-        self.generation = GenerationService(self.core, o.role, checks, calls, self.telemetry, self.kv_peers, o.media)
+        self.images = ChatImages(self.engine_id, o.media)  # a chat's images, or an encoder tier's embeddings of them
+        self.generation = GenerationService(self.core, o.role, checks, calls, self.telemetry, self.kv_peers,
+                                            self.images)
         self.runtime_api = EngineRuntimeApi(self.core, o.role, checks, calls, config.model, self.model_name,
                                             self.address)
         add_text_generation(self.grpc, self.generation.Generate, self.runtime_api)
@@ -144,7 +147,7 @@ class Server:
                                                       self.grpc)
         services = [SERVICE_NAME, *(internal_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("KVPeer", "Admin"))]
         if o.role != "decode":
-            prefill = PrefillService(self.core, o.role, checks, calls, self.telemetry, self.address, o.media)
+            prefill = PrefillService(self.core, o.role, checks, calls, self.telemetry, self.address, self.images)
             internal_pb2_grpc.add_PrefillServicer_to_server(prefill, self.grpc)
             services.append(internal_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -197,6 +200,7 @@ class Server:
         if self.http is not None:
             await self.http.stop()
         await self.kv_peers.close()
+        self.images.close()
         await self.core.stop()
         self.telemetry.close(time.monotonic())
         tracing.shutdown(self.tracer)

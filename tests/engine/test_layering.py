@@ -36,6 +36,13 @@ ALLOWED = {
     # The servers' fronts: the engine's front half and contracts, never its core or model.
     "services/server": ("baton.engine.common", "baton.engine.front", "baton.kv_transfer.base", "baton.services",
                         "baton.v1"),
+    # The encoder tier (E/P/D) is an engine without a core: the front's image processing and the
+    # model's image encoder in one process, its embeddings held for readers over NIXL.
+    "services/encoder": ("baton.engine.common", "baton.engine.front", "baton.engine.worker", "baton.kv_transfer",
+                         "baton.services", "baton.v1"),
+    # A server's front reads an encoder tier's embeddings over NIXL (the reader's half only).
+    "services/server/encoded_images.py": ("baton.engine.common", "baton.engine.front", "baton.kv_transfer.base",
+                                          "baton.kv_transfer.nixl_embeddings", "baton.services", "baton.v1"),
     "services/openai": ("baton.engine.common", "baton.services", "baton.v1"),
     "services/rpc": ("baton.engine.common", "baton.kv_transfer.base", "baton.services", "baton.v1"),
     "services/telemetry": ("baton.engine.common", "baton.services", "baton.v1"),

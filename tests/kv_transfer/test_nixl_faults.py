@@ -58,8 +58,8 @@ class AgentProxy:
     """A real NIXL agent: every method not overridden is the agent's own."""
 
     def __init__(self, name):
-        from baton.kv_transfer.nixl_connector import _new_agent
-        self._agent = _new_agent(name)
+        from baton.kv_transfer.nixl_connector import new_agent
+        self._agent = new_agent(name)
 
     def __getattr__(self, attr):
         return getattr(self._agent, attr)

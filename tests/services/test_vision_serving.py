@@ -224,3 +224,67 @@ def test_the_router_hashes_an_image_chat_up_to_its_image_as_the_engines_do(famil
     text_only = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=system)]))
     assert hasher.hashes(text_only, ROOT_HASH) == extend_block_hashes(
         [], inputs.apply_chat_template([{"role": "user", "content": system}]), block)
+
+
+def test_an_encoder_tier_encodes_the_images_and_the_prefill_reads_their_embeddings(tmp_path, pictures_server):
+    """E/P/D with Qwen2.5-VL (M-RoPE): the router sends an image chat through the encoder, which
+    fetches and encodes the image; the prefill READs its embeddings over NIXL (it may fetch from
+    no host here), the decode gets the span. The stream equals the offline engine's. A second chat
+    with the same image is not encoded again. A picture that does not decode is INVALID_ARGUMENT
+    naming its field, from the encoder. With the encoder gone the prefill encodes the image."""
+    from helpers import pools_full, stats, wait_serving
+    from servers import epd_stack
+
+    model_dir = write_random_qwen2_5_vl(str(tmp_path / "qwen-vl"), seed=7)
+    picture = png(7, (43, 39))
+    host, port = pictures_server.server_address
+    _Pictures.files, _Pictures.hits = {"/dog.png": picture}, []
+    url = pb.Image(url=f"http://{host}:{port}/dog.png")
+    want = offline(model_dir, picture, 8)
+    nowhere = ("--allowed-media-domains", "example.invalid")
+    with epd_stack(model_dir, encoder=("--allowed-media-domains", "127.0.0.1"), prefill=nowhere,
+                   decode=nowhere) as (encoders, prefills, decodes, router):
+        wait_serving(router.address, timeout=60)
+        assert generate(router.address, url) == want
+        assert _Pictures.hits == ["/dog.png"]  # the encoder's
+        assert generate(router.address, pb.Image(data=picture)) == want
+        logged = [line for line in encoders[0].lines if "images," in line]
+        assert [" 1 encoded, 0 held already" in logged[0], " 0 encoded, 1 held already" in logged[1]] == [True, True]
+        with pytest.raises(grpc.RpcError) as bad:
+            generate(router.address, pb.Image(data=b"not a picture"))
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "chat.messages[0].images[0]" in bad.value.details()
+        assert not any("could not be read" in line for line in prefills[0].lines)
+        assert stats(decodes[0].address).num_blocks_pulled > 0
+        encoders[0].stop()
+        assert generate(router.address, pb.Image(data=picture)) == want  # the prefill encodes it
+        with pytest.raises(grpc.RpcError) as far:
+            generate(router.address, url)  # (which the prefill may not fetch)
+        assert far.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "allowed-media-domains" in far.value.details()
+        assert pools_full(decodes[0].address) and pools_full(prefills[0].address)
+
+
+def test_baton_up_with_an_encoder_tier_serves_images_through_it(llava):
+    """`baton up --encode 1`: an encoder beside the prefill and the decode, the router sending image
+    chats through it (its metrics count the call); the stream equals the offline engine's."""
+    import urllib.request
+
+    from servers import Up
+
+    from baton.services.rpc.serving import free_port
+
+    picture = png(9)
+    want = offline(llava, picture, 8)
+    port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    up = Up("--model", llava, "--port", str(port), "--http-port", str(http_port), "--dtype", "float32",
+            "--encode", "1")
+    try:
+        assert "1 encoder + 1 prefill + 1 decode" in up.wait_for("Baton is up").string
+        assert sorted(up.children()) == ["decode", "encoder", "prefill", "router"]
+        assert generate(f"127.0.0.1:{port}", pb.Image(data=picture)) == want
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+        calls = [line for line in metrics.splitlines()
+                 if line.startswith("baton:router_backend_requests_total") and 'tier="encoder"' in line]
+        assert len(calls) == 1 and calls[0].endswith(" 1.0"), calls
+    finally:
+        assert up.stop() == 0

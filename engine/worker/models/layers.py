@@ -101,7 +101,7 @@ class DecoderLayer(nn.Module):
 
 
 # A vision-language model's image encoder, by its args' type (llava.py, qwen2_5_vl.py, gemma3_vl.py).
-_VISION = {VisionArgs: LlavaVision, QwenVisionArgs: QwenVision, SiglipArgs: Gemma3Vision}
+VISION_ENCODERS = {VisionArgs: LlavaVision, QwenVisionArgs: QwenVision, SiglipArgs: Gemma3Vision}
 
 
 class CausalLM(nn.Module):
@@ -128,7 +128,7 @@ class CausalLM(nn.Module):
         self.kv_scales_source = "default"
         # A vision-language model's image encoder (llava.py, qwen2_5_vl.py): images to embeddings
         # the runner merges.
-        self.vision = None if args.vision is None else _VISION[type(args.vision)](args.vision, args.hidden_size)
+        self.vision = None if args.vision is None else VISION_ENCODERS[type(args.vision)](args.vision, args.hidden_size)
 
     def prepare(self, max_model_len: int) -> None:
         """RoPE tables for every position of a context of max_model_len (and one past it), and
