@@ -89,6 +89,9 @@ class CoreRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True)
     remote_kv: KVHandle | None = None  # a decode's: the prompt's KV is at this peer
     lora_name: str = ""  # its LoRA adapter ("": the base model)
     images: list[ImageInput] = []  # a vision-language model's, in prompt order
+    # On the way to the core only: the images whose pixels follow the request as ZMQ frames of
+    # their own (pixel_frames.py), taken without a copy
+    pixel_frames: list[int] = []
 
 
 class CoreAbort(msgspec.Struct, tag=True, array_like=True):

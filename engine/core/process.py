@@ -50,14 +50,13 @@ from baton.engine.common.core_messages import (
 )
 from baton.engine.common.errors import InvalidArgument, StartupError
 from baton.engine.common.lifetime import die_with_parent
+from baton.engine.common.pixel_frames import ZERO_COPY_BYTES, attach_pixels
 from baton.engine.core.engine_core import EngineCore
 from baton.kv_transfer.base import KVUnreachable
 from baton.kv_transfer.nixl_connector import make_nixl_connector
 
 log = logging.getLogger("baton.core")
 
-# Below this a copy is cheaper than zero-copy's bookkeeping (pyzmq's own advice is ~64 KB).
-_ZERO_COPY_BYTES = 65536
 _HELD_POLL_S = 0.001  # only finished requests' blocks are held: poll the connector this often
 
 
@@ -146,13 +145,17 @@ class CoreLoop:
                     log.error("the front is gone; the engine core stops")
                     os._exit(1)
                 continue
-            self.inputs.put(decoder.decode(sock.recv(copy=False).buffer))
+            frames = sock.recv_multipart(copy=False)
+            msg = decoder.decode(frames[0].buffer)
+            if len(frames) > 1:  # a request's large pixels, each a frame of its own
+                attach_pixels(msg, frames)
+            self.inputs.put(msg)
 
     def _send(self, sock: zmq.Socket) -> None:
         encoder = msgspec.msgpack.Encoder()
         while (msg := self.outputs.get()) is not None:
             raw = encoder.encode(msg)
-            sock.send(raw, copy=len(raw) < _ZERO_COPY_BYTES)
+            sock.send(raw, copy=len(raw) < ZERO_COPY_BYTES)
         _close(sock)
 
     def rank_died(self, e: Exception) -> None:

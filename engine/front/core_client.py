@@ -45,6 +45,7 @@ from baton.engine.common.core_messages import (
 from baton.engine.common.errors import StartupError
 from baton.engine.common.kv_cache_events import KVEvent
 from baton.engine.common.lifetime import child_argv
+from baton.engine.common.pixel_frames import request_frames
 from baton.engine.common.stats import StepEvents
 from baton.engine.common.tokenizer import load_tokenizer
 from baton.engine.front.images import image_processor
@@ -261,7 +262,10 @@ class CoreClient:
         return len(self._streams)
 
     def _send(self, msg) -> None:
-        self._push.send(self._encoder.encode(msg), copy=False)
+        if isinstance(msg, CoreRequest) and msg.images:  # (large pixels as frames of their own)
+            self._push.send_multipart(request_frames(msg, self._encoder.encode), copy=False)
+        else:
+            self._push.send(self._encoder.encode(msg), copy=False)
 
     def _check_alive(self) -> None:
         if self._dead is not None:

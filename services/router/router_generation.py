@@ -48,8 +48,9 @@ class RouterGeneration:
     """baton.v1.TextGeneration/Generate at the router (the service's other methods are the
     runtime API's, router_runtime_api.py). `policies`: the prefill tier's and the decode tier's,
     both of the kind `policy` names; `hasher`: the prompt's block hashes for the policy (None:
-    it needs none); the tracer, metrics and model name make each request's RouterTrace;
-    `is_serving`: whether the router takes requests now."""
+    it needs none); `encoder`: an encoder tier (E/P/D), which a chat's images go through first
+    (none configured: the prefill encodes them); the tracer, metrics and model name make each
+    request's RouterTrace; `is_serving`: whether the router takes requests now."""
 
     def __init__(self, prefill: Tier, decode: Tier, encoder: Tier, policies: tuple[Policy, Policy], policy: str,
                  hasher: PromptHasher | None, in_flight: InFlight, tracer, metrics: RouterMetrics | None,
