@@ -101,8 +101,10 @@ class EncoderService(internal_pb2_grpc.EncoderServicer):
                         pb.FAILURE_REASON_ENGINE_UNAVAILABLE)
         name = internal_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
         with tracing.ServerSpan(self.tracer, context, f"encode {self.model_name}",
-                                tracing.rpc_attributes(name, "Encode")):
+                                tracing.rpc_attributes(name, "Encode")) as span:
             self.in_flight += 1
+            work = tracing.start_span(self.tracer, "encode", span)  # (the waterfall's phase: read, process, encode)
+            error = None
             try:
                 images = await read_images(msg.chat, self.processor, self.options.media)
                 fields = [f"chat.messages[{i}].images[{j}]" for i, m in enumerate(msg.chat.messages)
@@ -110,11 +112,15 @@ class EncoderService(internal_pb2_grpc.EncoderServicer):
                 stored = await asyncio.get_running_loop().run_in_executor(self._thread, self._encode, images, fields,
                                                                           msg.request_id)
             except InvalidArgument as e:
+                error = str(e)
                 await abort_invalid(context, e)
             except StoreFull as e:
+                error = str(e)
                 await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             finally:
                 self.in_flight -= 1
+                tracing.end_span(work, attributes={"baton.images": sum(len(m.images) for m in msg.chat.messages)},
+                                 error=error)
             return pb.EncodedImages(encoder_id=self.engine_id, agent_metadata=self.store.agent_metadata,
                                     hold_seconds=self.options.hold_s, images=stored)
 

@@ -24,8 +24,8 @@ KIND_SERVER, KIND_CLIENT = 2, 3
 STATUS_ERROR = 2
 # The waterfall's rows: span name -> phase (the prefill tier's "prefill" is its compute).
 _PHASES = {"queue": "queue", "prefill": "prefill", "kv_hold": "hold", "kv_handshake": "handshake",
-           "kv_transfer": "transfer", "kv_wait": "waiting for KV", "decode": "decode"}
-_TIERS = {"router": "router", "prefill": "prefill", "decode": "decode", "both": "colocated"}
+           "kv_transfer": "transfer", "kv_wait": "waiting for KV", "decode": "decode", "encode": "encode"}
+_TIERS = {"router": "router", "prefill": "prefill", "decode": "decode", "both": "colocated", "encoder": "encoder"}
 _BAR = 40
 
 

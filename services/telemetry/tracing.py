@@ -22,7 +22,7 @@ log = logging.getLogger("baton.tracing")
 
 TRACE_KEYS = ("traceparent", "tracestate")  # the W3C trace context, as metadata keys and handle fields
 DEFAULT_SERVICE_NAMES = {"router": "baton-router", "prefill": "baton-prefill", "decode": "baton-decode",
-                         "both": "baton"}
+                         "both": "baton", "encoder": "baton-encoder"}
 _PROTOCOLS = ("grpc", "http/protobuf")
 
 def wall_ns(monotonic: float) -> int:

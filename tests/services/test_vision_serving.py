@@ -226,14 +226,18 @@ def test_the_router_hashes_an_image_chat_up_to_its_image_as_the_engines_do(famil
         [], inputs.apply_chat_template([{"role": "user", "content": system}]), block)
 
 
-def test_an_encoder_tier_encodes_the_images_and_the_prefill_reads_their_embeddings(tmp_path, pictures_server):
+def test_an_encoder_tier_encodes_the_images_and_the_prefill_reads_their_embeddings(tmp_path, pictures_server,
+                                                                                   trace_receiver, monkeypatch):
     """E/P/D with Qwen2.5-VL (M-RoPE): the router sends an image chat through the encoder, which
     fetches and encodes the image; the prefill READs its embeddings over NIXL (it may fetch from
-    no host here), the decode gets the span. The stream equals the offline engine's. A second chat
-    with the same image is not encoded again. A picture that does not decode is INVALID_ARGUMENT
-    naming its field, from the encoder. With the encoder gone the prefill encodes the image."""
+    no host here), the decode gets the span. The stream equals the offline engine's, and one trace
+    holds the encoder's phase and the decode's transfer. A second chat with the same image is not
+    encoded again. A picture that does not decode is INVALID_ARGUMENT naming its field, from the
+    encoder. With the encoder gone the prefill encodes the image."""
     from helpers import pools_full, stats, wait_serving
     from servers import epd_stack
+
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # (the children's spans arrive within ms)
 
     model_dir = write_random_qwen2_5_vl(str(tmp_path / "qwen-vl"), seed=7)
     picture = png(7, (43, 39))
@@ -243,10 +247,16 @@ def test_an_encoder_tier_encodes_the_images_and_the_prefill_reads_their_embeddin
     want = offline(model_dir, picture, 8)
     nowhere = ("--allowed-media-domains", "example.invalid")
     with epd_stack(model_dir, encoder=("--allowed-media-domains", "127.0.0.1"), prefill=nowhere,
-                   decode=nowhere) as (encoders, prefills, decodes, router):
+                   decode=nowhere, common=("--otlp-traces-endpoint", trace_receiver.endpoint)
+                   ) as (encoders, prefills, decodes, router):
         wait_serving(router.address, timeout=60)
         assert generate(router.address, url) == want
         assert _Pictures.hits == ["/dog.png"]  # the encoder's
+
+        def traced(spans) -> bool:  # the encoder's phase and the decode's READ in one trace
+            encoded = {s.trace_id for s in spans if s.name == "encode" and s.role == "encoder"}
+            return any(s.trace_id in encoded for s in spans if s.name == "kv_transfer" and s.role == "decode")
+        assert trace_receiver.wait_for(traced)
         assert generate(router.address, pb.Image(data=picture)) == want
         logged = [line for line in encoders[0].lines if "images," in line]
         assert [" 1 encoded, 0 held already" in logged[0], " 0 encoded, 1 held already" in logged[1]] == [True, True]
