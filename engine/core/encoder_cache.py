@@ -108,9 +108,11 @@ class EncoderCache:
 
     def computed(self, request: Request, upto: int) -> None:
         """The request's tokens up to `upto` are computed (scheduled): images whose span ends
-        there are no longer needed by it."""
+        there are no longer needed by it, unless the same picture's span later in the prompt is
+        under way (it must stay held through that one's last chunk)."""
+        inside = {image.digest for image in request.images if image.offset < upto < image.offset + image.length}
         for image in request.images:
-            if image.offset + image.length <= upto:
+            if image.offset + image.length <= upto and image.digest not in inside:
                 self._release(image.digest, request.request_id)
 
     def release(self, request: Request) -> None:
