@@ -42,6 +42,22 @@ GOLDEN_VALUE_SETS: dict[str, dict] = {
                     "sampler": "parentbased_traceidratio", "samplerArg": "0.1"},
         "ucx": {"tls": "tcp", "tcpPortRange": "30000-30100"},
     },
+    # E/P/D: a vision-language model on GPUs behind an encoder tier of two (its own slots, hold
+    # timeout and media flags), with NetworkPolicies over a pinned UCX range and a ServiceMonitor
+    # (which the encoders, without a metrics port, stay out of).
+    "encoder-gpu": {
+        "engine": {"model": "qwen2.5-vl-3b-instruct", "dtype": "bfloat16", "device": "cuda"},
+        "prefill": {"resources": {"limits": {"nvidia.com/gpu": 1}}},
+        "decode": {"resources": {"limits": {"nvidia.com/gpu": 1}}},
+        "encoder": {"replicas": 2, "slots": 128, "holdTimeoutSeconds": 45,
+                    "resources": {"limits": {"nvidia.com/gpu": 1}, "requests": {"cpu": "2", "memory": "16Gi"}},
+                    "nodeSelector": {"nvidia.com/gpu.present": "true"},
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "extraArgs": ["--allowed-media-domains", "images.example.com"]},
+        "networkPolicy": {"enabled": True},
+        "serviceMonitor": {"enabled": True},
+        "ucx": {"tls": "tcp", "tcpPortRange": "30000-30100"},
+    },
 }
 
 _TOKEN_LINE = re.compile(r"^(\s+[A-Za-z0-9_.-]+: )\"[A-Za-z0-9+/=]+\"$", re.M)

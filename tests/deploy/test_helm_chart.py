@@ -7,6 +7,7 @@ import re
 import shutil
 
 import pytest
+from encoder_values import ENCODER_VALUE_SETS
 from helm_render import (
     CHART,
     CRD_GROUPS,
@@ -33,10 +34,12 @@ from helm_render import (
 
 # --- render, lint, validate -------------------------------------------------------------------
 
+ALL_VALUE_SETS = {**VALUE_SETS, **ENCODER_VALUE_SETS}
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+
+@pytest.mark.parametrize("name", ALL_VALUE_SETS)
 def test_renders_and_lints_strict(name):
-    values = VALUE_SETS[name]
+    values = ALL_VALUE_SETS[name]
     chart().validate_schema(values)
     docs = manifests(values)
     kinds = {d["kind"] for d in docs}
@@ -48,10 +51,10 @@ def test_renders_and_lints_strict(name):
     assert "baton.v1.TextGeneration/Generate" in notes and "helm test" in notes
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("name", ALL_VALUE_SETS)
 def test_manifests_validate_strict(name):
     versions = [MIN_VERSION.get(name, OLDEST), NEWEST]
-    for doc in manifests(VALUE_SETS[name]):
+    for doc in manifests(ALL_VALUE_SETS[name]):
         group = doc["apiVersion"].rpartition("/")[0]
         if group in CRD_GROUPS:
             continue  # kubernetes-validate knows no CRDs: test_monitors_select_metrics_ports checks them
@@ -155,6 +158,17 @@ BAD_VALUES = {
     "no tensor parallel rank": ({"decode": {"tensorParallelSize": 0}}, ["/decode/tensorParallelSize"]),
     "unknown speculative method": ({"engine": {"speculativeConfig": {"method": "medusa"}}},
                                    ["/engine/speculativeConfig/method"]),
+    "negative encoder replicas": ({"encoder": {"replicas": -1}}, ["/encoder/replicas"]),
+    "encoder replicas not an integer": ({"encoder": {"replicas": "two"}}, ["/encoder/replicas"]),
+    "no encoder slot": ({"encoder": {"replicas": 1, "slots": 0}}, ["/encoder/slots"]),
+    "encoder hold timeout of zero": ({"encoder": {"replicas": 1, "holdTimeoutSeconds": 0}},
+                                     ["/encoder/holdTimeoutSeconds"]),
+    "an engine setting the encoder does not take": ({"encoder": {"engine": {"maxModelLen": 4096}}},
+                                                    ["/encoder/engine"]),
+    "an encoder without a router": ({"mode": "colocated", "router": {"enabled": False}, "encoder": {"replicas": 1}},
+                                    ["encoder.replicas", "router.enabled"]),
+    "encoder autoscaling bounds": ({"encoder": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}}},
+                                   ["encoder.autoscaling.minReplicas", "encoder.autoscaling.maxReplicas"]),
     "a head on the decode only": (
         {"decode": {"engine": {"speculativeConfig": {"method": "eagle3", "model": "h"}}}},
         ["prefill.engine.speculativeConfig.method", "decode.engine.speculativeConfig.method"]),
@@ -252,3 +266,29 @@ def test_router_workers_become_the_flag():
     assert parse(default["router"]).router_workers is None
     with pytest.raises(helm_python.HelmValuesError, match="workers"):
         manifests({"router": {"workers": 0}})
+
+
+def test_templates_check_encoder_replicas_too(tmp_path):
+    """Without the schema, negative encoder replicas still fail naming the key (not a silent "off")."""
+    unchecked = tmp_path / "baton"
+    shutil.copytree(CHART, unchecked)
+    (unchecked / "values.schema.json").unlink()
+    with helm_python.Chart.load(unchecked) as c:
+        with pytest.raises(helm_python.HelmRenderError) as info:
+            c.render({"encoder": {"replicas": -1}}, name=RELEASE, namespace=NAMESPACE)
+    assert "encoder.replicas: must be 0 (no encoder tier) or more (got -1)" in str(info.value)
+
+
+def test_encoder_values_are_typed():
+    """The encoder tier's keys are in the schema: its defaults pass, its numbers are typed."""
+    merged = chart().merge_values({})
+    keys = ("replicas", "slots", "holdTimeoutSeconds", "engine", "extraArgs")  # (merging drops the nulls)
+    assert {k: merged["encoder"].get(k) for k in keys} == {
+        "replicas": 0, "slots": None, "holdTimeoutSeconds": None, "engine": {}, "extraArgs": []}
+    chart().validate_schema({"encoder": {"replicas": 3, "slots": 16, "holdTimeoutSeconds": 7.5,
+                                         "engine": {"model": "vlm", "dtype": "bfloat16", "device": "cuda:1"}}})
+    for bad in ({"replicas": 1.5}, {"slots": "64"}, {"holdTimeoutSeconds": "30s"}, {"engine": {"device": "tpu"}},
+                {"extraArgs": "--x"}, {"shmSizeLimit": "1Gi"}):
+        with pytest.raises(helm_python.HelmValuesError) as info:
+            chart().validate_schema({"encoder": bad})
+        assert "/encoder" in str(info.value), (bad, str(info.value))

@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+from encoder_values import ENCODER, ENCODER_VALUE_SETS, encoder_on
 from helm_render import (
     ENGINE_COMPONENTS,
     FULLNAME,
@@ -25,6 +26,8 @@ from helm_render import (
     of_kind,
     parse,
     pod_specs,
+    render,
+    render_golden,
     selects,
     yaml,
 )
@@ -34,14 +37,18 @@ from baton.services.rpc.names import ROUTER_LIVENESS
 # --- command lines and the ports, names and probes around them -----------------------------------
 
 
-@pytest.mark.parametrize("name", VALUE_SETS)
+ALL_VALUE_SETS = {**VALUE_SETS, **ENCODER_VALUE_SETS}
+
+
+@pytest.mark.parametrize("name", ALL_VALUE_SETS)
 def test_command_lines_parse_and_agree_with_ports_and_services(name):
-    values = VALUE_SETS[name]
+    values = ALL_VALUE_SETS[name]
     merged = chart().merge_values(values)
     docs = manifests(values)
     services = {s["metadata"]["name"]: s for s in of_kind(docs, "Service")}
     colocated = merged["mode"] == "colocated"
     router_on = not colocated or merged["router"]["enabled"]
+    encoder = encoder_on(merged)
     (public,) = [s for s in services.values() if s["spec"].get("clusterIP") != "None"]
     headless = {component(s["metadata"]["labels"]): s for s in services.values()
                 if s["spec"].get("clusterIP") == "None"}
@@ -52,7 +59,7 @@ def test_command_lines_parse_and_agree_with_ports_and_services(name):
     assert (peers is not None) == replicated
     if peers is not None:
         assert peers["spec"]["publishNotReadyAddresses"] is True
-    assert set(headless) == ({"colocated"} if colocated else {"prefill", "decode"})
+    assert set(headless) == ({"colocated"} if colocated else {"prefill", "decode"}) | ({ENCODER} if encoder else set())
     for s in headless.values():
         assert s["spec"]["publishNotReadyAddresses"] is False
 
@@ -71,7 +78,10 @@ def test_command_lines_parse_and_agree_with_ports_and_services(name):
         assert component(labels) == {"both": "colocated"}.get(role, role)
         assert args.host == "0.0.0.0"
         assert args.port == ports["grpc"] == merged["ports"]["grpc"]
-        assert args.metrics_port == ports["metrics"] == merged["metrics"]["port"]
+        if role == ENCODER:  # an encoder has no metrics port
+            assert args.metrics_port is None and "metrics" not in ports
+        else:
+            assert args.metrics_port == ports["metrics"] == merged["metrics"]["port"]
         if role in ("router", "both"):
             assert args.http_port == ports["http"] == merged["ports"]["http"]
         else:
@@ -100,10 +110,10 @@ def test_command_lines_parse_and_agree_with_ports_and_services(name):
                 # Ready only once the model is loaded: the health service over TLS, not a TCP connect.
                 assert probe != "readinessProbe" or "exec" in container[probe], pod_name
         if role == "router":
-            backends = {"decode": args.decode, "prefill": args.prefill}
+            backends = {"decode": args.decode, "prefill": args.prefill, ENCODER: args.encoder}
             for tier, addresses in backends.items():
                 target = "colocated" if colocated and tier == "decode" else tier
-                if colocated and tier == "prefill":
+                if (colocated and tier == "prefill") or (tier == ENCODER and not encoder):
                     assert addresses is None
                     continue
                 (address,) = addresses
@@ -118,10 +128,14 @@ def test_command_lines_parse_and_agree_with_ports_and_services(name):
             env = env_of(container)
             assert args.advertise_host == "$(POD_IP)"
             assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-            (shm,) = [v for v in spec["volumes"] if v["name"] == "shm"]
-            assert shm["emptyDir"]["medium"] == "Memory"
+            shm = [v for v in spec["volumes"] if v["name"] == "shm"]
+            if role == ENCODER:  # one process, no NCCL: no /dev/shm of its own
+                assert not shm and "/dev/shm" not in {m["mountPath"] for m in container["volumeMounts"]}
+            else:
+                assert shm[0]["emptyDir"]["medium"] == "Memory"
         check_tls_args(args, container, spec, merged)
-    assert seen_roles == ({"router"} if router_on else set()) | ({"both"} if colocated else {"prefill", "decode"})
+    assert seen_roles == ({"router"} if router_on else set()) | ({"both"} if colocated else {"prefill", "decode"}) \
+        | ({ENCODER} if encoder else set())
 
     # Every Service port leads to a container port of the same number on the pods it selects.
     for s in services.values():
@@ -198,8 +212,8 @@ def check_network_policies(docs, merged):
                         assert ucx and ucx["value"] == f"{p['port']}-{p['endPort']}"
                     else:
                         assert p["port"] in ports.values(), (policy["metadata"]["name"], p, ports)
-            if component(labels) in ENGINE_COMPONENTS:
-                # The engines' gRPC port (and UCX) only from this release's pods.
+            if component(labels) in (*ENGINE_COMPONENTS, ENCODER):
+                # The engines' and encoders' gRPC port (and UCX) only from this release's pods.
                 for rule in policy["spec"]["ingress"]:
                     numbers = {p["port"] for p in rule.get("ports", [])}
                     if not rule.get("ports") or ports["grpc"] in numbers:
@@ -207,8 +221,15 @@ def check_network_policies(docs, merged):
                         if not is_public:
                             assert rule["from"] == [{"podSelector": {"matchLabels": {
                                 "app.kubernetes.io/name": "baton", "app.kubernetes.io/instance": RELEASE}}}]
-                if component(labels) != "colocated" and not merged["ucx"]["tcpPortRange"]:
-                    assert any("ports" not in r for r in policy["spec"]["ingress"])  # UCX's ephemeral ports
+                # UCX's ephemeral ports, or its range: between prefill and decode, and from the
+                # encoders to the servers that read the embeddings (prefill, or colocated).
+                ucx_tier = component(labels) != "colocated" or encoder_on(merged)
+                if ucx_tier and not merged["ucx"]["tcpPortRange"]:
+                    assert any("ports" not in r for r in policy["spec"]["ingress"])
+                elif ucx_tier:
+                    assert any("endPort" in p for r in policy["spec"]["ingress"] for p in r.get("ports", []))
+                else:
+                    assert all("ports" in r for r in policy["spec"]["ingress"])
     assert covered == {component(labels) for labels, _ in pods}
 
 
@@ -448,3 +469,118 @@ def test_values_merge_keeps_defaults():
     merged = chart().merge_values(copy.deepcopy(VALUE_SETS["gpu"]))
     assert merged["image"]["repository"] == "localhost/baton" and merged["router"]["policy"] == "round_robin"
     assert merged["engine"]["dtype"] == "bfloat16" and merged["prefill"]["replicas"] == 1
+
+
+# --- the encoder tier (E/P/D) ------------------------------------------------------------------
+
+
+def _containers(docs: list[dict]) -> dict[str, dict]:
+    return {component(labels): spec["containers"][0] for _, labels, spec in pod_specs(docs)}
+
+
+def test_encoder_tier_is_off_by_default_and_changes_nothing():
+    """encoder.replicas 0 (the default): no encoder object, the router without --encoder, and the
+    whole render the same as without encoder values at all."""
+    merged = chart().merge_values({})
+    assert merged["encoder"]["replicas"] == 0 and not encoder_on(merged)
+    docs = manifests({})
+    assert all(d["metadata"]["labels"].get("app.kubernetes.io/component") != ENCODER for d in docs)
+    assert parse(_containers(docs)["router"]).encoder is None
+    assert not render({})["baton/templates/encoder.yaml"].strip()
+    idle = {"encoder": {"replicas": 0, "slots": 8, "resources": {"limits": {"nvidia.com/gpu": 1}},
+                        "extraArgs": ["--allowed-media-domains", "x.example"]}}
+    assert render_golden.render_text(render(idle)) == render_golden.render_text(render({}))
+
+
+def test_encoder_tier_flags_service_and_router():
+    values = VALUE_SETS["encoder-gpu"]
+    docs = manifests(values)
+    name = f"{FULLNAME}-encoder"
+    deployment = by_name(docs, "Deployment", name)
+    assert deployment["spec"]["replicas"] == 2
+    spec = deployment["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    args = parse(container)
+    assert (args.command, args.role, args.host, args.port) == ("serve", "encoder", "0.0.0.0", 50051)
+    assert (args.model, args.dtype, args.device) == ("/models/qwen2.5-vl-3b-instruct", "bfloat16", "cuda")
+    assert (args.encoder_slots, args.encoder_hold_timeout) == (128, 45.0)
+    assert args.allowed_media_domains == ["images.example.com"] and args.advertise_host == "$(POD_IP)"
+    assert args.metrics_port is None and args.http_port is None
+    assert container_ports(spec) == {"grpc": 50051}
+    env = env_of(container)
+    assert env["BATON_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": f"{FULLNAME}-internal-token",
+                                                                         "key": "token"}
+    assert env["UCX_TCP_PORT_RANGE"]["value"] == "30000-30100" and env["UCX_TLS"]["value"] == "tcp"
+    assert container["resources"] == values["encoder"]["resources"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert spec["tolerations"] == values["encoder"]["tolerations"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # the gRPC health service, ""
+        assert container[probe]["grpc"] == {"port": 50051}
+    # Discovery: a headless Service of the ready encoders, the router's --encoder; no metrics anywhere.
+    service = by_name(docs, "Service", name)
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is False
+    assert [p["name"] for p in service["spec"]["ports"]] == ["grpc"]
+    assert selects(service["spec"]["selector"], deployment["spec"]["template"]["metadata"]["labels"])
+    (monitor,) = of_kind(docs, "ServiceMonitor")
+    assert not selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+    router = parse(_containers(docs)["router"])
+    assert router.encoder == [f"{name}:50051"]
+    assert router.prefill == [f"{FULLNAME}-prefill:50051"] and router.decode == [f"{FULLNAME}-decode:50051"]
+    assert "Encoder tier (E/P/D): 2 encoder server(s)" in render(values)["baton/templates/NOTES.txt"]
+
+
+def test_encoder_takes_the_model_dtype_and_device_of_the_tier_that_reads_it():
+    """The encoder's model, dtype and device follow the prefill's (colocated: the colocated
+    servers') engine settings, encoder.engine overriding them; no other engine setting reaches it."""
+    values = {"engine": {"model": "vlm", "dtype": "float16", "maxModelLen": 4096, "extraArgs": ["--no-prefix-caching"]},
+              "prefill": {"engine": {"device": "cuda"}},
+              "encoder": {"replicas": 1, "engine": {"dtype": "bfloat16"}},
+              "model": {"servedModelName": "vlm-chat"}}
+    encoder = parse(_containers(manifests(values))[ENCODER])
+    assert (encoder.model, encoder.dtype, encoder.device) == ("/models/vlm", "bfloat16", "cuda")
+    assert encoder.served_model_name == "vlm-chat"
+    assert encoder.max_model_len is None and encoder.enable_prefix_caching is None
+    assert (encoder.encoder_slots, encoder.encoder_hold_timeout) == (64, 30.0)  # null: the engine's defaults
+    docs = manifests(ENCODER_VALUE_SETS["encoder-colocated"])
+    containers = _containers(docs)
+    encoder, router = parse(containers[ENCODER]), parse(containers["router"])
+    assert (encoder.model, encoder.dtype, encoder.device) == ("/models/qwen2.5-vl-3b-instruct", "bfloat16", "cuda:0")
+    assert router.encoder == [f"{FULLNAME}-encoder:50051"] and router.prefill is None
+    assert router.decode == [f"{FULLNAME}-colocated:50051"]
+
+
+def test_encoder_autoscaling_pdb_tls_rdma_and_probes():
+    docs = manifests(ENCODER_VALUE_SETS["encoder-autoscaling-tls-rdma"])
+    name = f"{FULLNAME}-encoder"
+    deployment = by_name(docs, "Deployment", name)
+    assert "replicas" not in deployment["spec"]  # the HPA's
+    hpa = by_name(docs, "HorizontalPodAutoscaler", name)
+    assert hpa["spec"]["scaleTargetRef"]["name"] == name
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 6)
+    pdb = by_name(docs, "PodDisruptionBudget", name)
+    assert selects(pdb["spec"]["selector"]["matchLabels"], deployment["spec"]["template"]["metadata"]["labels"])
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    # Prefills read the embeddings over UCX: RDMA devices and IPC_LOCK as on the engines.
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 1, "rdma/rdma_shared_device_a": 1}
+    assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert env_of(container)["UCX_NET_DEVICES"]["value"] == "mlx5_0:1"
+    assert env_of(container)["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://otel-collector:4317"
+    assert parse(container).encoder_hold_timeout == 12.5
+    # No metrics port: no Prometheus annotations (the other tiers have them).
+    assert "prometheus.io/scrape" not in pod["metadata"].get("annotations", {})
+    prefill = by_name(docs, "Deployment", f"{FULLNAME}-prefill")["spec"]["template"]["metadata"]
+    assert prefill["annotations"]["prometheus.io/scrape"] == "true"
+    # TLS: `baton health` over TLS, the startup probe's override kept.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["exec"]["command"][:2] == ["baton", "health"]
+    assert container["startupProbe"]["failureThreshold"] == 30
+    assert container["livenessProbe"]["failureThreshold"] == 3
+
+
+def test_encoder_names_are_capped():
+    rendered = chart().render({"encoder": {"replicas": 1}}, name="r" * 60, namespace=NAMESPACE)
+    docs = [d for p, t in rendered.items() if not p.endswith("NOTES.txt") for d in yaml.safe_load_all(t) if d]
+    names = {d["metadata"]["name"] for d in docs
+             if d["metadata"]["labels"].get("app.kubernetes.io/component") == ENCODER}
+    assert names and all(len(n) <= 63 and n.endswith("-encoder") for n in names), names

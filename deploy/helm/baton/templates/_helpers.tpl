@@ -84,6 +84,21 @@ app.kubernetes.io/component: {{ .component }}
 {{- if eq .Values.mode "colocated" }}colocated{{ else }}prefill decode{{ end }}
 {{- end }}
 
+{{/* "true" when the encoder tier (E/P/D) runs: encoder.replicas above 0, or its autoscaling on. */}}
+{{- define "baton.encoderEnabled" -}}
+{{- $e := .Values.encoder | default dict }}
+{{- if or (gt (int ($e.replicas | default 0)) 0) (and $e.autoscaling $e.autoscaling.enabled) }}true{{ end }}
+{{- end }}
+
+{{/* The tiers that run, space-separated: the router (where it runs), the engine tiers of the
+mode, the encoder tier (where it runs). */}}
+{{- define "baton.runningTiers" -}}
+{{- $tiers := splitList " " (include "baton.engineTiers" .) }}
+{{- if include "baton.routerEnabled" . }}{{ $tiers = prepend $tiers "router" }}{{ end }}
+{{- if include "baton.encoderEnabled" . }}{{ $tiers = append $tiers "encoder" }}{{ end }}
+{{- join " " $tiers }}
+{{- end }}
+
 {{/* The component the public Service selects. */}}
 {{- define "baton.publicComponent" -}}
 {{- if include "baton.routerEnabled" . }}router{{ else }}colocated{{ end }}

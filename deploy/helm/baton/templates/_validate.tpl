@@ -16,9 +16,16 @@ Checks values.schema.json cannot express; each failure names the values involved
 {{- if and (eq $v.mode "disaggregated") (not $v.router.enabled) }}
 {{- fail "router.enabled: false needs mode: colocated (in disaggregated mode the router joins prefill and decode)" }}
 {{- end }}
+{{- /* The encoder tier: the router sends images through it. */}}
+{{- $encoderReplicas := (($v.encoder | default dict).replicas | default 0) }}
+{{- if lt (int $encoderReplicas) 0 }}
+{{- fail (printf "encoder.replicas: must be 0 (no encoder tier) or more (got %v)" $encoderReplicas) }}
+{{- end }}
+{{- if and (include "baton.encoderEnabled" .) (not (include "baton.routerEnabled" .)) }}
+{{- fail "encoder.replicas: an encoder tier needs the router (router.enabled: true), which sends chats' images through it" }}
+{{- end }}
 {{- /* Replicas of the tiers that run. */}}
-{{- $tiers := splitList " " (include "baton.engineTiers" .) }}
-{{- if include "baton.routerEnabled" . }}{{ $tiers = prepend $tiers "router" }}{{ end }}
+{{- $tiers := splitList " " (include "baton.runningTiers" .) }}
 {{- range $tier := $tiers }}
 {{- $t := index $v $tier }}
 {{- if and $t.autoscaling $t.autoscaling.enabled }}

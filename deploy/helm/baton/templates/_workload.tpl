@@ -2,6 +2,8 @@
 A Baton server's Deployment and, for an engine tier, its headless Service (the router resolves
 its name to every ready pod; the ServiceMonitor scrapes through it).
 (dict "ctx" $ "component" "decode" "args" (list ...) "engine" true "http" false)
+Optional: "metrics" false (no metrics port: the encoder tier), "shm" false (no /dev/shm volume;
+default: .engine).
 */}}
 {{- define "baton.workload" -}}
 {{- $ctx := .ctx }}
@@ -13,6 +15,8 @@ its name to every ready pod; the ServiceMonitor scrapes through it).
 {{- $probes := mergeOverwrite (deepCopy $v.probes) (deepCopy ($t.probes | default dict)) }}
 {{- $grpcPort := int $v.ports.grpc }}
 {{- $rdma := and .engine $v.ucx.rdma.enabled }}
+{{- $metrics := ternary .metrics true (hasKey . "metrics") }}
+{{- $shm := ternary .shm .engine (hasKey . "shm") }}
 {{- /* Resources: the tier's, GPUs (any <vendor>/gpu) counted per rank on engines of more than one
 rank, plus the RDMA devices on engines with ucx.rdma.enabled. */}}
 {{- $resources := deepCopy ($t.resources | default dict) }}
@@ -61,9 +65,9 @@ spec:
         {{- with $t.podLabels }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
-      {{- if or $t.podAnnotations $v.metrics.podAnnotations }}
+      {{- if or $t.podAnnotations (and $metrics $v.metrics.podAnnotations) }}
       annotations:
-        {{- if $v.metrics.podAnnotations }}
+        {{- if and $metrics $v.metrics.podAnnotations }}
         prometheus.io/scrape: "true"
         prometheus.io/port: {{ $v.metrics.port | int | quote }}
         prometheus.io/path: /metrics
@@ -107,9 +111,11 @@ spec:
               containerPort: {{ int $v.ports.http }}
               protocol: TCP
             {{- end }}
+            {{- if $metrics }}
             - name: metrics
               containerPort: {{ int $v.metrics.port }}
               protocol: TCP
+            {{- end }}
           env:
             {{- include "baton.env" (dict "ctx" $ctx "component" $component "engine" .engine) | trim | nindent 12 }}
             {{- with $t.extraEnv }}
@@ -133,7 +139,7 @@ spec:
               mountPath: /tmp
             - name: cache
               mountPath: /home/baton/.cache
-            {{- if .engine }}
+            {{- if $shm }}
             - name: shm
               mountPath: /dev/shm
             {{- end }}
@@ -151,7 +157,7 @@ spec:
           emptyDir: {}
         - name: cache
           emptyDir: {}
-        {{- if .engine }}
+        {{- if $shm }}
         - name: shm
           emptyDir:
             medium: Memory
@@ -192,7 +198,9 @@ metadata:
   name: {{ $name }}
   labels:
     {{- include "baton.componentLabels" $sel | nindent 4 }}
+    {{- if $metrics }}
     baton.io/metrics: "true"
+    {{- end }}
 spec:
   clusterIP: None
   publishNotReadyAddresses: false
@@ -203,10 +211,12 @@ spec:
       port: {{ $grpcPort }}
       targetPort: grpc
       protocol: TCP
+    {{- if $metrics }}
     - name: metrics
       port: {{ int $v.metrics.port }}
       targetPort: metrics
       protocol: TCP
+    {{- end }}
 {{- end }}
 {{- end }}
 
