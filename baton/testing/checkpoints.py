@@ -192,6 +192,44 @@ def write_random_qwen2_5_vl(out_dir: str, *, seed: int = 0, patch_size: int = 4,
     return out_dir
 
 
+def write_random_qwen3_vl(out_dir: str, *, seed: int = 0, patch_size: int = 4, max_pixels: int = 48 * 48,
+                          vision: dict | None = None, text: dict | None = None) -> str:
+    """A Qwen3-VL (Qwen3VLForConditionalGeneration) of random weights from transformers' own
+    classes: a four-block ViT of odd sizes (three heads of 12) of `patch_size`-pixel patches, its
+    learned position grid 7 x 7 (resampled to every image's grid), DeepStack features taken after
+    blocks 0 and 2; a small Qwen3 text model (three layers) with interleaved M-RoPE; the
+    tokenizer's <|vision_start|>, <|image_pad|> and <|vision_end|> special tokens; and Qwen3-VL's
+    image processor (Qwen2-VL's, PIL backend, merge 2, temporal 2, its mean and std 0.5) for images
+    of at most `max_pixels` pixels. `vision`, `text`: other sizes for the configs."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = train_tokenizer()
+    names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": names})
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in names}
+    text_config = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 112,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 3,
+                   "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "initializer_range": 0.2,
+                   "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                       "mrope_interleaved": True},
+                   **(text or {})}
+    vision_config = {"depth": 4, "hidden_size": 36, "intermediate_size": 52, "num_heads": 3,
+                     "patch_size": patch_size, "num_position_embeddings": 49, "deepstack_visual_indexes": [0, 2],
+                     "out_hidden_size": text_config["hidden_size"], "initializer_range": 0.2, **(vision or {})}
+    config = transformers.Qwen3VLConfig(
+        text_config=text_config, vision_config=vision_config, image_token_id=ids["<|image_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        video_token_id=ids["<|image_pad|>"] + 100)  # (no video: an id no prompt holds)
+    _save_vision_language(out_dir, transformers.Qwen3VLForConditionalGeneration, config, tokenizer, seed,
+                          ("merger", "patch_embed", "pos_embed"))
+    Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=2, temporal_patch_size=2,
+                             min_pixels=(2 * patch_size) ** 2, max_pixels=max_pixels, image_mean=[0.5, 0.5, 0.5],
+                             image_std=[0.5, 0.5, 0.5]).save_pretrained(out_dir)
+    return out_dir
+
+
 def _save_vision_language(out_dir: str, model_class, config, tokenizer, seed: int, moving: tuple[str, ...]) -> None:
     """A vision-language model of random weights saved with its tokenizer: biases random too, and
     the weights named by `moving` spread wide, so that images move the output."""

@@ -63,7 +63,8 @@ class ImageInput(msgspec.Struct, array_like=True, gc=False):
     pixels: bytes
     shape: list[int]  # [3, H, W] (LLaVA); [tiles, 3, H, W] (LLaVA-NeXT); [grid_t, grid_h, grid_w, values] (Qwen2.5-VL)
     size: list[int] = []  # the image's own [height, width], where its tokens depend on it (LLaVA-NeXT)
-    # `pixels` holds the image's embeddings instead, float32 [length, hidden], computed by an
+    # `pixels` holds the image's embeddings instead, float32 [length, hidden] (Qwen3-VL's
+    # [length, (1 + levels) x hidden]: then each DeepStack level's features), computed by an
     # encoder tier: the runner holds them as they are (the encoder budget is not spent)
     encoded: bool = False
 

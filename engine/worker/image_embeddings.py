@@ -29,7 +29,8 @@ class ImageEmbeddings:
     def __init__(self, encode: Callable[[torch.Tensor, list], torch.Tensor | list[torch.Tensor]], device: torch.device,
                  dtype: torch.dtype):
         """`encode`: pixels [images, *shape] and the images' sizes -> each image's embeddings
-        [tokens, hidden] (the model's vision); `dtype`: theirs."""
+        [tokens, hidden] (the model's vision; with DeepStack, Qwen3-VL's, [tokens, (1 + levels) x
+        hidden], held and handed to the forward as one); `dtype`: theirs."""
         self.encode, self.device, self.dtype = encode, device, dtype
         self.held: dict[int, torch.Tensor] = {}
 

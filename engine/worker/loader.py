@@ -15,11 +15,12 @@ from safetensors import safe_open
 
 from baton.engine.common.config import read_config
 from baton.engine.common.errors import InvalidArgument
-from baton.engine.worker.models import CausalLM, ModelArgs, llava, model_args, qwen2_5_vl
+from baton.engine.worker.models import CausalLM, ModelArgs, llava, model_args, qwen2_5_vl, qwen3_vl
 from baton.engine.worker.models.basic import MLP
 from baton.engine.worker.models.layers import VISION_ENCODERS, Attention
 from baton.engine.worker.models.moe import SparseMoE
 from baton.engine.worker.models.qwen2_5_vl import QwenVisionArgs
+from baton.engine.worker.models.qwen3_vl import Qwen3VisionArgs
 from baton.engine.worker.quant.formats import MXFP4, CheckpointFormat, checkpoint_format
 from baton.engine.worker.quant.placement import QuantizedPlacement
 
@@ -282,18 +283,25 @@ def _skipped(name: str, args: ModelArgs) -> bool:
             and args.num_layers <= int(parts[1]) < args.num_layers + args.skipped_layers)
 
 
+# The families whose checkpoints name their vision side otherwise than LLaVA's, by their vision
+# args' type (Gemma 3's are LLaVA's names).
+_VISION_NAMES = {QwenVisionArgs: qwen2_5_vl, Qwen3VisionArgs: qwen3_vl}
+
+
 def _vision_or_language(name: str, args: ModelArgs) -> tuple[str, str | None]:
     """A vision-language checkpoint's tensor: its language model's named as a text model's is
-    (model.language_model.X -> model.X), or the vision side's name here (llava.py, qwen2_5_vl.py)."""
+    (model.language_model.X -> model.X), or the vision side's name here (llava.py, qwen2_5_vl.py,
+    qwen3_vl.py: its own names under the prefix)."""
     if args.vision is None:
         return name, None
-    family = qwen2_5_vl if isinstance(args.vision, QwenVisionArgs) else llava  # (Gemma 3's are LLaVA's names)
+    family = _VISION_NAMES.get(type(args.vision), llava)
     for prefix, text in family.LANGUAGE_PREFIXES.items():
         if name.startswith(prefix):
             return text + name.removeprefix(prefix), None
     for prefix, ours in family.CHECKPOINT_PREFIXES.items():
         if name.startswith(prefix):
-            return name, ours + name.removeprefix(prefix)
+            ours += name.removeprefix(prefix)
+            return name, qwen3_vl.vision_name(ours) if family is qwen3_vl else ours
     return name, None
 
 

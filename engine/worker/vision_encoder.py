@@ -20,11 +20,14 @@ class VisionEncoder:
             raise InvalidArgument("model", f"{model_dir!r} is not a vision-language model: it has no image encoder")
         self.vision = args.vision  # (its image token and tokens per image: what the front's processor needs)
         self.max_image_tokens = self.vision.most_tokens(model_dir)  # the largest image the processor makes
-        self.hidden, self.dtype, self.device = args.hidden_size, dtype, torch.device(device)
+        # An image token's values: its embedding, and each DeepStack level's features (Qwen3-VL's)
+        self.hidden = args.hidden_size * (1 + self.vision.deepstack_levels)
+        self.dtype, self.device = dtype, torch.device(device)
         self.model = load_vision(model_dir, dtype, device)
 
     @torch.inference_mode()
     def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
-        """Each image's embeddings [tokens, hidden], in order."""
+        """Each image's embeddings [tokens, hidden], in order (Qwen3-VL's [tokens, (1 + levels) x
+        hidden]: the embeddings, then each DeepStack level's features, as CausalLM.forward takes them)."""
         by_digest = {image.digest: embeds for image, embeds in encode_images(self.model, images, self.device)}
         return [by_digest[image.digest] for image in images]

@@ -3,7 +3,8 @@ encoder alone, loaded without its language model. An engine given its embeddings
 .encoded, as a prefill reads them from an encoder tier) computes a prompt as from the pixels:
 the same digests, tokens and log-probabilities, in 16-token chunks that cut through the images
 (Gemma 3's aside: it never cuts one), for each family's way with images: Qwen2.5-VL's M-RoPE,
-Gemma 3's bidirectional images, LLaVA-NeXT's tiles by the image's size."""
+Qwen3-VL's DeepStack features (riding in the embeddings, [tokens, 3 x hidden]), Gemma 3's
+bidirectional images, LLaVA-NeXT's tiles by the image's size."""
 from __future__ import annotations
 
 import msgspec
@@ -14,9 +15,15 @@ from helpers import random_images as images
 from baton import LLM, SamplingParams
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.front.images import ImageProcessor
-from baton.testing.checkpoints import write_random_gemma3_vl, write_random_llava, write_random_qwen2_5_vl
+from baton.testing.checkpoints import (
+    write_random_gemma3_vl,
+    write_random_llava,
+    write_random_qwen2_5_vl,
+    write_random_qwen3_vl,
+)
 
 WRITERS = {"qwen": lambda d: write_random_qwen2_5_vl(d, seed=8),
+           "qwen3": lambda d: write_random_qwen3_vl(d, seed=8),
            "gemma": lambda d: write_random_gemma3_vl(d, seed=8),
            "llava-next": lambda d: write_random_llava(d, seed=8, image_size=16, patch_size=4,
                                                       grid_pinpoints=[[16, 32], [32, 16], [32, 32]])}

@@ -19,6 +19,7 @@ from baton.engine.worker.models import (
     qwen2,
     qwen2_5_vl,
     qwen3,
+    qwen3_vl,
     qwen_moe,
 )
 from baton.engine.worker.models.args import ModelArgs
@@ -34,7 +35,7 @@ FAMILIES = {"DeepseekV2ForCausalLM": deepseek.v2, "DeepseekV3ForCausalLM": deeps
             "Olmo2ForCausalLM": olmo2.args, "Phi3ForCausalLM": phi3.args, "Qwen2ForCausalLM": qwen2.args,
             "Qwen2_5_VLForConditionalGeneration": qwen2_5_vl.args, "Qwen2VLForConditionalGeneration": qwen2_5_vl.args,
             "Qwen2MoeForCausalLM": qwen_moe.qwen2_moe, "Qwen3ForCausalLM": qwen3.args,
-            "Qwen3MoeForCausalLM": qwen_moe.qwen3_moe}
+            "Qwen3MoeForCausalLM": qwen_moe.qwen3_moe, "Qwen3VLForConditionalGeneration": qwen3_vl.args}
 
 __all__ = ["FAMILIES", "CausalLM", "ModelArgs", "model_args"]
 

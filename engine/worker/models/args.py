@@ -36,6 +36,12 @@ class ImageEncoderArgs:
         """Whether an image's tokens attend to each other both ways (else causally, as text does)."""
         return False
 
+    @property
+    def deepstack_levels(self) -> int:
+        """How many more feature sets an image's tokens carry beside their embeddings, each added
+        to the hidden states after the decoder layer of its level (DeepStack: Qwen3-VL); 0: none."""
+        return 0
+
 
 @dataclass(slots=True)
 class VisionArgs(ImageEncoderArgs):
@@ -146,11 +152,13 @@ class ModelArgs:
     v_head_dim: int = 0
     rope_interleaved: bool = True  # MLA's RoPE on adjacent pairs (DeepSeek's); else on halves
     skipped_layers: int = 0  # layers past num_layers the target does not load (DeepSeek-V3's MTP: a draft head's)
-    # A vision-language model's image encoder (llava.py, qwen2_5_vl.py, gemma3_vl.py); None: text only.
+    # A vision-language model's image encoder (llava.py, qwen2_5_vl.py, qwen3_vl.py, gemma3_vl.py); None: text only.
     vision: ImageEncoderArgs | None = None
     # M-RoPE (Qwen2.5-VL; mrope.py): how many of the rotary half-dims turn with each of the time,
-    # height and width positions; empty: one position per token.
+    # height and width positions; empty: one position per token. Interleaved (Qwen3-VL): the
+    # half-dims take the streams in turn (t, h, w, t, ...) rather than in contiguous sections.
     mrope_section: list[int] = field(default_factory=list)
+    mrope_interleaved: bool = False
 
     @property
     def kv_parts(self) -> int:

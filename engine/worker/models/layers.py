@@ -18,6 +18,7 @@ from baton.engine.worker.models.llava import LlavaVision
 from baton.engine.worker.models.mla import MLAttention
 from baton.engine.worker.models.moe import SparseMoE
 from baton.engine.worker.models.qwen2_5_vl import QwenVision, QwenVisionArgs
+from baton.engine.worker.models.qwen3_vl import Qwen3Vision, Qwen3VisionArgs
 from baton.engine.worker.models.rope import RotaryTable, rotate
 from baton.kernels.attention import AttentionMetadata, paged_attention
 
@@ -100,8 +101,10 @@ class DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-# A vision-language model's image encoder, by its args' type (llava.py, qwen2_5_vl.py, gemma3_vl.py).
-VISION_ENCODERS = {VisionArgs: LlavaVision, QwenVisionArgs: QwenVision, SiglipArgs: Gemma3Vision}
+# A vision-language model's image encoder, by its args' type (llava.py, qwen2_5_vl.py, qwen3_vl.py,
+# gemma3_vl.py).
+VISION_ENCODERS = {VisionArgs: LlavaVision, QwenVisionArgs: QwenVision, Qwen3VisionArgs: Qwen3Vision,
+                   SiglipArgs: Gemma3Vision}
 
 
 class CausalLM(nn.Module):
@@ -126,8 +129,8 @@ class CausalLM(nn.Module):
         # Where each attention layer's kv_scales (an FP8 cache's) came from: "checkpoint", "calculated"
         # (engine/worker/kv_calibration.py) or "default" (1.0).
         self.kv_scales_source = "default"
-        # A vision-language model's image encoder (llava.py, qwen2_5_vl.py): images to embeddings
-        # the runner merges.
+        # A vision-language model's image encoder (llava.py, qwen2_5_vl.py, qwen3_vl.py, gemma3_vl.py):
+        # images to embeddings the runner merges.
         self.vision = None if args.vision is None else VISION_ENCODERS[type(args.vision)](args.vision, args.hidden_size)
 
     def prepare(self, max_model_len: int) -> None:
@@ -166,15 +169,22 @@ class CausalLM(nn.Module):
         per layer, its K and V caches ([num_blocks, block_size, kv_heads, D] views) and the step's
         attention metadata for its blocks (its KV cache group's); `rope_lengths`: each token's
         sequence length where rope_by_length, on the host (RotaryTable.lookup); `image_rows`:
-        (rows, embeddings) an image's placeholder rows take instead of their token's embedding.
+        (rows, embeddings) an image's placeholder rows take instead of their token's embedding
+        (with DeepStack, Qwen3-VL's, [rows, (1 + levels) x hidden]: the embeddings, then each
+        level's features, added to those rows after the decoder layer of the level's index).
         Returns the final hidden states [T, hidden] (and keeps the aux_layers' inputs in aux_hidden)."""
         x = self.embed_tokens(input_ids)
         if self.args.embed_scale != 1.0:  # a float32 scalar cast to the weights' dtype, as Gemma's
             x = x * torch.tensor(self.args.embed_scale).to(x.dtype)
+        deepstack = None
         if image_rows is not None:
-            x = x.index_copy(0, image_rows[0], image_rows[1].to(x.dtype))
+            rows, embeds = image_rows[0], image_rows[1].to(x.dtype)
+            x = x.index_copy(0, rows, embeds[:, :x.shape[1]])
+            if embeds.shape[1] > x.shape[1]:
+                deepstack = embeds[:, x.shape[1]:].unflatten(1, (-1, x.shape[1]))  # [rows, levels, hidden]
         if positions.dim() == 2:
-            tables = [mrope.lookup(*table.tables[0], positions, self.args.mrope_section) for table in self.rope]
+            tables = [mrope.lookup(*table.tables[0], positions, self.args.mrope_section, self.args.mrope_interleaved)
+                      for table in self.rope]
         else:
             tables = [table.lookup(positions, rope_lengths) for table in self.rope]
         aux = []
@@ -183,6 +193,8 @@ class CausalLM(nn.Module):
                 aux.append(x)
             cos, sin = tables[self.layer_rope[i]]
             x = layer(x, cos, sin, *caches[i], metas[i])
+            if deepstack is not None and i < deepstack.shape[1]:
+                x = x.index_add(0, rows, deepstack[:, i])
         if aux:
             self.aux_hidden = aux
         return self.norm(x)

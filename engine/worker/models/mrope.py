@@ -1,11 +1,12 @@
-"""M-RoPE (Qwen2.5-VL): each token has three positions, time, height and width, and each turns
-its own share of the rotary frequencies (mrope_section). A text token's three are equal, so its
-RoPE is plain RoPE at that position; an image's tokens count their grid cell from where the
-image starts, and the text after the image goes on from there plus the image's larger side, not
-its token count. So a request's positions after its first image differ from its token indices
-by a fixed `delta` (negative), the same for every token it generates: the runner keeps the
-prompt's positions and the delta per request (computed on the host from the images' grids, as
-transformers' get_rope_index computes them), and the KV cache stays indexed by token."""
+"""M-RoPE (Qwen2.5-VL, Qwen3-VL): each token has three positions, time, height and width, and each
+turns its own share of the rotary frequencies (mrope_section: contiguous sections, or Qwen3-VL's
+interleaved in turn). A text token's three are equal, so its RoPE is plain RoPE at that position;
+an image's tokens count their grid cell from where the image starts, and the text after the
+image goes on from there plus the image's larger side, not its token count. So a request's
+positions after its first image differ from its token indices by a fixed `delta` (negative), the
+same for every token it generates: the runner keeps the prompt's positions and the delta per
+request (computed on the host from the images' grids, as transformers' get_rope_index computes
+them: Qwen3-VL's gives images the same positions), and the KV cache stays indexed by token."""
 from __future__ import annotations
 
 import numpy as np
@@ -38,9 +39,19 @@ def rows(prompt: np.ndarray, delta: int, start: int, end: int) -> np.ndarray:
     return np.concatenate((prompt[:, start:cut], np.broadcast_to(later, (3, later.size))), axis=1)
 
 
-def lookup(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, section: list[int]):
+def streams(section: list[int], interleaved: bool = False) -> list[int]:
+    """Which position stream (0 time, 1 height, 2 width) each rotary half-dim turns with:
+    contiguous sections (Qwen2.5-VL); or interleaved (Qwen3-VL), half-dim j on stream j % 3 while
+    that stream's section lasts (j < 3 x its size), on time otherwise."""
+    if not interleaved:
+        return [i % 3 for i, n in enumerate(section) for _ in range(n)]
+    return [j % 3 if j % 3 and j < 3 * section[j % 3] else 0 for j in range(sum(section))]
+
+
+def lookup(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, section: list[int],
+           interleaved: bool = False):
     """([T, 1, D] cos, sin) for positions [3, T] from one position's tables ([max_len, D], the
-    half-dims twice): each half-dim's from the stream its section says."""
-    stream = torch.tensor([i % 3 for i, n in enumerate(section) for _ in range(n)] * 2, device=positions.device)
+    half-dims twice): each half-dim's from the stream `streams` says."""
+    stream = torch.tensor(streams(section, interleaved) * 2, device=positions.device)
     pick = stream.view(1, 1, -1).expand(1, positions.shape[1], -1)
     return tuple(table[positions].gather(0, pick)[0].unsqueeze(1) for table in (cos, sin))

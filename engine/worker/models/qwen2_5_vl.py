@@ -69,29 +69,37 @@ class QwenVisionArgs(ImageEncoderArgs):
         return max_pixels // (self.patch_size * self.spatial_merge_size) ** 2
 
 
-def args(cfg: dict) -> ModelArgs:
-    text, vision = dict(cfg.get("text_config") or cfg), cfg.get("vision_config") or {}
-    # M-RoPE's sections (of the rotary half-dims: time, height, width) ride in the rope parameters,
-    # as a rope_type "mrope" that is otherwise the default RoPE.
+def language_args(cfg: dict, read, default_theta: float) -> ModelArgs:
+    """The language model's args from a Qwen VL config: its text_config read by `read` (a text
+    family's reader), with M-RoPE's sections (of the rotary half-dims: time, height, width), which
+    ride in the rope parameters as a rope_type "mrope" that is otherwise the default RoPE."""
+    text = dict(cfg.get("text_config") or cfg)
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or cfg.get("rope_scaling") or {})
     section = rope.pop("mrope_section", None)
+    rope.pop("mrope_interleaved", None)  # (Qwen3-VL's: its family interleaves whatever this says)
     if section is None:
-        raise InvalidArgument("model", "a Qwen2.5-VL config must give rope_parameters.mrope_section")
+        raise InvalidArgument("model", "a Qwen VL config must give rope_parameters.mrope_section")
     if rope.get("rope_type", rope.get("type", "default")) in ("mrope", "default"):
         rope["rope_type"] = "default"
         rope.pop("type", None)
     text.pop("rope_scaling", None)
-    text["rope_parameters"] = {"rope_theta": text.get("rope_theta", 1_000_000.0), **rope}
-    v2 = (cfg.get("architectures") or [""])[0] == "Qwen2VLForConditionalGeneration"
-    act = vision.get("hidden_act", "quick_gelu" if v2 else "silu")
-    if act not in (ACTIVATIONS if v2 else ("silu",)):
-        raise InvalidArgument("model", f"the vision tower's hidden_act {act!r} is not supported")
-    out = qwen2.args({**text, "architectures": cfg.get("architectures"),
-                      "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))})
+    text["rope_parameters"] = {"rope_theta": text.get("rope_theta", default_theta), **rope}
+    out = read({**text, "architectures": cfg.get("architectures"),
+                "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))})
     half = out.head_dim // 2
     if sum(section) != half:
         raise InvalidArgument("model", f"mrope_section {section} must sum to half the head dim ({half})")
     out.mrope_section = list(section)
+    return out
+
+
+def args(cfg: dict) -> ModelArgs:
+    vision = cfg.get("vision_config") or {}
+    v2 = (cfg.get("architectures") or [""])[0] == "Qwen2VLForConditionalGeneration"
+    act = vision.get("hidden_act", "quick_gelu" if v2 else "silu")
+    if act not in (ACTIVATIONS if v2 else ("silu",)):
+        raise InvalidArgument("model", f"the vision tower's hidden_act {act!r} is not supported")
+    out = language_args(cfg, qwen2.args, 1_000_000.0)
     vision_rope = vision.get("rope_parameters") or {}
     depth = vision.get("depth", vision.get("num_hidden_layers", 32))
     if v2:  # (its vision hidden_size is the language model's: embed_dim is the tower's own)
@@ -162,10 +170,10 @@ class _Block(nn.Module):
 
 
 class _PatchEmbed(nn.Module):
-    def __init__(self, v: QwenVisionArgs):
+    def __init__(self, v: QwenVisionArgs, bias: bool = False):
         super().__init__()
         self.shape = (3, v.temporal_patch_size, v.patch_size, v.patch_size)
-        self.proj = nn.Conv3d(3, v.hidden_size, self.shape[1:], self.shape[1:], bias=False)
+        self.proj = nn.Conv3d(3, v.hidden_size, self.shape[1:], self.shape[1:], bias=bias)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         return self.proj(rows.view(-1, *self.shape).to(self.proj.weight.dtype)).flatten(1)
@@ -222,16 +230,21 @@ class QwenVision(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (v.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float)
                                                                   / spatial)), persistent=False)
 
+    def rotary(self, layout: _Layout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 2D RoPE's (cos, sin) [patches, 1, head_dim] of each patch in the processor's order:
+        a quarter of a head turns with its row, a quarter with its column, and again."""
+        freqs = (layout.rowcol.to(device)[..., None].float() * self.inv_freq).flatten(1)  # rows' then cols'
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
+
     def forward(self, pixels: torch.Tensor, sizes: list | None = None) -> torch.Tensor:
         t, h, w = pixels.shape[1:4]
         layout, unit = _Layout(self.vision, t, h, w), self.vision.spatial_merge_size ** 2
-        freqs = (layout.rowcol.to(pixels.device)[..., None].float() * self.inv_freq).flatten(1)  # rows' then cols'
-        angles = torch.cat((freqs, freqs), dim=-1)
         order = layout.order.to(pixels.device)
 
         def windowed(x: torch.Tensor) -> torch.Tensor:  # merge blocks in window order
-            return x.view(-1, unit, x.shape[-1])[order].flatten(0, 1)
-        cos, sin = (windowed(f(angles))[:, None, :] for f in (torch.cos, torch.sin))
+            return x.view(-1, unit, *x.shape[1:])[order].flatten(0, 1)
+        cos, sin = (windowed(f) for f in self.rotary(layout, pixels.device))
         out = []
         for image in pixels:
             x = windowed(self.patch_embed(image.reshape(t * h * w, -1)))
