@@ -73,7 +73,9 @@ class InputProcessor:
         check(len(token_ids) <= self.max_model_len, "prompt",
               f"has {len(token_ids)} tokens, more than max_model_len {self.max_model_len}")
         params.check_vocab(self.vocab_size)
-        outputs = [remote_kv.first_token] if remote_kv is not None else []  # sampled by the prefill peer
+        # The prefill peer's first token, unless the request resumes (the tokens already streamed,
+        # from an instance that failed, whose first is the first token that prefill gave then).
+        outputs = [remote_kv.first_token] if remote_kv is not None and not resumed_output else []
         if resumed_output:
             self._check_token_ids("resumed_output", resumed_output)
             check(len(resumed_output) < params.max_tokens, "resumed_output",

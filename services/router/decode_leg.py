@@ -2,12 +2,14 @@
 streams the request; when the instance fails (it dies, resets the connection, goes away),
 the request moves to another healthy one as its prompt plus the tokens already streamed
 (GenerateRequest.resume) and the client's stream goes on where it stopped, no token repeated
-or missing. The new instance recomputes that prefix (its prefix cache may hold it); the
+or missing. The new instance recomputes that prefix (its prefix cache may hold it), or, for a
+chat with images, pulls the prompt's blocks from a prefill that computed it again (the router's
+`reprefill`) and recomputes only the streamed tokens; the
 engine counts the resumed tokens as outputs, so max_tokens, penalties, stop strings and a
 seed's draws continue as in an uninterrupted run. At most max_migrations moves per request."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -94,6 +96,11 @@ class DecodeRoute:
     why_none: Callable[[], str]  # why no decode instance can take it
     max_migrations: int
     aborted: set[str]  # request ids the Abort API ended
+    # For a request moving to another decode: its prompt computed again at a prefill, whose KV
+    # handle the next decode pulls (a chat with images: the decode then reads none of them);
+    # None where the next decode computes the prompt itself.
+    reprefill: Callable[[pb.GenerateRequest], Awaitable[pb.KVHandle | None]] | None = None
+    release: Callable[[pb.KVHandle], None] | None = None  # a handle no decode will pull: let it go
 
 
 def end_call(lease: Lease, call) -> None:
@@ -164,6 +171,10 @@ async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tupl
             if let_go is None and relay.token_ids:  # else the next instance pulls the held blocks, or starts over
                 msg = resumed(msg, relay.token_ids)
                 trace.migrated(decode, len(relay.token_ids))
+                handle = await route.reprefill(msg) if route.reprefill is not None else None
+                if handle is not None:  # the next decode pulls the prompt and computes the resumed tokens
+                    msg.kv_handle.CopyFrom(handle)
+                    let_go = lambda handle=handle: route.release(handle)  # noqa: E731
     finally:
         if let_go is not None:  # the blocks may still be held for a reader that will never come
             let_go()

@@ -124,7 +124,7 @@ class RouterGeneration:
                 trace.retried("prefill")
             prefill_tried.append(lease.backend)
             reply = await self._prefill(lease, msg, metadata, context, trace)
-        route = self._decode_route(msg, hashes, trace)
+        route = self._decode_route(msg, hashes, metadata, context, trace)
         if reply is None:
             trace.fallback("prefill_failed" if prefill_tried else "no_prefill")
             async for resp in decode_leg(route, msg, metadata, context, trace, relay):
@@ -229,12 +229,41 @@ class RouterGeneration:
         self.in_flight.sent(request_id, choice.backend)  # where an Abort must go
         return Lease(choice.backend, request_id, choice.charge)
 
-    def _decode_route(self, msg: pb.GenerateRequest, hashes: list[int], trace: RouterTrace) -> DecodeRoute:
-        """What the decode leg needs of the router for this request."""
+    def _decode_route(self, msg: pb.GenerateRequest, hashes: list[int], metadata, context,
+                      trace: RouterTrace) -> DecodeRoute:
+        """What the decode leg needs of the router for this request. A chat with images that
+        moves to another decode has its prompt computed again at a prefill, so that the next
+        decode, too, reads none of its images."""
+        images = msg.WhichOneof("prompt") == "chat" and any(m.images for m in msg.chat.messages)
         return DecodeRoute(
             lambda tried: self._pick(self.decode, self.decode_policy, hashes, trace, msg.request_id, tried,
                                      msg.adapter),
-            self.decode.why_none, self.max_migrations, self.in_flight.aborted)
+            self.decode.why_none, self.max_migrations, self.in_flight.aborted,
+            (lambda moving: self._reprefill(moving, hashes, metadata, context, trace)) if images else None,
+            self._let_go)
+
+    async def _reprefill(self, moving: pb.GenerateRequest, hashes: list[int], metadata, context,
+                         trace: RouterTrace) -> pb.KVHandle | None:
+        """A moving request's prompt computed again at a prefill: the handle of its blocks (None:
+        no prefill could, and the next decode computes the prompt itself). The prefill's first
+        token is dropped: the client has it, and the request resumes from what it was sent."""
+        msg = pb.GenerateRequest()
+        msg.CopyFrom(moving)
+        msg.ClearField("resume")
+        msg.ClearField("kv_handle")
+        lease = self._pick(self.prefill, self.prefill_policy, hashes, trace, msg.request_id, (), msg.adapter)
+        if lease is None:
+            return None
+        reply = await self._prefill(lease, msg, metadata, context, trace)
+        if reply is None or reply is _ABORTED or not reply.HasField("handle"):
+            return None
+        return reply.handle
+
+    def _let_go(self, handle: pb.KVHandle) -> None:
+        """Blocks a prefill holds for a decode that will not pull them: released (best effort)."""
+        prefill = self.prefill.backends.get(handle.address)
+        if prefill is not None:
+            in_background(self._background, self._release(prefill, handle))
 
     def _hash_root(self, adapter: str) -> int:
         """Where the engines start a prompt's block-hash chain: a LoRA adapter's own root (as an

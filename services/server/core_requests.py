@@ -59,7 +59,6 @@ def core_request_from_proto(msg: pb.GenerateRequest, core: CoreClient, role: str
     check(len(msg.request_id) <= MAX_REQUEST_ID_CHARS, "request_id",
           f"is {len(msg.request_id)} characters, more than {MAX_REQUEST_ID_CHARS}")
     params = sampling_params_from_proto(msg.sampling)
-    check(not (msg.resume.ids and msg.HasField("kv_handle")), "resume", "cannot come with a kv_handle")
     min_tokens, hold, remote_kv = None, False, None
     if for_prefill:
         # The first token is sampled as colocated (EOS cannot end it before min_tokens); a stop

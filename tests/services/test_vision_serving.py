@@ -298,3 +298,60 @@ def test_baton_up_with_an_encoder_tier_serves_images_through_it(llava):
         assert len(calls) == 1 and calls[0].endswith(" 1.0"), calls
     finally:
         assert up.stop() == 0
+
+
+def test_a_stream_moving_to_another_decode_is_prefilled_again_and_no_decode_reads_its_image(tmp_path,
+                                                                                           pictures_server):
+    """kill -9 of a decode mid-stream in P/D with Qwen2.5-VL: the router has a prefill compute the
+    prompt again and the next decode pulls its blocks and recomputes only the tokens streamed so
+    far, so it needs no image either (the decodes may fetch from no host here: one that read the
+    image would fail). Every stream ends as an uninterrupted run; the prefill fetched the image once
+    per request and once per move."""
+    import asyncio
+    import contextlib
+
+    from helpers import TOKEN, pools_full, stats, wait_serving
+    from servers import ServerProcess
+
+    from baton.v1 import generate_pb2_grpc as pb_grpc
+
+    model_dir = write_random_qwen2_5_vl(str(tmp_path / "qwen-vl"), seed=6)
+    picture = png(8, (41, 37))
+    host, port = pictures_server.server_address
+    _Pictures.files, _Pictures.hits = {"/owl.png": picture}, []
+    want = offline(model_dir, picture, 500)
+    request = pb.GenerateRequest(
+        chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=TEXT,
+                                              images=[pb.Image(url=f"http://{host}:{port}/owl.png")])]),
+        sampling=pb.SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
+    with contextlib.ExitStack() as stack:
+        def start(*flags: str) -> ServerProcess:
+            proc = ServerProcess(model_dir, "--internal-token", TOKEN, *flags)
+            stack.callback(proc.stop)
+            return proc
+        prefill = start("--role", "prefill", "--allowed-media-domains", "127.0.0.1")
+        decodes = [start("--role", "decode", "--allowed-media-domains", "example.invalid") for _ in range(2)]
+        router = start("--role", "router", "--prefill", prefill.address, "--decode",
+                       ",".join(d.address for d in decodes))
+        wait_serving(router.address, timeout=60)
+
+        async def stream(started: asyncio.Event) -> list[int]:
+            ids = []
+            async with grpc.aio.insecure_channel(router.address) as channel:
+                async for resp in pb_grpc.TextGenerationStub(channel).Generate(request, timeout=120):
+                    ids += resp.token_ids
+                    if len(ids) >= 3:
+                        started.set()
+            return ids
+
+        async def go() -> list[list[int]]:
+            events = [asyncio.Event() for _ in range(4)]
+            tasks = [asyncio.ensure_future(stream(e)) for e in events]
+            await asyncio.gather(*(e.wait() for e in events))
+            decodes[0].kill()
+            return await asyncio.gather(*tasks)
+
+        assert asyncio.run(asyncio.wait_for(go(), 180)) == [want] * 4
+        moved = stats(decodes[1].address).num_requests - 2  # (round robin: two each at first)
+        assert moved == 2 and len(_Pictures.hits) == 4 + moved
+        assert pools_full(prefill.address) and pools_full(decodes[1].address)
