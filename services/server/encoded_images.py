@@ -2,7 +2,9 @@
 (E/P/D): the encoder's embeddings, read over NIXL (kv_transfer/nixl_embeddings.py) into images
 the core takes as they are (ImageInput.encoded); where they cannot be read (the encoder gone, its
 hold over, counts that do not match the chat), the images themselves, read and decoded as
-without an encoder (media.py), and the server encodes them."""
+without an encoder (media.py), and the server encodes them. The front imports NIXL and torch (the
+reader's, kv_transfer/nixl_embeddings.py) at the first request that carries embeddings, not
+before: a server without an encoder tier never loads them in its front."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +13,6 @@ import threading
 
 from baton.engine.common.core_messages import ImageInput
 from baton.engine.front.images import ImageProcessor
-from baton.kv_transfer.nixl_embeddings import EmbeddingReader, EmbeddingsUnavailable
 from baton.services.server.media import MediaOptions, read_images
 from baton.v1 import generate_pb2 as pb
 
@@ -22,7 +23,7 @@ MAX_READ_S = 10.0  # a READ's time at most (within 90% of the encoder's hold)
 class ChatImages:
     def __init__(self, engine_id: str, media: MediaOptions):
         self.name, self.media = f"{engine_id}-images", media
-        self._reader: EmbeddingReader | None = None  # at the first embeddings (importing NIXL takes seconds)
+        self._reader = None  # nixl_embeddings.EmbeddingReader, at the first embeddings
         self._lock = threading.Lock()
         self.read, self.fell_back = 0, 0  # requests whose embeddings were read; whose were not
 
@@ -30,6 +31,8 @@ class ChatImages:
         """The chat's images: ImageInputs of the encoder's embeddings, where the request carries
         them and they can be read; else decoded images (media.py), errors naming their fields."""
         if msg.HasField("encoded_images") and processor is not None:
+            from baton.kv_transfer.nixl_embeddings import EmbeddingsUnavailable  # (torch and NIXL: see above)
+
             try:
                 images = await asyncio.to_thread(self._embeddings, msg, processor.max_image_tokens)
                 self.read += 1
@@ -43,6 +46,8 @@ class ChatImages:
     def _embeddings(self, msg: pb.GenerateRequest, max_image_tokens: int) -> list[ImageInput]:
         encoded = msg.encoded_images
         count = sum(len(m.images) for m in msg.chat.messages)
+        from baton.kv_transfer.nixl_embeddings import EmbeddingReader, EmbeddingsUnavailable
+
         if len(encoded.images) != count or count > self.media.limit_images:
             raise EmbeddingsUnavailable(f"{len(encoded.images)} embeddings for the chat's {count} images")
         too_long = next((i.span.length for i in encoded.images if i.span.length > max_image_tokens), None)
