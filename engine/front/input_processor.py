@@ -47,9 +47,10 @@ class InputProcessor:
                      adapter: str = "", images: list | None = None) -> CoreRequest:
         """`hold_for_remote`: a prefill's request, whose blocks wait for a decode peer once it
         ends. `remote_kv`: a decode's, whose prompt KV a prefill peer holds (its first token
-        is then an output already). `resumed_output`: tokens another instance generated and
-        streamed already (it failed); they become this request's first outputs, recomputed with
-        the prompt, so the rest continues as an uninterrupted run would. `adapter`: a loaded LoRA
+        is then an output already, unless it resumes). `resumed_output`: tokens another instance
+        generated and streamed already (it failed); they become this request's first outputs,
+        recomputed with the prompt (after it, with `remote_kv`), so the rest continues as an
+        uninterrupted run would. `adapter`: a loaded LoRA
         adapter's name ("": the base model); raises NotFound naming `adapter` when none is.
         `images`: a vision-language model's, one per image token in the prompt (images.py)."""
         check(isinstance(request_id, str) and request_id != "", "request_id", "must be a non-empty string")
