@@ -56,7 +56,7 @@ class EncoderCache:
             image = request.images[index]
             if image.digest in self.tokens or image.digest in digests:  # held, or twice in the prompt
                 continue
-            cost = 0 if image.encoded else image.length  # (an encoder tier's: nothing to run)
+            cost = _encoder_cost(image)
             if cost > budget or image.length > room:
                 return max(0, image.offset - start), encode
             encode.append(index)
@@ -97,7 +97,7 @@ class EncoderCache:
                 self.freed.append(digest)
             self.num_free -= image.length
             self.tokens[image.digest] = image.length
-            self.step_budget -= 0 if image.encoded else image.length
+            self.step_budget -= _encoder_cost(image)
             self.to_encode.setdefault(request.request_id, []).append(index)
             self._claim(image.digest, request.request_id)
 
@@ -132,6 +132,12 @@ class EncoderCache:
     def take_freed(self) -> list[int]:
         freed, self.freed = self.freed, []
         return freed
+
+
+def _encoder_cost(image) -> int:
+    """The tokens of a step's encoder budget an image takes: its own, or none when it came with
+    its embeddings (an encoder tier's: nothing to run)."""
+    return 0 if image.encoded else image.length
 
 
 def encoder_cache(config: EngineConfig, tokens_per_image: int | None, whole_images: bool = False

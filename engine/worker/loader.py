@@ -173,9 +173,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str) -> CausalLM:
     return model if fmt is None else model.to(device)
 
 
-def load_vision(model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+def load_vision(model_dir: str, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, ModelArgs]:
     """A vision-language checkpoint's image encoder alone, without its language model (an
-    encoder tier's): pixels [images, *shape] and their sizes -> each image's embeddings."""
+    encoder tier's: pixels [images, *shape] and their sizes -> each image's embeddings), and the
+    checkpoint's args."""
     args = model_args(read_config(model_dir))
     if args.vision is None:
         raise InvalidArgument("model", f"{model_dir!r} is not a vision-language model: it has no image encoder")
@@ -192,7 +193,7 @@ def load_vision(model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Mod
                         params[ours].copy_(f.get_tensor(stored))
                     filled.add(ours)
     _check_vision(params, filled)
-    return vision.eval()
+    return vision.eval(), args
 
 
 def _check_vision(params: dict, filled: set[str]) -> None:
@@ -284,8 +285,9 @@ def _skipped(name: str, args: ModelArgs) -> bool:
 
 
 # The families whose checkpoints name their vision side otherwise than LLaVA's, by their vision
-# args' type (Gemma 3's are LLaVA's names).
-_VISION_NAMES = {QwenVisionArgs: qwen2_5_vl, Qwen3VisionArgs: qwen3_vl}
+# args' type (Gemma 3's are LLaVA's names): the family's prefixes, and its renaming of the rest
+# (Qwen3-VL's modules reuse others', named theirs).
+_VISION_NAMES = {QwenVisionArgs: (qwen2_5_vl, None), Qwen3VisionArgs: (qwen3_vl, qwen3_vl.vision_name)}
 
 
 def _vision_or_language(name: str, args: ModelArgs) -> tuple[str, str | None]:
@@ -294,14 +296,14 @@ def _vision_or_language(name: str, args: ModelArgs) -> tuple[str, str | None]:
     qwen3_vl.py: its own names under the prefix)."""
     if args.vision is None:
         return name, None
-    family = _VISION_NAMES.get(type(args.vision), llava)
+    family, rename = _VISION_NAMES.get(type(args.vision), (llava, None))
     for prefix, text in family.LANGUAGE_PREFIXES.items():
         if name.startswith(prefix):
             return text + name.removeprefix(prefix), None
     for prefix, ours in family.CHECKPOINT_PREFIXES.items():
         if name.startswith(prefix):
             ours += name.removeprefix(prefix)
-            return name, qwen3_vl.vision_name(ours) if family is qwen3_vl else ours
+            return name, rename(ours) if rename is not None else ours
     return name, None
 
 

@@ -5,25 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from baton.engine.common.config import read_config
 from baton.engine.common.core_messages import ImageInput
 from baton.engine.worker.image_embeddings import encode_images
 from baton.engine.worker.loader import load_vision
-from baton.engine.worker.models import model_args
 
 
 class VisionEncoder:
     def __init__(self, model_dir: str, dtype: torch.dtype, device: str):
-        args = model_args(read_config(model_dir))
-        if args.vision is None:  # (load_vision says so too; before the processor is made)
-            from baton.engine.common.errors import InvalidArgument
-            raise InvalidArgument("model", f"{model_dir!r} is not a vision-language model: it has no image encoder")
+        self.model, args = load_vision(model_dir, dtype, device)  # (InvalidArgument for a text model)
         self.vision = args.vision  # (its image token and tokens per image: what the front's processor needs)
         self.max_image_tokens = self.vision.most_tokens(model_dir)  # the largest image the processor makes
         # An image token's values: its embedding, and each DeepStack level's features (Qwen3-VL's)
         self.hidden = args.hidden_size * (1 + self.vision.deepstack_levels)
         self.dtype, self.device = dtype, torch.device(device)
-        self.model = load_vision(model_dir, dtype, device)
 
     @torch.inference_mode()
     def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:

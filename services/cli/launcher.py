@@ -198,23 +198,26 @@ def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: 
     vision-language model's image encoder alone, with the engines' model, dtype and device)."""
     serve = [sys.executable, "-m", "baton.services.cli", "serve", "--host", host, "--model", model]
 
-    def service(name: str, role: str, port: int, *argv: str, http_port: int | None = None) -> Service:
+    def service(name: str, role: str, port: int, *argv: str, http_port: int | None = None,
+                metrics: bool = True) -> Service:
+        """`metrics`: it serves /metrics (an encoder does not)."""
         if http_port:  # /metrics on the API's port, where vLLM's scrape configs and guides look
             endpoint, url_port = ["--http-port", str(http_port)], http_port
-        else:
+        elif metrics:
             url_port = free_port(host)
             endpoint = ["--metrics-port", str(url_port)]
+        else:
+            endpoint, url_port = [], None
         return Service(name, role, f"{host}:{port}", [*serve, "--role", role, "--port", str(port), *endpoint, *argv],
-                       f"http://{host}:{url_port}/metrics")
+                       f"http://{host}:{url_port}/metrics" if url_port else "")
     roles = [(role, i) for role, n in (("prefill", num_prefill), ("decode", num_decode)) for i in range(n)]
     placements = placements or [Placement(None)] * len(roles)
     engines = [service(f"{role}-{i}", role, free_port(host), *engine_argv, *place.argv())
                for (role, i), place in zip(roles, placements, strict=True)]
     for engine, place in zip(engines, placements):
         engine.placement = place
-    encoders = [Service(f"encoder-{i}", "encoder", f"{host}:{p}", [*serve, "--role", "encoder", "--port", str(p),
-                                                                    *engine_argv])
-                for i, p in enumerate(free_port(host) for _ in range(num_encoder))]
+    encoders = [service(f"encoder-{i}", "encoder", free_port(host), *engine_argv, metrics=False)
+                for i in range(num_encoder)]
     backends = [arg for e in [*engines, *encoders] for arg in ("--" + e.role, e.address)]
     return Stack([service("router", "router", port, "--policy", policy, *backends, *router_argv, http_port=http_port),
                   *engines, *encoders])

@@ -23,10 +23,11 @@ from baton.engine.common.config import EngineConfig
 from baton.engine.common.errors import InvalidArgument, check
 from baton.engine.front.images import ImageProcessor
 from baton.kv_transfer.nixl_embeddings import EmbeddingStore, StoredImage, StoreFull
+from baton.services.rpc.chat import chat_images
 from baton.services.rpc.errors import abort, abort_invalid
-from baton.services.rpc.names import TOKEN_KEY
 from baton.services.rpc.serving import advertised_host, drain, make_grpc_server, set_health
 from baton.services.rpc.tls import TLSConfig
+from baton.services.server.call_checks import from_stack
 from baton.services.server.media import MediaOptions, read_images
 from baton.services.telemetry import tracing
 from baton.v1 import generate_pb2 as pb
@@ -60,15 +61,15 @@ class EncoderService(internal_pb2_grpc.EncoderServicer):
     """Encode, once the model has loaded (`load`). One thread runs the processor and the model:
     requests' images are encoded one request after another."""
 
-    def __init__(self, config: EngineConfig, options: EncoderOptions, engine_id: str, tracer, is_serving):
-        """`config`: the model, its dtype and device (an engine's flags; the others are not read)."""
-        self.config, self.options, self.engine_id, self.tracer = config, options, engine_id, tracer
-        self.is_serving = is_serving
+    def __init__(self, config: EngineConfig, options: EncoderOptions, engine_id: str, model_name: str, tracer,
+                 is_serving):
+        """`config`: the model, its dtype and device (an engine's flags; the others are not read);
+        `model_name`: in spans."""
+        self.config, self.options, self.engine_id, self.model_name = config, options, engine_id, model_name
+        self.tracer, self.is_serving = tracer, is_serving
         self.encoder = None  # VisionEncoder, by load()
         self.processor: ImageProcessor | None = None  # the model's, as a prefill's front has it
         self.store: EmbeddingStore | None = None
-        self.model_name = ""  # in spans
-        self.images_encoded = 0  # (the store's hits count those it held already)
         self.in_flight = 0  # Encode calls, for the drain
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="encoder")
         self._stop_polling = threading.Event()
@@ -93,9 +94,7 @@ class EncoderService(internal_pb2_grpc.EncoderServicer):
         self._poller.start()
 
     async def Encode(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.EncodedImages:
-        token = self.options.internal_token
-        if token is not None and dict(context.invocation_metadata() or ()).get(TOKEN_KEY) != token:
-            await abort(context, grpc.StatusCode.PERMISSION_DENIED, f"internal call without the stack's {TOKEN_KEY}")
+        await from_stack(context, self.options.internal_token)
         if not self.is_serving():
             await abort(context, grpc.StatusCode.UNAVAILABLE, "the encoder is loading or draining",
                         pb.FAILURE_REASON_ENGINE_UNAVAILABLE)
@@ -107,8 +106,7 @@ class EncoderService(internal_pb2_grpc.EncoderServicer):
             error = None
             try:
                 images = await read_images(msg.chat, self.processor, self.options.media)
-                fields = [f"chat.messages[{i}].images[{j}]" for i, m in enumerate(msg.chat.messages)
-                          for j in range(len(m.images))]
+                fields = [name for name, _ in chat_images(msg.chat)]
                 stored = await asyncio.get_running_loop().run_in_executor(self._thread, self._encode, images, fields,
                                                                           msg.request_id)
             except InvalidArgument as e:
@@ -119,8 +117,7 @@ class EncoderService(internal_pb2_grpc.EncoderServicer):
                 await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             finally:
                 self.in_flight -= 1
-                tracing.end_span(work, attributes={"baton.images": sum(len(m.images) for m in msg.chat.messages)},
-                                 error=error)
+                tracing.end_span(work, attributes={"baton.images": len(chat_images(msg.chat))}, error=error)
             return pb.EncodedImages(encoder_id=self.engine_id, agent_metadata=self.store.agent_metadata,
                                     hold_seconds=self.options.hold_s, images=stored)
 
@@ -135,7 +132,6 @@ class EncoderService(internal_pb2_grpc.EncoderServicer):
         todo = list({i.digest: i for i in processed if i.digest not in where}.values())
         for image, embeds in zip(todo, self.encoder.encode(todo)):
             where[image.digest] = self.store.put(image.digest, embeds)
-        self.images_encoded += len(todo)
         log.info("request %s: %d images, %d encoded, %d held already (%.1f ms)", request_id, len(processed),
                  len(todo), len(processed) - len(todo), (time.perf_counter() - started) * 1e3)
         dtype = str(self.store.dtype).removeprefix("torch.")
@@ -167,8 +163,8 @@ class EncoderServer:
         self.address = f"{advertised_host(o.host, o.advertise_host)}:{self.port}"
         self.engine_id = o.engine_id or f"encoder-{uuid.uuid4().hex[:12]}"
         self.tracer = tracing.make_tracer("encoder", self.engine_id, o.otlp_traces_endpoint)
-        self.service = EncoderService(config, o, self.engine_id, self.tracer, lambda: self.serving)
-        self.service.model_name = o.served_model_name or os.path.basename(os.path.normpath(config.model))
+        model_name = o.served_model_name or os.path.basename(os.path.normpath(config.model))
+        self.service = EncoderService(config, o, self.engine_id, model_name, self.tracer, lambda: self.serving)
         internal_pb2_grpc.add_EncoderServicer_to_server(self.service, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(

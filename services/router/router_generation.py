@@ -30,6 +30,7 @@ from baton.services.router.in_flight import InFlight
 from baton.services.router.policies import LeastOutstanding, Policy
 from baton.services.router.prompt_hashes import PromptHasher
 from baton.services.router.router_telemetry import RouterTrace
+from baton.services.rpc.chat import chat_images
 from baton.services.rpc.errors import abort_invalid, pass_on
 from baton.services.rpc.fan_out import child_requests, merge, num_completions, retag
 from baton.services.rpc.names import TOKEN_KEY, token_metadata
@@ -187,7 +188,7 @@ class RouterGeneration:
         set on msg for the prefill (or the decode) to read. An error of the request's own (an image
         that does not decode, a URL not allowed) goes to the client; any other leaves the images
         to the prefill."""
-        if msg.WhichOneof("prompt") != "chat" or not any(m.images for m in msg.chat.messages):
+        if not chat_images(msg.chat):  # (an empty Chat where the prompt is text or token ids)
             return
         backends = self.encoder.healthy()
         if not backends:
@@ -234,7 +235,7 @@ class RouterGeneration:
         """What the decode leg needs of the router for this request. A chat with images that
         moves to another decode has its prompt computed again at a prefill, so that the next
         decode, too, reads none of its images."""
-        images = msg.WhichOneof("prompt") == "chat" and any(m.images for m in msg.chat.messages)
+        images = bool(chat_images(msg.chat))
         return DecodeRoute(
             lambda tried: self._pick(self.decode, self.decode_policy, hashes, trace, msg.request_id, tried,
                                      msg.adapter),

@@ -144,14 +144,14 @@ class RouterRuntimeApi:
         backends = [(tier.name, b) for tier in (self.prefill, self.decode, self.encoder)
                     for b in tier.backends.values()]
 
-        async def ask(backend):
-            if not backend.healthy or backend in self.encoder.backends.values():
+        async def ask(tier: str, backend):
+            if not backend.healthy or tier == self.encoder.name:
                 return None
             try:
                 return await backend.api.GetLoad(pb.GetLoadRequest(), timeout=1)
             except grpc.aio.AioRpcError:
                 return None
-        loads = await asyncio.gather(*(ask(b) for _, b in backends))
+        loads = await asyncio.gather(*(ask(tier, b) for tier, b in backends))
         return pb.Load(role="router", address=self.address, num_in_flight=self.in_flight.count, backends=[
             pb.BackendLoad(address=b.address, tier=tier, healthy=b.healthy, outstanding=b.outstanding, load=load)
             for (tier, b), load in zip(backends, loads)])

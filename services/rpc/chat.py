@@ -23,6 +23,12 @@ def chat_messages(chat: pb.Chat, image_text: str = "") -> list[dict]:
     return out
 
 
+def chat_images(chat: pb.Chat) -> list[tuple[str, pb.Image]]:
+    """Every message's images in order, each with its field (chat.messages[i].images[j])."""
+    return [(f"chat.messages[{i}].images[{j}]", image) for i, m in enumerate(chat.messages)
+            for j, image in enumerate(m.images)]
+
+
 def tool_calls_for_template(calls_json: str) -> list[dict]:
     """An assistant's tool calls with each function's arguments as an object, as templates
     (Qwen2.5's, Llama 3.1's) render them; OpenAI sends them as a JSON string."""

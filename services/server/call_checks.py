@@ -13,6 +13,13 @@ from baton.services.rpc.names import TOKEN_KEY
 from baton.v1 import generate_pb2 as pb
 
 
+async def from_stack(context: grpc.aio.ServicerContext, token: str | None) -> None:
+    """Internal calls must come from the stack: the shared token, when one is configured
+    (PERMISSION_DENIED otherwise)."""
+    if token is not None and dict(context.invocation_metadata() or ()).get(TOKEN_KEY) != token:
+        await abort(context, grpc.StatusCode.PERMISSION_DENIED, f"internal call without the stack's {TOKEN_KEY}")
+
+
 class CallChecks:
     """`is_serving`: whether the server takes requests now (between its start and its drain)."""
 
@@ -23,8 +30,7 @@ class CallChecks:
 
     async def from_stack(self, context: grpc.aio.ServicerContext) -> None:
         """Internal calls must come from the stack: the shared token, when one is configured."""
-        if self._token is not None and dict(context.invocation_metadata() or ()).get(TOKEN_KEY) != self._token:
-            await abort(context, grpc.StatusCode.PERMISSION_DENIED, f"internal call without the stack's {TOKEN_KEY}")
+        await from_stack(context, self._token)
 
     async def loaded(self, context: grpc.aio.ServicerContext) -> None:
         """UNAVAILABLE while the engine core loads the model."""

@@ -13,6 +13,7 @@ import threading
 
 from baton.engine.common.core_messages import ImageInput
 from baton.engine.front.images import ImageProcessor
+from baton.services.rpc.chat import chat_images
 from baton.services.server.media import MediaOptions, read_images
 from baton.v1 import generate_pb2 as pb
 
@@ -25,7 +26,6 @@ class ChatImages:
         self.name, self.media = f"{engine_id}-images", media
         self._reader = None  # nixl_embeddings.EmbeddingReader, at the first embeddings
         self._lock = threading.Lock()
-        self.read, self.fell_back = 0, 0  # requests whose embeddings were read; whose were not
 
     async def of(self, msg: pb.GenerateRequest, processor: ImageProcessor | None) -> list:
         """The chat's images: ImageInputs of the encoder's embeddings, where the request carries
@@ -34,18 +34,15 @@ class ChatImages:
             from baton.kv_transfer.nixl_embeddings import EmbeddingsUnavailable  # (torch and NIXL: see above)
 
             try:
-                images = await asyncio.to_thread(self._embeddings, msg, processor.max_image_tokens)
-                self.read += 1
-                return images
+                return await asyncio.to_thread(self._embeddings, msg, processor.max_image_tokens)
             except EmbeddingsUnavailable as e:
-                self.fell_back += 1
                 log.warning("request %s: the encoder's embeddings could not be read (%s); reading its images",
                             msg.request_id, e)
         return await read_images(msg.chat, processor, self.media)
 
     def _embeddings(self, msg: pb.GenerateRequest, max_image_tokens: int) -> list[ImageInput]:
         encoded = msg.encoded_images
-        count = sum(len(m.images) for m in msg.chat.messages)
+        count = len(chat_images(msg.chat))
         from baton.kv_transfer.nixl_embeddings import EmbeddingReader, EmbeddingsUnavailable
 
         if len(encoded.images) != count or count > self.media.limit_images:

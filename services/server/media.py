@@ -13,6 +13,7 @@ import aiohttp
 
 from baton.engine.common.errors import InvalidArgument, check
 from baton.engine.front.images import ImageProcessor, data_url_bytes
+from baton.services.rpc.chat import chat_images
 from baton.v1 import generate_pb2 as pb
 
 
@@ -34,8 +35,7 @@ class MediaOptions:
 
 async def read_images(chat: pb.Chat, processor: ImageProcessor | None, options: MediaOptions) -> list:
     """Every message's images, in order, decoded (PIL images)."""
-    fields = [(f"chat.messages[{i}].images[{j}]", image) for i, m in enumerate(chat.messages)
-              for j, image in enumerate(m.images)]
+    fields = chat_images(chat)
     if not fields:
         return []
     check(processor is not None, "chat.messages.images", "this model takes no images (it is not a "
