@@ -162,11 +162,7 @@ def write_random_qwen2_5_vl(out_dir: str, *, seed: int = 0, patch_size: int = 4,
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tokenizer = train_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>",
-                                                                "<|vision_end|>"]})
-    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in ("<|vision_start|>", "<|image_pad|>",
-                                                                    "<|vision_end|>")}
+    tokenizer, ids = _tokenizer_with(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
     text_config = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 112,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
                    "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "initializer_range": 0.2,
@@ -204,10 +200,7 @@ def write_random_qwen3_vl(out_dir: str, *, seed: int = 0, patch_size: int = 4, m
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tokenizer = train_tokenizer()
-    names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
-    tokenizer.add_special_tokens({"additional_special_tokens": names})
-    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in names}
+    tokenizer, ids = _tokenizer_with(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
     text_config = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 112,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 3,
                    "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "initializer_range": 0.2,
@@ -228,6 +221,13 @@ def write_random_qwen3_vl(out_dir: str, *, seed: int = 0, patch_size: int = 4, m
                              min_pixels=(2 * patch_size) ** 2, max_pixels=max_pixels, image_mean=[0.5, 0.5, 0.5],
                              image_std=[0.5, 0.5, 0.5]).save_pretrained(out_dir)
     return out_dir
+
+
+def _tokenizer_with(names: list[str]):
+    """The test tokenizer with a vision-language model's special tokens added, and their ids."""
+    tokenizer = train_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": names})
+    return tokenizer, {name: tokenizer.convert_tokens_to_ids(name) for name in names}
 
 
 def _save_vision_language(out_dir: str, model_class, config, tokenizer, seed: int, moving: tuple[str, ...]) -> None:
@@ -261,10 +261,7 @@ def write_random_gemma3_vl(out_dir: str, *, seed: int = 0, image_size: int = 32,
     import transformers
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    tokenizer = train_tokenizer()
-    names = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
-    tokenizer.add_special_tokens({"additional_special_tokens": names})
-    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in names}
+    tokenizer, ids = _tokenizer_with(["<start_of_image>", "<image_soft_token>", "<end_of_image>"])
     text_config = {"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 112,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2,
                    "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "initializer_range": 0.2,
