@@ -116,6 +116,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--stream-intervals", default="1", help="comma list of the engines' --stream-interval (new "
                                                            "tokens per streamed message): each service mode runs "
                                                            "once per entry, named MODE@N for N > 1")
+    p.add_argument("--decode-calls", default="multiplexed",
+                   help="comma list of how the router carries its decode requests: multiplexed (one stream per "
+                        "decode instance, a message per step for all of its requests) or per-call (a Generate call "
+                        "each, a message per token); each router mode runs once per entry, named MODE/per-call for "
+                        "the latter")
     p.add_argument("--router-workers", type=int, default=1, help="the router's --router-workers (processes on its "
                                                                   "port; the kernel spreads connections over them)")
     p.add_argument("--client-connections", type=int, default=1,
@@ -127,6 +132,9 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     args.modes, args.telemetry = args.modes.split(","), args.telemetry.split(",")
     args.stream_intervals = [int(n) for n in args.stream_intervals.split(",")]
+    args.decode_calls = args.decode_calls.split(",")
+    if set(args.decode_calls) - {"multiplexed", "per-call"}:
+        p.error(f"--decode-calls: choose from multiplexed, per-call, got {','.join(args.decode_calls)}")
     for name, given, known in (("modes", args.modes, MODES), ("telemetry", args.telemetry, TELEMETRY)):
         if set(given) - set(known):
             p.error(f"--{name}: unknown {', '.join(sorted(set(given) - set(known)))}; choose from {', '.join(known)}")
@@ -232,9 +240,10 @@ def wait_serving(address: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def start_stack(args: argparse.Namespace, mode: str, flags: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], str]:
+def start_stack(args: argparse.Namespace, mode: str, flags: tuple[str, ...] = (), router_flags: tuple[str, ...] = ()
+                ) -> tuple[list[subprocess.Popen], str]:
     """The processes of one mode, router last; the address clients call (the URL of the front
-    service's OpenAI API in an -http mode). `flags` go to every one."""
+    service's OpenAI API in an -http mode). `flags` go to every one, `router_flags` to the router."""
     cores = sorted(os.sched_getaffinity(0))
     mode, http = mode.removesuffix("-http"), ("--http-port", "0") if mode.endswith("-http") else ()
     if mode in ("colocated", "router"):
@@ -242,12 +251,12 @@ def start_stack(args: argparse.Namespace, mode: str, flags: tuple[str, ...] = ()
                                cpus=set(cores[:args.colocated_cores or len(cores)]))]
         if mode == "router":
             procs.append(start_service(args, "--role", "router", "--decode", procs[0][1], *flags, *http,
-                                       "--router-workers", str(args.router_workers)))
+                                       "--router-workers", str(args.router_workers), *router_flags))
     else:  # disaggregated: one core each (the same core twice on a one-core machine)
         procs = [start_service(args, "--role", role, *flags, cpus={cores[i % len(cores)]})
                  for i, role in enumerate(("prefill", "decode"))]
         procs.append(start_service(args, "--role", "router", "--prefill", procs[0][1], "--decode", procs[1][1],
-                                   *flags, *http, "--router-workers", str(args.router_workers)))
+                                   *flags, *http, "--router-workers", str(args.router_workers), *router_flags))
     return [p for p, _ in procs], procs[-1][1]
 
 
@@ -283,12 +292,13 @@ def telemetry_flags(variant: str, sink: SpanSink | None) -> tuple[str, ...]:
 
 def stack_cpu_s(procs: list[subprocess.Popen], mode: str) -> dict[str, float]:
     """CPU seconds so far of the stack's router (the last process, where there is one, and its
-    workers), its engines' serve processes (fronts) and their descendants (engine cores, ranks)."""
+    workers), its engines' serve processes (fronts; of them the one that streams the tokens, a
+    decode's or a colocated server's) and their descendants (engine cores, ranks)."""
     routed = mode.removesuffix("-http") in ("router", "disaggregated")
     engines = procs[:-1] if routed else procs
     router = [procs[-1].pid, *descendants(procs[-1].pid)]  # with --router-workers, its workers
     return {"router": sum(map(cpu_seconds, router)) if routed else float("nan"),
-            "fronts": sum(cpu_seconds(p.pid) for p in engines),
+            "fronts": sum(cpu_seconds(p.pid) for p in engines), "decode front": cpu_seconds(engines[-1].pid),
             "cores": sum(cpu_seconds(child) for p in engines for child in descendants(p.pid))}
 
 
@@ -422,35 +432,39 @@ def main() -> None:
           f"{f'every {args.long_every}th prompt {args.long_input_len} tokens, ' if args.long_every else ''}"
           f"rate {args.request_rate}/s, max concurrency {args.max_concurrency}; {os.cpu_count()} cores")
     sink = SpanSink() if "traced" in args.telemetry else None
-    runs = [(mode, "off", 1) if mode == "offline" else (mode, variant, interval)
+    runs = [(mode, "off", 1, "multiplexed") if mode == "offline" else (mode, variant, interval, calls)
             for mode in args.modes for variant in (args.telemetry if mode != "offline" else ["off"])
-            for interval in (args.stream_intervals if mode not in ("offline", "openai") else [1])]
+            for interval in (args.stream_intervals if mode not in ("offline", "openai") else [1])
+            for calls in (args.decode_calls if mode.startswith(("router", "disaggregated")) else ["multiplexed"])]
     schema = args.structured.read_text() if args.structured else None
     if schema:
         print_compile_times(args.model, schema)
     if schema:
-        runs += [(mode, "json", 1) for mode in args.modes if mode == "offline" or mode in ("colocated", "router",
-                                                                                     "disaggregated")]
+        runs += [(mode, "json", 1, "multiplexed") for mode in args.modes
+                 if mode in ("offline", "colocated", "router", "disaggregated")]
     rows = {}
     for round_ in range(args.rounds):
-        for mode, variant, interval in runs if round_ % 2 == 0 else reversed(runs):  # ABBA: no one gets a drift
-            name = (mode if variant == "off" else f"{mode}+{variant}") + (f"@{interval}" if interval > 1 else "")
+        for mode, variant, interval, calls in runs if round_ % 2 == 0 else reversed(runs):  # ABBA: no drift wins
+            name = ((mode if variant == "off" else f"{mode}+{variant}") + (f"@{interval}" if interval > 1 else "")
+                    + ("/per-call" if calls == "per-call" else ""))
             constraint = schema if variant == "json" else None
             if mode == "offline":
                 cpu = time.process_time()
                 traces, wall = run_offline(args, workload, constraint)
                 row = metrics(traces, wall, workload)
                 row.update({"router CPU us/tok": float("nan"), "fronts CPU us/tok": float("nan"),
+                            "decode front CPU us/tok": float("nan"),
                             "cores CPU us/tok": (time.process_time() - cpu) * 1e6 / (sum(t.tokens for t in traces)
                                                                                        or 1)})
             elif mode == "openai":
                 row = metrics(*asyncio.run(run_http(args, workload, args.openai_url, name, args.openai_model)),
                               workload)
-                row.update(dict.fromkeys(("router CPU us/tok", "fronts CPU us/tok", "cores CPU us/tok"),
+                row.update(dict.fromkeys(("router CPU us/tok", "fronts CPU us/tok", "decode front CPU us/tok",
+                                          "cores CPU us/tok"),
                                          float("nan")))  # (another's processes: not ours to read)
             else:
                 flags = (*telemetry_flags("off" if constraint else variant, sink), "--stream-interval", str(interval))
-                procs, address = start_stack(args, mode, flags)
+                procs, address = start_stack(args, mode, flags, ("--no-multiplex",) if calls == "per-call" else ())
                 start = {}
                 try:
                     mark = partial(lambda into, ps, m: into.update(stack_cpu_s(ps, m)), start, procs, mode)
@@ -488,11 +502,20 @@ def main() -> None:
             ratio = rows[name]["output tok/s"] / rows[name.removesuffix("-http")]["output tok/s"]
             print(f"HTTP front: {name.removesuffix('-http')} output token throughput over HTTP = {ratio:.3f}x gRPC")
     for name in rows:
+        if name.endswith("/per-call") and name.removesuffix("/per-call") in rows:
+            per_call, mux = rows[name], rows[name.removesuffix("/per-call")]
+            cpu = ", ".join(f"{who} {mux[f'{who} CPU us/tok'] / per_call[f'{who} CPU us/tok']:.2f}x"
+                            for who in ("router", "fronts", "decode front") if per_call[f"{who} CPU us/tok"] > 0)
+            print(f"multiplexed decodes: {name.removesuffix('/per-call')} output token throughput = "
+                  f"{mux['output tok/s'] / per_call['output tok/s']:.3f}x a call per request; CPU per token {cpu}")
+    for name in rows:
+        if name.endswith("/per-call"):
+            continue
         mode, _, interval = name.partition("@")
         if interval and mode in rows:
             ratio = rows[name]["output tok/s"] / rows[mode]["output tok/s"]
             cpu = ", ".join(f"{who} {rows[name][f'{who} CPU us/tok'] / rows[mode][f'{who} CPU us/tok']:.2f}x"
-                            for who in ("router", "fronts") if rows[mode][f"{who} CPU us/tok"] > 0)
+                            for who in ("router", "fronts", "decode front") if rows[mode][f"{who} CPU us/tok"] > 0)
             print(f"--stream-interval {interval}: {mode} output token throughput = {ratio:.3f}x token by token; "
                   f"CPU per token {cpu}")
     for name in rows:

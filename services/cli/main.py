@@ -168,7 +168,7 @@ def _router_options(args):
         from baton.services.router.workers import WorkerSlot
         config["worker"] = msgspec.json.decode(args.router_worker, type=WorkerSlot)
     for name, value in (("max_migrations", args.max_migrations), ("max_in_flight", args.max_in_flight),
-                        ("workers", args.router_workers)):
+                        ("workers", args.router_workers), ("multiplex", args.multiplex)):
         if value is not None:
             config[name] = value
     tokenizer_dir = model_dir(args)
@@ -328,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-migrations", type=int,
                    help="times a request may move to another decode instance when its instance fails mid-stream "
                         "(it resumes from the tokens already streamed; default 2)")
+    r.add_argument("--multiplex", action=argparse.BooleanOptionalAction,
+                   help="carry a decode instance's requests on one gRPC stream, its tokens for all of them in one "
+                        "message per step, rather than a Generate call each and a message per token (default on)")
     r.add_argument("--max-in-flight", type=int,
                    help="streams the router carries at once; beyond it, RESOURCE_EXHAUSTED at once (default 4096)")
     r.add_argument("--router-peers", action="append", metavar="HOST:PORT[,…]",

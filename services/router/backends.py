@@ -10,6 +10,7 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.services.router.decode_streams import DecodeStreams
 from baton.services.rpc.names import SERVICE_NAME
 from baton.services.rpc.tls import aio_channel
 from baton.v1 import generate_pb2 as pb
@@ -37,7 +38,7 @@ def addresses(infos, port: int) -> list[str]:
 class Backend:
     """One instance: a channel, its stubs, its health, and the requests it has in flight."""
 
-    def __init__(self, address: str, retry_s: float, on_health_change, tls=None):
+    def __init__(self, address: str, retry_s: float, on_health_change, tls=None, streams_token: tuple | None = None):
         self.address = address
         self.channel = aio_channel(address, tls, _CHANNEL_OPTIONS)
         # Responses stay bytes: the router forwards them as they came unless it must change one
@@ -45,6 +46,9 @@ class Backend:
         self.generate = self.channel.unary_stream(GENERATE_METHOD,
                                                   request_serializer=pb.GenerateRequest.SerializeToString,
                                                   response_deserializer=None)
+        # A decode tier's requests, many on one stream (decode_streams.py); None: a call each.
+        self.streams = (DecodeStreams(self.channel, streams_token, self.generate) if streams_token is not None
+                        else None)
         self.prefill = internal_pb2_grpc.PrefillStub(self.channel)
         self.encoder = internal_pb2_grpc.EncoderStub(self.channel)  # (an encoder tier's)
         self.api = generate_pb2_grpc.TextGenerationStub(self.channel)  # the runtime API
@@ -120,6 +124,13 @@ class Backend:
             self._set_healthy(False)
             await asyncio.sleep(self._retry_s)
 
+    def open_generate(self, msg: pb.GenerateRequest, metadata: tuple, timeout: float | None):
+        """The request's Generate here: on the instance's stream of requests, or a call of its own.
+        Either is read as a call (decode_leg.py)."""
+        if self.streams is not None and self.streams.supported:
+            return self.streams.open(msg, metadata, timeout)
+        return self.generate(msg, metadata=metadata, timeout=timeout)
+
     def failed(self) -> None:
         """A call found it unreachable: out at once, back when its health watch says so."""
         self._set_healthy(False)
@@ -130,6 +141,8 @@ class Backend:
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
+        if self.streams is not None:
+            self.streams.close()
         await self.channel.close(grace=None)
 
 
@@ -159,9 +172,11 @@ class Lease:
 class Tier:
     """The instances of one role, from addresses and DNS names, kept up to date."""
 
-    def __init__(self, name: str, specs: list[str], health_retry_s: float, on_health_change, tls=None):
+    def __init__(self, name: str, specs: list[str], health_retry_s: float, on_health_change, tls=None,
+                 streams_token: tuple | None = None):
         self.name = name
         self.tls = tls
+        self.streams_token = streams_token  # set: Generate calls go on each instance's stream of requests
         self.specs = [split_host_port(s) for s in specs]
         self.backends: dict[str, Backend] = {}
         self._health_retry_s = health_retry_s
@@ -193,7 +208,7 @@ class Tier:
         wanted = dict.fromkeys(found)
         for address in wanted.keys() - self.backends.keys():
             backend = self.backends[address] = Backend(address, self._health_retry_s,
-                                                       self._on_health_change, self.tls)
+                                                       self._on_health_change, self.tls, self.streams_token)
             backend.start()
         for address in self.backends.keys() - wanted.keys():
             log.info("%s backend %s is gone from DNS", self.name, address)

@@ -125,7 +125,7 @@ async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tupl
                 trace.retried("decode")
             tried.append(decode)
             span, call_metadata = trace.client_call("decode", decode, "Generate", metadata)
-            call = decode.generate(msg, metadata=call_metadata, timeout=context.time_remaining())
+            call = decode.open_generate(msg, call_metadata, context.time_remaining())
             answered, error = False, None
             try:
                 async for raw in call:

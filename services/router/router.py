@@ -33,7 +33,7 @@ from baton.services.router.prompt_hashes import HASHING_POLICIES, PromptHasher
 from baton.services.router.router_generation import RouterGeneration
 from baton.services.router.router_runtime_api import RouterRuntimeApi
 from baton.services.router.workers import WorkerSlot, workers_registry
-from baton.services.rpc.names import ROUTER_LIVENESS, SERVICE_NAME
+from baton.services.rpc.names import ROUTER_LIVENESS, SERVICE_NAME, token_metadata
 from baton.services.rpc.serving import add_text_generation, drain, in_background, make_grpc_server, set_health
 from baton.services.rpc.tls import TLSConfig
 from baton.services.telemetry import tracing
@@ -72,6 +72,9 @@ class RouterOptions:
     otlp_traces_endpoint: str | None = None  # default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; none: no tracing
     http_port: int | None = None  # the OpenAI-compatible HTTP front, with /metrics (0: any free port); None: none
     max_migrations: int = 2  # moves of a request to another decode instance after failures
+    # A decode instance's requests on one stream, answered in a message per step for all of them
+    # (decode_streams.py), rather than a Generate call each and a message per token.
+    multiplex: bool = True
     max_in_flight: int | None = 4096  # streams at once; beyond it, RESOURCE_EXHAUSTED at once (None: no bound)
     tls: TLSConfig | None = None  # serve TLS, and call the backends over it
     workers: int = 1  # router processes sharing the port (workers.py); more than 1: `baton serve` starts them
@@ -108,7 +111,8 @@ class Router:
     def __init__(self, options: RouterOptions):
         self.options = o = options
         self.prefill = Tier("prefill", o.prefill, o.health_retry_s, self._health_changed, o.tls)
-        self.decode = Tier("decode", o.decode, o.health_retry_s, self._health_changed, o.tls)
+        self.decode = Tier("decode", o.decode, o.health_retry_s, self._health_changed, o.tls,
+                           token_metadata(o.internal_token) if o.multiplex else None)
         self.encoder = Tier("encoder", o.encoder, o.health_retry_s, lambda: None, o.tls)
         slot = o.worker
         peers = [*o.peers, *(slot.peers if slot is not None else ())]

@@ -39,6 +39,7 @@ from baton.services.server.call_checks import CallChecks
 from baton.services.server.encoded_images import ChatImages
 from baton.services.server.engine_runtime_api import EngineRuntimeApi
 from baton.services.server.engine_telemetry import EngineTelemetry
+from baton.services.server.generate_streams import GenerateStreams
 from baton.services.server.generation import GenerationService
 from baton.services.server.kv_event_hub import KVEventHub
 from baton.services.server.kv_peers import KVPeers, KVPeerService
@@ -145,7 +146,11 @@ class Server:
         internal_pb2_grpc.add_KVPeerServicer_to_server(KVPeerService(self.core, checks), self.grpc)
         internal_pb2_grpc.add_AdminServicer_to_server(AdminService(self.core, o.role, checks, self.kv_events),
                                                       self.grpc)
-        services = [SERVICE_NAME, *(internal_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("KVPeer", "Admin"))]
+        # The router's decodes, many on one stream (generate_streams.py).
+        internal_pb2_grpc.add_GenerateStreamsServicer_to_server(GenerateStreams(self.generation.Generate, checks),
+                                                                self.grpc)
+        services = [SERVICE_NAME, *(internal_pb2.DESCRIPTOR.services_by_name[n].full_name
+                                    for n in ("KVPeer", "Admin", "GenerateStreams"))]
         if o.role != "decode":
             prefill = PrefillService(self.core, o.role, checks, calls, self.telemetry, self.address, self.images)
             internal_pb2_grpc.add_PrefillServicer_to_server(prefill, self.grpc)

@@ -257,7 +257,7 @@ def test_a_stream_that_failed_after_its_last_message_is_not_moved():
     calls = []
 
     class Backend(SimpleNamespace):
-        def generate(self, msg, **_):
+        def open_generate(self, msg, metadata, timeout):
             calls.append((self.address, list(msg.resume.ids)))
             return self.script()
 
