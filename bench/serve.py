@@ -121,6 +121,10 @@ def parse_args() -> argparse.Namespace:
                         "decode instance, a message per step for all of its requests) or per-call (a Generate call "
                         "each, a message per token); each router mode runs once per entry, named MODE/per-call for "
                         "the latter")
+    p.add_argument("--client-calls", default="per-call",
+                   help="comma list of how the load's client sends its requests: per-call (a Generate call each) or "
+                        "multiplexed (all on one GenerateStreams stream per connection, a message per step for all "
+                        "of them); each gRPC mode runs once per entry, named MODE/client-mux for the latter")
     p.add_argument("--router-workers", type=int, default=1, help="the router's --router-workers (processes on its "
                                                                   "port; the kernel spreads connections over them)")
     p.add_argument("--client-connections", type=int, default=1,
@@ -133,8 +137,10 @@ def parse_args() -> argparse.Namespace:
     args.modes, args.telemetry = args.modes.split(","), args.telemetry.split(",")
     args.stream_intervals = [int(n) for n in args.stream_intervals.split(",")]
     args.decode_calls = args.decode_calls.split(",")
-    if set(args.decode_calls) - {"multiplexed", "per-call"}:
-        p.error(f"--decode-calls: choose from multiplexed, per-call, got {','.join(args.decode_calls)}")
+    args.client_calls = args.client_calls.split(",")
+    for name, given in (("decode-calls", args.decode_calls), ("client-calls", args.client_calls)):
+        if set(given) - {"multiplexed", "per-call"}:
+            p.error(f"--{name}: choose from multiplexed, per-call, got {','.join(given)}")
     for name, given, known in (("modes", args.modes, MODES), ("telemetry", args.telemetry, TELEMETRY)):
         if set(given) - set(known):
             p.error(f"--{name}: unknown {', '.join(sorted(set(given) - set(known)))}; choose from {', '.join(known)}")
@@ -337,12 +343,13 @@ async def drive(args: argparse.Namespace, workload: list[Request], mode: str, se
     return traces, wall
 
 
-async def run_grpc(args: argparse.Namespace, workload: list[Request], address: str,
-                   mode: str, schema: str | None = None, after_warmup=None) -> tuple[list[Trace], float]:
+async def run_grpc(args: argparse.Namespace, workload: list[Request], address: str, mode: str,
+                   schema: str | None = None, after_warmup=None, multiplex: bool = False) -> tuple[list[Trace], float]:
     from baton.services.client import AsyncClient
 
     # Connections of their own (a subchannel pool each), taken in turn.
-    clients = [AsyncClient(address, [("grpc.use_local_subchannel_pool", 1)]) for _ in range(args.client_connections)]
+    clients = [AsyncClient(address, [("grpc.use_local_subchannel_pool", 1)], multiplex=multiplex)
+               for _ in range(args.client_connections)]
     turn = itertools.count()
     try:
         constraint = {"json_schema": schema} if schema else {}
@@ -432,21 +439,23 @@ def main() -> None:
           f"{f'every {args.long_every}th prompt {args.long_input_len} tokens, ' if args.long_every else ''}"
           f"rate {args.request_rate}/s, max concurrency {args.max_concurrency}; {os.cpu_count()} cores")
     sink = SpanSink() if "traced" in args.telemetry else None
-    runs = [(mode, "off", 1, "multiplexed") if mode == "offline" else (mode, variant, interval, calls)
+    runs = [(mode, "off", 1, "multiplexed", "per-call") if mode == "offline" else
+            (mode, variant, interval, calls, client)
             for mode in args.modes for variant in (args.telemetry if mode != "offline" else ["off"])
             for interval in (args.stream_intervals if mode not in ("offline", "openai") else [1])
-            for calls in (args.decode_calls if mode.startswith(("router", "disaggregated")) else ["multiplexed"])]
+            for calls in (args.decode_calls if mode.startswith(("router", "disaggregated")) else ["multiplexed"])
+            for client in (args.client_calls if mode in ("colocated", "router", "disaggregated") else ["per-call"])]
     schema = args.structured.read_text() if args.structured else None
     if schema:
         print_compile_times(args.model, schema)
     if schema:
-        runs += [(mode, "json", 1, "multiplexed") for mode in args.modes
+        runs += [(mode, "json", 1, "multiplexed", "per-call") for mode in args.modes
                  if mode in ("offline", "colocated", "router", "disaggregated")]
     rows = {}
     for round_ in range(args.rounds):
-        for mode, variant, interval, calls in runs if round_ % 2 == 0 else reversed(runs):  # ABBA: no drift wins
+        for mode, variant, interval, calls, client in runs if round_ % 2 == 0 else reversed(runs):  # ABBA
             name = ((mode if variant == "off" else f"{mode}+{variant}") + (f"@{interval}" if interval > 1 else "")
-                    + ("/per-call" if calls == "per-call" else ""))
+                    + ("/per-call" if calls == "per-call" else "") + ("/client-mux" if client == "multiplexed" else ""))
             constraint = schema if variant == "json" else None
             if mode == "offline":
                 cpu = time.process_time()
@@ -471,7 +480,8 @@ def main() -> None:
                     if mode.endswith("-http"):
                         traces, wall = asyncio.run(run_http(args, workload, address, name, after_warmup=mark))
                     else:
-                        traces, wall = asyncio.run(run_grpc(args, workload, address, name, constraint, mark))
+                        traces, wall = asyncio.run(run_grpc(args, workload, address, name, constraint, mark,
+                                                            client == "multiplexed"))
                     row = metrics(traces, wall, workload)
                     tokens = sum(t.tokens for t in traces if t.ok) or 1
                     row["messages/tok"] = sum(len(t.chunk_s) for t in traces if t.ok) / tokens
@@ -502,6 +512,13 @@ def main() -> None:
             ratio = rows[name]["output tok/s"] / rows[name.removesuffix("-http")]["output tok/s"]
             print(f"HTTP front: {name.removesuffix('-http')} output token throughput over HTTP = {ratio:.3f}x gRPC")
     for name in rows:
+        if name.endswith("/client-mux") and name.removesuffix("/client-mux") in rows:
+            mux, per_call = rows[name], rows[name.removesuffix("/client-mux")]
+            cpu = ", ".join(f"{who} {mux[f'{who} CPU us/tok'] / per_call[f'{who} CPU us/tok']:.2f}x"
+                            for who in ("router", "fronts", "decode front") if per_call[f"{who} CPU us/tok"] > 0)
+            print(f"a multiplexing client: {name.removesuffix('/client-mux')} output token throughput = "
+                  f"{mux['output tok/s'] / per_call['output tok/s']:.3f}x a call per request; CPU per token {cpu}")
+    for name in rows:
         if name.endswith("/per-call") and name.removesuffix("/per-call") in rows:
             per_call, mux = rows[name], rows[name.removesuffix("/per-call")]
             cpu = ", ".join(f"{who} {mux[f'{who} CPU us/tok'] / per_call[f'{who} CPU us/tok']:.2f}x"
@@ -509,7 +526,7 @@ def main() -> None:
             print(f"multiplexed decodes: {name.removesuffix('/per-call')} output token throughput = "
                   f"{mux['output tok/s'] / per_call['output tok/s']:.3f}x a call per request; CPU per token {cpu}")
     for name in rows:
-        if name.endswith("/per-call"):
+        if name.endswith(("/per-call", "/client-mux")):
             continue
         mode, _, interval = name.partition("@")
         if interval and mode in rows:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
-from baton.services.rpc.names import FINISH_REASON_NAMES
+from baton.services.rpc.names import FINISH_REASON_NAMES, GENERATE_METHOD
+from baton.services.rpc.request_streams import RequestStreams
 from baton.services.rpc.tls import TLSConfig, aio_channel, sync_channel
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
@@ -99,20 +100,34 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, target: str, options: list[tuple] | None = None, tls: TLSConfig | None = None):
+    """`multiplex`: the completions streaming at once share one gRPC stream (GenerateStreams), a
+    message per engine step for all of them instead of a call each and a message per token: for
+    a client that carries many requests (a gateway, a batch job). Each still reads as its own
+    call: its chunks, its status, its deadline; leaving the loop cancels it alone."""
+
+    def __init__(self, target: str, options: list[tuple] | None = None, tls: TLSConfig | None = None,
+                 multiplex: bool = False):
         self.channel = aio_channel(target, tls, options or [])
         self.stub = generate_pb2_grpc.TextGenerationStub(self.channel)
+        # (responses as bytes, read as a stream's are)
+        self._generate = self.channel.unary_stream(GENERATE_METHOD,
+                                                   request_serializer=pb.GenerateRequest.SerializeToString)
+        self.streams = RequestStreams(self.channel, self._generate) if multiplex else None
 
     async def generate(self, prompt, *, timeout: float | None = None, metadata=None,
                        **kwargs) -> AsyncIterator[Chunk]:
-        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=metadata)
+        msg = build_request(prompt, **kwargs)
+        call = (self.streams.open(msg, metadata, timeout) if self.streams is not None
+                else self._generate(msg, timeout=timeout, metadata=metadata))
         try:
-            async for resp in call:
-                yield chunk_from_response(resp)
+            async for raw in call:
+                yield chunk_from_response(pb.GenerateResponse.FromString(raw))
         finally:
             call.cancel()
 
     async def close(self) -> None:
+        if self.streams is not None:
+            self.streams.close()
         await self.channel.close()
 
     async def __aenter__(self) -> AsyncClient:

@@ -483,3 +483,69 @@ class ListAdaptersResponse(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
     def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ...) -> None: ...
+
+class StreamCommand(_message.Message):
+    __slots__ = ("stream", "open", "cancel")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    open: StreamOpen
+    cancel: StreamCancel
+    def __init__(self, stream: _Optional[int] = ..., open: _Optional[_Union[StreamOpen, _Mapping]] = ..., cancel: _Optional[_Union[StreamCancel, _Mapping]] = ...) -> None: ...
+
+class StreamOpen(_message.Message):
+    __slots__ = ("request", "metadata", "timeout_s")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    metadata: _containers.RepeatedCompositeFieldContainer[StreamMetadatum]
+    timeout_s: float
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., metadata: _Optional[_Iterable[_Union[StreamMetadatum, _Mapping]]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class StreamCancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StreamMetadatum(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: str
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
+class StreamEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[StreamEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[StreamEvent, _Mapping]]] = ...) -> None: ...
+
+class StreamEvent(_message.Message):
+    __slots__ = ("stream", "headers", "response", "status")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    headers: StreamHeaders
+    response: bytes
+    status: StreamStatus
+    def __init__(self, stream: _Optional[int] = ..., headers: _Optional[_Union[StreamHeaders, _Mapping]] = ..., response: _Optional[bytes] = ..., status: _Optional[_Union[StreamStatus, _Mapping]] = ...) -> None: ...
+
+class StreamHeaders(_message.Message):
+    __slots__ = ("metadata",)
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    metadata: _containers.RepeatedCompositeFieldContainer[StreamMetadatum]
+    def __init__(self, metadata: _Optional[_Iterable[_Union[StreamMetadatum, _Mapping]]] = ...) -> None: ...
+
+class StreamStatus(_message.Message):
+    __slots__ = ("code", "details", "status_details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    status_details: bytes
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., status_details: _Optional[bytes] = ...) -> None: ...

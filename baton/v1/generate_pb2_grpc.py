@@ -502,3 +502,93 @@ class TextGeneration:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class GenerateStreamsStub:
+    """Many Generate requests on one stream, for a caller that carries many at once (the router to
+    each decode instance; a gateway or a batch client to the router): it reads every request's
+    new tokens in one message per engine step, instead of a call per request and a message per
+    token (gRPC's cost is per message). Each request keeps what its own Generate call would have:
+    its responses in order, its initial metadata, its deadline, its own status at the end (with
+    the failure details a call's trailers carry), and the caller's cancel. Every service serves it.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Generate = channel.stream_stream(
+                '/baton.v1.GenerateStreams/Generate',
+                request_serializer=baton_dot_v1_dot_generate__pb2.StreamCommand.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generate__pb2.StreamEvents.FromString,
+                _registered_method=True)
+
+
+class GenerateStreamsServicer:
+    """Many Generate requests on one stream, for a caller that carries many at once (the router to
+    each decode instance; a gateway or a batch client to the router): it reads every request's
+    new tokens in one message per engine step, instead of a call per request and a message per
+    token (gRPC's cost is per message). Each request keeps what its own Generate call would have:
+    its responses in order, its initial metadata, its deadline, its own status at the end (with
+    the failure details a call's trailers carry), and the caller's cancel. Every service serves it.
+    """
+
+    def Generate(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_GenerateStreamsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Generate': grpc.stream_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=baton_dot_v1_dot_generate__pb2.StreamCommand.FromString,
+                    response_serializer=baton_dot_v1_dot_generate__pb2.StreamEvents.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'baton.v1.GenerateStreams', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('baton.v1.GenerateStreams', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class GenerateStreams:
+    """Many Generate requests on one stream, for a caller that carries many at once (the router to
+    each decode instance; a gateway or a batch client to the router): it reads every request's
+    new tokens in one message per engine step, instead of a call per request and a message per
+    token (gRPC's cost is per message). Each request keeps what its own Generate call would have:
+    its responses in order, its initial metadata, its deadline, its own status at the end (with
+    the failure details a call's trailers carry), and the caller's cancel. Every service serves it.
+    """
+
+    @staticmethod
+    def Generate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/baton.v1.GenerateStreams/Generate',
+            baton_dot_v1_dot_generate__pb2.StreamCommand.SerializeToString,
+            baton_dot_v1_dot_generate__pb2.StreamEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -25,59 +25,41 @@ _sym_db = _symbol_database.Default()
 from baton.v1 import generate_pb2 as baton_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62\x61ton/v1/internal.proto\x12\x08\x62\x61ton.v1\x1a\x17\x62\x61ton/v1/generate.proto\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"z\n\rStreamCommand\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12$\n\x04open\x18\x02 \x01(\x0b\x32\x14.baton.v1.StreamOpenH\x00\x12(\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x16.baton.v1.StreamCancelH\x00\x42\t\n\x07\x63ommand\"x\n\nStreamOpen\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.baton.v1.GenerateRequest\x12+\n\x08metadata\x18\x02 \x03(\x0b\x32\x19.baton.v1.StreamMetadatum\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\x0e\n\x0cStreamCancel\"-\n\x0fStreamMetadatum\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"5\n\x0cStreamEvents\x12%\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x15.baton.v1.StreamEvent\"\x90\x01\n\x0bStreamEvent\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12*\n\x07headers\x18\x02 \x01(\x0b\x32\x17.baton.v1.StreamHeadersH\x00\x12\x12\n\x08response\x18\x03 \x01(\x0cH\x00\x12(\n\x06status\x18\x04 \x01(\x0b\x32\x16.baton.v1.StreamStatusH\x00\x42\x07\n\x05\x65vent\"<\n\rStreamHeaders\x12+\n\x08metadata\x18\x01 \x03(\x0b\x32\x19.baton.v1.StreamMetadatum\"E\n\x0cStreamStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x16\n\x0estatus_details\x18\x03 \x01(\x0c\"`\n\x0fPrefillResponse\x12\"\n\x06handle\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVHandle\x12)\n\x05\x66irst\x18\x02 \x01(\x0b\x32\x1a.baton.v1.GenerateResponse\"\xbf\x02\n\x08KVLayout\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x10\n\x08mem_type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65v_id\x18\x07 \x01(\r\x12\"\n\x06\x66ormat\x18\x08 \x01(\x0b\x32\x12.baton.v1.KVFormat\x12\x16\n\x0ehost_base_addr\x18\t \x01(\x04\x12\x17\n\x0fhost_num_blocks\x18\n \x01(\r\x12!\n\x05ranks\x18\x0b \x03(\x0b\x32\x12.baton.v1.KVLayout\x12\x17\n\x0f\x64raft_base_addr\x18\x0c \x01(\x04\x12\x19\n\x11\x64raft_block_bytes\x18\r \x01(\x04\"\xc5\x02\n\x08KVFormat\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x11\n\thead_size\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12)\n\tkv_groups\x18\x08 \x03(\x0b\x32\x16.baton.v1.KVCacheGroup\x12\x11\n\tattention\x18\t \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x14\n\x0c\x64raft_method\x18\x0b \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x0c \x01(\t\x12\x10\n\x08\x64raft_kv\x18\r \x03(\r\x12\x16\n\x0e\x61\x63\x63\x65pts_models\x18\x0e \x03(\t\".\n\x0cKVCacheGroup\x12\x0e\n\x06layers\x18\x01 \x03(\r\x12\x0e\n\x06window\x18\x02 \x01(\r\"\x1a\n\x18SubscribeKVEventsRequest\"\x88\x01\n\x0cKVEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x10\n\x08snapshot\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12!\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x11.baton.v1.KVEvent\"\x8e\x01\n\x07KVEvent\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.baton.v1.KVEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x12\x12\x18\n\x0bparent_hash\x18\x03 \x01(\x12H\x00\x88\x01\x01\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.baton.v1.KVTierB\x0e\n\x0c_parent_hash\"\x0e\n\x0cStatsRequest\"\xcd\x03\n\x0b\x45ngineStats\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x10\n\x08num_held\x18\x07 \x01(\r\x12\x1d\n\x15num_in_flight_streams\x18\x08 \x01(\r\x12\x1d\n\x15num_prefix_hit_tokens\x18\t \x01(\x04\x12\x19\n\x11num_expired_holds\x18\n \x01(\x04\x12\x18\n\x10num_failed_loads\x18\x0b \x01(\x04\x12\x19\n\x11num_blocks_pulled\x18\x0c \x01(\x04\x12\x14\n\x0cnum_requests\x18\r \x01(\x04\x12\x17\n\x0f\x65ngine_core_pid\x18\x0e \x01(\r\x12\x1a\n\x12num_host_kv_blocks\x18\x0f \x01(\r\x12\x1f\n\x17num_free_host_kv_blocks\x18\x10 \x01(\r\x12\x1a\n\x12num_host_hand_offs\x18\x11 \x01(\x04\x12\x18\n\x10num_bytes_pulled\x18\x12 \x01(\x04*\x9e\x01\n\x0bKVEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02\x12\x1c\n\x18KV_EVENT_KIND_TIER_MOVED\x10\x03\x12\x1d\n\x19KV_EVENT_KIND_ALL_CLEARED\x10\x04\x32\x84\x01\n\x07Prefill\x12?\n\x07Prefill\x12\x19.baton.v1.GenerateRequest\x1a\x19.baton.v1.PrefillResponse\x12\x38\n\x07Release\x12\x12.baton.v1.KVHandle\x1a\x19.baton.v1.ReleaseResponse2G\n\x07\x45ncoder\x12<\n\x06\x45ncode\x12\x19.baton.v1.GenerateRequest\x1a\x17.baton.v1.EncodedImages2R\n\x0fGenerateStreams\x12?\n\x08Generate\x12\x17.baton.v1.StreamCommand\x1a\x16.baton.v1.StreamEvents(\x01\x30\x01\x32=\n\x06KVPeer\x12\x33\n\tHandshake\x12\x12.baton.v1.KVLayout\x1a\x12.baton.v1.KVLayout2\x92\x01\n\x05\x41\x64min\x12\x36\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x15.baton.v1.EngineStats\x12Q\n\x11SubscribeKVEvents\x12\".baton.v1.SubscribeKVEventsRequest\x1a\x16.baton.v1.KVEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62\x61ton/v1/internal.proto\x12\x08\x62\x61ton.v1\x1a\x17\x62\x61ton/v1/generate.proto\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"`\n\x0fPrefillResponse\x12\"\n\x06handle\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVHandle\x12)\n\x05\x66irst\x18\x02 \x01(\x0b\x32\x1a.baton.v1.GenerateResponse\"\xbf\x02\n\x08KVLayout\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x11\n\tbase_addr\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x10\n\x08mem_type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65v_id\x18\x07 \x01(\r\x12\"\n\x06\x66ormat\x18\x08 \x01(\x0b\x32\x12.baton.v1.KVFormat\x12\x16\n\x0ehost_base_addr\x18\t \x01(\x04\x12\x17\n\x0fhost_num_blocks\x18\n \x01(\r\x12!\n\x05ranks\x18\x0b \x03(\x0b\x32\x12.baton.v1.KVLayout\x12\x17\n\x0f\x64raft_base_addr\x18\x0c \x01(\x04\x12\x19\n\x11\x64raft_block_bytes\x18\r \x01(\x04\"\xc5\x02\n\x08KVFormat\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x11\n\thead_size\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12)\n\tkv_groups\x18\x08 \x03(\x0b\x32\x16.baton.v1.KVCacheGroup\x12\x11\n\tattention\x18\t \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x14\n\x0c\x64raft_method\x18\x0b \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x0c \x01(\t\x12\x10\n\x08\x64raft_kv\x18\r \x03(\r\x12\x16\n\x0e\x61\x63\x63\x65pts_models\x18\x0e \x03(\t\".\n\x0cKVCacheGroup\x12\x0e\n\x06layers\x18\x01 \x03(\r\x12\x0e\n\x06window\x18\x02 \x01(\r\"\x1a\n\x18SubscribeKVEventsRequest\"\x88\x01\n\x0cKVEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x10\n\x08snapshot\x18\x04 \x01(\x08\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12!\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x11.baton.v1.KVEvent\"\x8e\x01\n\x07KVEvent\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.baton.v1.KVEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x12\x12\x18\n\x0bparent_hash\x18\x03 \x01(\x12H\x00\x88\x01\x01\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.baton.v1.KVTierB\x0e\n\x0c_parent_hash\"\x0e\n\x0cStatsRequest\"\xcd\x03\n\x0b\x45ngineStats\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x10\n\x08num_held\x18\x07 \x01(\r\x12\x1d\n\x15num_in_flight_streams\x18\x08 \x01(\r\x12\x1d\n\x15num_prefix_hit_tokens\x18\t \x01(\x04\x12\x19\n\x11num_expired_holds\x18\n \x01(\x04\x12\x18\n\x10num_failed_loads\x18\x0b \x01(\x04\x12\x19\n\x11num_blocks_pulled\x18\x0c \x01(\x04\x12\x14\n\x0cnum_requests\x18\r \x01(\x04\x12\x17\n\x0f\x65ngine_core_pid\x18\x0e \x01(\r\x12\x1a\n\x12num_host_kv_blocks\x18\x0f \x01(\r\x12\x1f\n\x17num_free_host_kv_blocks\x18\x10 \x01(\r\x12\x1a\n\x12num_host_hand_offs\x18\x11 \x01(\x04\x12\x18\n\x10num_bytes_pulled\x18\x12 \x01(\x04*\x9e\x01\n\x0bKVEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02\x12\x1c\n\x18KV_EVENT_KIND_TIER_MOVED\x10\x03\x12\x1d\n\x19KV_EVENT_KIND_ALL_CLEARED\x10\x04\x32\x84\x01\n\x07Prefill\x12?\n\x07Prefill\x12\x19.baton.v1.GenerateRequest\x1a\x19.baton.v1.PrefillResponse\x12\x38\n\x07Release\x12\x12.baton.v1.KVHandle\x1a\x19.baton.v1.ReleaseResponse2G\n\x07\x45ncoder\x12<\n\x06\x45ncode\x12\x19.baton.v1.GenerateRequest\x1a\x17.baton.v1.EncodedImages2=\n\x06KVPeer\x12\x33\n\tHandshake\x12\x12.baton.v1.KVLayout\x1a\x12.baton.v1.KVLayout2\x92\x01\n\x05\x41\x64min\x12\x36\n\x05Stats\x12\x16.baton.v1.StatsRequest\x1a\x15.baton.v1.EngineStats\x12Q\n\x11SubscribeKVEvents\x12\".baton.v1.SubscribeKVEventsRequest\x1a\x16.baton.v1.KVEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.internal_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVEVENTKIND']._serialized_start=2332
-  _globals['_KVEVENTKIND']._serialized_end=2490
+  _globals['_KVEVENTKIND']._serialized_start=1688
+  _globals['_KVEVENTKIND']._serialized_end=1846
   _globals['_RELEASERESPONSE']._serialized_start=62
   _globals['_RELEASERESPONSE']._serialized_end=97
-  _globals['_STREAMCOMMAND']._serialized_start=99
-  _globals['_STREAMCOMMAND']._serialized_end=221
-  _globals['_STREAMOPEN']._serialized_start=223
-  _globals['_STREAMOPEN']._serialized_end=343
-  _globals['_STREAMCANCEL']._serialized_start=345
-  _globals['_STREAMCANCEL']._serialized_end=359
-  _globals['_STREAMMETADATUM']._serialized_start=361
-  _globals['_STREAMMETADATUM']._serialized_end=406
-  _globals['_STREAMEVENTS']._serialized_start=408
-  _globals['_STREAMEVENTS']._serialized_end=461
-  _globals['_STREAMEVENT']._serialized_start=464
-  _globals['_STREAMEVENT']._serialized_end=608
-  _globals['_STREAMHEADERS']._serialized_start=610
-  _globals['_STREAMHEADERS']._serialized_end=670
-  _globals['_STREAMSTATUS']._serialized_start=672
-  _globals['_STREAMSTATUS']._serialized_end=741
-  _globals['_PREFILLRESPONSE']._serialized_start=743
-  _globals['_PREFILLRESPONSE']._serialized_end=839
-  _globals['_KVLAYOUT']._serialized_start=842
-  _globals['_KVLAYOUT']._serialized_end=1161
-  _globals['_KVFORMAT']._serialized_start=1164
-  _globals['_KVFORMAT']._serialized_end=1489
-  _globals['_KVCACHEGROUP']._serialized_start=1491
-  _globals['_KVCACHEGROUP']._serialized_end=1537
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=1539
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=1565
-  _globals['_KVEVENTBATCH']._serialized_start=1568
-  _globals['_KVEVENTBATCH']._serialized_end=1704
-  _globals['_KVEVENT']._serialized_start=1707
-  _globals['_KVEVENT']._serialized_end=1849
-  _globals['_STATSREQUEST']._serialized_start=1851
-  _globals['_STATSREQUEST']._serialized_end=1865
-  _globals['_ENGINESTATS']._serialized_start=1868
-  _globals['_ENGINESTATS']._serialized_end=2329
-  _globals['_PREFILL']._serialized_start=2493
-  _globals['_PREFILL']._serialized_end=2625
-  _globals['_ENCODER']._serialized_start=2627
-  _globals['_ENCODER']._serialized_end=2698
-  _globals['_GENERATESTREAMS']._serialized_start=2700
-  _globals['_GENERATESTREAMS']._serialized_end=2782
-  _globals['_KVPEER']._serialized_start=2784
-  _globals['_KVPEER']._serialized_end=2845
-  _globals['_ADMIN']._serialized_start=2848
-  _globals['_ADMIN']._serialized_end=2994
+  _globals['_PREFILLRESPONSE']._serialized_start=99
+  _globals['_PREFILLRESPONSE']._serialized_end=195
+  _globals['_KVLAYOUT']._serialized_start=198
+  _globals['_KVLAYOUT']._serialized_end=517
+  _globals['_KVFORMAT']._serialized_start=520
+  _globals['_KVFORMAT']._serialized_end=845
+  _globals['_KVCACHEGROUP']._serialized_start=847
+  _globals['_KVCACHEGROUP']._serialized_end=893
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=895
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=921
+  _globals['_KVEVENTBATCH']._serialized_start=924
+  _globals['_KVEVENTBATCH']._serialized_end=1060
+  _globals['_KVEVENT']._serialized_start=1063
+  _globals['_KVEVENT']._serialized_end=1205
+  _globals['_STATSREQUEST']._serialized_start=1207
+  _globals['_STATSREQUEST']._serialized_end=1221
+  _globals['_ENGINESTATS']._serialized_start=1224
+  _globals['_ENGINESTATS']._serialized_end=1685
+  _globals['_PREFILL']._serialized_start=1849
+  _globals['_PREFILL']._serialized_end=1981
+  _globals['_ENCODER']._serialized_start=1983
+  _globals['_ENCODER']._serialized_end=2054
+  _globals['_KVPEER']._serialized_start=2056
+  _globals['_KVPEER']._serialized_end=2117
+  _globals['_ADMIN']._serialized_start=2120
+  _globals['_ADMIN']._serialized_end=2266
 # @@protoc_insertion_point(module_scope)

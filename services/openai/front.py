@@ -18,7 +18,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-import grpc
 from aiohttp import web
 
 from baton.services.openai.protocol import (
@@ -39,45 +38,20 @@ from baton.services.openai.tools import constrain_to_tools, plan_from_body
 from baton.services.rpc.errors import failure_of
 from baton.services.rpc.fan_out import merge
 from baton.services.rpc.serving import RuntimeApi
+from baton.services.rpc.stand_in_context import Aborted, StandInContext
 from baton.services.telemetry.metrics import exposition
 from baton.v1 import generate_pb2 as pb
 
 
-class _Aborted(Exception):
-    """The stand-in context's abort (a gRPC handler's abort raises, so does this)."""
-
-
-class CallContext:
-    """What the gRPC handlers use of grpc.aio.ServicerContext, for a call that came over HTTP."""
+class CallContext(StandInContext):
+    """The context of a call that came over HTTP: its trace context from the headers."""
 
     def __init__(self, headers):
-        self._metadata = tuple((k.lower(), v) for k, v in headers.items() if k.lower() in ("traceparent", "tracestate"))
-        self._code: grpc.StatusCode | None = None
-        self._details = ""
-        self._field: str | None = None
-
-    def invocation_metadata(self):
-        return self._metadata
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()):
-        self._code, self._details = code, details
-        self._field = failure_of(trailing_metadata).field
-        raise _Aborted(details)
-
-    def code(self):
-        return self._code
-
-    def details(self):
-        return self._details
-
-    def time_remaining(self):
-        return None
-
-    async def send_initial_metadata(self, metadata) -> None:
-        pass
+        super().__init__(tuple((k.lower(), v) for k, v in headers.items()
+                               if k.lower() in ("traceparent", "tracestate")))
 
     def error(self) -> ApiError:
-        return error_for_status(self._code, self._details, self._field)
+        return error_for_status(self.code(), self.details(), failure_of(self.trailing_metadata).field)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +122,7 @@ class OpenAIFront:
         context = CallContext(request.headers)
         try:
             return await call(msg, context)
-        except _Aborted:
+        except Aborted:
             raise context.error() from None
 
     async def model_info(self, request: web.Request) -> pb.ModelInfo:
@@ -335,7 +309,7 @@ class OpenAIFront:
                 async for resp in self.calls.generate(msg, context):
                     resp = pb.GenerateResponse.FromString(resp) if isinstance(resp, bytes) else resp
                     yield i * n + resp.index, resp
-            except _Aborted:
+            except Aborted:
                 raise context.error() from None
         streams = [one(i, msg) for i, msg in enumerate(requests)]
         async for item in (streams[0] if len(streams) == 1 else merge(streams)):

@@ -10,15 +10,14 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.services.router.decode_streams import DecodeStreams
-from baton.services.rpc.names import SERVICE_NAME
+from baton.services.rpc.names import GENERATE_METHOD, SERVICE_NAME
+from baton.services.rpc.request_streams import RequestStreams
 from baton.services.rpc.tls import aio_channel
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
 
 log = logging.getLogger("baton.router")
 
-GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 # Reconnect quickly to a backend that comes back (gRPC's default backoff grows to 2 minutes).
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                     ("grpc.max_reconnect_backoff_ms", 2000)]
@@ -38,7 +37,7 @@ def addresses(infos, port: int) -> list[str]:
 class Backend:
     """One instance: a channel, its stubs, its health, and the requests it has in flight."""
 
-    def __init__(self, address: str, retry_s: float, on_health_change, tls=None, streams_token: tuple | None = None):
+    def __init__(self, address: str, retry_s: float, on_health_change, tls=None, multiplex: bool = False):
         self.address = address
         self.channel = aio_channel(address, tls, _CHANNEL_OPTIONS)
         # Responses stay bytes: the router forwards them as they came unless it must change one
@@ -46,9 +45,8 @@ class Backend:
         self.generate = self.channel.unary_stream(GENERATE_METHOD,
                                                   request_serializer=pb.GenerateRequest.SerializeToString,
                                                   response_deserializer=None)
-        # A decode tier's requests, many on one stream (decode_streams.py); None: a call each.
-        self.streams = (DecodeStreams(self.channel, streams_token, self.generate) if streams_token is not None
-                        else None)
+        # A decode tier's requests, many on one stream (request_streams.py); None: a call each.
+        self.streams = RequestStreams(self.channel, self.generate) if multiplex else None
         self.prefill = internal_pb2_grpc.PrefillStub(self.channel)
         self.encoder = internal_pb2_grpc.EncoderStub(self.channel)  # (an encoder tier's)
         self.api = generate_pb2_grpc.TextGenerationStub(self.channel)  # the runtime API
@@ -173,10 +171,10 @@ class Tier:
     """The instances of one role, from addresses and DNS names, kept up to date."""
 
     def __init__(self, name: str, specs: list[str], health_retry_s: float, on_health_change, tls=None,
-                 streams_token: tuple | None = None):
+                 multiplex: bool = False):
         self.name = name
         self.tls = tls
-        self.streams_token = streams_token  # set: Generate calls go on each instance's stream of requests
+        self.multiplex = multiplex  # Generate requests go on each instance's stream of requests
         self.specs = [split_host_port(s) for s in specs]
         self.backends: dict[str, Backend] = {}
         self._health_retry_s = health_retry_s
@@ -208,7 +206,7 @@ class Tier:
         wanted = dict.fromkeys(found)
         for address in wanted.keys() - self.backends.keys():
             backend = self.backends[address] = Backend(address, self._health_retry_s,
-                                                       self._on_health_change, self.tls, self.streams_token)
+                                                       self._on_health_change, self.tls, self.multiplex)
             backend.start()
         for address in self.backends.keys() - wanted.keys():
             log.info("%s backend %s is gone from DNS", self.name, address)

@@ -33,11 +33,13 @@ from baton.services.router.prompt_hashes import HASHING_POLICIES, PromptHasher
 from baton.services.router.router_generation import RouterGeneration
 from baton.services.router.router_runtime_api import RouterRuntimeApi
 from baton.services.router.workers import WorkerSlot, workers_registry
-from baton.services.rpc.names import ROUTER_LIVENESS, SERVICE_NAME, token_metadata
+from baton.services.rpc.generate_streams import GenerateStreams
+from baton.services.rpc.names import ROUTER_LIVENESS, SERVICE_NAME, STREAMS_SERVICE_NAME
 from baton.services.rpc.serving import add_text_generation, drain, in_background, make_grpc_server, set_health
 from baton.services.rpc.tls import TLSConfig
 from baton.services.telemetry import tracing
 from baton.services.telemetry.metrics import MetricsServer, RouterMetrics, make_registry
+from baton.v1 import generate_pb2_grpc
 
 log = logging.getLogger("baton.router")
 
@@ -73,7 +75,7 @@ class RouterOptions:
     http_port: int | None = None  # the OpenAI-compatible HTTP front, with /metrics (0: any free port); None: none
     max_migrations: int = 2  # moves of a request to another decode instance after failures
     # A decode instance's requests on one stream, answered in a message per step for all of them
-    # (decode_streams.py), rather than a Generate call each and a message per token.
+    # (services/rpc/request_streams.py), rather than a Generate call each and a message per token.
     multiplex: bool = True
     max_in_flight: int | None = 4096  # streams at once; beyond it, RESOURCE_EXHAUSTED at once (None: no bound)
     tls: TLSConfig | None = None  # serve TLS, and call the backends over it
@@ -111,8 +113,7 @@ class Router:
     def __init__(self, options: RouterOptions):
         self.options = o = options
         self.prefill = Tier("prefill", o.prefill, o.health_retry_s, self._health_changed, o.tls)
-        self.decode = Tier("decode", o.decode, o.health_retry_s, self._health_changed, o.tls,
-                           token_metadata(o.internal_token) if o.multiplex else None)
+        self.decode = Tier("decode", o.decode, o.health_retry_s, self._health_changed, o.tls, o.multiplex)
         self.encoder = Tier("encoder", o.encoder, o.health_retry_s, lambda: None, o.tls)
         slot = o.worker
         peers = [*o.peers, *(slot.peers if slot is not None else ())]
@@ -152,9 +153,11 @@ class Router:
                                             o.internal_token, self.peers, self.encoder)
         # Generate's responses pass through as the backends serialized them.
         add_text_generation(self.grpc, self.generation.Generate, self.runtime_api, generate_serialized=True)
+        generate_pb2_grpc.add_GenerateStreamsServicer_to_server(GenerateStreams(self.generation.Generate), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            [SERVICE_NAME, STREAMS_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME],
             self.grpc)
         self._resolver: asyncio.Task | None = None
         self._reported: bool | None = None  # the health last reported

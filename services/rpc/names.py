@@ -5,6 +5,9 @@ from __future__ import annotations
 from baton.v1 import generate_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+STREAMS_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateStreams"].full_name
+GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
+STREAMS_METHOD = f"/{STREAMS_SERVICE_NAME}/Generate"
 # The router's health service for its own process (liveness and startup probes): SERVING while
 # its event loop answers, whether or not a decode is reachable (that is "" and SERVICE_NAME).
 ROUTER_LIVENESS = "baton.router.liveness"

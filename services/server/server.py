@@ -25,7 +25,8 @@ from baton.engine.common.errors import check
 from baton.engine.front.core_client import CoreClient
 from baton.kv_transfer.base import DEFAULT_HOLD_TIMEOUT_S
 from baton.services.rpc.calls import CallRegistry
-from baton.services.rpc.names import SERVICE_NAME
+from baton.services.rpc.generate_streams import GenerateStreams
+from baton.services.rpc.names import SERVICE_NAME, STREAMS_SERVICE_NAME
 from baton.services.rpc.serving import (
     add_text_generation,
     advertised_host,
@@ -39,7 +40,6 @@ from baton.services.server.call_checks import CallChecks
 from baton.services.server.encoded_images import ChatImages
 from baton.services.server.engine_runtime_api import EngineRuntimeApi
 from baton.services.server.engine_telemetry import EngineTelemetry
-from baton.services.server.generate_streams import GenerateStreams
 from baton.services.server.generation import GenerationService
 from baton.services.server.kv_event_hub import KVEventHub
 from baton.services.server.kv_peers import KVPeers, KVPeerService
@@ -48,7 +48,7 @@ from baton.services.server.prefill import PrefillService
 from baton.services.server.snapshots import stats_to_proto
 from baton.services.telemetry import tracing
 from baton.services.telemetry.metrics import EngineMetrics, MetricsServer, make_registry, on_loop
-from baton.v1 import internal_pb2, internal_pb2_grpc
+from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("baton.server")
 
@@ -146,11 +146,10 @@ class Server:
         internal_pb2_grpc.add_KVPeerServicer_to_server(KVPeerService(self.core, checks), self.grpc)
         internal_pb2_grpc.add_AdminServicer_to_server(AdminService(self.core, o.role, checks, self.kv_events),
                                                       self.grpc)
-        # The router's decodes, many on one stream (generate_streams.py).
-        internal_pb2_grpc.add_GenerateStreamsServicer_to_server(GenerateStreams(self.generation.Generate, checks),
-                                                                self.grpc)
-        services = [SERVICE_NAME, *(internal_pb2.DESCRIPTOR.services_by_name[n].full_name
-                                    for n in ("KVPeer", "Admin", "GenerateStreams"))]
+        # Generate, many requests on one stream (a router's to this decode, a client's).
+        generate_pb2_grpc.add_GenerateStreamsServicer_to_server(GenerateStreams(self.generation.Generate), self.grpc)
+        services = [SERVICE_NAME, STREAMS_SERVICE_NAME,
+                    *(internal_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("KVPeer", "Admin"))]
         if o.role != "decode":
             prefill = PrefillService(self.core, o.role, checks, calls, self.telemetry, self.address, self.images)
             internal_pb2_grpc.add_PrefillServicer_to_server(prefill, self.grpc)

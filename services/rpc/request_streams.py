@@ -1,12 +1,14 @@
-"""The router's side of GenerateStreams (internal.proto): a decode instance's requests opened on
-one stream per instance, their responses read in one message per engine step for all of them
-(gRPC's cost is per message: a call and a message per token per request is most of what a
-relay spends). A StreamedCall stands where the request's own Generate call would, and
-decode_leg.py reads it as one: its responses as bytes, its initial metadata, cancel(), and the
-request's status raised as grpc.aio.AioRpcError with the decode's failure details. The stream
-failing fails each request on it with the stream's status, as their own calls would have failed
-(the instance died, stopped or is unreachable): the decode leg moves them. The next request
-opens a new stream."""
+"""The caller's side of GenerateStreams (generate.proto): many Generate requests opened on one
+stream per server, their responses read in one message per engine step for all of them (gRPC's
+cost is per message: a call and a message per token per request is most of what a relay
+spends). The router opens a decode instance's requests so; the client library, with
+multiplex=True, a client's. A StreamedCall stands where the request's own Generate call would,
+read as one (the router's decode leg does): its responses as bytes, its initial metadata,
+cancel(), and the request's status raised as grpc.aio.AioRpcError with the server's failure
+details. The stream failing fails each request on it with the stream's status, as their own
+calls would have failed (the server died, stopped or is unreachable); the next request opens a
+new stream. A server without GenerateStreams (another version, or not Baton) gets each request
+as a call of its own."""
 from __future__ import annotations
 
 import asyncio
@@ -16,12 +18,10 @@ import grpc
 from grpc.aio import AioRpcError, Metadata
 
 from baton.services.rpc.errors import DETAILS_KEY
-from baton.services.rpc.names import TOKEN_KEY
+from baton.services.rpc.names import STREAMS_METHOD
 from baton.v1 import generate_pb2 as pb
-from baton.v1 import internal_pb2 as ipb
 
-log = logging.getLogger("baton.router")
-METHOD = "/baton.v1.GenerateStreams/Generate"
+log = logging.getLogger("baton.rpc")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -29,10 +29,10 @@ _FALL_BACK = object()  # the instance has no GenerateStreams: the request goes a
 
 
 class StreamedCall:
-    """One request on a decode's stream, read as its own Generate call would be."""
+    """One request on a server's stream, read as its own Generate call would be."""
     __slots__ = ("_streams", "_stream", "_open", "_events", "_headers", "_done", "_call")
 
-    def __init__(self, streams: DecodeStreams, stream: int, open: ipb.StreamOpen):
+    def __init__(self, streams: RequestStreams, stream: int, open: pb.StreamOpen):
         self._streams, self._stream, self._open = streams, stream, open
         self._events: asyncio.Queue = asyncio.Queue()  # StreamEvents, or the stream's failure
         self._headers: tuple = ()
@@ -72,7 +72,7 @@ class StreamedCall:
 
     def _fall_back(self):
         open = self._open
-        metadata = (*self._streams.token, *((m.key, m.value) for m in open.metadata))
+        metadata = tuple((m.key, m.value) for m in open.metadata)
         self._call = self._streams.per_call(open.request, metadata=metadata, timeout=open.timeout_s or None)
         return self._call
 
@@ -83,7 +83,7 @@ class StreamedCall:
         return self._call.done() if self._call is not None else self._done
 
     def cancel(self) -> None:
-        """The caller is gone: the decode ends the request (and answers nothing more for it)."""
+        """The caller is gone: the server ends the request (and answers nothing more for it)."""
         if self._call is not None:
             self._call.cancel()
         elif not self._done:
@@ -91,39 +91,36 @@ class StreamedCall:
             self._streams.cancel(self._stream)
 
 
-class DecodeStreams:
-    """One decode instance's stream of requests, opened at its first and again after it fails.
-    `token`: the stack's token metadata, which the instance checks once for the stream;
-    `per_call`: the instance's own Generate, for an instance without GenerateStreams (another
-    version, or not Baton), to which its requests then go as calls of their own."""
+class RequestStreams:
+    """One server's stream of requests, opened at the first and again after it fails. `per_call`:
+    the server's Generate (its responses as bytes), for a server without GenerateStreams."""
 
-    def __init__(self, channel: grpc.aio.Channel, token: tuple, per_call):
-        self._method = channel.stream_stream(METHOD, request_serializer=ipb.StreamCommand.SerializeToString,
-                                             response_deserializer=ipb.StreamEvents.FromString)
-        self.token = token
+    def __init__(self, channel: grpc.aio.Channel, per_call):
+        self._method = channel.stream_stream(STREAMS_METHOD, request_serializer=pb.StreamCommand.SerializeToString,
+                                             response_deserializer=pb.StreamEvents.FromString)
         self.per_call = per_call
         self.supported = True  # until the instance answers UNIMPLEMENTED
-        self._commands: asyncio.Queue | None = None  # the open stream's, None at the end
+        self._commands: asyncio.Queue | None = None  # what the open stream sends (None: none opened yet)
         self._calls: dict[int, StreamedCall] = {}
         self._reader: asyncio.Task | None = None
         self._next = 0
         self.messages_read = 0  # the instance's messages, each carrying every event since its last
 
-    def open(self, msg: pb.GenerateRequest, metadata: tuple, timeout: float | None) -> StreamedCall:
+    def open(self, msg: pb.GenerateRequest, metadata, timeout: float | None) -> StreamedCall:
         """Send the request as its own Generate call would go, with this metadata (its binary
         entries are not carried) and deadline."""
         if self._reader is None or self._reader.done():
             self._start()
         self._next += 1
-        entries = [ipb.StreamMetadatum(key=k, value=v) for k, v in metadata if isinstance(v, str) and k != TOKEN_KEY]
-        open = ipb.StreamOpen(request=msg, metadata=entries, timeout_s=timeout or 0.0)
+        entries = [pb.StreamMetadatum(key=k, value=v) for k, v in metadata or () if isinstance(v, str)]
+        open = pb.StreamOpen(request=msg, metadata=entries, timeout_s=timeout or 0.0)
         call = self._calls[self._next] = StreamedCall(self, self._next, open)
-        self._commands.put_nowait(ipb.StreamCommand(stream=self._next, open=open))
+        self._commands.put_nowait(pb.StreamCommand(stream=self._next, open=open))
         return call
 
     def cancel(self, stream: int) -> None:
         if self._calls.pop(stream, None) is not None:
-            self._commands.put_nowait(ipb.StreamCommand(stream=stream, cancel=ipb.StreamCancel()))
+            self._commands.put_nowait(pb.StreamCommand(stream=stream, cancel=pb.StreamCancel()))
 
     def forget(self, stream: int) -> None:
         self._calls.pop(stream, None)
@@ -134,7 +131,7 @@ class DecodeStreams:
 
     def _start(self) -> None:
         commands, calls = self._commands, self._calls = asyncio.Queue(), {}
-        call = self._method(self._send(commands), metadata=self.token)
+        call = self._method(self._send(commands))
         self._reader = asyncio.ensure_future(self._read(call, calls))
 
     @staticmethod
@@ -149,17 +146,17 @@ class DecodeStreams:
                 self.messages_read += 1
                 for event in batch.events:
                     streamed = calls.get(event.stream)
-                    if streamed is not None:  # else cancelled here: the decode's late answers are dropped
+                    if streamed is not None:  # else cancelled here: the late answers are dropped
                         streamed.deliver(event)
             error = AioRpcError(grpc.StatusCode.UNAVAILABLE, Metadata(), Metadata(),
-                                "the decode instance ended its requests' stream")
+                                "the server ended its requests' stream")
         except AioRpcError as e:
             error = e
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                log.warning("decode instance has no GenerateStreams: a Generate call per request (%s)", e.details())
+                log.warning("the server has no GenerateStreams: a Generate call per request (%s)", e.details())
                 self.supported, error = False, _FALL_BACK
         except asyncio.CancelledError:
-            error = AioRpcError(grpc.StatusCode.CANCELLED, Metadata(), Metadata(), "the router closed the stream")
+            error = AioRpcError(grpc.StatusCode.CANCELLED, Metadata(), Metadata(), "the stream was closed")
             call.cancel()
             raise
         finally:
