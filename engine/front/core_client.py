@@ -83,13 +83,15 @@ def merge_outputs(out: StepOutput, more: StepOutput) -> StepOutput:
 class _Stream:
     """One request's way to its caller: its outputs queued, and under a stream interval the
     one held back until it carries enough tokens (kept here, so that a held output costs
-    the caller no wake-up)."""
-    __slots__ = ("queue", "held", "started")
+    the caller no wake-up); or, once the caller gave a sink (CoreClient.sink), its outputs
+    but the last handed to the sink in the step's fan-out, with no wake-up at all."""
+    __slots__ = ("queue", "held", "started", "sink")
 
     def __init__(self):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.held: StepOutput | None = None
         self.started = False  # its first output is on its way
+        self.sink: Callable[[StepOutput], None] | None = None
 
     def put(self, out: StepOutput, interval: int) -> None:
         if self.held is not None:
@@ -98,7 +100,10 @@ class _Stream:
             self.held = out
             return
         self.started = True  # the first at once: time to first token is not the interval's to delay
-        self.queue.put_nowait(out)
+        if self.sink is not None and not out.finished:  # (the last goes to the caller, who ends the request)
+            self.sink(out)
+        else:
+            self.queue.put_nowait(out)
 
 
 def merge_queued(out: StepOutput | BaseException, outputs: asyncio.Queue) -> StepOutput:
@@ -155,7 +160,9 @@ class CoreClient:
         self._ctx = zmq.asyncio.Context()
         name = f"baton-core-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # abstract namespace: no file to clean up
         self._addresses = (f"ipc://@{name}-in", f"ipc://@{name}-out")
-        self._push = self._ctx.socket(zmq.PUSH)
+        # Sends never block (no high-water mark): a plain socket, which costs ~1.5 us a message
+        # where an asyncio one's send costs ~23 (it makes and settles a future each time).
+        self._push = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.bind(self._addresses[0])
@@ -262,10 +269,15 @@ class CoreClient:
         return len(self._streams)
 
     def _send(self, msg) -> None:
-        if isinstance(msg, CoreRequest) and msg.images:  # (large pixels as frames of their own)
-            self._push.send_multipart(request_frames(msg, self._encoder.encode), copy=False)
-        else:
-            self._push.send(self._encoder.encode(msg), copy=False)
+        # Never blocks: with no high-water mark, only a core that is not connected (never started,
+        # or gone) leaves a message nowhere to go, and then nobody is there to read it.
+        try:
+            if isinstance(msg, CoreRequest) and msg.images:  # (large pixels as frames of their own)
+                self._push.send_multipart(request_frames(msg, self._encoder.encode), zmq.NOBLOCK, copy=False)
+            else:  # (small: a copy costs less than tracking a frame)
+                self._push.send(self._encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("the engine core is not connected: %s dropped", type(msg).__name__)
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -304,6 +316,17 @@ class CoreClient:
                 self.outputs.drop(request.key)
                 if self._dead is None:  # sent before any later request under this id: the core sees it first
                     self._send(CoreAbort([request.request_id]))
+
+    def sink(self, request: CoreRequest, sink: Callable[[StepOutput], None]) -> bool:
+        """From now on, hand the request's outputs but its last to `sink` as each step fans out,
+        instead of queueing them for its generate() loop, which then wakes only for the last one
+        (or an error). Only while nothing is queued, so that the sink's come after every output
+        the loop yielded: False if something is (the caller may ask again after its next one)."""
+        stream = self._streams.get(request.key)
+        if stream is None or not stream.queue.empty():
+            return False
+        stream.sink = sink
+        return True
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests by id (the Abort API): each stream gets a last output, finish reason

@@ -35,33 +35,39 @@ class StreamContext(StandInContext):
         return None if self._deadline is None else max(0.0, self._deadline - asyncio.get_running_loop().time())
 
     async def send_initial_metadata(self, metadata) -> None:
-        headers = pb.StreamHeaders(metadata=[pb.StreamMetadatum(key=k, value=v) for k, v in metadata])
-        self._outbox.put(pb.StreamEvent(stream=self._stream, headers=headers))
+        self._outbox.add(self._stream, headers=pb.StreamHeaders(
+            metadata=[pb.StreamMetadatum(key=k, value=v) for k, v in metadata]))
+
+    def respond(self, resp: pb.GenerateResponse) -> None:
+        """A response straight into the stream's next message, past the request's generator:
+        only in the order the generator's would have gone (the engine server's sink)."""
+        self._outbox.add(self._stream, response=resp.SerializeToString())
 
 
 class _Outbox:
-    """The stream's events waiting for its writer, who takes them all at once; `closed` once no
-    request will add more."""
-    __slots__ = ("events", "ready", "closed")
+    """The stream's next message, its events added in place as requests answer (no copy of
+    each), which the writer takes whole; `closed` once no request will add more."""
+    __slots__ = ("batch", "ready", "closed")
 
     def __init__(self):
-        self.events: list[pb.StreamEvent] = []
+        self.batch = pb.StreamEvents()
         self.ready = asyncio.Event()
         self.closed = False
 
-    def put(self, event: pb.StreamEvent) -> None:
-        self.events.append(event)
+    def add(self, stream: int, **event) -> None:
+        """An event for the request numbered `stream`: its headers, a response or its status."""
+        self.batch.events.add(stream=stream, **event)
         self.ready.set()
 
     def close(self) -> None:
         self.closed = True
         self.ready.set()
 
-    async def take(self) -> list[pb.StreamEvent]:
+    async def take(self) -> pb.StreamEvents:
         await self.ready.wait()
         self.ready.clear()
-        events, self.events = self.events, []
-        return events
+        batch, self.batch = self.batch, pb.StreamEvents()
+        return batch
 
 
 class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
@@ -77,10 +83,10 @@ class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
         reader = asyncio.ensure_future(self._read(commands, running, outbox))
         try:
             while True:
-                events = await outbox.take()
-                if events:
-                    yield pb.StreamEvents(events=events)
-                if outbox.closed and not outbox.events:
+                batch = await outbox.take()
+                if batch.events:
+                    yield batch
+                if outbox.closed and not outbox.batch.events:
                     return
         finally:  # the caller went away, or the server stops: every request still running ends
             reader.cancel()
@@ -110,8 +116,7 @@ class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
         try:
             async with asyncio.timeout(open.timeout_s if open.timeout_s > 0 else None):
                 async for resp in self.generate(open.request, context):
-                    raw = resp if isinstance(resp, bytes) else resp.SerializeToString()
-                    outbox.put(pb.StreamEvent(stream=stream, response=raw))
+                    outbox.add(stream, response=resp if isinstance(resp, bytes) else resp.SerializeToString())
         except Aborted:
             code, details = context.code(), context.details()
         except TimeoutError:
@@ -119,6 +124,6 @@ class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
         except Exception as e:  # a fault here: this request fails, the stream's others go on
             log.exception("request %s failed", open.request.request_id)
             code, details = grpc.StatusCode.UNKNOWN, f"Unexpected error: {e!r}"
-        outbox.put(pb.StreamEvent(stream=stream, status=pb.StreamStatus(
+        outbox.add(stream, status=pb.StreamStatus(
             code=code.value[0], details=details,
-            status_details=next((v for k, v in context.trailing_metadata if k == DETAILS_KEY), b""))))
+            status_details=next((v for k, v in context.trailing_metadata if k == DETAILS_KEY), b"")))
