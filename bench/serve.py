@@ -511,20 +511,19 @@ def main() -> None:
         if name.endswith("-http") and name.removesuffix("-http") in rows:
             ratio = rows[name]["output tok/s"] / rows[name.removesuffix("-http")]["output tok/s"]
             print(f"HTTP front: {name.removesuffix('-http')} output token throughput over HTTP = {ratio:.3f}x gRPC")
-    for name in rows:
-        if name.endswith("/client-mux") and name.removesuffix("/client-mux") in rows:
-            mux, per_call = rows[name], rows[name.removesuffix("/client-mux")]
+    # Multiplexed against a call per request: the client's (MODE/client-mux) and the router's to
+    # its decodes (MODE/per-call is the call per request).
+    for suffix, label, suffixed_multiplexes in (("/client-mux", "a multiplexing client", True),
+                                                ("/per-call", "multiplexed decodes", False)):
+        for name in rows:
+            base = name.removesuffix(suffix)
+            if name == base or base not in rows:
+                continue
+            mux, per_call = (rows[name], rows[base]) if suffixed_multiplexes else (rows[base], rows[name])
             cpu = ", ".join(f"{who} {mux[f'{who} CPU us/tok'] / per_call[f'{who} CPU us/tok']:.2f}x"
                             for who in ("router", "fronts", "decode front") if per_call[f"{who} CPU us/tok"] > 0)
-            print(f"a multiplexing client: {name.removesuffix('/client-mux')} output token throughput = "
-                  f"{mux['output tok/s'] / per_call['output tok/s']:.3f}x a call per request; CPU per token {cpu}")
-    for name in rows:
-        if name.endswith("/per-call") and name.removesuffix("/per-call") in rows:
-            per_call, mux = rows[name], rows[name.removesuffix("/per-call")]
-            cpu = ", ".join(f"{who} {mux[f'{who} CPU us/tok'] / per_call[f'{who} CPU us/tok']:.2f}x"
-                            for who in ("router", "fronts", "decode front") if per_call[f"{who} CPU us/tok"] > 0)
-            print(f"multiplexed decodes: {name.removesuffix('/per-call')} output token throughput = "
-                  f"{mux['output tok/s'] / per_call['output tok/s']:.3f}x a call per request; CPU per token {cpu}")
+            print(f"{label}: {base} output token throughput = {mux['output tok/s'] / per_call['output tok/s']:.3f}x "
+                  f"a call per request; CPU per token {cpu}")
     for name in rows:
         if name.endswith(("/per-call", "/client-mux")):
             continue
