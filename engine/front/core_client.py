@@ -287,8 +287,9 @@ class CoreClient:
 
     async def generate(self, request: CoreRequest, detokenize: bool = True,
                        min_tokens: int | None = None) -> AsyncIterator[StepOutput]:
-        """Run a request made by `inputs.core_request`; yields its outputs as steps produce them.
-        Leaving the iteration early (cancellation included) aborts it in the core.
+        """Run a request made by `inputs.core_request`; yields its outputs as steps produce them
+        (once given a sink, only the last: `sink`). Leaving the iteration early (cancellation
+        included) aborts it in the core.
         `min_tokens`: OutputProcessor.add's."""
         self._check_alive()
         if request.request_id in self._live:

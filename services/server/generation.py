@@ -1,7 +1,8 @@
 """The public Generate of an engine server: a GenerateRequest made into the engine's request
 (core_requests.py), streamed from the engine core, its outputs as the API's responses; n
 completions fanned out. At a decode, a request with a KV handle meets the handle's prefill
-engine first (kv_peers.py)."""
+engine first (kv_peers.py). A request on a stream of requests (GenerateStreams) hands its
+responses after the first straight to the stream (CoreClient.sink)."""
 from __future__ import annotations
 
 import time
