@@ -140,7 +140,8 @@ class RequestStreams:
             yield await commands.get()
 
     async def _read(self, call, calls: dict[int, StreamedCall]) -> None:
-        error = None
+        # (what an unforeseen failure here leaves the requests on the stream: they fail too)
+        error = AioRpcError(grpc.StatusCode.UNKNOWN, Metadata(), Metadata(), "the requests' stream failed")
         try:
             async for batch in call:
                 self.messages_read += 1
