@@ -142,8 +142,10 @@ class RequestStreams:
     async def _read(self, call, calls: dict[int, StreamedCall]) -> None:
         # (what an unforeseen failure here leaves the requests on the stream: they fail too)
         error = AioRpcError(grpc.StatusCode.UNKNOWN, Metadata(), Metadata(), "the requests' stream failed")
+        received = False  # the server has answered on this stream
         try:
             async for batch in call:
+                received = True
                 self.messages_read += 1
                 for event in batch.events:
                     streamed = calls.get(event.stream)
@@ -156,6 +158,9 @@ class RequestStreams:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 log.warning("the server has no GenerateStreams: a Generate call per request (%s)", e.details())
                 self.supported, error = False, _FALL_BACK
+            elif not received:  # (a server without it may also reset the stream: INTERNAL) each asks alone
+                log.warning("a requests' stream failed before any answer (%s): a Generate call each", e.details())
+                error = _FALL_BACK
         except asyncio.CancelledError:
             error = AioRpcError(grpc.StatusCode.CANCELLED, Metadata(), Metadata(), "the stream was closed")
             call.cancel()
