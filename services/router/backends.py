@@ -125,7 +125,7 @@ class Backend:
     def open_generate(self, msg: pb.GenerateRequest, metadata: tuple, timeout: float | None):
         """The request's Generate here: on the instance's stream of requests, or a call of its own.
         Either is read as a call (decode_leg.py)."""
-        if self.streams is not None and self.streams.supported:
+        if self.streams is not None:
             return self.streams.open(msg, metadata, timeout)
         return self.generate(msg, metadata=metadata, timeout=timeout)
 

@@ -108,7 +108,10 @@ class RequestStreams:
 
     def open(self, msg: pb.GenerateRequest, metadata, timeout: float | None) -> StreamedCall:
         """Send the request as its own Generate call would go, with this metadata (its binary
-        entries are not carried) and deadline."""
+        entries are not carried) and deadline; to a server without GenerateStreams, as a call of
+        its own (which reads as a StreamedCall does)."""
+        if not self.supported:
+            return self.per_call(msg, metadata=metadata, timeout=timeout)
         if self._reader is None or self._reader.done():
             self._start()
         self._next += 1
