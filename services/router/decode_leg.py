@@ -16,6 +16,7 @@ import grpc
 
 from baton.services.router.backends import Backend, Lease
 from baton.services.rpc.errors import failure_of_error, pass_on
+from baton.services.rpc.request_streams import StreamedCall
 from baton.v1 import generate_pb2 as pb
 
 # The instance failed, not the request: another may serve it. CANCELLED from a backend is its
@@ -57,6 +58,15 @@ class Relay:
             raw, resp = resp, pb.GenerateResponse.FromString(resp)
         else:
             raw = None
+        return self._forward(resp, raw)
+
+    def forward_unless_last(self, raw: bytes) -> bytes | None:
+        """raw as `forward` passes it on, unless it is the completion's last response: None (its
+        reader takes that one, and ends the request)."""
+        resp = pb.GenerateResponse.FromString(raw)
+        return None if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED else self._forward(resp, raw)
+
+    def _forward(self, resp: pb.GenerateResponse, raw: bytes | None) -> bytes:
         self.token_ids += resp.token_ids
         self.finished = self.finished or resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED
         if self.strip_ids and resp.token_ids:
@@ -103,6 +113,20 @@ class DecodeRoute:
     release: Callable[[pb.KVHandle], None] | None = None  # a handle no decode will pull: let it go
 
 
+def sink_into(respond: Callable[[bytes], None], relay: Relay, request_id: str, aborted: set[str]):
+    """A decode's responses passed straight to the client's stream of requests as they are read
+    (StreamedCall.sink), its last and any after an Abort left to the decode leg's loop."""
+    def sink(raw: bytes) -> bool:
+        if request_id in aborted:
+            return False
+        out = relay.forward_unless_last(raw)
+        if out is None:
+            return False
+        respond(out)
+        return True
+    return sink
+
+
 def end_call(lease: Lease, call) -> None:
     lease.end()
     if not call.done():  # the client went away (cancel, deadline): stop the backend's work too
@@ -110,9 +134,12 @@ def end_call(lease: Lease, call) -> None:
 
 
 async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tuple, context, trace, relay: Relay,
-                     let_go: Callable[[], None] | None = None):
+                     let_go: Callable[[], None] | None = None, respond: Callable[[bytes], None] | None = None):
     """Stream msg from decode instances, moving it on failure. `let_go`: tells the prefill holding
-    the blocks msg.kv_handle names to free them, called here if no decode ever pulls them."""
+    the blocks msg.kv_handle names to free them, called here if no decode ever pulls them.
+    `respond`: where the client's stream of requests takes a response past this generator (the
+    request is on one, alone): once a decode on a stream of requests answered, its responses but
+    the last go there as they are read, one coroutine wake-up fewer per token."""
     tried: list[Backend] = []
     try:
         while True:
@@ -127,6 +154,7 @@ async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tupl
             span, call_metadata = trace.client_call("decode", decode, "Generate", metadata)
             call = decode.open_generate(msg, call_metadata, context.time_remaining())
             answered, error = False, None
+            sink = sink_into(respond, relay, msg.request_id, route.aborted) if respond is not None else None
             try:
                 async for raw in call:
                     if not answered:
@@ -140,6 +168,8 @@ async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tupl
                         return
                     trace.first_token()  # a no-op after the first
                     yield relay.forward(raw)
+                    if sink is not None and isinstance(call, StreamedCall) and call.sink(sink):
+                        sink = None  # (sunk: this loop wakes for the last response or the end now)
                 return
             except grpc.aio.AioRpcError as e:
                 error = e

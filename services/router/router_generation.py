@@ -33,6 +33,7 @@ from baton.services.router.router_telemetry import RouterTrace
 from baton.services.rpc.chat import chat_images
 from baton.services.rpc.errors import abort_invalid, pass_on
 from baton.services.rpc.fan_out import child_requests, merge, num_completions, retag
+from baton.services.rpc.generate_streams import StreamContext
 from baton.services.rpc.names import TOKEN_KEY, token_metadata
 from baton.services.rpc.serving import in_background
 from baton.services.telemetry.metrics import RouterMetrics
@@ -92,7 +93,11 @@ class RouterGeneration:
                 children = child_requests(msg, n) if n > 1 else [msg]
                 ids = [child.request_id for child in children]
                 in_flight.started(msg.request_id, ids)
-                stream = self._generate(msg, context, trace) if n == 1 else merge(
+                # A request alone on a client's stream of requests (n's merge reorders) skips the
+                # coroutines per token once it can: the decode's responses go straight into the
+                # client's stream as they are read (decode_leg's `respond`).
+                respond = context.respond if n == 1 and isinstance(context, StreamContext) else None
+                stream = self._generate(msg, context, trace, respond) if n == 1 else merge(
                     [self._completion(child, i, msg.request_id, context, trace) for i, child in enumerate(children)])
                 async for resp in stream:
                     trace.last = resp
@@ -105,7 +110,8 @@ class RouterGeneration:
         async for resp in self._generate(child, context, trace):
             yield retag(resp, request_id, index)
 
-    async def _generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RouterTrace):
+    async def _generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RouterTrace,
+                        respond=None):
         if not self.is_serving():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is starting or draining")
         metadata = self._forwarded_metadata(context)
@@ -128,7 +134,7 @@ class RouterGeneration:
         route = self._decode_route(msg, hashes, metadata, context, trace)
         if reply is None:
             trace.fallback("prefill_failed" if prefill_tried else "no_prefill")
-            async for resp in decode_leg(route, msg, metadata, context, trace, relay):
+            async for resp in decode_leg(route, msg, metadata, context, trace, relay, respond=respond):
                 yield resp
             return
         if reply is _ABORTED or msg.request_id in self.in_flight.aborted:  # by the Abort API, before the decode
@@ -150,7 +156,7 @@ class RouterGeneration:
         except BaseException:  # the client went away
             let_go()
             raise
-        async for resp in decode_leg(route, msg, metadata, context, trace, relay, let_go):
+        async for resp in decode_leg(route, msg, metadata, context, trace, relay, let_go, respond):
             yield resp
 
     async def _prefill(self, lease: Lease, msg, metadata, context, trace: RouterTrace):

@@ -38,10 +38,11 @@ class StreamContext(StandInContext):
         self._outbox.add(self._stream, headers=pb.StreamHeaders(
             metadata=[pb.StreamMetadatum(key=k, value=v) for k, v in metadata]))
 
-    def respond(self, resp: pb.GenerateResponse) -> None:
+    def respond(self, resp: pb.GenerateResponse | bytes) -> None:
         """A response straight into the stream's next message, past the request's generator:
-        only in the order the generator's would have gone (the engine server's sink)."""
-        self._outbox.add(self._stream, response=resp.SerializeToString())
+        only in the order the generator's would have gone (the engine server's and the router's
+        sinks)."""
+        self._outbox.add(self._stream, response=resp if isinstance(resp, bytes) else resp.SerializeToString())
 
 
 class _Outbox:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 from grpc.aio import AioRpcError, Metadata
@@ -30,7 +31,7 @@ _FALL_BACK = object()  # the instance has no GenerateStreams: the request goes a
 
 class StreamedCall:
     """One request on a server's stream, read as its own Generate call would be."""
-    __slots__ = ("_streams", "_stream", "_open", "_events", "_headers", "_done", "_call")
+    __slots__ = ("_streams", "_stream", "_open", "_events", "_headers", "_done", "_call", "_sink")
 
     def __init__(self, streams: RequestStreams, stream: int, open: pb.StreamOpen):
         self._streams, self._stream, self._open = streams, stream, open
@@ -38,13 +39,29 @@ class StreamedCall:
         self._headers: tuple = ()
         self._done = False
         self._call = None  # the request's own call, where the instance cannot take streams
+        self._sink: Callable[[bytes], bool] | None = None
 
     def __aiter__(self):
         return self._responses()
 
     def deliver(self, event) -> None:
         """A StreamEvent for it, the stream's failure (AioRpcError), or _FALL_BACK."""
+        if self._sink is not None:
+            if isinstance(event, pb.StreamEvent) and event.HasField("response") and self._sink(event.response):
+                return
+            self._sink = None  # declined, or not a response: this and all after it are read as before
         self._events.put_nowait(event)
+
+    def sink(self, sink: Callable[[bytes], bool]) -> bool:
+        """From now on, hand each response to `sink` as the stream's message is read, instead of
+        queueing it for the reader, who is then woken only by what the sink declines (it returns
+        False: the request's last response, say) and by the request's end. Only while nothing is
+        queued, so that the sink's responses come after all the reader read: False if something
+        is (or the request goes as a call of its own), and the reader may ask again later."""
+        if self._call is not None or self._done or not self._events.empty():
+            return False
+        self._sink = sink
+        return True
 
     async def _responses(self):
         while True:

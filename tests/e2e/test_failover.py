@@ -59,9 +59,9 @@ def offline(tiny_llama, prompts, params):
     return [o.token_ids for o in outs]
 
 
-async def streams_with_a_kill(address: str, prompts, params, kill, when_tokens: int):
+async def streams_with_a_kill(address: str, prompts, params, kill, when_tokens: int, multiplex: bool = False):
     """Every stream's token ids; `kill()` once every stream has when_tokens tokens (0: once
-    the first token of any stream arrived)."""
+    the first token of any stream arrived). `multiplex`: the client sends them on one stream."""
     progress = [0] * len(prompts)
     killed = asyncio.Event()
 
@@ -75,15 +75,19 @@ async def streams_with_a_kill(address: str, prompts, params, kill, when_tokens: 
                 kill()
         return ids
 
-    async with AsyncClient(address) as client:
+    async with AsyncClient(address, multiplex=multiplex) as client:
         return await asyncio.gather(*(one(client, i) for i in range(len(prompts))))
 
 
-def test_a_decode_killed_mid_stream_costs_no_stream_a_token(stack, tiny_llama):
+# A multiplexing client's tokens pass the router's decode leg by its sink (decode_leg.sink_into):
+# the tokens it relayed that way are the ones the request resumes from.
+@pytest.mark.parametrize("multiplex", [False, True], ids=["calls", "client-multiplexed"])
+def test_a_decode_killed_mid_stream_costs_no_stream_a_token(stack, tiny_llama, multiplex):
     prefill, decode, router = stack
     prompts, params = long_workload(seed=901)
     want = offline(tiny_llama, prompts, params)
-    got = asyncio.run(asyncio.wait_for(streams_with_a_kill(router.address, prompts, params, decode[0].kill, 3), 240))
+    got = asyncio.run(asyncio.wait_for(
+        streams_with_a_kill(router.address, prompts, params, decode[0].kill, 3, multiplex), 240))
     assert got == want
     moved = stats(decode[1].address).num_requests
     assert moved > NUM_STREAMS // 2, "streams of the killed decode finished on the survivor"

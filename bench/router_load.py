@@ -1,0 +1,260 @@
+"""The router alone at a GPU's token rate: its CPU per streamed token with the engines taken out
+of the picture. A token source process stands in for the prefill and decode tiers: it speaks
+their RPCs (health, Prefill, Generate and GenerateStreams) and gives every request in flight a
+token each --step-ms, as a GPU engine's step would, at almost no cost of its own. The real
+router (`baton serve --role router`) sits between it and a gRPC client (the client library,
+plain calls or multiplexed), so what the run measures is the router's own work per token at
+rates two CPU cores running engines could never produce (48 streams at 10 ms steps is 4,800
+tokens/s; 256 is 25,600).
+
+Reported per variant (client calls x router-to-decode calls): tokens/s delivered, the router's
+CPU time per token (from /proc, warm-up excluded), the router's share of one core, and the
+source's and the client's CPU per token beside it (they share the machine's cores).
+
+    .venv/bin/python bench/router_load.py
+    .venv/bin/python bench/router_load.py --streams 48,256 --step-ms 10 --tokens 256
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from baton.services.rpc.names import SERVICE_NAME
+from baton.testing.processes import cpu_seconds, descendants
+from baton.v1 import generate_pb2 as pb
+from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
+
+TOKEN = "bench-token"
+TOKEN_ID = 1234
+
+
+# ---- the token source: a prefill and a decode tier that compute nothing -------------------------
+class Decoding:
+    """A request the source streams: its response bytes (one token, the same each step) and how
+    many tokens are left; `last` carries the finish reason."""
+    __slots__ = ("stream", "left", "each", "last")
+
+    def __init__(self, stream: int, msg: pb.GenerateRequest):
+        self.stream = stream
+        self.left = max(1, msg.sampling.max_tokens - 1)  # (the prefill gave the first)
+        self.each = pb.GenerateResponse(request_id=msg.request_id, token_ids=[TOKEN_ID]).SerializeToString()
+        self.last = pb.GenerateResponse(request_id=msg.request_id, token_ids=[TOKEN_ID],
+                                        finish_reason=pb.FINISH_REASON_LENGTH).SerializeToString()
+
+
+class Connection:
+    """One caller's GenerateStreams: its requests and the events of its next message."""
+
+    def __init__(self):
+        self.decoding: dict[int, Decoding] = {}
+        self.batch = pb.StreamEvents()
+        self.ready = asyncio.Event()
+
+
+class TokenSource(generate_pb2_grpc.TextGenerationServicer, internal_pb2_grpc.PrefillServicer):
+    def __init__(self, step_s: float):
+        self.step_s = step_s
+        self.connections: set[Connection] = set()
+        self.stepped = asyncio.Event()  # set and replaced each step (for calls of their own)
+
+    async def steps(self) -> None:
+        while True:
+            await asyncio.sleep(self.step_s)
+            for conn in self.connections:
+                done = []
+                for d in conn.decoding.values():
+                    d.left -= 1
+                    conn.batch.events.add(stream=d.stream, response=d.last if d.left <= 0 else d.each)
+                    if d.left <= 0:
+                        conn.batch.events.add(stream=d.stream, status=pb.StreamStatus())
+                        done.append(d.stream)
+                for stream in done:
+                    del conn.decoding[stream]
+                if conn.batch.events:
+                    conn.ready.set()
+            self.stepped.set()
+            self.stepped = asyncio.Event()
+
+    async def Prefill(self, msg: pb.GenerateRequest, context) -> internal_pb2.PrefillResponse:
+        return internal_pb2.PrefillResponse(
+            first=pb.GenerateResponse(request_id=msg.request_id, token_ids=[TOKEN_ID]),
+            handle=pb.KVHandle(request_id=msg.request_id, engine_id="source", num_tokens=1))
+
+    async def Release(self, handle, context) -> internal_pb2.ReleaseResponse:
+        return internal_pb2.ReleaseResponse()
+
+    async def ListAdapters(self, msg, context) -> pb.ListAdaptersResponse:
+        return pb.ListAdaptersResponse()
+
+    async def Generate(self, msg: pb.GenerateRequest, context):
+        """TextGeneration's: a call per request."""
+        d = Decoding(0, msg)
+        each, last = pb.GenerateResponse.FromString(d.each), pb.GenerateResponse.FromString(d.last)
+        while d.left > 1:
+            await self.stepped.wait()
+            d.left -= 1
+            yield each
+        await self.stepped.wait()
+        yield last
+
+
+class SourceStreams(generate_pb2_grpc.GenerateStreamsServicer):
+    """The source's GenerateStreams: each step's tokens for all of a caller's requests in one message."""
+
+    def __init__(self, source: TokenSource):
+        self.source = source
+
+    async def Generate(self, commands, context):
+        conn = Connection()
+        self.source.connections.add(conn)
+        reader = asyncio.ensure_future(self._read(commands, conn))
+        try:
+            while True:
+                await conn.ready.wait()
+                conn.ready.clear()
+                batch, conn.batch = conn.batch, pb.StreamEvents()
+                yield batch
+        finally:
+            reader.cancel()
+            self.source.connections.discard(conn)
+
+    @staticmethod
+    async def _read(commands, conn: Connection) -> None:
+        async for command in commands:
+            if command.HasField("open"):
+                conn.decoding[command.stream] = Decoding(command.stream, command.open.request)
+            else:
+                conn.decoding.pop(command.stream, None)
+
+
+async def serve_source(step_s: float) -> None:
+    source = TokenSource(step_s)
+    server = grpc.aio.server()
+    generate_pb2_grpc.add_TextGenerationServicer_to_server(source, server)
+    generate_pb2_grpc.add_GenerateStreamsServicer_to_server(SourceStreams(source), server)
+    internal_pb2_grpc.add_PrefillServicer_to_server(source, server)
+    checks = health.aio.HealthServicer()
+    await checks.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    stepping = asyncio.ensure_future(source.steps())
+    print(f"serving on 127.0.0.1:{port}", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the bench closes stdin
+    stepping.cancel()
+    await server.stop(None)
+
+
+# ---- the bench ---------------------------------------------------------------------------------
+def start(*argv: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:
+        if line.startswith("serving on "):
+            return proc, line.split()[2].rstrip(";")
+    sys.exit(f"{' '.join(argv)} exited before it served")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(2)
+    proc.stdin.close()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+async def load(address: str, multiplex: bool, streams: int, requests: int, tokens: int, on_warm) -> tuple[int, float]:
+    """`requests` requests of `tokens` tokens each, `streams` in flight at a time; the tokens
+    received and the seconds it took, after a warm-up round."""
+    from baton.services.client import AsyncClient
+
+    async with AsyncClient(address, multiplex=multiplex) as client:
+        received = 0
+
+        async def one() -> None:
+            nonlocal received
+            async for chunk in client.generate([1, 2, 3], max_tokens=tokens, output="token_ids"):
+                received += len(chunk.token_ids)
+
+        await asyncio.gather(*(one() for _ in range(min(streams, 8))))  # warm-up
+        on_warm()
+        received, t0, left = 0, time.perf_counter(), requests
+
+        async def worker() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                await one()
+
+        await asyncio.gather(*(worker() for _ in range(streams)))
+        return received, time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace, source: str, streams: int, client_calls: str, decode_calls: str) -> dict:
+    router, address = start("-m", "baton.services.cli", "serve", "--role", "router", "--prefill", source,
+                             "--decode", source, "--port", "0", "--internal-token", TOKEN,
+                             "--multiplex" if decode_calls == "multiplexed" else "--no-multiplex")
+    pids = {"router": [router.pid, *descendants(router.pid)], "client": [os.getpid()]}
+    before = {}
+
+    def on_warm() -> None:
+        before.update({who: sum(map(cpu_seconds, p)) for who, p in pids.items()})
+        before["source"] = cpu_seconds(args.source_pid)
+
+    try:
+        received, wall = asyncio.run(load(address, client_calls == "multiplexed", streams,
+                                          args.requests_per_stream * streams, args.tokens, on_warm))
+        used = {who: sum(map(cpu_seconds, p)) - before[who] for who, p in pids.items()}
+        used["source"] = cpu_seconds(args.source_pid) - before["source"]
+    finally:
+        stop(router)
+    return {"tok/s": received / wall, "router CPU us/tok": 1e6 * used["router"] / received,
+            "router core share": used["router"] / wall, "source CPU us/tok": 1e6 * used["source"] / received,
+            "client CPU us/tok": 1e6 * used["client"] / received}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", default="48,256", help="comma list: requests in flight")
+    p.add_argument("--step-ms", type=float, default=10.0, help="the source's step: a token per request each")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per request")
+    p.add_argument("--requests-per-stream", type=int, default=4)
+    p.add_argument("--client-calls", default="per-call,multiplexed")
+    p.add_argument("--decode-calls", default="per-call,multiplexed")
+    p.add_argument("--source", type=float, default=None, help=argparse.SUPPRESS)  # run as the token source
+    args = p.parse_args()
+    if args.source is not None:
+        asyncio.run(serve_source(args.source))
+        return
+    source, address = start(__file__, "--source", str(args.step_ms / 1000))
+    args.source_pid = source.pid
+    print(f"router <- token source (a token per request every {args.step_ms:g} ms), {args.tokens} tokens a "
+          f"request, {os.cpu_count()} cores")
+    try:
+        rows = {}
+        for streams in (int(s) for s in args.streams.split(",")):
+            for client in args.client_calls.split(","):
+                for decode in args.decode_calls.split(","):
+                    name = f"{streams} streams, client {client}, decode {decode}"
+                    rows[name] = run(args, address, streams, client, decode)
+                    print(f"{name}: {rows[name]['tok/s']:.0f} tok/s, router "
+                          f"{rows[name]['router CPU us/tok']:.1f} us/tok", flush=True)
+        keys = list(next(iter(rows.values())))
+        width = max(map(len, rows))
+        print("\n" + " | ".join([" " * width, *keys]))
+        for name, row in rows.items():
+            print(" | ".join([name.ljust(width), *(f"{row[k]:.2f}".rjust(len(k)) for k in keys)]))
+    finally:
+        stop(source)
+
+
+if __name__ == "__main__":
+    main()
