@@ -26,6 +26,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from baton.services.rpc.health import is_serving
 from baton.services.rpc.names import SERVICE_NAME
 from baton.testing.processes import cpu_seconds, descendants
 from baton.v1 import generate_pb2 as pb
@@ -158,7 +159,13 @@ def start(*argv: str) -> tuple[subprocess.Popen, str]:
                             stderr=subprocess.DEVNULL, text=True)
     for line in proc.stdout:
         if line.startswith("serving on "):
-            return proc, line.split()[2].rstrip(";")
+            address = line.split()[2].rstrip(";")
+            deadline = time.monotonic() + 60
+            while not is_serving(address):  # a router serves once its backends do
+                if time.monotonic() > deadline:
+                    sys.exit(f"{address} is not serving after 60 s")
+                time.sleep(0.05)
+            return proc, address
     sys.exit(f"{' '.join(argv)} exited before it served")
 
 

@@ -41,7 +41,7 @@ class Backend:
         self.address = address
         self.channel = aio_channel(address, tls, _CHANNEL_OPTIONS)
         # Responses stay bytes: the router forwards them as they came unless it must change one
-        # (Relay.forward reads each for its token ids, and re-encodes only to strip them).
+        # (Relay.forward keeps them, read for their token ids when needed, and re-encodes only to strip them).
         self.generate = self.channel.unary_stream(GENERATE_METHOD,
                                                   request_serializer=pb.GenerateRequest.SerializeToString,
                                                   response_deserializer=None)

@@ -44,35 +44,56 @@ def instance_failed(e: grpc.aio.AioRpcError) -> bool:
 class Relay:
     """What the client has been sent of one completion: its token ids, to resume from. The
     router asks backends for token ids always, and takes them out again for a client that
-    asked for text only."""
+    asked for text only. The responses it passes on as they came are read for their ids only
+    when they are needed (a failover), or a batch at a time: protobuf merges messages whose
+    bytes are joined (repeated fields concatenate, the last scalar set wins), so one parse of
+    the joined responses gives their token ids in order and the finish reason, if any."""
+    __slots__ = ("strip_ids", "_ids", "_unread", "_finished")
+    _UNREAD_MAX = 256  # responses kept unread at most (memory: a long completion's)
 
     def __init__(self, msg: pb.GenerateRequest):
         self.strip_ids = msg.output == pb.OUTPUT_TEXT
         if self.strip_ids:
             msg.output = pb.OUTPUT_TEXT_AND_TOKEN_IDS
-        self.token_ids: list[int] = []
-        self.finished = False  # the client has the last response: nothing to resume
+        self._ids: list[int] = []
+        self._unread: list[bytes] = []
+        self._finished = False
+
+    @property
+    def token_ids(self) -> list[int]:
+        self._catch_up()
+        return self._ids
+
+    @property
+    def finished(self) -> bool:
+        """The client has the last response: nothing to resume."""
+        self._catch_up()
+        return self._finished
+
+    def _catch_up(self) -> None:
+        if self._unread:
+            self._read(pb.GenerateResponse.FromString(b"".join(self._unread)))
+            self._unread.clear()
+
+    def _read(self, resp: pb.GenerateResponse) -> None:
+        self._ids += resp.token_ids
+        self._finished = self._finished or resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED
 
     def forward(self, resp: pb.GenerateResponse | bytes) -> bytes:
+        """A response as the client gets it: as it came, but for the token ids a client that
+        asked for text only did not ask for."""
         if isinstance(resp, bytes):
-            raw, resp = resp, pb.GenerateResponse.FromString(resp)
-        else:
-            raw = None
-        return self._forward(resp, raw)
-
-    def forward_unless_last(self, raw: bytes) -> bytes | None:
-        """raw as `forward` passes it on, unless it is the completion's last response: None (its
-        reader takes that one, and ends the request)."""
-        resp = pb.GenerateResponse.FromString(raw)
-        return None if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED else self._forward(resp, raw)
-
-    def _forward(self, resp: pb.GenerateResponse, raw: bytes | None) -> bytes:
-        self.token_ids += resp.token_ids
-        self.finished = self.finished or resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+            if not self.strip_ids:
+                self._unread.append(resp)
+                if len(self._unread) >= self._UNREAD_MAX:
+                    self._catch_up()  # (and the bytes go)
+                return resp
+            resp = pb.GenerateResponse.FromString(resp)
+        self._catch_up()  # those before it first, in order
+        self._read(resp)
         if self.strip_ids and resp.token_ids:
             resp.ClearField("token_ids")
-            raw = None
-        return raw if raw is not None else resp.SerializeToString()
+        return resp.SerializeToString()
 
 
 def resumed(msg: pb.GenerateRequest, token_ids: list[int]) -> pb.GenerateRequest:
@@ -113,15 +134,13 @@ class DecodeRoute:
     release: Callable[[pb.KVHandle], None] | None = None  # a handle no decode will pull: let it go
 
 
-def sink_into(respond: Callable[[bytes], None], relay: Relay, request_id: str, aborted: set[str]):
+def sink_into(respond: Callable[[bytes], None], relay: Relay, trace, request_id: str, aborted: set[str]):
     """A decode's responses passed straight to the client's stream of requests as they are read
-    (StreamedCall.sink), its last and any after an Abort left to the decode leg's loop."""
+    (StreamedCall.sink), none after an Abort (the decode leg's loop ends the request)."""
     def sink(raw: bytes) -> bool:
         if request_id in aborted:
             return False
-        out = relay.forward_unless_last(raw)
-        if out is None:
-            return False
+        trace.last = out = relay.forward(raw)
         respond(out)
         return True
     return sink
@@ -138,8 +157,8 @@ async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tupl
     """Stream msg from decode instances, moving it on failure. `let_go`: tells the prefill holding
     the blocks msg.kv_handle names to free them, called here if no decode ever pulls them.
     `respond`: where the client's stream of requests takes a response past this generator (the
-    request is on one, alone): once a decode on a stream of requests answered, its responses but
-    the last go there as they are read, one coroutine wake-up fewer per token."""
+    request is on one, alone): once a decode on a stream of requests answered, its responses go
+    there as they are read, with no coroutine woken per token; this loop wakes for the end."""
     tried: list[Backend] = []
     try:
         while True:
@@ -154,7 +173,7 @@ async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tupl
             span, call_metadata = trace.client_call("decode", decode, "Generate", metadata)
             call = decode.open_generate(msg, call_metadata, context.time_remaining())
             answered, error = False, None
-            sink = sink_into(respond, relay, msg.request_id, route.aborted) if respond is not None else None
+            sink = sink_into(respond, relay, trace, msg.request_id, route.aborted) if respond is not None else None
             try:
                 async for raw in call:
                     if not answered:

@@ -303,3 +303,40 @@ def test_a_stream_that_failed_after_its_last_message_is_not_moved():
     got = asyncio.run(go())
     assert [list(r.token_ids) for r in got] == [[5, 6], [2]] and got[-1].finish_reason == pb.FINISH_REASON_STOP
     assert calls == [("a", [])] and dying.outstanding == 0 and not dying.healthy
+
+
+def test_the_relay_resumes_from_exactly_the_tokens_it_passed_on():
+    """What failover resumes from: the relay keeps the responses it passes on as bytes and reads
+    them for their token ids in batches (joined bytes parse as one merged message), past its
+    batch size too; a text-only client's responses lose their ids, and the finish is seen."""
+    from baton.services.router.decode_leg import Relay
+    from baton.v1 import generate_pb2 as pb
+
+    n = Relay._UNREAD_MAX + 37  # past a batch
+    rng = random.Random(5)
+    ids = [rng.randrange(1, 50_000) for _ in range(n)]
+
+    def tokens(upto: int) -> list[int]:  # every fifth response carries two
+        return [7] + [t for j, u in enumerate(ids[:upto]) for t in ([u] if j % 5 else [u, u + 1])]
+    for output in (pb.OUTPUT_TOKEN_IDS, pb.OUTPUT_TEXT):
+        msg = pb.GenerateRequest(output=output)
+        relay = Relay(msg)
+        assert msg.output != pb.OUTPUT_TEXT  # the backend is asked for the ids
+        first = relay.forward(pb.GenerateResponse(token_ids=[7], text="a"))
+        sent = [first]
+        for i, token in enumerate(ids):
+            last = i == n - 1
+            raw = pb.GenerateResponse(token_ids=[token] if i % 5 else [token, token + 1], text="b",
+                                      finish_reason=pb.FINISH_REASON_LENGTH if last else 0).SerializeToString()
+            sent.append(relay.forward(raw))
+            assert not relay.finished or last
+            if output == pb.OUTPUT_TOKEN_IDS:
+                assert sent[-1] == raw  # passed on as it came
+            if i == 100:
+                assert relay.token_ids == tokens(101)  # read mid-stream, then on
+        assert relay.finished
+        want = tokens(n)
+        assert relay.token_ids == want
+        got = [pb.GenerateResponse.FromString(r) for r in sent]
+        assert [t for r in got for t in r.token_ids] == (want if output == pb.OUTPUT_TOKEN_IDS else [])
+        assert [r.text for r in got] == ["a"] + ["b"] * n
