@@ -188,7 +188,7 @@ async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tupl
                     trace.first_token()  # a no-op after the first
                     yield relay.forward(raw)
                     if sink is not None and isinstance(call, StreamedCall) and call.sink(sink):
-                        sink = None  # (sunk: this loop wakes for the last response or the end now)
+                        sink = None  # (sunk: this loop wakes for the request's end now, or an Abort)
                 return
             except grpc.aio.AioRpcError as e:
                 error = e

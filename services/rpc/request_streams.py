@@ -55,7 +55,7 @@ class StreamedCall:
     def sink(self, sink: Callable[[bytes], bool]) -> bool:
         """From now on, hand each response to `sink` as the stream's message is read, instead of
         queueing it for the reader, who is then woken only by what the sink declines (it returns
-        False: the request's last response, say) and by the request's end. Only while nothing is
+        False: the router's, once the request was aborted) and by the request's end. Only while nothing is
         queued, so that the sink's responses come after all the reader read: False if something
         is (or the request goes as a call of its own), and the reader may ask again later."""
         if self._call is not None or self._done or not self._events.empty():

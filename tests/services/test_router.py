@@ -108,7 +108,10 @@ def test_round_robin_and_least_outstanding_spread_requests(stack, start_router):
     async def one_long_then_short():
         async with AsyncClient(lo.address) as client:
             stream = client.generate(prompt, max_tokens=400, temperature=0.0, ignore_eos=True)
-            await stream.__anext__()  # the long one holds a decode instance while the rest run
+            # The long one holds a decode instance while the rest run: once its second token is
+            # here, the decode has it (the first is the prefill's, sent while the decode pulls).
+            await stream.__anext__()
+            await stream.__anext__()
             before = counts(decode)
             await sequential(lo.address, 6)
             after = counts(decode)
