@@ -1,7 +1,8 @@
 """The router alone at a GPU's token rate: its CPU per streamed token with the engines taken out
 of the picture. A token source process stands in for the prefill and decode tiers: it speaks
 their RPCs (health, Prefill, Generate and GenerateStreams) and gives every request in flight a
-token each --step-ms, as a GPU engine's step would, at almost no cost of its own. The real
+token each --step-ms, as a GPU engine's step would, cheaply (5-30 µs of CPU per token to a
+multiplexing router, about 100 to a call per request). The real
 router (`baton serve --role router`) sits between it and a gRPC client (the client library,
 plain calls or multiplexed), so what the run measures is the router's own work per token at
 rates two CPU cores running engines could never produce (48 streams at 10 ms steps is 4,800
