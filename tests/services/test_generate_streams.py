@@ -83,7 +83,9 @@ def test_requests_on_one_stream_read_as_their_own_calls_in_a_message_per_step(se
 
     got, messages, (late, bad, outsider), cancelled_done = asyncio.run(asyncio.wait_for(go(), 120))
     assert got == want
-    assert messages < sum(len(ids) for ids in got) / 2  # the requests' tokens shared the messages
+    # The requests' tokens shared the messages (a message each would be one per token and more;
+    # how many share one depends on the machine's load: CI saw 101 messages for 192 tokens).
+    assert messages < sum(len(ids) for ids in got)
     assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and failure_of_error(bad).field == "sampling.top_p"
     assert outsider.code() == grpc.StatusCode.PERMISSION_DENIED
