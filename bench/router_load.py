@@ -26,8 +26,8 @@ import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from serve import stop_stack, wait_serving  # bench/serve.py (this script's folder is on sys.path)
 
-from baton.services.rpc.health import is_serving
 from baton.services.rpc.names import SERVICE_NAME
 from baton.testing.processes import cpu_seconds, descendants
 from baton.v1 import generate_pb2 as pb
@@ -161,22 +161,14 @@ def start(*argv: str) -> tuple[subprocess.Popen, str]:
     for line in proc.stdout:
         if line.startswith("serving on "):
             address = line.split()[2].rstrip(";")
-            deadline = time.monotonic() + 60
-            while not is_serving(address):  # a router serves once its backends do
-                if time.monotonic() > deadline:
-                    sys.exit(f"{address} is not serving after 60 s")
-                time.sleep(0.05)
+            wait_serving(address)  # a router serves once its backends do
             return proc, address
     sys.exit(f"{' '.join(argv)} exited before it served")
 
 
 def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(2)
-    proc.stdin.close()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    proc.stdin.close()  # (the source's cue to stop)
+    stop_stack([proc])
 
 
 async def load(address: str, multiplex: bool, streams: int, requests: int, tokens: int, on_warm) -> tuple[int, float]:
