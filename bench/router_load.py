@@ -26,14 +26,13 @@ import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from serve import stop_stack, wait_serving  # bench/serve.py (this script's folder is on sys.path)
+from stack import TOKEN, stop_stack, wait_serving  # bench/stack.py (this script's folder is on sys.path)
 
 from baton.services.rpc.names import SERVICE_NAME
 from baton.testing.processes import cpu_seconds, descendants
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
 
-TOKEN = "bench-token"
 TOKEN_ID = 1234
 
 
