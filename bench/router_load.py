@@ -28,7 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from stack import TOKEN, stop_stack, wait_serving  # bench/stack.py (this script's folder is on sys.path)
 
-from baton.services.rpc.names import SERVICE_NAME
+from baton.services.rpc.names import SERVICE_NAME, STREAMS_VERSION
 from baton.testing.processes import cpu_seconds, descendants
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
@@ -40,10 +40,11 @@ TOKEN_ID = 1234
 class Decoding:
     """A request the source streams: its response bytes (one token, the same each step) and how
     many tokens are left; `last` carries the finish reason."""
-    __slots__ = ("stream", "left", "each", "last")
+    __slots__ = ("stream", "left", "each", "last", "answered")
 
     def __init__(self, stream: int, msg: pb.GenerateRequest):
         self.stream = stream
+        self.answered = False  # its first response went (as an event: a decode's always does)
         self.left = max(1, msg.sampling.max_tokens - 1)  # (the prefill gave the first)
         self.each = pb.GenerateResponse(request_id=msg.request_id, token_ids=[TOKEN_ID]).SerializeToString()
         self.last = pb.GenerateResponse(request_id=msg.request_id, token_ids=[TOKEN_ID],
@@ -51,12 +52,36 @@ class Decoding:
 
 
 class Connection:
-    """One caller's GenerateStreams: its requests and the events of its next message."""
+    """One caller's GenerateStreams: its requests and the events of its next message (the
+    responses between a request's first and last as StreamTokens, where the caller reads them)."""
 
-    def __init__(self):
+    def __init__(self, compact: bool):
         self.decoding: dict[int, Decoding] = {}
         self.batch = pb.StreamEvents()
+        self.compact = compact
         self.ready = asyncio.Event()
+
+    def step(self) -> None:
+        done, streams = [], []
+        for d in self.decoding.values():
+            d.left -= 1
+            if d.left <= 0:
+                self.batch.events.add(stream=d.stream, response=d.last)
+                self.batch.events.add(stream=d.stream, status=pb.StreamStatus())
+                done.append(d.stream)
+            elif self.compact and d.answered:
+                streams.append(d.stream)
+            else:
+                self.batch.events.add(stream=d.stream, response=d.each)
+                d.answered = True
+        for stream in done:
+            del self.decoding[stream]
+        if streams:
+            self.batch.tokens.streams.extend(streams)
+            self.batch.tokens.counts.extend([1] * len(streams))
+            self.batch.tokens.token_ids.extend([TOKEN_ID] * len(streams))
+        if self.batch.events or streams:
+            self.ready.set()
 
 
 class TokenSource(generate_pb2_grpc.TextGenerationServicer, internal_pb2_grpc.PrefillServicer):
@@ -69,17 +94,7 @@ class TokenSource(generate_pb2_grpc.TextGenerationServicer, internal_pb2_grpc.Pr
         while True:
             await asyncio.sleep(self.step_s)
             for conn in self.connections:
-                done = []
-                for d in conn.decoding.values():
-                    d.left -= 1
-                    conn.batch.events.add(stream=d.stream, response=d.last if d.left <= 0 else d.each)
-                    if d.left <= 0:
-                        conn.batch.events.add(stream=d.stream, status=pb.StreamStatus())
-                        done.append(d.stream)
-                for stream in done:
-                    del conn.decoding[stream]
-                if conn.batch.events:
-                    conn.ready.set()
+                conn.step()
             self.stepped.set()
             self.stepped = asyncio.Event()
 
@@ -113,7 +128,8 @@ class SourceStreams(generate_pb2_grpc.GenerateStreamsServicer):
         self.source = source
 
     async def Generate(self, commands, context):
-        conn = Connection()
+        conn = Connection(STREAMS_VERSION in tuple(context.invocation_metadata() or ()))
+        await context.send_initial_metadata((STREAMS_VERSION,))
         self.source.connections.add(conn)
         reader = asyncio.ensure_future(self._read(commands, conn))
         try:
@@ -128,11 +144,12 @@ class SourceStreams(generate_pb2_grpc.GenerateStreamsServicer):
 
     @staticmethod
     async def _read(commands, conn: Connection) -> None:
-        async for command in commands:
-            if command.HasField("open"):
-                conn.decoding[command.stream] = Decoding(command.stream, command.open.request)
-            else:
-                conn.decoding.pop(command.stream, None)
+        async for message in commands:
+            for command in (message, *message.more):
+                if command.HasField("open"):
+                    conn.decoding[command.stream] = Decoding(command.stream, command.open.request)
+                else:
+                    conn.decoding.pop(command.stream, None)
 
 
 async def serve_source(step_s: float) -> None:

@@ -485,14 +485,16 @@ class ListAdaptersResponse(_message.Message):
     def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ...) -> None: ...
 
 class StreamCommand(_message.Message):
-    __slots__ = ("stream", "open", "cancel")
+    __slots__ = ("stream", "open", "cancel", "more")
     STREAM_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     stream: int
     open: StreamOpen
     cancel: StreamCancel
-    def __init__(self, stream: _Optional[int] = ..., open: _Optional[_Union[StreamOpen, _Mapping]] = ..., cancel: _Optional[_Union[StreamCancel, _Mapping]] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[StreamCommand]
+    def __init__(self, stream: _Optional[int] = ..., open: _Optional[_Union[StreamOpen, _Mapping]] = ..., cancel: _Optional[_Union[StreamCancel, _Mapping]] = ..., more: _Optional[_Iterable[_Union[StreamCommand, _Mapping]]] = ...) -> None: ...
 
 class StreamOpen(_message.Message):
     __slots__ = ("request", "metadata", "timeout_s")
@@ -517,10 +519,24 @@ class StreamMetadatum(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class StreamEvents(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "tokens")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[StreamEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[StreamEvent, _Mapping]]] = ...) -> None: ...
+    tokens: StreamTokens
+    def __init__(self, events: _Optional[_Iterable[_Union[StreamEvent, _Mapping]]] = ..., tokens: _Optional[_Union[StreamTokens, _Mapping]] = ...) -> None: ...
+
+class StreamTokens(_message.Message):
+    __slots__ = ("streams", "counts", "token_ids", "texts")
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    streams: _containers.RepeatedScalarFieldContainer[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, streams: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamEvent(_message.Message):
     __slots__ = ("stream", "headers", "response", "status")

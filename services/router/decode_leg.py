@@ -16,6 +16,7 @@ import grpc
 
 from baton.services.router.backends import Backend, Lease
 from baton.services.rpc.errors import failure_of_error, pass_on
+from baton.services.rpc.generate_streams import StreamContext
 from baton.services.rpc.request_streams import StreamedCall
 from baton.v1 import generate_pb2 as pb
 
@@ -95,6 +96,12 @@ class Relay:
             resp.ClearField("token_ids")
         return resp.SerializeToString()
 
+    def forward_tokens(self, token_ids: list[int]) -> list[int]:
+        """A response's token ids (StreamTokens'), as the client gets them."""
+        self._catch_up()
+        self._ids += token_ids
+        return [] if self.strip_ids else token_ids
+
 
 def resumed(msg: pb.GenerateRequest, token_ids: list[int]) -> pb.GenerateRequest:
     """The request as another instance takes it over: no KV handle (the blocks went to the
@@ -134,16 +141,26 @@ class DecodeRoute:
     release: Callable[[pb.KVHandle], None] | None = None  # a handle no decode will pull: let it go
 
 
-def sink_into(respond: Callable[[bytes], None], relay: Relay, trace, request_id: str, aborted: set[str]):
+class ClientSink:
     """A decode's responses passed straight to the client's stream of requests as they are read
     (StreamedCall.sink), none after an Abort (the decode leg's loop ends the request)."""
-    def sink(raw: bytes) -> bool:
-        if request_id in aborted:
+    __slots__ = ("stream", "relay", "trace", "request_id", "aborted")
+
+    def __init__(self, stream: StreamContext, relay: Relay, trace, request_id: str, aborted: set[str]):
+        self.stream, self.relay, self.trace, self.request_id, self.aborted = stream, relay, trace, request_id, aborted
+
+    def response(self, raw: bytes) -> bool:
+        if self.request_id in self.aborted:
             return False
-        trace.last = out = relay.forward(raw)
-        respond(out)
+        self.trace.last = out = self.relay.forward(raw)
+        self.stream.respond(out)
         return True
-    return sink
+
+    def tokens(self, token_ids: list[int], text: str) -> bool:
+        if self.request_id in self.aborted:
+            return False
+        self.stream.respond_tokens(self.request_id, self.relay.forward_tokens(token_ids), text)
+        return True
 
 
 def end_call(lease: Lease, call) -> None:
@@ -153,12 +170,12 @@ def end_call(lease: Lease, call) -> None:
 
 
 async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tuple, context, trace, relay: Relay,
-                     let_go: Callable[[], None] | None = None, respond: Callable[[bytes], None] | None = None):
+                     let_go: Callable[[], None] | None = None, stream: StreamContext | None = None):
     """Stream msg from decode instances, moving it on failure. `let_go`: tells the prefill holding
     the blocks msg.kv_handle names to free them, called here if no decode ever pulls them.
-    `respond`: where the client's stream of requests takes a response past this generator (the
-    request is on one, alone): once a decode on a stream of requests answered, its responses go
-    there as they are read, with no coroutine woken per token; this loop wakes for the end."""
+    `stream`: the client's stream of requests, where the request is alone on one: once a decode
+    on a stream of requests answered, its responses go there as they are read (ClientSink), with
+    no coroutine woken per token; this loop wakes for the end."""
     tried: list[Backend] = []
     try:
         while True:
@@ -173,7 +190,7 @@ async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tupl
             span, call_metadata = trace.client_call("decode", decode, "Generate", metadata)
             call = decode.open_generate(msg, call_metadata, context.time_remaining())
             answered, error = False, None
-            sink = sink_into(respond, relay, trace, msg.request_id, route.aborted) if respond is not None else None
+            sink = ClientSink(stream, relay, trace, msg.request_id, route.aborted) if stream is not None else None
             try:
                 async for raw in call:
                     if not answered:

@@ -95,9 +95,9 @@ class RouterGeneration:
                 in_flight.started(msg.request_id, ids)
                 # A request alone on a client's stream of requests (n's merge reorders) skips the
                 # coroutines per token once it can: the decode's responses go straight into the
-                # client's stream as they are read (decode_leg's `respond`).
-                respond = context.respond if n == 1 and isinstance(context, StreamContext) else None
-                stream = self._generate(msg, context, trace, respond) if n == 1 else merge(
+                # client's stream as they are read (decode_leg's `stream`).
+                own = context if n == 1 and isinstance(context, StreamContext) else None
+                stream = self._generate(msg, context, trace, own) if n == 1 else merge(
                     [self._completion(child, i, msg.request_id, context, trace) for i, child in enumerate(children)])
                 async for resp in stream:
                     trace.last = resp
@@ -111,7 +111,7 @@ class RouterGeneration:
             yield retag(resp, request_id, index)
 
     async def _generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RouterTrace,
-                        respond=None):
+                        stream: StreamContext | None = None):
         if not self.is_serving():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is starting or draining")
         metadata = self._forwarded_metadata(context)
@@ -134,7 +134,7 @@ class RouterGeneration:
         route = self._decode_route(msg, hashes, metadata, context, trace)
         if reply is None:
             trace.fallback("prefill_failed" if prefill_tried else "no_prefill")
-            async for resp in decode_leg(route, msg, metadata, context, trace, relay, respond=respond):
+            async for resp in decode_leg(route, msg, metadata, context, trace, relay, stream=stream):
                 yield resp
             return
         if reply is _ABORTED or msg.request_id in self.in_flight.aborted:  # by the Abort API, before the decode
@@ -156,7 +156,7 @@ class RouterGeneration:
         except BaseException:  # the client went away
             let_go()
             raise
-        async for resp in decode_leg(route, msg, metadata, context, trace, relay, let_go, respond):
+        async for resp in decode_leg(route, msg, metadata, context, trace, relay, let_go, stream):
             yield resp
 
     async def _prefill(self, lease: Lease, msg, metadata, context, trace: RouterTrace):

@@ -3,9 +3,10 @@ requests on one stream. Each request runs as the service's own Generate would ru
 server's, generation.py; the router's, router_generation.py), with a stand-in for its call's
 context (StreamContext), and what every request answers goes back in one message per wake-up of
 the stream's writer: under load, one per engine step for all of them, where their own calls
-would take one message per token each (gRPC's cost is per message). A request ends with an
-event of its own status; the call ending (the caller gone) cancels the requests still running,
-which aborts them where they run."""
+would take one message per token each (gRPC's cost is per message); to a caller of version 2,
+a response with nothing but tokens goes packed into the message's StreamTokens rather than as an
+event of its own. A request ends with an event of its own status; the call ending (the caller
+gone) cancels the requests still running, which aborts them where they run."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from baton.services.rpc.errors import DETAILS_KEY
+from baton.services.rpc.names import STREAMS_VERSION
 from baton.services.rpc.stand_in_context import Aborted, StandInContext
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
@@ -44,31 +46,88 @@ class StreamContext(StandInContext):
         sinks)."""
         self._outbox.add(self._stream, response=resp if isinstance(resp, bytes) else resp.SerializeToString())
 
+    def respond_tokens(self, request_id: str, token_ids: list[int], text: str) -> None:
+        """As respond, a response with nothing but these (not a request's last): in the message's
+        StreamTokens where the caller reads them, else as a GenerateResponse of its own."""
+        if self._outbox.tokens is not None:
+            self._outbox.add_tokens(self._stream, token_ids, text)
+        else:
+            self.respond(pb.GenerateResponse(request_id=request_id, token_ids=token_ids, text=text))
+
+
+class _Tokens:
+    """A message's StreamTokens as plain lists, filled as requests answer."""
+    __slots__ = ("streams", "counts", "token_ids", "texts")
+
+    def __init__(self):
+        self.streams: list[int] = []
+        self.counts: list[int] = []
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []
+
+    def into(self, batch: pb.StreamEvents) -> None:
+        if self.streams:
+            tokens = batch.tokens
+            tokens.streams.extend(self.streams)
+            tokens.counts.extend(self.counts)
+            tokens.token_ids.extend(self.token_ids)
+            if any(self.texts):
+                tokens.texts.extend(self.texts)
+
 
 class _Outbox:
     """The stream's next message, its events added in place as requests answer (no copy of
-    each), which the writer takes whole; `closed` once no request will add more."""
-    __slots__ = ("batch", "ready", "closed")
+    each), which the writer takes whole; `closed` once no request will add more. `tokens`: the
+    message's StreamTokens (None: the caller reads none). An event of a request that has tokens
+    in the message seals it (its tokens are read after its events) and begins the next."""
+    __slots__ = ("batch", "tokens", "_tokened", "_sealed", "ready", "closed")
 
-    def __init__(self):
+    def __init__(self, compact: bool):
         self.batch = pb.StreamEvents()
+        self.tokens = _Tokens() if compact else None
+        self._tokened: set[int] = set()  # the requests with tokens in `tokens`
+        self._sealed: list[pb.StreamEvents] = []
         self.ready = asyncio.Event()
         self.closed = False
 
     def add(self, stream: int, **event) -> None:
         """An event for the request numbered `stream`: its headers, a response or its status."""
+        if stream in self._tokened:
+            self._sealed.append(self._seal())
         self.batch.events.add(stream=stream, **event)
         self.ready.set()
+
+    def add_tokens(self, stream: int, token_ids: list[int], text: str) -> None:
+        tokens = self.tokens
+        tokens.streams.append(stream)
+        tokens.counts.append(len(token_ids))
+        tokens.token_ids += token_ids
+        tokens.texts.append(text)
+        self._tokened.add(stream)
+        self.ready.set()
+
+    def _seal(self) -> pb.StreamEvents:
+        batch, self.batch = self.batch, pb.StreamEvents()
+        if self.tokens is not None:
+            self.tokens.into(batch)
+            self.tokens, self._tokened = _Tokens(), set()
+        return batch
 
     def close(self) -> None:
         self.closed = True
         self.ready.set()
 
-    async def take(self) -> pb.StreamEvents:
+    def empty(self) -> bool:
+        return not self.batch.events and not self._tokened
+
+    async def take(self) -> list[pb.StreamEvents]:
+        """The messages to send, in order (more than one where a request's event sealed one)."""
         await self.ready.wait()
         self.ready.clear()
-        batch, self.batch = self.batch, pb.StreamEvents()
-        return batch
+        batches, self._sealed = self._sealed, []
+        if not self.empty():
+            batches.append(self._seal())
+        return batches
 
 
 class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
@@ -80,14 +139,14 @@ class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
         self.generate = generate
 
     async def Generate(self, commands: AsyncIterator[pb.StreamCommand], context: grpc.aio.ServicerContext):
-        outbox, running = _Outbox(), {}
+        outbox, running = _Outbox(STREAMS_VERSION in tuple(context.invocation_metadata() or ())), {}
+        await context.send_initial_metadata((STREAMS_VERSION,))  # (it reads StreamCommand.more)
         reader = asyncio.ensure_future(self._read(commands, running, outbox))
         try:
             while True:
-                batch = await outbox.take()
-                if batch.events:
+                for batch in await outbox.take():
                     yield batch
-                if outbox.closed and not outbox.batch.events:
+                if outbox.closed and outbox.empty():
                     return
         finally:  # the caller went away, or the server stops: every request still running ends
             reader.cancel()
@@ -96,15 +155,16 @@ class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
 
     async def _read(self, commands, running: dict[int, asyncio.Task], outbox: _Outbox) -> None:
         try:
-            async for command in commands:
-                if command.HasField("open"):
-                    task = running[command.stream] = asyncio.ensure_future(
-                        self._run(command.stream, command.open, outbox))
-                    task.add_done_callback(lambda _, stream=command.stream: running.pop(stream, None))
-                else:  # the caller cancelled the request
-                    task = running.get(command.stream)
-                    if task is not None:
-                        task.cancel()
+            async for message in commands:
+                for command in (message, *message.more):
+                    if command.HasField("open"):
+                        task = running[command.stream] = asyncio.ensure_future(
+                            self._run(command.stream, command.open, outbox))
+                        task.add_done_callback(lambda _, stream=command.stream: running.pop(stream, None))
+                    else:  # the caller cancelled the request
+                        task = running.get(command.stream)
+                        if task is not None:
+                            task.cancel()
             # The caller sends no more: the stream ends once its requests have.
             while running:
                 await asyncio.wait(list(running.values()))

@@ -14,6 +14,9 @@ ROUTER_LIVENESS = "baton.router.liveness"
 TOKEN_KEY = "x-baton-token"  # the stack's shared secret, in the metadata of internal calls
 # An Abort one router replica passes to the others: answered from the receiver's own calls only.
 ABORT_FORWARDED_KEY = "x-baton-abort-forwarded"
+# GenerateStreams' version, in the caller's metadata and the server's initial metadata (2: the
+# caller reads StreamTokens; the server reads StreamCommand.more). Either side may be older.
+STREAMS_VERSION = ("baton-streams-version", "2")
 DECODE_STEP_KEY = "x-baton-first-decode-step"  # a decode's initial metadata: seconds from KV landed to first token
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}

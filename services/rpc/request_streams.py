@@ -8,18 +8,21 @@ cancel(), and the request's status raised as grpc.aio.AioRpcError with the serve
 details. The stream failing fails each request on it with the stream's status, as their own
 calls would have failed (the server died, stopped or is unreachable); the next request opens a
 new stream. A server without GenerateStreams (another version, or not Baton) gets each request
-as a call of its own."""
+as a call of its own. The stream speaks version 2 (generate.proto): responses with nothing but
+tokens come packed in StreamTokens (read as responses of their own, or handed to a sink as
+such), and commands go batched once the server says it reads them."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 from grpc.aio import AioRpcError, Metadata
 
 from baton.services.rpc.errors import DETAILS_KEY
-from baton.services.rpc.names import STREAMS_METHOD
+from baton.services.rpc.names import STREAMS_METHOD, STREAMS_VERSION
 from baton.v1 import generate_pb2 as pb
 
 log = logging.getLogger("baton.rpc")
@@ -29,17 +32,29 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _FALL_BACK = object()  # the instance has no GenerateStreams: the request goes as a call of its own
 
 
+class Sink(Protocol):
+    """Where a StreamedCall's responses go as they are read (StreamedCall.sink): each returns
+    False to decline one, which then goes to the call's reader, as all after it do."""
+
+    def response(self, raw: bytes) -> bool:
+        """A serialized GenerateResponse."""
+
+    def tokens(self, token_ids: list[int], text: str) -> bool:
+        """A response with nothing but these (StreamTokens'): not the request's last."""
+
+
 class StreamedCall:
     """One request on a server's stream, read as its own Generate call would be."""
-    __slots__ = ("_streams", "_stream", "_open", "_events", "_headers", "_done", "_call", "_sink")
+    __slots__ = ("_streams", "_stream", "_open", "_events", "_headers", "_done", "_call", "_sink", "_first")
 
     def __init__(self, streams: RequestStreams, stream: int, open: pb.StreamOpen):
         self._streams, self._stream, self._open = streams, stream, open
-        self._events: asyncio.Queue = asyncio.Queue()  # StreamEvents, or the stream's failure
+        self._events: asyncio.Queue = asyncio.Queue()  # StreamEvents, tokens, or the stream's failure
         self._headers: tuple = ()
         self._done = False
         self._call = None  # the request's own call, where the instance cannot take streams
-        self._sink: Callable[[bytes], bool] | None = None
+        self._sink: Sink | None = None
+        self._first: bytes | None = None  # the first response read (its request_id, for tokens')
 
     def __aiter__(self):
         return self._responses()
@@ -47,15 +62,23 @@ class StreamedCall:
     def deliver(self, event) -> None:
         """A StreamEvent for it, the stream's failure (AioRpcError), or _FALL_BACK."""
         if self._sink is not None:
-            if isinstance(event, pb.StreamEvent) and event.HasField("response") and self._sink(event.response):
+            if isinstance(event, pb.StreamEvent) and event.HasField("response") and self._sink.response(event.response):
                 return
             self._sink = None  # declined, or not a response: this and all after it are read as before
         self._events.put_nowait(event)
 
-    def sink(self, sink: Callable[[bytes], bool]) -> bool:
+    def deliver_tokens(self, token_ids: list[int], text: str) -> None:
+        """A response of the message's StreamTokens for it."""
+        if self._sink is not None:
+            if self._sink.tokens(token_ids, text):
+                return
+            self._sink = None
+        self._events.put_nowait((token_ids, text))
+
+    def sink(self, sink: Sink) -> bool:
         """From now on, hand each response to `sink` as the stream's message is read, instead of
-        queueing it for the reader, who is then woken only by what the sink declines (it returns
-        False: the router's, once the request was aborted) and by the request's end. Only while nothing is
+        queueing it for the reader, who is then woken only by what the sink declines (the
+        router's, once the request was aborted) and by the request's end. Only while nothing is
         queued, so that the sink's responses come after all the reader read: False if something
         is (or the request goes as a call of its own), and the reader may ask again later."""
         if self._call is not None or self._done or not self._events.empty():
@@ -66,6 +89,11 @@ class StreamedCall:
     async def _responses(self):
         while True:
             event = await self._events.get()
+            if isinstance(event, tuple):  # a response of StreamTokens, as its own message
+                token_ids, text = event
+                yield pb.GenerateResponse(request_id=self._request_id(), token_ids=token_ids,
+                                          text=text).SerializeToString()
+                continue
             if isinstance(event, AioRpcError):
                 self._done = True
                 raise event
@@ -74,6 +102,7 @@ class StreamedCall:
                     yield raw
                 return
             if event.HasField("response"):
+                self._first = self._first or event.response
                 yield event.response
             elif event.HasField("headers"):
                 self._headers = tuple((m.key, m.value) for m in event.headers.metadata)
@@ -86,6 +115,10 @@ class StreamedCall:
                     raise AioRpcError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), Metadata(*self._headers),
                                       trailer, status.details)
                 return
+
+    def _request_id(self) -> str:
+        """The request's id as its responses carry it (the server's own, where the caller gave none)."""
+        return self._open.request.request_id or pb.GenerateResponse.FromString(self._first or b"").request_id
 
     def _fall_back(self):
         open = self._open
@@ -108,6 +141,29 @@ class StreamedCall:
             self._streams.cancel(self._stream)
 
 
+class _Commands:
+    """What a stream sends, in order: a message per command, or, once the server said it reads
+    them (`batched`), every command queued while the last message was on its way in one."""
+
+    def __init__(self):
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.batched = False
+        self.sent = 0  # messages
+
+    def put(self, command: pb.StreamCommand) -> None:
+        self._queue.put_nowait(command)
+
+    async def messages(self):
+        queue = self._queue
+        while True:
+            message = await queue.get()
+            if self.batched:
+                while not queue.empty():
+                    message.more.append(queue.get_nowait())
+            self.sent += 1
+            yield message
+
+
 class RequestStreams:
     """One server's stream of requests, opened at the first and again after it fails. `per_call`:
     the server's Generate (its responses as bytes), for a server without GenerateStreams."""
@@ -117,7 +173,7 @@ class RequestStreams:
                                              response_deserializer=pb.StreamEvents.FromString)
         self.per_call = per_call
         self.supported = True  # until the instance answers UNIMPLEMENTED
-        self._commands: asyncio.Queue | None = None  # what the open stream sends (None: none opened yet)
+        self._commands: _Commands | None = None  # what the open stream sends (None: none opened yet)
         self._calls: dict[int, StreamedCall] = {}
         self._reader: asyncio.Task | None = None
         self._next = 0
@@ -135,12 +191,12 @@ class RequestStreams:
         entries = [pb.StreamMetadatum(key=k, value=v) for k, v in metadata or () if isinstance(v, str)]
         open = pb.StreamOpen(request=msg, metadata=entries, timeout_s=timeout or 0.0)
         call = self._calls[self._next] = StreamedCall(self, self._next, open)
-        self._commands.put_nowait(pb.StreamCommand(stream=self._next, open=open))
+        self._commands.put(pb.StreamCommand(stream=self._next, open=open))
         return call
 
     def cancel(self, stream: int) -> None:
         if self._calls.pop(stream, None) is not None:
-            self._commands.put_nowait(pb.StreamCommand(stream=stream, cancel=pb.StreamCancel()))
+            self._commands.put(pb.StreamCommand(stream=stream, cancel=pb.StreamCancel()))
 
     def forget(self, stream: int) -> None:
         self._calls.pop(stream, None)
@@ -150,27 +206,24 @@ class RequestStreams:
             self._reader.cancel()
 
     def _start(self) -> None:
-        commands, calls = self._commands, self._calls = asyncio.Queue(), {}
-        call = self._method(self._send(commands))
-        self._reader = asyncio.ensure_future(self._read(call, calls))
+        commands, calls = self._commands, self._calls = _Commands(), {}
+        call = self._method(commands.messages(), metadata=(STREAMS_VERSION,))
+        self._reader = asyncio.ensure_future(self._read(call, calls, commands))
 
-    @staticmethod
-    async def _send(commands: asyncio.Queue):
-        while True:
-            yield await commands.get()
+    @property
+    def messages_sent(self) -> int:
+        return self._commands.sent if self._commands is not None else 0
 
-    async def _read(self, call, calls: dict[int, StreamedCall]) -> None:
+    async def _read(self, call, calls: dict[int, StreamedCall], commands: _Commands) -> None:
         # (what an unforeseen failure here leaves the requests on the stream: they fail too)
         error = AioRpcError(grpc.StatusCode.UNKNOWN, Metadata(), Metadata(), "the requests' stream failed")
         received = False  # the server has answered on this stream
         try:
+            commands.batched = STREAMS_VERSION in tuple(await call.initial_metadata() or ())
             async for batch in call:
                 received = True
                 self.messages_read += 1
-                for event in batch.events:
-                    streamed = calls.get(event.stream)
-                    if streamed is not None:  # else cancelled here: the late answers are dropped
-                        streamed.deliver(event)
+                deliver_batch(batch, calls)
             error = AioRpcError(grpc.StatusCode.UNAVAILABLE, Metadata(), Metadata(),
                                 "the server ended its requests' stream")
         except AioRpcError as e:
@@ -189,3 +242,22 @@ class RequestStreams:
             for streamed in calls.values():  # as their own calls would have failed
                 streamed.deliver(error)
             calls.clear()
+
+
+def deliver_batch(batch: pb.StreamEvents, calls: dict[int, StreamedCall]) -> None:
+    """A message's events, then its StreamTokens, each to its request (a request cancelled here
+    is not in `calls`: its late answers are dropped)."""
+    for event in batch.events:
+        streamed = calls.get(event.stream)
+        if streamed is not None:
+            streamed.deliver(event)
+    if not batch.HasField("tokens"):
+        return
+    tokens = batch.tokens
+    token_ids, texts = list(tokens.token_ids), list(tokens.texts) or itertools.repeat("")
+    at = 0
+    for stream, count, text in zip(tokens.streams, tokens.counts, texts):
+        streamed = calls.get(stream)
+        if streamed is not None:
+            streamed.deliver_tokens(token_ids[at:at + count], text)
+        at += count

@@ -13,6 +13,7 @@ import grpc
 
 from baton.engine.common.errors import InvalidArgument, check
 from baton.engine.front.core_client import CoreClient
+from baton.engine.front.output_processor import StepOutput
 from baton.services.rpc.calls import CallRegistry
 from baton.services.rpc.errors import abort, abort_invalid
 from baton.services.rpc.fan_out import child_requests, merge, num_completions
@@ -64,8 +65,8 @@ class GenerationService:
             # A request on a stream of requests (n of 1: n's merge reorders) skips its generator
             # once it can: its outputs go from the step's fan-out straight into the stream's next
             # message (CoreClient.sink), one wake-up fewer per token per request.
-            respond = context.respond if n == 1 and isinstance(context, StreamContext) else None
-            streams = [self._completion(m, i, msg.request_id, handle, span, context, respond)
+            stream = context if n == 1 and isinstance(context, StreamContext) else None
+            streams = [self._completion(m, i, msg.request_id, handle, span, context, stream)
                        for i, m in enumerate(made)]
             self.calls.started(msg.request_id, [m.request.request_id for m in made])
             try:
@@ -75,9 +76,10 @@ class GenerationService:
                 self.calls.ended(msg.request_id)
 
     async def _completion(self, made: MadeRequest, index: int, request_id: str, handle: pb.KVHandle | None, span,
-                          context: grpc.aio.ServicerContext, respond=None):
-        """One engine request's responses (one of n completions); with `respond`, those after the
-        first but the last go there instead, once the core client can sink them."""
+                          context: grpc.aio.ServicerContext, stream: StreamContext | None = None):
+        """One engine request's responses (one of n completions); with `stream` (the request is
+        alone on a stream of requests), those after the first but the last go into the stream's
+        next message instead, once the core client can sink them."""
         telemetry = self.telemetry
         rt = telemetry.track(made.request, span, dict(handle.trace_context) if handle is not None else None)
         if handle is not None:
@@ -93,13 +95,17 @@ class GenerationService:
                     await context.send_initial_metadata(decode_timing(out))
                     handle = None
                 yield response_from_output(out, made.output, index, request_id)
-                if respond is not None and self.core.sink(made.request, partial(
-                        _respond_with, respond, made.output, index, request_id)):
-                    respond = None  # (sunk: nothing but the last comes here now)
+                if stream is not None and self.core.sink(made.request, partial(
+                        _respond_with, stream, made.output, request_id)):
+                    stream = None  # (sunk: nothing but the last comes here now)
         except ENGINE_ERRORS as e:
             telemetry.drop(rt, time.monotonic(), str(e))
             await abort_for_engine_error(context, e)
 
 
-def _respond_with(respond, output: int, index: int, request_id: str, out) -> None:
-    respond(response_from_output(out, output, index, request_id))
+def _respond_with(stream: StreamContext, output: int, request_id: str, out: StepOutput) -> None:
+    if out.logprobs is None and out.prompt_logprobs is None:  # (never the last: CoreClient.sink)
+        stream.respond_tokens(request_id, out.new_token_ids if output != pb.OUTPUT_TEXT else [],
+                              out.text if output != pb.OUTPUT_TOKEN_IDS else "")
+    else:
+        stream.respond(response_from_output(out, output, 0, request_id))

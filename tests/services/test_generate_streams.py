@@ -6,6 +6,7 @@ streams the same."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import grpc
 import pytest
@@ -16,9 +17,12 @@ from baton import LLM, SamplingParams
 from baton.services.cli.main import _router_options, build_parser
 from baton.services.client import AsyncClient
 from baton.services.rpc.errors import failure_of_error
-from baton.services.rpc.request_streams import RequestStreams
+from baton.services.rpc.generate_streams import _Outbox
+from baton.services.rpc.names import STREAMS_METHOD, STREAMS_VERSION
+from baton.services.rpc.request_streams import RequestStreams, deliver_batch
 from baton.services.rpc.tls import aio_channel
 from baton.v1 import generate_pb2 as pb
+from baton.v1 import generate_pb2_grpc
 
 
 def request(prompt: list[int], max_tokens: int, **sampling) -> pb.GenerateRequest:
@@ -141,3 +145,143 @@ def test_a_router_with_a_call_per_request_streams_the_same(server, tiny_llama):
     finally:
         router.stop()
     assert pools_full(server.address)
+
+
+async def raw_stream(address: str, messages: list[pb.StreamCommand], metadata: tuple):
+    """GenerateStreams spoken by hand: these command messages, then every message read until the
+    server ends the stream, and its initial metadata."""
+    channel = aio_channel(address, None)
+    try:
+        method = channel.stream_stream(STREAMS_METHOD, request_serializer=pb.StreamCommand.SerializeToString,
+                                       response_deserializer=pb.StreamEvents.FromString)
+        call = method(iter(messages), metadata=metadata)
+        batches = [batch async for batch in call]
+        return batches, tuple(await call.initial_metadata())
+    finally:
+        await channel.close()
+
+
+def responses_by_stream(batches: list[pb.StreamEvents]) -> dict[int, list[pb.GenerateResponse]]:
+    """Each request's responses, read as RequestStreams reads a message (events, then tokens)."""
+    got: dict[int, list[pb.GenerateResponse]] = {}
+
+    class Reader:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def deliver(self, event):
+            if event.HasField("response"):
+                got.setdefault(self.stream, []).append(pb.GenerateResponse.FromString(event.response))
+
+        def deliver_tokens(self, token_ids, text):
+            got.setdefault(self.stream, []).append(pb.GenerateResponse(token_ids=token_ids, text=text))
+
+    readers = {stream: Reader(stream) for stream in range(1, 100)}
+    for batch in batches:
+        deliver_batch(batch, readers)
+    return got
+
+
+def test_callers_of_either_version_read_the_same_responses(server, tiny_llama):
+    """A caller of version 2 gets the responses between a request's first and last as
+    StreamTokens and may send its commands batched; one that does not say so (an older one)
+    gets every response as an event. Both read the same token ids and text."""
+    prompts = random_prompts([13, 40, 7, 26, 19], seed=204)
+    want = greedy(tiny_llama, prompts, 20)
+
+    def opens(output: int) -> list[pb.StreamCommand]:
+        commands = []
+        for i, prompt in enumerate(prompts):
+            msg = request(prompt, 20)
+            msg.output = output
+            commands.append(pb.StreamCommand(stream=i + 1, open=pb.StreamOpen(request=msg)))
+        return commands
+
+    for output in (pb.OUTPUT_TOKEN_IDS, pb.OUTPUT_TEXT_AND_TOKEN_IDS):
+        old, old_headers = asyncio.run(raw_stream(server.address, opens(output), ()))
+        first, *more = opens(output)
+        first.more.extend(more)  # all in one message
+        new, new_headers = asyncio.run(raw_stream(server.address, [first], (STREAMS_VERSION,)))
+        assert STREAMS_VERSION in old_headers and STREAMS_VERSION in new_headers
+        assert not any(batch.HasField("tokens") for batch in old)
+        assert sum(len(batch.tokens.streams) for batch in new) > len(prompts) * 10
+        old_got, new_got = responses_by_stream(old), responses_by_stream(new)
+        for got in (old_got, new_got):
+            assert [[t for r in got[i + 1] for t in r.token_ids] for i in range(len(prompts))] == want
+        for i in range(len(prompts)):
+            assert "".join(r.text for r in new_got[i + 1]) == "".join(r.text for r in old_got[i + 1])
+            assert new_got[i + 1][-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert pools_full(server.address)
+
+
+def test_a_request_s_events_never_follow_its_tokens_in_one_message():
+    """Responses added to a stream's outbox in any interleaving (events, tokens, statuses) are
+    read back in each request's order: an event of a request that has tokens in the open
+    message starts the next message."""
+    async def go():
+        rng = random.Random(205)
+        outbox = _Outbox(compact=True)
+        sent: dict[int, list[pb.GenerateResponse]] = {}
+        batches = []
+        for n in range(400):
+            stream = rng.randrange(1, 6)
+            resp = pb.GenerateResponse(token_ids=[n, n + 1][:rng.randrange(1, 3)], text=rng.choice(["", f"t{n}"]))
+            if rng.random() < 0.4:
+                outbox.add(stream, response=resp.SerializeToString())
+            else:
+                outbox.add_tokens(stream, list(resp.token_ids), resp.text)
+            sent.setdefault(stream, []).append(resp)
+            if rng.random() < 0.1:
+                batches += await outbox.take()
+        batches += await outbox.take()
+        return sent, batches
+
+    sent, batches = asyncio.run(go())
+    assert len(batches) > 40  # (a message sealed by an event, as well as those taken)
+    assert responses_by_stream(batches) == sent
+
+
+def test_a_caller_sends_commands_batched_only_to_a_server_that_reads_them(server):
+    """To a server that does not say it reads StreamCommand.more (an older one), each command
+    goes in a message of its own: none is lost; to one that does, they share messages."""
+    class OlderServer(generate_pb2_grpc.GenerateStreamsServicer):
+        async def Generate(self, commands, context):
+            async for command in commands:  # (it knows nothing of `more`)
+                resp = pb.GenerateResponse(request_id=str(command.stream), token_ids=[command.stream])
+                yield pb.StreamEvents(events=[pb.StreamEvent(stream=command.stream, response=resp.SerializeToString()),
+                                              pb.StreamEvent(stream=command.stream, status=pb.StreamStatus())])
+
+    async def go():
+        server = grpc.aio.server()
+        generate_pb2_grpc.add_GenerateStreamsServicer_to_server(OlderServer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = aio_channel(f"127.0.0.1:{port}", None)
+        streams = RequestStreams(channel, None)
+        try:
+            calls = [streams.open(request([1, 2], 1), (), 30) for _ in range(40)]
+            got = [await read(call) for call in calls]
+            return got, streams.messages_sent
+        finally:
+            streams.close()
+            await channel.close()
+            await server.stop(None)
+
+    got, sent = asyncio.run(asyncio.wait_for(go(), 60))
+    assert got == [[i + 1] for i in range(40)] and sent == 40
+
+    async def to_this_version():
+        channel = aio_channel(server.address, None)
+        streams = RequestStreams(channel, None)
+        try:
+            await read(streams.open(request([1, 2], 1), (), 30))  # (its answer came: so did the server's header)
+            before = streams.messages_sent
+            calls = [streams.open(request([3, i + 4], 2), (), 30) for i in range(40)]
+            got = [await read(call) for call in calls]
+            return got, streams.messages_sent - before
+        finally:
+            streams.close()
+            await channel.close()
+
+    got, sent = asyncio.run(asyncio.wait_for(to_this_version(), 60))
+    assert all(len(ids) == 2 for ids in got) and sent < 40
