@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from baton.engine.common.config import EngineConfig
 from baton.engine.common.core_messages import (
@@ -155,14 +154,16 @@ class CoreClient:
         self._failure: str | None = None  # what the core said before it went, if anything
         self._stopping = False
         self._proc = None
-        self._receiver: asyncio.Task | None = None
+        self._reading = False  # the event loop watches the core's socket
+        self._first: asyncio.Future | None = None  # the core's first message (CoreReady or CoreFailed)
         self._exited: asyncio.Future | None = None
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         name = f"baton-core-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # abstract namespace: no file to clean up
         self._addresses = (f"ipc://@{name}-in", f"ipc://@{name}-out")
-        # Sends never block (no high-water mark): a plain socket, which costs ~1.5 us a message
-        # where an asyncio one's send costs ~23 (it makes and settles a future each time).
-        self._push = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUSH)
+        # Plain sockets, not zmq.asyncio's, which make and settle a future per message (a send
+        # costs ~23 us there, ~1.5 here). Sends never block (no high-water mark); the event loop
+        # watches the receiving socket's fd and reads every message there when it says so.
+        self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.bind(self._addresses[0])
@@ -190,7 +191,9 @@ class CoreClient:
         self._exited = loop.create_future()
         self._pidfd = os.pidfd_open(self._proc.pid)  # readable once it exits
         loop.add_reader(self._pidfd, self._on_exit)
-        first = asyncio.ensure_future(self._pull.recv(copy=False))
+        first = self._first = loop.create_future()
+        loop.add_reader(self._pull.FD, self._read)
+        self._reading = True
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
         self.outputs = OutputProcessor(self.tokenizer)
         await asyncio.wait([first, self._exited], return_when=asyncio.FIRST_COMPLETED)
@@ -198,14 +201,13 @@ class CoreClient:
             first.cancel()
             raise StartupError(f"the engine core exited with status {self._proc.returncode} while loading "
                                "(see its log)")
-        msg = self._decoder.decode(first.result().buffer)
+        msg = first.result()
         if isinstance(msg, CoreFailed):
             raise error_from(msg.error)
         assert isinstance(msg, CoreReady), msg
         self.facts = msg.facts
         self.inputs = InputProcessor(self.tokenizer, self.facts,
                                      image_processor(self.config.model, self.tokenizer, self.facts))
-        self._receiver = asyncio.ensure_future(self._receive())
         return self.facts
 
     def _on_exit(self) -> None:
@@ -219,11 +221,8 @@ class CoreClient:
 
     async def _died(self) -> None:
         """Read what the core sent before it went, then fail everything that waits on it."""
-        if self._receiver is not None:
-            self._receiver.cancel()
-            await asyncio.gather(self._receiver, return_exceptions=True)
-        while await self._pull.poll(timeout=0):
-            self._dispatch(self._decoder.decode((await self._pull.recv(copy=False)).buffer))
+        self._read()  # what it sent before it went
+        self._stop_reading()
         why = f": {self._failure}" if self._failure else ""
         log.error("the engine core (pid %s) exited with status %s%s", self._proc.pid, self._proc.returncode, why)
         self._fail_all(EngineDead(f"the engine core exited with status {self._proc.returncode}{why}"))
@@ -249,9 +248,7 @@ class CoreClient:
                 log.warning("the engine core did not stop within %gs; killing it", _STOP_WAIT_S)
                 self._proc.kill()
                 await self._exited
-        if self._receiver is not None:
-            self._receiver.cancel()
-            await asyncio.gather(self._receiver, return_exceptions=True)
+        self._stop_reading()
         if self._dead is None:
             self._fail_all(EngineDead("the server stopped"))
         self._push.close()
@@ -349,13 +346,28 @@ class CoreClient:
             self._calls.pop(call_id, None)
 
     # ---- what the core sends ------------------------------------------------------------------
-    async def _receive(self) -> None:
+    def _read(self) -> None:
+        """Every message the core's socket holds (its fd only says that something changed: it is
+        read until empty, or it would not say so again)."""
+        pull, first = self._pull, self._first
         while True:
-            frame = await self._pull.recv(copy=False)
             try:
-                self._dispatch(self._decoder.decode(frame.buffer))
+                frame = pull.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = self._decoder.decode(frame.buffer)
+                if first is not None and not first.done():
+                    first.set_result(msg)
+                else:
+                    self._dispatch(msg)
             except Exception:  # one bad message must not stop every stream
                 log.exception("a message from the engine core could not be handled")
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            asyncio.get_running_loop().remove_reader(self._pull.FD)
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, CoreStep):
