@@ -118,7 +118,7 @@ class _Outbox:
         self.ready.set()
 
     def empty(self) -> bool:
-        return not self.batch.events and not self._tokened
+        return not self.batch.events and not self._tokened and not self._sealed
 
     async def take(self) -> list[pb.StreamEvents]:
         """The messages to send, in order (more than one where a request's event sealed one)."""
