@@ -118,14 +118,26 @@ def test_a_client_multiplexing_through_the_router_streams_as_with_calls(tiny_lla
                 async for _ in client.generate(prompts[0], max_tokens=400, temperature=0.0, ignore_eos=True):
                     break
 
+            async def texts(prompt):  # the text alone, and beside the ids (both packed once past the first)
+                both, alone, ids_with_text = "", "", []
+                async for c in client.generate(prompt, max_tokens=16, temperature=0.0, ignore_eos=True):
+                    both += c.text
+                async for c in client.generate(prompt, max_tokens=16, temperature=0.0, ignore_eos=True,
+                                               output="text"):
+                    alone += c.text
+                    ids_with_text += c.token_ids
+                return both, alone, ids_with_text
+
             got = await asyncio.gather(*(collect(p) for p in prompts), leave_early())
-            return got[:-1], client.streams.messages_read
+            text = await asyncio.gather(*(texts(p) for p in prompts[:3]))
+            return got[:-1], client.streams.messages_read, text
 
     try:
         wait_serving(router.address)
-        got, messages = asyncio.run(asyncio.wait_for(go(), 120))
+        got, messages, text = asyncio.run(asyncio.wait_for(go(), 120))
         assert got == want
         assert messages < sum(len(ids) for ids in got)
+        assert all(both == alone and both and not ids for both, alone, ids in text)
         assert pools_full(prefill.address) and pools_full(decode.address)
     finally:
         for proc in (router, decode, prefill):
