@@ -24,7 +24,13 @@ from baton.services.server.core_requests import MadeRequest, core_request_from_p
 from baton.services.server.encoded_images import ChatImages
 from baton.services.server.engine_telemetry import EngineTelemetry
 from baton.services.server.kv_peers import KVPeers
-from baton.services.server.responses import ENGINE_ERRORS, abort_for_engine_error, decode_timing, response_from_output
+from baton.services.server.responses import (
+    ENGINE_ERRORS,
+    abort_for_engine_error,
+    decode_timing,
+    output_parts,
+    response_from_output,
+)
 from baton.v1 import generate_pb2 as pb
 
 
@@ -105,7 +111,6 @@ class GenerationService:
 
 def _respond_with(stream: StreamContext, output: int, request_id: str, out: StepOutput) -> None:
     if out.logprobs is None and out.prompt_logprobs is None:  # (never the last: CoreClient.sink)
-        stream.respond_tokens(request_id, out.new_token_ids if output != pb.OUTPUT_TEXT else [],
-                              out.text if output != pb.OUTPUT_TOKEN_IDS else "")
+        stream.respond_tokens(request_id, *output_parts(out, output))
     else:
         stream.respond(response_from_output(out, output, 0, request_id))

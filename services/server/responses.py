@@ -48,15 +48,18 @@ def decode_timing(out: StepOutput) -> tuple[tuple[str, str], ...]:
     return ((DECODE_STEP_KEY, f"{max(0.0, out.time - out.ready_time):.6f}"),)
 
 
+def output_parts(out: StepOutput, output: int) -> tuple[list[int], str]:
+    """The token ids and the text of an engine output that a response carries, as `output`
+    asks (text, token ids or both)."""
+    return (out.new_token_ids if output != pb.OUTPUT_TEXT else [], out.text if output != pb.OUTPUT_TOKEN_IDS else "")
+
+
 def response_from_output(out: StepOutput, output: int, index: int = 0, request_id: str | None = None,
                          ) -> pb.GenerateResponse:
     """The API's message for an engine output, with text, token ids or both (`output`);
     `index`: which of n completions (`request_id` then the parent's, not the child's)."""
-    resp = pb.GenerateResponse(request_id=request_id or out.request_id, index=index)
-    if output != pb.OUTPUT_TEXT:
-        resp.token_ids.extend(out.new_token_ids)
-    if output != pb.OUTPUT_TOKEN_IDS:
-        resp.text = out.text
+    token_ids, text = output_parts(out, output)
+    resp = pb.GenerateResponse(request_id=request_id or out.request_id, token_ids=token_ids, text=text, index=index)
     if out.logprobs is not None:
         resp.logprobs.extend(map(logprobs_to_proto, out.logprobs))
     if out.prompt_logprobs is not None:
