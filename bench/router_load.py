@@ -99,6 +99,22 @@ class TokenSource(generate_pb2_grpc.TextGenerationServicer, internal_pb2_grpc.Pr
             self.stepped = asyncio.Event()
 
     async def Prefill(self, msg: pb.GenerateRequest, context) -> internal_pb2.PrefillResponse:
+        return self.prefilled(msg)
+
+    async def Streams(self, commands, context):
+        """Prefill's stream of requests: every request a message opened answered in one message."""
+        await context.send_initial_metadata((STREAMS_VERSION,))
+        async for message in commands:
+            batch = pb.StreamEvents()
+            for command in (message, *message.more):
+                if command.HasField("open"):
+                    batch.events.add(stream=command.stream,
+                                     response=self.prefilled(command.open.request).SerializeToString())
+                    batch.events.add(stream=command.stream, status=pb.StreamStatus())
+            yield batch
+
+    @staticmethod
+    def prefilled(msg: pb.GenerateRequest) -> internal_pb2.PrefillResponse:
         return internal_pb2.PrefillResponse(
             first=pb.GenerateResponse(request_id=msg.request_id, token_ids=[TOKEN_ID]),
             handle=pb.KVHandle(request_id=msg.request_id, engine_id="source", num_tokens=1))

@@ -40,6 +40,11 @@ class PrefillStub:
                 request_serializer=baton_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_internal__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Streams = channel.stream_stream(
+                '/baton.v1.Prefill/Streams',
+                request_serializer=baton_dot_v1_dot_generate__pb2.StreamCommand.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generate__pb2.StreamEvents.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/baton.v1.Prefill/Release',
                 request_serializer=baton_dot_v1_dot_generate__pb2.KVHandle.SerializeToString,
@@ -53,6 +58,16 @@ class PrefillServicer:
     def Prefill(self, request, context):
         """Runs the prompt (chunked if long), samples the first token and holds the KV blocks
         for a decode peer to pull; returns the handle that the decode's Generate takes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Streams(self, request_iterator, context):
+        """Many Prefill calls on one stream (the router's to each prefill instance), spoken as
+        GenerateStreams is (generate.proto): an opened request's one response event holds a
+        serialized PrefillResponse, then its status ends it; a cancel ends the request and lets go
+        of its blocks. A caller's message carries every request it opened since its last (`more`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -73,6 +88,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=baton_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
                     response_serializer=baton_dot_v1_dot_internal__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Streams': grpc.stream_stream_rpc_method_handler(
+                    servicer.Streams,
+                    request_deserializer=baton_dot_v1_dot_generate__pb2.StreamCommand.FromString,
+                    response_serializer=baton_dot_v1_dot_generate__pb2.StreamEvents.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -107,6 +127,33 @@ class Prefill:
             '/baton.v1.Prefill/Prefill',
             baton_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
             baton_dot_v1_dot_internal__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Streams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/baton.v1.Prefill/Streams',
+            baton_dot_v1_dot_generate__pb2.StreamCommand.SerializeToString,
+            baton_dot_v1_dot_generate__pb2.StreamEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -330,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(it resumes from the tokens already streamed; default 2)")
     r.add_argument("--multiplex", action=argparse.BooleanOptionalAction,
                    help="carry a decode instance's requests on one gRPC stream, its tokens for all of them in one "
-                        "message per step, rather than a Generate call each and a message per token (default on)")
+                        "message per step, rather than a Generate call each and a message per token; a prefill "
+                        "instance's too, rather than a Prefill call each (default on)")
     r.add_argument("--max-in-flight", type=int,
                    help="streams the router carries at once; beyond it, RESOURCE_EXHAUSTED at once (default 4096)")
     r.add_argument("--router-peers", action="append", metavar="HOST:PORT[,…]",

@@ -10,7 +10,7 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.services.rpc.names import GENERATE_METHOD, SERVICE_NAME
+from baton.services.rpc.names import GENERATE_METHOD, PREFILL_METHOD, PREFILL_STREAMS_METHOD, SERVICE_NAME
 from baton.services.rpc.request_streams import RequestStreams
 from baton.services.rpc.tls import aio_channel
 from baton.v1 import generate_pb2 as pb
@@ -45,9 +45,13 @@ class Backend:
         self.generate = self.channel.unary_stream(GENERATE_METHOD,
                                                   request_serializer=pb.GenerateRequest.SerializeToString,
                                                   response_deserializer=None)
-        # A decode tier's requests, many on one stream (request_streams.py); None: a call each.
+        # Its requests, many on one stream (request_streams.py): a decode's Generate, a prefill's
+        # Prefill (read as a call streaming its one response, as bytes); None: a call each.
         self.streams = RequestStreams(self.channel, self.generate) if multiplex else None
-        self.prefill = internal_pb2_grpc.PrefillStub(self.channel)
+        self._prefill = self.channel.unary_stream(
+            PREFILL_METHOD, request_serializer=pb.GenerateRequest.SerializeToString, response_deserializer=None)
+        self.prefills = RequestStreams(self.channel, self._prefill, PREFILL_STREAMS_METHOD) if multiplex else None
+        self.prefill = internal_pb2_grpc.PrefillStub(self.channel)  # (Release)
         self.encoder = internal_pb2_grpc.EncoderStub(self.channel)  # (an encoder tier's)
         self.api = generate_pb2_grpc.TextGenerationStub(self.channel)  # the runtime API
         self.healthy = False
@@ -129,6 +133,13 @@ class Backend:
             return self.streams.open(msg, metadata, timeout)
         return self.generate(msg, metadata=metadata, timeout=timeout)
 
+    def open_prefill(self, msg: pb.GenerateRequest, metadata: tuple, timeout: float | None):
+        """The request's Prefill here, as open_generate opens a Generate: its one response is a
+        serialized PrefillResponse."""
+        if self.prefills is not None:
+            return self.prefills.open(msg, metadata, timeout)
+        return self._prefill(msg, metadata=metadata, timeout=timeout)
+
     def failed(self) -> None:
         """A call found it unreachable: out at once, back when its health watch says so."""
         self._set_healthy(False)
@@ -139,8 +150,9 @@ class Backend:
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
-        if self.streams is not None:
-            self.streams.close()
+        for streams in (self.streams, self.prefills):
+            if streams is not None:
+                streams.close()
         await self.channel.close(grace=None)
 
 

@@ -75,7 +75,8 @@ class RouterOptions:
     http_port: int | None = None  # the OpenAI-compatible HTTP front, with /metrics (0: any free port); None: none
     max_migrations: int = 2  # moves of a request to another decode instance after failures
     # A decode instance's requests on one stream, answered in a message per step for all of them
-    # (services/rpc/request_streams.py), rather than a Generate call each and a message per token.
+    # (services/rpc/request_streams.py), rather than a Generate call each and a message per token;
+    # a prefill instance's too (its Streams), rather than a Prefill call each.
     multiplex: bool = True
     max_in_flight: int | None = 4096  # streams at once; beyond it, RESOURCE_EXHAUSTED at once (None: no bound)
     tls: TLSConfig | None = None  # serve TLS, and call the backends over it
@@ -112,7 +113,7 @@ class Router:
 
     def __init__(self, options: RouterOptions):
         self.options = o = options
-        self.prefill = Tier("prefill", o.prefill, o.health_retry_s, self._health_changed, o.tls)
+        self.prefill = Tier("prefill", o.prefill, o.health_retry_s, self._health_changed, o.tls, o.multiplex)
         self.decode = Tier("decode", o.decode, o.health_retry_s, self._health_changed, o.tls, o.multiplex)
         self.encoder = Tier("encoder", o.encoder, o.health_retry_s, lambda: None, o.tls)
         slot = o.worker

@@ -23,6 +23,7 @@ from baton.services.router.decode_leg import (
     Relay,
     aborted_response,
     decode_leg,
+    end_call,
     instance_failed,
     pass_on_or_take_out,
 )
@@ -38,6 +39,7 @@ from baton.services.rpc.names import TOKEN_KEY, token_metadata
 from baton.services.rpc.serving import in_background
 from baton.services.telemetry.metrics import RouterMetrics
 from baton.v1 import generate_pb2 as pb
+from baton.v1 import internal_pb2
 
 log = logging.getLogger("baton.router")
 _ABORTED = object()  # a prefill call ended by the Abort API
@@ -168,8 +170,11 @@ class RouterGeneration:
         forget = pb.KVHandle(request_id=msg.request_id)
         span, metadata = trace.client_call("prefill", prefill, "Prefill", metadata)
         sent, error = time.monotonic(), None
+        call = prefill.open_prefill(msg, metadata, context.time_remaining())
         try:
-            reply = await prefill.prefill.Prefill(msg, metadata=metadata, timeout=context.time_remaining())
+            reply = None
+            async for raw in call:  # (its one response)
+                reply = internal_pb2.PrefillResponse.FromString(raw)
             trace.prefill_answer(sent)
             return reply
         except asyncio.CancelledError as e:
@@ -186,7 +191,7 @@ class RouterGeneration:
             log.warning("prefill %s failed for %s: %s", prefill.address, msg.request_id, e.details())
             return None
         finally:
-            lease.end()
+            end_call(lease, call)
             trace.call_ended(span, "prefill", prefill, error)
 
     async def _encode(self, msg: pb.GenerateRequest, metadata, context, trace: RouterTrace) -> None:

@@ -16,13 +16,10 @@ import time
 
 import grpc
 
-from baton.services.rpc.names import DECODE_STEP_KEY, FINISH_REASON_NAMES, SERVICE_NAME
+from baton.services.rpc.names import DECODE_STEP_KEY, FINISH_REASON_NAMES, PREFILL_SERVICE_NAME, SERVICE_NAME
 from baton.services.telemetry import tracing
 from baton.services.telemetry.metrics import RouterMetrics
 from baton.v1 import generate_pb2 as pb
-from baton.v1 import internal_pb2
-
-PREFILL_SERVICE = internal_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
 
 class RouterTrace:
@@ -108,7 +105,7 @@ class RouterTrace:
             m.backend_requests.labels(**m.labels, tier=tier, backend=m.backend_label(backend.address)).inc()
         if self.span is None:  # not traced, or not sampled: pass the (unsampled) context on as it is
             return None, tracing.replace_trace_metadata(metadata, self._server.span)
-        service = SERVICE_NAME if method == "Generate" else PREFILL_SERVICE
+        service = SERVICE_NAME if method == "Generate" else PREFILL_SERVICE_NAME
         span = tracing.start_span(self.tracer, f"{service}/{method}", self.span, "CLIENT", attributes={
             **tracing.rpc_attributes(service, method), "server.address": backend.address, "baton.tier": tier})
         return span, tracing.replace_trace_metadata(metadata, span)

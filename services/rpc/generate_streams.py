@@ -25,13 +25,27 @@ log = logging.getLogger("baton.rpc")
 
 
 class StreamContext(StandInContext):
-    """The context of one request of a stream: its deadline, and its initial metadata sent as
-    an event of the stream."""
+    """The context of one request of a stream: its deadline, its initial metadata sent as an
+    event of the stream, and callbacks once it ended (`cancelled()` then: the caller cancelled,
+    went away, or the deadline passed), as a call's context has."""
 
     def __init__(self, stream: int, metadata: tuple, timeout_s: float, outbox: _Outbox):
         super().__init__(metadata)
         self._stream, self._outbox = stream, outbox
         self._deadline = asyncio.get_running_loop().time() + timeout_s if timeout_s > 0 else None
+        self._when_done: list[Callable[[StreamContext], object]] = []
+        self._cancelled = False
+
+    def add_done_callback(self, callback: Callable[[StreamContext], object]) -> None:
+        self._when_done.append(callback)
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def ended(self, cancelled: bool) -> None:
+        self._cancelled = cancelled
+        for callback in self._when_done:
+            callback(self)
 
     def time_remaining(self):
         return None if self._deadline is None else max(0.0, self._deadline - asyncio.get_running_loop().time())
@@ -178,6 +192,9 @@ class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
             async with asyncio.timeout(open.timeout_s if open.timeout_s > 0 else None):
                 async for resp in self.generate(open.request, context):
                     outbox.add(stream, response=resp if isinstance(resp, bytes) else resp.SerializeToString())
+        except asyncio.CancelledError:  # the caller cancelled it, or went away
+            context.ended(cancelled=True)
+            raise
         except Aborted:
             code, details = context.code(), context.details()
         except TimeoutError:
@@ -185,6 +202,7 @@ class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
         except Exception as e:  # a fault here: this request fails, the stream's others go on
             log.exception("request %s failed", open.request.request_id)
             code, details = grpc.StatusCode.UNKNOWN, f"Unexpected error: {e!r}"
+        context.ended(cancelled=code == grpc.StatusCode.DEADLINE_EXCEEDED)
         outbox.add(stream, status=pb.StreamStatus(
             code=code.value[0], details=details,
             status_details=next((v for k, v in context.trailing_metadata if k == DETAILS_KEY), b"")))

@@ -3,11 +3,15 @@ stack's metadata keys, finish reasons."""
 from __future__ import annotations
 
 from baton.v1 import generate_pb2 as pb
+from baton.v1 import internal_pb2
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 STREAMS_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateStreams"].full_name
 GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 STREAMS_METHOD = f"/{STREAMS_SERVICE_NAME}/Generate"
+PREFILL_SERVICE_NAME = internal_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+PREFILL_METHOD = f"/{PREFILL_SERVICE_NAME}/Prefill"
+PREFILL_STREAMS_METHOD = f"/{PREFILL_SERVICE_NAME}/Streams"  # Prefill calls many on one stream
 # The router's health service for its own process (liveness and startup probes): SERVING while
 # its event loop answers, whether or not a decode is reachable (that is "" and SERVICE_NAME).
 ROUTER_LIVENESS = "baton.router.liveness"

@@ -166,11 +166,14 @@ class _Commands:
 
 class RequestStreams:
     """One server's stream of requests, opened at the first and again after it fails. `per_call`:
-    the server's Generate (its responses as bytes), for a server without GenerateStreams."""
+    the server's Generate (its responses as bytes), for a server without GenerateStreams.
+    `method`: the stream's, where it is not GenerateStreams' (a prefill's Streams, whose requests
+    are Prefill calls: `per_call` is then Prefill, read as a call streaming one response)."""
 
-    def __init__(self, channel: grpc.aio.Channel, per_call):
-        self._method = channel.stream_stream(STREAMS_METHOD, request_serializer=pb.StreamCommand.SerializeToString,
+    def __init__(self, channel: grpc.aio.Channel, per_call, method: str = STREAMS_METHOD):
+        self._method = channel.stream_stream(method, request_serializer=pb.StreamCommand.SerializeToString,
                                              response_deserializer=pb.StreamEvents.FromString)
+        self._method_name = method
         self.per_call = per_call
         self.supported = True  # until the instance answers UNIMPLEMENTED
         self._commands: _Commands | None = None  # what the open stream sends (None: none opened yet)
@@ -229,10 +232,11 @@ class RequestStreams:
         except AioRpcError as e:
             error = e
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                log.warning("the server has no GenerateStreams: a Generate call per request (%s)", e.details())
+                log.warning("the server has no %s: a call per request (%s)", self._method_name, e.details())
                 self.supported, error = False, _FALL_BACK
             elif not received:  # (a server without it may also reset the stream: INTERNAL) each asks alone
-                log.warning("a requests' stream failed before any answer (%s): a Generate call each", e.details())
+                log.warning("a requests' stream (%s) failed before any answer (%s): a call each", self._method_name,
+                            e.details())
                 error = _FALL_BACK
         except asyncio.CancelledError:
             error = AioRpcError(grpc.StatusCode.CANCELLED, Metadata(), Metadata(), "the stream was closed")

@@ -1,6 +1,7 @@
 """The prefill tier's internal calls: `Prefill`, which computes a prompt, samples its first
-token and holds its blocks for a decode peer, returning their handle; and `Release`, which
-lets go of a handle's blocks that no decode will pull."""
+token and holds its blocks for a decode peer, returning their handle; `Streams`, many Prefill
+calls on one stream (a GenerateStreams whose requests each answer one PrefillResponse); and
+`Release`, which lets go of a handle's blocks that no decode will pull."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +16,7 @@ from baton.engine.front.output_processor import StepOutput
 from baton.services.rpc.calls import CallRegistry
 from baton.services.rpc.errors import abort, abort_invalid
 from baton.services.rpc.fan_out import num_completions
+from baton.services.rpc.generate_streams import GenerateStreams, StreamContext
 from baton.services.rpc.kv_wire import handle_to_proto
 from baton.services.rpc.serving import in_background
 from baton.services.server.call_checks import CallChecks
@@ -40,6 +42,15 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
         self.telemetry = telemetry
         self.address = address
         self._background: set[asyncio.Task] = set()  # releases of holds whose caller went away
+        self._streams = GenerateStreams(self._answer)
+
+    async def Streams(self, commands, context: grpc.aio.ServicerContext):
+        async for batch in self._streams.Generate(commands, context):
+            yield batch
+
+    async def _answer(self, msg: pb.GenerateRequest, context: StreamContext):
+        """A request of Streams: its Prefill's one response."""
+        yield await self.Prefill(msg, context)
 
     async def Prefill(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         telemetry = self.telemetry

@@ -2,7 +2,7 @@
 client with multiplex=True sends its own: each request reads as its own Generate call would
 (responses, status with its failure details, cancel, deadline, the stack's token per request)
 while the server answers them all in a message per step; a router without it (--no-multiplex)
-streams the same."""
+streams the same. A prefill's Prefill calls go on a stream of their own (Prefill/Streams)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,7 @@ import random
 
 import grpc
 import pytest
-from helpers import TOKEN, greedy_through, pools_full, random_prompts, wait_serving
+from helpers import TOKEN, greedy_through, pools_full, random_prompts, stats, wait_serving
 from servers import ServerProcess
 
 from baton import LLM, SamplingParams
@@ -18,15 +18,21 @@ from baton.services.cli.main import _router_options, build_parser
 from baton.services.client import AsyncClient
 from baton.services.rpc.errors import failure_of_error
 from baton.services.rpc.generate_streams import _Outbox
-from baton.services.rpc.names import STREAMS_METHOD, STREAMS_VERSION
+from baton.services.rpc.names import (
+    PREFILL_METHOD,
+    PREFILL_STREAMS_METHOD,
+    STREAMS_METHOD,
+    STREAMS_VERSION,
+    token_metadata,
+)
 from baton.services.rpc.request_streams import RequestStreams, deliver_batch
 from baton.services.rpc.tls import aio_channel
 from baton.v1 import generate_pb2 as pb
-from baton.v1 import generate_pb2_grpc
+from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
 
 
-def request(prompt: list[int], max_tokens: int, **sampling) -> pb.GenerateRequest:
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), output=pb.OUTPUT_TOKEN_IDS,
+def request(prompt: list[int], max_tokens: int, request_id: str = "", **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt), output=pb.OUTPUT_TOKEN_IDS,
                               sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                                                          **sampling))
 
@@ -297,3 +303,87 @@ def test_a_caller_sends_commands_batched_only_to_a_server_that_reads_them(server
 
     got, sent = asyncio.run(asyncio.wait_for(to_this_version(), 60))
     assert all(len(ids) == 2 for ids in got) and sent < 40
+
+
+def prefill_streams(channel) -> RequestStreams:
+    """A prefill's stream of Prefill requests, as the router opens it (backends.py)."""
+    per_call = channel.unary_stream(PREFILL_METHOD, request_serializer=pb.GenerateRequest.SerializeToString,
+                                    response_deserializer=None)
+    return RequestStreams(channel, per_call, PREFILL_STREAMS_METHOD)
+
+
+async def prefill_replies(call) -> list[internal_pb2.PrefillResponse]:
+    return [internal_pb2.PrefillResponse.FromString(raw) async for raw in call]
+
+
+def test_prefill_calls_on_one_stream_answer_as_their_own_calls(tiny_llama):
+    """On a prefill's Streams, each request answers what its own Prefill call would: one reply,
+    its first token and the handle of its held blocks (which Release lets go); a bad request
+    fails alone, naming the field, and one without the stack's token is refused."""
+    prefill = ServerProcess(tiny_llama, "--role", "prefill", "--internal-token", TOKEN)
+    prompts = random_prompts([19, 44, 7, 31, 26, 12], seed=204)
+    want = greedy(tiny_llama, prompts, 1)
+    token = token_metadata(TOKEN)
+
+    async def go():
+        channel = aio_channel(prefill.address, None)
+        streams = prefill_streams(channel)
+        try:
+            calls = [streams.open(request(p, 8, request_id=f"p{i}"), token, 30) for i, p in enumerate(prompts)]
+            bad = streams.open(request(prompts[0], 8, top_p=2.0), token, 30)
+            outsider = streams.open(request(prompts[1], 8), (), 30)
+            replies = [await prefill_replies(call) for call in calls]
+            errors = []
+            for call in (bad, outsider):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await prefill_replies(call)
+                errors.append(err.value)
+            held = stats(prefill.address).num_held
+            stub = internal_pb2_grpc.PrefillStub(channel)
+            released = [(await stub.Release(r.handle, metadata=token)).released for [r] in replies]
+            return replies, errors, held, released, streams.supported
+        finally:
+            streams.close()
+            await channel.close()
+
+    try:
+        replies, (bad, outsider), held, released, supported = asyncio.run(asyncio.wait_for(go(), 120))
+        assert supported and [len(r) for r in replies] == [1] * len(prompts)
+        assert [list(r.first.token_ids) for [r] in replies] == want
+        assert [r.handle.request_id for [r] in replies] == [f"p{i}" for i in range(len(prompts))]
+        assert held == len(prompts) and released == [True] * len(prompts)
+        assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and failure_of_error(bad).field == "sampling.top_p"
+        assert outsider.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert pools_full(prefill.address) and stats(prefill.address).num_held == 0
+    finally:
+        prefill.stop()
+
+
+def test_a_prefill_without_streams_gets_a_prefill_call_each():
+    """A prefill that has no Streams (an older one: UNIMPLEMENTED) answers each request on a
+    Prefill call of its own, read as its stream would have been."""
+    class OlderPrefill(internal_pb2_grpc.PrefillServicer):
+        async def Prefill(self, msg, context):
+            return internal_pb2.PrefillResponse(first=pb.GenerateResponse(request_id=msg.request_id, token_ids=[7]))
+
+    async def go():
+        server = grpc.aio.server()
+        internal_pb2_grpc.add_PrefillServicer_to_server(OlderPrefill(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = aio_channel(f"127.0.0.1:{port}", None)
+        streams = prefill_streams(channel)
+        try:
+            first = [await prefill_replies(streams.open(pb.GenerateRequest(request_id="a"), (), 30))]
+            rest = await asyncio.gather(*(prefill_replies(streams.open(pb.GenerateRequest(request_id=str(i)), (), 30))
+                                          for i in range(5)))
+            return first + rest, streams.supported
+        finally:
+            streams.close()
+            await channel.close()
+            await server.stop(None)
+
+    replies, supported = asyncio.run(asyncio.wait_for(go(), 60))
+    assert not supported
+    assert [[(r.first.request_id, list(r.first.token_ids)) for r in each] for each in replies] == [
+        [(name, [7])] for name in ("a", *map(str, range(5)))]
