@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from collections.abc import Callable
 
 import grpc
@@ -74,7 +74,7 @@ class RouterGeneration:
     async def Generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         in_flight = self.in_flight
         if not msg.request_id:  # one id across both tiers, for their logs and traces
-            msg.request_id = uuid.uuid4().hex
+            msg.request_id = os.urandom(16).hex()  # (as random as uuid4().hex, at a seventh of its cost)
         # The router's to set: a client's handle would reach a decode with the stack's token.
         msg.ClearField("kv_handle")
         msg.ClearField("resume")
@@ -120,7 +120,9 @@ class RouterGeneration:
         # Tokenizing for affinity takes a while on a long prompt: not on the event loop.
         hashes = (await asyncio.to_thread(self.hasher.hashes, msg, self._hash_root(msg.adapter))
                   if self.hasher is not None else [])
-        await self._encode(msg, metadata, context, trace)
+        images = bool(chat_images(msg.chat))  # (none in an empty Chat: the prompt is text or token ids)
+        if images:
+            await self._encode(msg, metadata, context, trace)
         relay = Relay(msg)  # before the prefill call: its first token is the client's too
         prefill_tried: list[Backend] = []
         reply = None
@@ -133,7 +135,7 @@ class RouterGeneration:
                 trace.retried("prefill")
             prefill_tried.append(lease.backend)
             reply = await self._prefill(lease, msg, metadata, context, trace)
-        route = self._decode_route(msg, hashes, metadata, context, trace)
+        route = self._decode_route(msg, hashes, metadata, context, trace, images)
         if reply is None:
             trace.fallback("prefill_failed" if prefill_tried else "no_prefill")
             async for resp in decode_leg(route, msg, metadata, context, trace, relay, stream=stream):
@@ -199,8 +201,6 @@ class RouterGeneration:
         set on msg for the prefill (or the decode) to read. An error of the request's own (an image
         that does not decode, a URL not allowed) goes to the client; any other leaves the images
         to the prefill."""
-        if not chat_images(msg.chat):  # (an empty Chat where the prompt is text or token ids)
-            return
         backends = self.encoder.healthy()
         if not backends:
             return
@@ -242,11 +242,10 @@ class RouterGeneration:
         return Lease(choice.backend, request_id, choice.charge)
 
     def _decode_route(self, msg: pb.GenerateRequest, hashes: list[int], metadata, context,
-                      trace: RouterTrace) -> DecodeRoute:
+                      trace: RouterTrace, images: bool) -> DecodeRoute:
         """What the decode leg needs of the router for this request. A chat with images that
         moves to another decode has its prompt computed again at a prefill, so that the next
         decode, too, reads none of its images."""
-        images = bool(chat_images(msg.chat))
         return DecodeRoute(
             lambda tried: self._pick(self.decode, self.decode_policy, hashes, trace, msg.request_id, tried,
                                      msg.adapter),

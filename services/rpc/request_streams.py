@@ -191,10 +191,15 @@ class RequestStreams:
         if self._reader is None or self._reader.done():
             self._start()
         self._next += 1
-        entries = [pb.StreamMetadatum(key=k, value=v) for k, v in metadata or () if isinstance(v, str)]
-        open = pb.StreamOpen(request=msg, metadata=entries, timeout_s=timeout or 0.0)
+        command = pb.StreamCommand(stream=self._next)  # (built in place: a message set into another is copied)
+        open = command.open
+        open.request.CopyFrom(msg)
+        for key, value in metadata or ():
+            if isinstance(value, str):
+                open.metadata.add(key=key, value=value)
+        open.timeout_s = timeout or 0.0
         call = self._calls[self._next] = StreamedCall(self, self._next, open)
-        self._commands.put(pb.StreamCommand(stream=self._next, open=open))
+        self._commands.put(command)
         return call
 
     def cancel(self, stream: int) -> None:
