@@ -39,16 +39,25 @@ def _serve(stream) -> grpc.aio.Server:
     return server
 
 
-async def source(port: int, messages: int, gap_s: float) -> None:
+def _message() -> bytes:
     from baton.v1 import generate_pb2 as pb
-    msg = pb.GenerateResponse(request_id="r" * 32, token_ids=[1234]).SerializeToString()
-    sent = 0
+    return pb.GenerateResponse(request_id="r" * 32, token_ids=[1234]).SerializeToString()
+
+
+async def _paced(messages: int, gap_s: float):
+    """Each message's turn, --gap-ms apart (none: back to back)."""
+    for _ in range(messages):
+        if gap_s:
+            await asyncio.sleep(gap_s)
+        yield
+
+
+async def source(port: int, messages: int, gap_s: float) -> None:
+    msg, sent = _message(), 0
 
     async def stream(request, context):
         nonlocal sent
-        for _ in range(messages):
-            if gap_s:
-                await asyncio.sleep(gap_s)
+        async for _ in _paced(messages, gap_s):
             sent += 1
             yield msg
     await _run(_serve(stream), port, "source", lambda: sent)
@@ -71,6 +80,10 @@ async def _run(server: grpc.aio.Server, port: int, name: str, count) -> None:
     """Serve until stdin closes, then print CPU per message (counted from the first call on)."""
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
+    await _report(name, count)
+
+
+async def _report(name: str, count) -> None:
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, sys.stdin.readline)  # "go": the warm-up is over
     cpu, start = _cpu_s(), count()
@@ -105,15 +118,11 @@ class _Frames(asyncio.Protocol):
 
 
 async def tcp_source(port: int, messages: int, gap_s: float) -> None:
-    from baton.v1 import generate_pb2 as pb
-    frame = _frame(pb.GenerateResponse(request_id="r" * 32, token_ids=[1234]).SerializeToString())
-    sent = 0
+    frame, sent = _frame(_message()), 0
 
     async def stream(reader, writer):
         nonlocal sent
-        for _ in range(messages):
-            if gap_s:
-                await asyncio.sleep(gap_s)
+        async for _ in _paced(messages, gap_s):
             sent += 1
             writer.write(frame)
             await writer.drain()
@@ -146,13 +155,8 @@ async def tcp_relay(port: int, upstream: int) -> None:
 
 
 async def _run_tcp(stream, port: int, name: str, count) -> None:
-    server = await asyncio.start_server(stream, "127.0.0.1", port)
-    async with server:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, sys.stdin.readline)
-        cpu, start = _cpu_s(), count()
-        await loop.run_in_executor(None, sys.stdin.readline)
-        print(f"{name} {(_cpu_s() - cpu) * 1e6 / max(1, count() - start):.1f}", flush=True)
+    async with await asyncio.start_server(stream, "127.0.0.1", port):
+        await _report(name, count)
 
 
 async def _tcp_stream(port: int) -> int:
