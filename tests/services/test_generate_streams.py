@@ -17,7 +17,7 @@ from baton import LLM, SamplingParams
 from baton.services.cli.main import _router_options, build_parser
 from baton.services.client import AsyncClient
 from baton.services.rpc.errors import failure_of_error
-from baton.services.rpc.generate_streams import _Outbox
+from baton.services.rpc.generate_streams import GenerateStreams, _Outbox
 from baton.services.rpc.names import (
     PREFILL_METHOD,
     PREFILL_STREAMS_METHOD,
@@ -387,3 +387,48 @@ def test_a_prefill_without_streams_gets_a_prefill_call_each():
     assert not supported
     assert [[(r.first.request_id, list(r.first.token_ids)) for r in each] for each in replies] == [
         [(name, [7])] for name in ("a", *map(str, range(5)))]
+
+
+def test_a_request_s_context_tells_its_callbacks_how_it_ended():
+    """As a call's context does (a prefill lets go of the blocks of a request whose caller went
+    away by it): once a request of a stream ended, its callbacks see cancelled() true where the
+    caller cancelled it or its deadline passed, false where it answered."""
+    ended: dict[str, bool] = {}
+    started: set[str] = set()
+
+    async def generate(msg: pb.GenerateRequest, context):
+        def on_end(ctx) -> None:
+            ended[msg.request_id] = ctx.cancelled()
+        context.add_done_callback(on_end)
+        started.add(msg.request_id)
+        if msg.request_id != "answers":
+            await asyncio.Event().wait()  # until the caller cancels it or its deadline passes
+        yield pb.GenerateResponse(request_id=msg.request_id, token_ids=[5])
+
+    async def go():
+        server = grpc.aio.server()
+        generate_pb2_grpc.add_GenerateStreamsServicer_to_server(GenerateStreams(generate), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = aio_channel(f"127.0.0.1:{port}", None)
+        streams = RequestStreams(channel, None)
+        try:
+            answered = await read(streams.open(pb.GenerateRequest(request_id="answers"), (), 30))
+            cancelled = streams.open(pb.GenerateRequest(request_id="cancelled"), (), 30)
+            late = streams.open(pb.GenerateRequest(request_id="late"), (), 0.3)
+            while "cancelled" not in started:
+                await asyncio.sleep(0.01)
+            cancelled.cancel()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await read(late)
+            while len(ended) < 3:
+                await asyncio.sleep(0.01)
+            return answered, err.value.code()
+        finally:
+            streams.close()
+            await channel.close()
+            await server.stop(None)
+
+    answered, late = asyncio.run(asyncio.wait_for(go(), 30))
+    assert answered == [5] and late == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert ended == {"answers": False, "cancelled": True, "late": True}
