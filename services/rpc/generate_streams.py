@@ -1,12 +1,13 @@
 """GenerateStreams (generate.proto), as every service serves it: a caller opens many Generate
 requests on one stream. Each request runs as the service's own Generate would run it (an engine
-server's, generation.py; the router's, router_generation.py), with a stand-in for its call's
-context (StreamContext), and what every request answers goes back in one message per wake-up of
-the stream's writer: under load, one per engine step for all of them, where their own calls
-would take one message per token each (gRPC's cost is per message); to a caller of version 2,
-a response with nothing but tokens goes packed into the message's StreamTokens rather than as an
-event of its own. A request ends with an event of its own status; the call ending (the caller
-gone) cancels the requests still running, which aborts them where they run."""
+server's, generation.py; the router's, router_generation.py; a prefill's Streams runs its
+Prefill so, prefill.py), with a stand-in for its call's context (StreamContext), and what every
+request answers goes back in one message per wake-up of the stream's writer: under load, one per
+engine step for all of them, where their own calls would take one message per token each (gRPC's
+cost is per message); to a caller of version 2, a response with nothing but tokens goes packed
+into the message's StreamTokens rather than as an event of its own. A request ends with an event
+of its own status; the call ending (the caller gone) cancels the requests still running, which
+aborts them where they run."""
 from __future__ import annotations
 
 import asyncio

@@ -1,16 +1,16 @@
 """The caller's side of GenerateStreams (generate.proto): many Generate requests opened on one
 stream per server, their responses read in one message per engine step for all of them (gRPC's
-cost is per message: a call and a message per token per request is most of what a relay
-spends). The router opens a decode instance's requests so; the client library, with
-multiplex=True, a client's. A StreamedCall stands where the request's own Generate call would,
-read as one (the router's decode leg does): its responses as bytes, its initial metadata,
-cancel(), and the request's status raised as grpc.aio.AioRpcError with the server's failure
-details. The stream failing fails each request on it with the stream's status, as their own
-calls would have failed (the server died, stopped or is unreachable); the next request opens a
-new stream. A server without GenerateStreams (another version, or not Baton) gets each request
-as a call of its own. The stream speaks version 2 (generate.proto): responses with nothing but
-tokens come packed in StreamTokens (read as responses of their own, or handed to a sink as
-such), and commands go batched once the server says it reads them."""
+cost is per message: a call and a message per token per request is most of what a relay spends).
+The router opens a decode instance's requests so, and a prefill's Prefill requests on its
+Streams; the client library, with multiplex=True, a client's. A StreamedCall stands where the
+request's own Generate call would, read as one (the router's decode leg does): its responses as
+bytes, its initial metadata, cancel(), and the request's status raised as grpc.aio.AioRpcError
+with the server's failure details. The stream failing fails each request on it with the stream's
+status, as their own calls would have failed (the server died, stopped or is unreachable); the
+next request opens a new stream. A server without GenerateStreams (another version, or not
+Baton) gets each request as a call of its own. The stream speaks version 2 (generate.proto):
+responses with nothing but tokens come packed in StreamTokens (read as responses of their own,
+or handed to a sink as such), and commands go batched once the server says it reads them."""
 from __future__ import annotations
 
 import asyncio
