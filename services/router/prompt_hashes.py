@@ -11,7 +11,7 @@ import asyncio
 
 from baton.engine.common.block_hashes import extend_block_hashes
 from baton.engine.common.errors import InvalidArgument
-from baton.services.rpc.chat import chat_images, chat_messages, chat_tools
+from baton.services.rpc.chat import chat_messages, chat_tools, has_images
 from baton.v1 import generate_pb2 as pb
 
 HASHING_POLICIES = ("prefix_affinity", "kv_aware")  # they hash the prompt's blocks as the engines do
@@ -54,7 +54,7 @@ class PromptHasher:
 
     def _chat_units(self, chat: pb.Chat) -> list[int]:
         """A chat's token ids (or bytes), up to its first image."""
-        images = bool(chat_images(chat))
+        images = has_images(chat)
         messages = chat_messages(chat, IMAGE_MARK if images else "")
         if self.tokenizer is None or not self.tokenizer.chat_template or not messages:
             text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)

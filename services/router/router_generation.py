@@ -31,7 +31,7 @@ from baton.services.router.in_flight import InFlight
 from baton.services.router.policies import LeastOutstanding, Policy
 from baton.services.router.prompt_hashes import PromptHasher
 from baton.services.router.router_telemetry import RouterTrace
-from baton.services.rpc.chat import chat_images
+from baton.services.rpc.chat import has_images
 from baton.services.rpc.errors import abort_invalid, pass_on
 from baton.services.rpc.fan_out import child_requests, merge, num_completions, retag
 from baton.services.rpc.generate_streams import StreamContext
@@ -120,7 +120,7 @@ class RouterGeneration:
         # Tokenizing for affinity takes a while on a long prompt: not on the event loop.
         hashes = (await asyncio.to_thread(self.hasher.hashes, msg, self._hash_root(msg.adapter))
                   if self.hasher is not None else [])
-        images = bool(chat_images(msg.chat))  # (none in an empty Chat: the prompt is text or token ids)
+        images = has_images(msg.chat)
         if images:
             await self._encode(msg, metadata, context, trace)
         relay = Relay(msg)  # before the prefill call: its first token is the client's too

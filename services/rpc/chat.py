@@ -23,6 +23,11 @@ def chat_messages(chat: pb.Chat, image_text: str = "") -> list[dict]:
     return out
 
 
+def has_images(chat: pb.Chat) -> bool:
+    """Whether any message has an image (false for an empty Chat: the prompt is text or ids)."""
+    return any(m.images for m in chat.messages)
+
+
 def chat_images(chat: pb.Chat) -> list[tuple[str, pb.Image]]:
     """Every message's images in order, each with its field (chat.messages[i].images[j])."""
     return [(f"chat.messages[{i}].images[{j}]", image) for i, m in enumerate(chat.messages)

@@ -6,6 +6,7 @@ streams the same. A prefill's Prefill calls go on a stream of their own (Prefill
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import grpc
@@ -44,6 +45,31 @@ async def read(call) -> list[int]:
     return ids
 
 
+@contextlib.asynccontextmanager
+async def serving(add_servicer):
+    """An in-process gRPC server on 127.0.0.1 with what add_servicer(server) adds: its address."""
+    server = grpc.aio.server()
+    add_servicer(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+@contextlib.asynccontextmanager
+async def streams_at(address: str, open_streams=lambda channel: RequestStreams(channel, None)):
+    """A caller's stream of requests to `address` (a GenerateStreams by default), closed after."""
+    channel = aio_channel(address, None)
+    streams = open_streams(channel)
+    try:
+        yield streams
+    finally:
+        streams.close()
+        await channel.close()
+
+
 def greedy(model: str, prompts, max_tokens: int) -> list[list[int]]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [o.token_ids for o in LLM(model, dtype="float32", device="cpu").generate(prompts, params)]
@@ -64,9 +90,7 @@ def test_requests_on_one_stream_read_as_their_own_calls_in_a_message_per_step(se
     want = greedy(tiny_llama, prompts, 24)
 
     async def go():
-        channel = aio_channel(server.address, None)
-        streams = RequestStreams(channel, None)
-        try:
+        async with streams_at(server.address) as streams:
             calls = [streams.open(request(p, 24), (("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01"),), None)
                      for p in prompts]
             # Beside them: one cancelled after its first token, one past its deadline, one the
@@ -87,9 +111,6 @@ def test_requests_on_one_stream_read_as_their_own_calls_in_a_message_per_step(se
                 errors.append(err.value)
             got = await asyncio.gather(*(read(c) for c in calls))
             return got, streams.messages_read, errors, cancelled.done()
-        finally:
-            streams.close()
-            await channel.close()
 
     got, messages, (late, bad, outsider), cancelled_done = asyncio.run(asyncio.wait_for(go(), 120))
     assert got == want
@@ -270,36 +291,22 @@ def test_a_caller_sends_commands_batched_only_to_a_server_that_reads_them(server
                                               pb.StreamEvent(stream=command.stream, status=pb.StreamStatus())])
 
     async def go():
-        server = grpc.aio.server()
-        generate_pb2_grpc.add_GenerateStreamsServicer_to_server(OlderServer(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = aio_channel(f"127.0.0.1:{port}", None)
-        streams = RequestStreams(channel, None)
-        try:
+        async with serving(lambda s: generate_pb2_grpc.add_GenerateStreamsServicer_to_server(OlderServer(), s)) as at, \
+                streams_at(at) as streams:
             calls = [streams.open(request([1, 2], 1), (), 30) for _ in range(40)]
             got = [await read(call) for call in calls]
             return got, streams.messages_sent
-        finally:
-            streams.close()
-            await channel.close()
-            await server.stop(None)
 
     got, sent = asyncio.run(asyncio.wait_for(go(), 60))
     assert got == [[i + 1] for i in range(40)] and sent == 40
 
     async def to_this_version():
-        channel = aio_channel(server.address, None)
-        streams = RequestStreams(channel, None)
-        try:
+        async with streams_at(server.address) as streams:
             await read(streams.open(request([1, 2], 1), (), 30))  # (its answer came: so did the server's header)
             before = streams.messages_sent
             calls = [streams.open(request([3, i + 4], 2), (), 30) for i in range(40)]
             got = [await read(call) for call in calls]
             return got, streams.messages_sent - before
-        finally:
-            streams.close()
-            await channel.close()
 
     got, sent = asyncio.run(asyncio.wait_for(to_this_version(), 60))
     assert all(len(ids) == 2 for ids in got) and sent < 40
@@ -367,21 +374,12 @@ def test_a_prefill_without_streams_gets_a_prefill_call_each():
             return internal_pb2.PrefillResponse(first=pb.GenerateResponse(request_id=msg.request_id, token_ids=[7]))
 
     async def go():
-        server = grpc.aio.server()
-        internal_pb2_grpc.add_PrefillServicer_to_server(OlderPrefill(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = aio_channel(f"127.0.0.1:{port}", None)
-        streams = prefill_streams(channel)
-        try:
+        async with serving(lambda s: internal_pb2_grpc.add_PrefillServicer_to_server(OlderPrefill(), s)) as at, \
+                streams_at(at, prefill_streams) as streams:
             first = [await prefill_replies(streams.open(pb.GenerateRequest(request_id="a"), (), 30))]
             rest = await asyncio.gather(*(prefill_replies(streams.open(pb.GenerateRequest(request_id=str(i)), (), 30))
                                           for i in range(5)))
             return first + rest, streams.supported
-        finally:
-            streams.close()
-            await channel.close()
-            await server.stop(None)
 
     replies, supported = asyncio.run(asyncio.wait_for(go(), 60))
     assert not supported
@@ -406,13 +404,8 @@ def test_a_request_s_context_tells_its_callbacks_how_it_ended():
         yield pb.GenerateResponse(request_id=msg.request_id, token_ids=[5])
 
     async def go():
-        server = grpc.aio.server()
-        generate_pb2_grpc.add_GenerateStreamsServicer_to_server(GenerateStreams(generate), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = aio_channel(f"127.0.0.1:{port}", None)
-        streams = RequestStreams(channel, None)
-        try:
+        async with serving(lambda s: generate_pb2_grpc.add_GenerateStreamsServicer_to_server(
+                GenerateStreams(generate), s)) as at, streams_at(at) as streams:
             answered = await read(streams.open(pb.GenerateRequest(request_id="answers"), (), 30))
             cancelled = streams.open(pb.GenerateRequest(request_id="cancelled"), (), 30)
             late = streams.open(pb.GenerateRequest(request_id="late"), (), 0.3)
@@ -424,10 +417,6 @@ def test_a_request_s_context_tells_its_callbacks_how_it_ended():
             while len(ended) < 3:
                 await asyncio.sleep(0.01)
             return answered, err.value.code()
-        finally:
-            streams.close()
-            await channel.close()
-            await server.stop(None)
 
     answered, late = asyncio.run(asyncio.wait_for(go(), 30))
     assert answered == [5] and late == grpc.StatusCode.DEADLINE_EXCEEDED
