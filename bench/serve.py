@@ -112,11 +112,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--stream-intervals", default="1", help="comma list of the engines' --stream-interval (new "
                                                            "tokens per streamed message): each service mode runs "
                                                            "once per entry, named MODE@N for N > 1")
-    p.add_argument("--decode-calls", default="multiplexed",
-                   help="comma list of how the router carries its decode requests: multiplexed (one stream per "
-                        "decode instance, a message per step for all of its requests) or per-call (a Generate call "
-                        "each, a message per token); each router mode runs once per entry, named MODE/per-call for "
-                        "the latter")
+    p.add_argument("--decode-calls", default="frames",
+                   help="comma list of how the router carries its engines' requests: frames (one stream per "
+                        "instance over a bare TCP connection, a message per step for all of its requests), "
+                        "multiplexed (the same stream over gRPC) or per-call (a call each, a message per token); "
+                        "each router mode runs once per entry, named MODE/grpc-mux and MODE/per-call for the last two")
     p.add_argument("--client-calls", default="per-call",
                    help="comma list of how the load's client sends its requests: per-call (a Generate call each) or "
                         "multiplexed (all on one GenerateStreams stream per connection, a message per step for all "
@@ -134,9 +134,10 @@ def parse_args() -> argparse.Namespace:
     args.stream_intervals = [int(n) for n in args.stream_intervals.split(",")]
     args.decode_calls = args.decode_calls.split(",")
     args.client_calls = args.client_calls.split(",")
-    for name, given in (("decode-calls", args.decode_calls), ("client-calls", args.client_calls)):
-        if set(given) - {"multiplexed", "per-call"}:
-            p.error(f"--{name}: choose from multiplexed, per-call, got {','.join(given)}")
+    for name, given, known in (("decode-calls", args.decode_calls, ("frames", "multiplexed", "per-call")),
+                               ("client-calls", args.client_calls, ("multiplexed", "per-call"))):
+        if set(given) - set(known):
+            p.error(f"--{name}: choose from {', '.join(known)}, got {','.join(given)}")
     for name, given, known in (("modes", args.modes, MODES), ("telemetry", args.telemetry, TELEMETRY)):
         if set(given) - set(known):
             p.error(f"--{name}: unknown {', '.join(sorted(set(given) - set(known)))}; choose from {', '.join(known)}")
@@ -348,7 +349,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         for mode, variant, interval, calls, client in runs if round_ % 2 == 0 else reversed(runs):  # ABBA
             name = ((mode if variant == "off" else f"{mode}+{variant}") + (f"@{interval}" if interval > 1 else "")
-                    + ("/per-call" if calls == "per-call" else "") + ("/client-mux" if client == "multiplexed" else ""))
+                    + {"per-call": "/per-call", "multiplexed": "/grpc-mux"}.get(calls, "")
+                    + ("/client-mux" if client == "multiplexed" else ""))
             constraint = schema if variant == "json" else None
             if mode == "offline":
                 cpu = time.process_time()
@@ -366,7 +368,8 @@ def main() -> None:
                                          float("nan")))  # (another's processes: not ours to read)
             else:
                 flags = (*telemetry_flags("off" if constraint else variant, sink), "--stream-interval", str(interval))
-                procs, address = start_stack(args, mode, flags, ("--no-multiplex",) if calls == "per-call" else ())
+                procs, address = start_stack(args, mode, flags, {"per-call": ("--no-multiplex",),
+                                                                 "multiplexed": ("--no-frames",)}.get(calls, ()))
                 start = {}
                 try:
                     mark = partial(lambda into, ps, m: into.update(stack_cpu_s(ps, m)), start, procs, mode)
@@ -405,9 +408,12 @@ def main() -> None:
             ratio = rows[name]["output tok/s"] / rows[name.removesuffix("-http")]["output tok/s"]
             print(f"HTTP front: {name.removesuffix('-http')} output token throughput over HTTP = {ratio:.3f}x gRPC")
     # Multiplexed against a call per request: the client's (MODE/client-mux) and the router's to
-    # its decodes (MODE/per-call is the call per request).
-    for suffix, label, suffixed_multiplexes in (("/client-mux", "a multiplexing client", True),
-                                                ("/per-call", "multiplexed decodes", False)):
+    # its decodes (MODE/per-call is the call per request); the router's streams over frames
+    # against the same over gRPC (MODE/grpc-mux).
+    for suffix, label, against, suffixed_multiplexes in (
+            ("/client-mux", "a multiplexing client", "a call per request", True),
+            ("/per-call", "multiplexed decodes", "a call per request", False),
+            ("/grpc-mux", "streams over frames", "over gRPC", False)):
         for name in rows:
             base = name.removesuffix(suffix)
             if name == base or base not in rows:
@@ -416,9 +422,9 @@ def main() -> None:
             cpu = ", ".join(f"{who} {mux[f'{who} CPU us/tok'] / per_call[f'{who} CPU us/tok']:.2f}x"
                             for who in ("router", "fronts", "decode front") if per_call[f"{who} CPU us/tok"] > 0)
             print(f"{label}: {base} output token throughput = {mux['output tok/s'] / per_call['output tok/s']:.3f}x "
-                  f"a call per request; CPU per token {cpu}")
+                  f"{against}; CPU per token {cpu}")
     for name in rows:
-        if name.endswith(("/per-call", "/client-mux")):
+        if name.endswith(("/per-call", "/client-mux", "/grpc-mux")):
             continue
         mode, _, interval = name.partition("@")
         if interval and mode in rows:

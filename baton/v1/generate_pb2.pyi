@@ -317,7 +317,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "model_path", "architecture", "max_model_len", "vocab_size", "block_size", "dtype", "eos_token_ids", "has_chat_template", "baton_version", "role", "kv_cache_dtype", "kv_scales")
+    __slots__ = ("model_name", "model_path", "architecture", "max_model_len", "vocab_size", "block_size", "dtype", "eos_token_ids", "has_chat_template", "baton_version", "role", "kv_cache_dtype", "kv_scales", "frames_port")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +331,7 @@ class ModelInfo(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_PORT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_path: str
     architecture: str
@@ -344,7 +345,8 @@ class ModelInfo(_message.Message):
     role: str
     kv_cache_dtype: str
     kv_scales: str
-    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., baton_version: _Optional[str] = ..., role: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_scales: _Optional[str] = ...) -> None: ...
+    frames_port: int
+    def __init__(self, model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., baton_version: _Optional[str] = ..., role: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_scales: _Optional[str] = ..., frames_port: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ("interval_ms",)

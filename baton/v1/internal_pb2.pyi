@@ -15,11 +15,20 @@ class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_EVENT_KIND_REMOVED: _ClassVar[KVEventKind]
     KV_EVENT_KIND_TIER_MOVED: _ClassVar[KVEventKind]
     KV_EVENT_KIND_ALL_CLEARED: _ClassVar[KVEventKind]
+
+class FramesService(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FRAMES_SERVICE_UNSPECIFIED: _ClassVar[FramesService]
+    FRAMES_SERVICE_GENERATE: _ClassVar[FramesService]
+    FRAMES_SERVICE_PREFILL: _ClassVar[FramesService]
 KV_EVENT_KIND_UNSPECIFIED: KVEventKind
 KV_EVENT_KIND_STORED: KVEventKind
 KV_EVENT_KIND_REMOVED: KVEventKind
 KV_EVENT_KIND_TIER_MOVED: KVEventKind
 KV_EVENT_KIND_ALL_CLEARED: KVEventKind
+FRAMES_SERVICE_UNSPECIFIED: FramesService
+FRAMES_SERVICE_GENERATE: FramesService
+FRAMES_SERVICE_PREFILL: FramesService
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
@@ -180,3 +189,13 @@ class EngineStats(_message.Message):
     num_host_hand_offs: int
     num_bytes_pulled: int
     def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_held: _Optional[int] = ..., num_in_flight_streams: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_expired_holds: _Optional[int] = ..., num_failed_loads: _Optional[int] = ..., num_blocks_pulled: _Optional[int] = ..., num_requests: _Optional[int] = ..., engine_core_pid: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., num_free_host_kv_blocks: _Optional[int] = ..., num_host_hand_offs: _Optional[int] = ..., num_bytes_pulled: _Optional[int] = ...) -> None: ...
+
+class FramesHello(_message.Message):
+    __slots__ = ("service", "metadata", "refused")
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    service: FramesService
+    metadata: _containers.RepeatedCompositeFieldContainer[_generate_pb2.StreamMetadatum]
+    refused: _generate_pb2.StreamStatus
+    def __init__(self, service: _Optional[_Union[FramesService, str]] = ..., metadata: _Optional[_Iterable[_Union[_generate_pb2.StreamMetadatum, _Mapping]]] = ..., refused: _Optional[_Union[_generate_pb2.StreamStatus, _Mapping]] = ...) -> None: ...

@@ -64,6 +64,7 @@ def _serve(args) -> None:
                            max_waiting_requests=args.max_waiting_requests, grace_s=args.grace_period,
                            role=args.role, internal_token=args.internal_token, kv_hold_timeout_s=args.kv_hold_timeout,
                            advertise_host=args.advertise_host, stream_interval=args.stream_interval, tls=_tls(args),
+                           frames_port=None if args.frames_port < 0 else args.frames_port,
                            media=_media_options(args), **_telemetry_options(args))
         make = lambda: Server(engine_config(args), options)  # noqa: E731
 
@@ -168,7 +169,7 @@ def _router_options(args):
         from baton.services.router.workers import WorkerSlot
         config["worker"] = msgspec.json.decode(args.router_worker, type=WorkerSlot)
     for name, value in (("max_migrations", args.max_migrations), ("max_in_flight", args.max_in_flight),
-                        ("workers", args.router_workers), ("multiplex", args.multiplex)):
+                        ("workers", args.router_workers), ("multiplex", args.multiplex), ("frames", args.frames)):
         if value is not None:
             config[name] = value
     tokenizer_dir = model_dir(args)
@@ -273,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="new tokens a streamed message carries, the first token's and the last aside (vLLM's flag): "
                         "1 streams token by token; more sends fewer, larger messages, each hop's CPU cost "
                         "per token falling about as much (default: %(default)s)")
+    s.add_argument("--frames-port", type=int, default=0, metavar="PORT",
+                   help="an engine's streams of requests over bare TCP (a router's to it), TLS as --tls-*: the "
+                        "port, on --host; 0 picks a free one, which the server's model info tells the router; -1: "
+                        "none, the router streams over gRPC (default: %(default)s)")
     s.add_argument("--allowed-local-media-path", metavar="DIR",
                    help="a vision-language model's images: file:// URLs under DIR are read (default: none are)")
     s.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
@@ -332,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="carry a decode instance's requests on one gRPC stream, its tokens for all of them in one "
                         "message per step, rather than a Generate call each and a message per token; a prefill "
                         "instance's too, rather than a Prefill call each (default on)")
+    r.add_argument("--frames", action=argparse.BooleanOptionalAction,
+                   help="carry those streams over a bare TCP connection (TLS as the router's) where an instance "
+                        "listens for it (its --frames-port), rather than over gRPC: a third of the CPU per message "
+                        "(default on)")
     r.add_argument("--max-in-flight", type=int,
                    help="streams the router carries at once; beyond it, RESOURCE_EXHAUSTED at once (default 4096)")
     r.add_argument("--router-peers", action="append", metavar="HOST:PORT[,…]",

@@ -80,7 +80,7 @@ class OpenAIFront:
     def __init__(self, calls: ServiceCalls, host: str, port: int, is_serving, tokenizer=None, tls=None,
                  metrics_registry=None, reuse_port: bool = False):
         self.calls, self.host, self.port = calls, host, port
-        self.ssl_context = tls.http_context() if tls is not None else None
+        self.ssl_context = tls.server_context() if tls is not None else None
         self.is_serving = is_serving
         self.reuse_port = reuse_port  # a router worker's: the port is its set's
         self.tokenizer = tokenizer  # token strings of logprobs; without one, "token_id:N" (vLLM's spelling)

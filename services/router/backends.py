@@ -10,11 +10,12 @@ import socket
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.services.rpc.frames import FramesOpener
 from baton.services.rpc.names import GENERATE_METHOD, PREFILL_METHOD, PREFILL_STREAMS_METHOD, SERVICE_NAME
 from baton.services.rpc.request_streams import RequestStreams
 from baton.services.rpc.tls import aio_channel
 from baton.v1 import generate_pb2 as pb
-from baton.v1 import generate_pb2_grpc, internal_pb2_grpc
+from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
 
 log = logging.getLogger("baton.router")
 
@@ -37,8 +38,11 @@ def addresses(infos, port: int) -> list[str]:
 class Backend:
     """One instance: a channel, its stubs, its health, and the requests it has in flight."""
 
-    def __init__(self, address: str, retry_s: float, on_health_change, tls=None, multiplex: bool = False):
+    def __init__(self, address: str, retry_s: float, on_health_change, tls=None, multiplex: bool = False,
+                 frames: bool = False):
         self.address = address
+        self.tls = tls
+        self.frames = frames and multiplex  # its streams over frames, where it listens for them
         self.channel = aio_channel(address, tls, _CHANNEL_OPTIONS)
         # Responses stay bytes: the router forwards them as they came unless it must change one
         # (Relay.forward keeps them, read for their token ids when needed, and re-encodes only to strip them).
@@ -115,12 +119,29 @@ class Backend:
     def adapter_unloaded(self, name: str) -> None:
         self.adapters.pop(name, None)
 
+    async def _use_frames(self) -> None:
+        """Where the instance takes streams of requests over frames (its ModelInfo says): the
+        streams there go so from their next start (an instance that comes back may listen on
+        another port, or on none)."""
+        try:
+            info = await self.api.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)
+        except grpc.aio.AioRpcError as e:
+            log.warning("%s: no model info (%s): its streams go over gRPC", self.address, e.details())
+            info = pb.ModelInfo()
+        host, _ = split_host_port(self.address)
+        for streams, service in ((self.streams, internal_pb2.FRAMES_SERVICE_GENERATE),
+                                 (self.prefills, internal_pb2.FRAMES_SERVICE_PREFILL)):
+            streams.frames = FramesOpener(host, info.frames_port, service, self.tls) if info.frames_port else None
+
     async def _watch_health(self) -> None:
         stub = health_pb2_grpc.HealthStub(self.channel)
         while True:
             try:
                 async for resp in stub.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME)):
-                    self._set_healthy(resp.status == health_pb2.HealthCheckResponse.SERVING)
+                    serving = resp.status == health_pb2.HealthCheckResponse.SERVING
+                    if serving and not self.healthy and self.frames:  # (before a request can go there)
+                        await self._use_frames()
+                    self._set_healthy(serving)
             except grpc.aio.AioRpcError:
                 pass
             self._set_healthy(False)
@@ -183,10 +204,11 @@ class Tier:
     """The instances of one role, from addresses and DNS names, kept up to date."""
 
     def __init__(self, name: str, specs: list[str], health_retry_s: float, on_health_change, tls=None,
-                 multiplex: bool = False):
+                 multiplex: bool = False, frames: bool = False):
         self.name = name
         self.tls = tls
         self.multiplex = multiplex  # Generate requests go on each instance's stream of requests
+        self.frames = frames  # ... over frames, where the instance listens for them
         self.specs = [split_host_port(s) for s in specs]
         self.backends: dict[str, Backend] = {}
         self._health_retry_s = health_retry_s
@@ -218,7 +240,7 @@ class Tier:
         wanted = dict.fromkeys(found)
         for address in wanted.keys() - self.backends.keys():
             backend = self.backends[address] = Backend(address, self._health_retry_s,
-                                                       self._on_health_change, self.tls, self.multiplex)
+                                                       self._on_health_change, self.tls, self.multiplex, self.frames)
             backend.start()
         for address in self.backends.keys() - wanted.keys():
             log.info("%s backend %s is gone from DNS", self.name, address)

@@ -78,6 +78,9 @@ class RouterOptions:
     # (services/rpc/request_streams.py), rather than a Generate call each and a message per token;
     # a prefill instance's too (its Streams), rather than a Prefill call each.
     multiplex: bool = True
+    # Those streams over a bare TCP connection (services/rpc/frames.py) where an instance listens
+    # for frames, rather than over gRPC: the same messages at a third of the CPU each.
+    frames: bool = True
     max_in_flight: int | None = 4096  # streams at once; beyond it, RESOURCE_EXHAUSTED at once (None: no bound)
     tls: TLSConfig | None = None  # serve TLS, and call the backends over it
     workers: int = 1  # router processes sharing the port (workers.py); more than 1: `baton serve` starts them
@@ -113,8 +116,8 @@ class Router:
 
     def __init__(self, options: RouterOptions):
         self.options = o = options
-        self.prefill = Tier("prefill", o.prefill, o.health_retry_s, self._health_changed, o.tls, o.multiplex)
-        self.decode = Tier("decode", o.decode, o.health_retry_s, self._health_changed, o.tls, o.multiplex)
+        self.prefill = Tier("prefill", o.prefill, o.health_retry_s, self._health_changed, o.tls, o.multiplex, o.frames)
+        self.decode = Tier("decode", o.decode, o.health_retry_s, self._health_changed, o.tls, o.multiplex, o.frames)
         self.encoder = Tier("encoder", o.encoder, o.health_retry_s, lambda: None, o.tls)
         slot = o.worker
         peers = [*o.peers, *(slot.peers if slot is not None else ())]

@@ -38,6 +38,7 @@ class RouterRuntimeApi:
     async def GetModelInfo(self, msg: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         info = await self._ask(lambda api: api.GetModelInfo, msg, context)
         info.role, info.model_name = "router", self.model_name
+        info.ClearField("frames_port")  # (the instance's: the router listens for none)
         return info
 
     async def GetLoad(self, msg: pb.GetLoadRequest, context) -> pb.Load:

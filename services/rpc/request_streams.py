@@ -30,6 +30,7 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 _FALL_BACK = object()  # the instance has no GenerateStreams: the request goes as a call of its own
+_AGAIN = object()  # a stream over frames failed before any answer: its requests go again over gRPC
 
 
 class Sink(Protocol):
@@ -168,7 +169,11 @@ class RequestStreams:
     """One server's stream of requests, opened at the first and again after it fails. `per_call`:
     the server's Generate (its responses as bytes), for a server without GenerateStreams.
     `method`: the stream's, where it is not GenerateStreams' (a prefill's Streams, whose requests
-    are Prefill calls: `per_call` is then Prefill, read as a call streaming one response)."""
+    are Prefill calls: `per_call` is then Prefill, read as a call streaming one response).
+    `frames`: where set (a FramesOpener, frames.py), the next stream goes over frames instead of
+    gRPC; one that fails before the server answered sends its requests again over gRPC, as the
+    streams after it go (a firewalled port must not cost a request), until the owner sets it
+    again."""
 
     def __init__(self, channel: grpc.aio.Channel, per_call, method: str = STREAMS_METHOD):
         self._method = channel.stream_stream(method, request_serializer=pb.StreamCommand.SerializeToString,
@@ -176,6 +181,7 @@ class RequestStreams:
         self._method_name = method
         self.per_call = per_call
         self.supported = True  # until the instance answers UNIMPLEMENTED
+        self.frames = None  # a FramesOpener: streams over frames rather than gRPC
         self._commands: _Commands | None = None  # what the open stream sends (None: none opened yet)
         self._calls: dict[int, StreamedCall] = {}
         self._reader: asyncio.Task | None = None
@@ -215,19 +221,23 @@ class RequestStreams:
 
     def _start(self) -> None:
         commands, calls = self._commands, self._calls = _Commands(), {}
-        call = self._method(commands.messages(), metadata=(STREAMS_VERSION,))
-        self._reader = asyncio.ensure_future(self._read(call, calls, commands))
+        frames = self.frames
+        call = (frames or self._method)(commands.messages(), metadata=(STREAMS_VERSION,))
+        self._reader = asyncio.ensure_future(self._read(call, calls, commands, frames and frames.address))
 
     @property
     def messages_sent(self) -> int:
         return self._commands.sent if self._commands is not None else 0
 
-    async def _read(self, call, calls: dict[int, StreamedCall], commands: _Commands) -> None:
+    async def _read(self, call, calls: dict[int, StreamedCall], commands: _Commands, frames: str | None) -> None:
+        """`frames`: the address the stream goes to over frames (None: over gRPC)."""
         # (what an unforeseen failure here leaves the requests on the stream: they fail too)
         error = AioRpcError(grpc.StatusCode.UNKNOWN, Metadata(), Metadata(), "the requests' stream failed")
         received = False  # the server has answered on this stream
         try:
             commands.batched = STREAMS_VERSION in tuple(await call.initial_metadata() or ())
+            if frames:
+                log.info("a requests' stream over frames to %s is open", frames)
             async for batch in call:
                 received = True
                 self.messages_read += 1
@@ -236,7 +246,11 @@ class RequestStreams:
                                 "the server ended its requests' stream")
         except AioRpcError as e:
             error = e
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            if frames and not received:
+                log.warning("a requests' stream over frames failed before any answer (%s): over gRPC again",
+                            e.details())
+                self.frames, error = None, _AGAIN
+            elif e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 log.warning("the server has no %s: a call per request (%s)", self._method_name, e.details())
                 self.supported, error = False, _FALL_BACK
             elif not received:  # (a server without it may also reset the stream: INTERNAL) each asks alone
@@ -248,9 +262,23 @@ class RequestStreams:
             call.cancel()
             raise
         finally:
-            for streamed in calls.values():  # as their own calls would have failed
-                streamed.deliver(error)
+            if error is _AGAIN:
+                self._start()
+                for streamed in calls.values():
+                    self._send_again(streamed)
+            else:
+                for streamed in calls.values():  # as their own calls would have failed
+                    streamed.deliver(error)
             calls.clear()
+
+    def _send_again(self, streamed: StreamedCall) -> None:
+        """A request of a stream that failed before any answer, opened on the current one."""
+        self._next += 1
+        streamed._stream = self._next
+        self._calls[self._next] = streamed
+        command = pb.StreamCommand(stream=self._next)
+        command.open.CopyFrom(streamed._open)
+        self._commands.put(command)
 
 
 def deliver_batch(batch: pb.StreamEvents, calls: dict[int, StreamedCall]) -> None:

@@ -1,5 +1,6 @@
 """TLS from PEM files, one object for both ends: a server's credentials (mTLS when a CA is
-given), and the channels it opens to the servers it calls (the router to its backends, a
+given; gRPC's, and an SSL context for its HTTP front and frames listener), and the channels
+(and frames connections) it opens to the servers it calls (the router to its backends, a
 decode to a prefill), which present the same certificate and verify theirs against the CA."""
 from __future__ import annotations
 
@@ -50,12 +51,21 @@ class TLSConfig:
     def channel_options(self) -> list[tuple]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
-    def http_context(self) -> ssl.SSLContext:
-        """The HTTP front's: the same certificate, and client certificates required with a CA."""
+    def server_context(self) -> ssl.SSLContext:
+        """The HTTP front's and the frames listener's: the same certificate, and client
+        certificates required with a CA."""
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.ca_file)
         context.load_cert_chain(self.cert_file, self.key_file)
         if self.ca_file is not None:
             context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def client_context(self) -> ssl.SSLContext:
+        """A frames caller's: the server's certificate verified against the CA (the system's
+        roots without one), this certificate presented where there is one."""
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
+        if self.cert_file is not None:
+            context.load_cert_chain(self.cert_file, self.key_file)
         return context
 
 

@@ -36,10 +36,13 @@ class EngineRuntimeApi:
         self.model_dir = model_dir
         self.model_name = model_name
         self.address = address
+        self.frames_port = 0  # the server's frames listener, once it listens (0: none)
 
     async def GetModelInfo(self, msg: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         await self.checks.loaded(context)
-        return model_info(self.model_dir, self.core.facts, self.core.tokenizer, self.model_name, self.role)
+        info = model_info(self.model_dir, self.core.facts, self.core.tokenizer, self.model_name, self.role)
+        info.frames_port = self.frames_port
+        return info
 
     async def GetLoad(self, msg: pb.GetLoadRequest, context) -> pb.Load:
         await self.checks.loaded(context)

@@ -42,10 +42,10 @@ class PrefillService(internal_pb2_grpc.PrefillServicer):
         self.telemetry = telemetry
         self.address = address
         self._background: set[asyncio.Task] = set()  # releases of holds whose caller went away
-        self._streams = GenerateStreams(self._answer)
+        self.streams = GenerateStreams(self._answer)  # (served over frames too)
 
     async def Streams(self, commands, context: grpc.aio.ServicerContext):
-        async for batch in self._streams.Generate(commands, context):
+        async for batch in self.streams.Generate(commands, context):
             yield batch
 
     async def _answer(self, msg: pb.GenerateRequest, context: StreamContext):

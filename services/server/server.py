@@ -25,6 +25,7 @@ from baton.engine.common.errors import check
 from baton.engine.front.core_client import CoreClient
 from baton.kv_transfer.base import DEFAULT_HOLD_TIMEOUT_S
 from baton.services.rpc.calls import CallRegistry
+from baton.services.rpc.frames import FramesServer
 from baton.services.rpc.generate_streams import GenerateStreams
 from baton.services.rpc.names import SERVICE_NAME, STREAMS_SERVICE_NAME
 from baton.services.rpc.serving import (
@@ -74,6 +75,7 @@ class ServerOptions:
     tls: TLSConfig | None = None  # serve TLS (mTLS with a CA), and call peers over it
     advertise_host: str | None = None  # in KV handles; default: host, or this host's IP when host is a wildcard
     stream_interval: int = 1  # new tokens a stream's message carries, the first and last aside (CoreClient's)
+    frames_port: int | None = 0  # streams of requests over bare TCP (frames.py), on host (0: any free port); None: none
     media: MediaOptions = field(default_factory=MediaOptions)  # where a vision-language model's images come from
 
     def __post_init__(self):
@@ -146,17 +148,22 @@ class Server:
         internal_pb2_grpc.add_KVPeerServicer_to_server(KVPeerService(self.core, checks), self.grpc)
         internal_pb2_grpc.add_AdminServicer_to_server(AdminService(self.core, o.role, checks, self.kv_events),
                                                       self.grpc)
-        # Generate, many requests on one stream (a router's to this decode, a client's).
-        generate_pb2_grpc.add_GenerateStreamsServicer_to_server(GenerateStreams(self.generation.Generate), self.grpc)
+        # Generate, many requests on one stream (a router's to this decode, a client's), on the
+        # gRPC port and on the frames listener.
+        generate_streams = GenerateStreams(self.generation.Generate)
+        generate_pb2_grpc.add_GenerateStreamsServicer_to_server(generate_streams, self.grpc)
+        frames_services = {internal_pb2.FRAMES_SERVICE_GENERATE: generate_streams}
         services = [SERVICE_NAME, STREAMS_SERVICE_NAME,
                     *(internal_pb2.DESCRIPTOR.services_by_name[n].full_name for n in ("KVPeer", "Admin"))]
         if o.role != "decode":
             prefill = PrefillService(self.core, o.role, checks, calls, self.telemetry, self.address, self.images)
             internal_pb2_grpc.add_PrefillServicer_to_server(prefill, self.grpc)
+            frames_services[internal_pb2.FRAMES_SERVICE_PREFILL] = prefill.streams
             services.append(internal_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             [*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], self.grpc)
+        self.frames = FramesServer(frames_services, o.max_message_bytes) if o.frames_port is not None else None
         self.http = None  # the OpenAI front, once started
 
     async def start(self) -> None:
@@ -164,6 +171,8 @@ class Server:
         await set_health(self.health, False)
         await self.grpc.start()
         o = self.options
+        if self.frames is not None:
+            self.runtime_api.frames_port = await self.frames.start(o.host, o.frames_port, o.tls)
         facts = await self.core.start()
         self.config.max_model_len = facts.max_model_len  # resolved by the core
         metrics = None
@@ -201,6 +210,8 @@ class Server:
         self.serving = False
         await set_health(self.health, False)
         await drain(self.grpc, lambda: self.core.num_in_flight, self.options.grace_s if grace_s is None else grace_s)
+        if self.frames is not None:
+            self.frames.close()
         if self.http is not None:
             await self.http.stop()
         await self.kv_peers.close()

@@ -86,6 +86,10 @@ def test_command_lines_parse_and_agree_with_ports_and_services(name):
             assert args.http_port == ports["http"] == merged["ports"]["http"]
         else:
             assert args.http_port is None and "http" not in ports
+        if role in ("prefill", "decode", "both"):  # the router's streams to the engines, over frames
+            assert args.frames_port == ports["frames"] == merged["ports"]["frames"]
+        else:
+            assert "frames" not in ports
         assert args.model == "/models" or args.model.startswith("/models/")
         mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
         assert mounts["/models"]["readOnly"] is True and mounts["/models"]["name"] == "model"
@@ -212,6 +216,10 @@ def check_network_policies(docs, merged):
                         assert ucx and ucx["value"] == f"{p['port']}-{p['endPort']}"
                     else:
                         assert p["port"] in ports.values(), (policy["metadata"]["name"], p, ports)
+            routed = merged["mode"] != "colocated" or merged["router"]["enabled"]
+            if routed and component(labels) in ENGINE_COMPONENTS:  # the router reaches the engines' frames port
+                assert any(not r.get("ports") or ports["frames"] in {p["port"] for p in r["ports"]}
+                           for r in policy["spec"]["ingress"]), policy["metadata"]["name"]
             if component(labels) in (*ENGINE_COMPONENTS, ENCODER):
                 # The engines' and encoders' gRPC port (and UCX) only from this release's pods.
                 for rule in policy["spec"]["ingress"]:

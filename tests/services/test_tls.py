@@ -114,6 +114,10 @@ def test_a_client_with_a_valid_certificate_streams_what_the_engine_computes(stac
         [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
     got = _generate(router.address, client_tls(pki), prompt)
     assert got[:len(want)] == want and len(got) == 12
+    # The router's streams of requests to both tiers went over frames, under TLS as well (one that
+    # failed would have gone over gRPC again, and said so).
+    opened = [line for line in router.lines if "stream over frames to" in line and "is open" in line]
+    assert len(opened) >= 2 and not any("over gRPC again" in line for line in router.lines), "".join(router.lines)
 
 
 @pytest.mark.parametrize("why, tls", [

@@ -1,7 +1,7 @@
 {{/*
 A Baton server's Deployment and, for an engine tier, its headless Service (the router resolves
 its name to every ready pod; the ServiceMonitor scrapes through it).
-(dict "ctx" $ "component" "decode" "args" (list ...) "engine" true "http" false)
+(dict "ctx" $ "component" "decode" "args" (list ...) "engine" true "http" false "frames" true)
 Optional: "metrics" false (no metrics port: the encoder tier), "shm" false (no /dev/shm volume;
 default: .engine).
 */}}
@@ -109,6 +109,11 @@ spec:
             {{- if .http }}
             - name: http
               containerPort: {{ int $v.ports.http }}
+              protocol: TCP
+            {{- end }}
+            {{- if .frames }}
+            - name: frames
+              containerPort: {{ int $v.ports.frames }}
               protocol: TCP
             {{- end }}
             {{- if $metrics }}
@@ -224,7 +229,7 @@ spec:
 {{- define "baton.engineArgs" -}}
 {{- $v := .ctx.Values }}
 {{- $e := include "baton.engineJson" (dict "ctx" .ctx "tier" .tier) | fromJson }}
-{{- $args := list "serve" (printf "--role=%s" .role) "--host=0.0.0.0" (printf "--port=%d" (int $v.ports.grpc)) "--advertise-host=$(POD_IP)" (printf "--metrics-port=%d" (int $v.metrics.port)) }}
+{{- $args := list "serve" (printf "--role=%s" .role) "--host=0.0.0.0" (printf "--port=%d" (int $v.ports.grpc)) (printf "--frames-port=%d" (int $v.ports.frames)) "--advertise-host=$(POD_IP)" (printf "--metrics-port=%d" (int $v.metrics.port)) }}
 {{- if eq .role "both" }}{{ $args = append $args (printf "--http-port=%d" (int $v.ports.http)) }}{{ end }}
 {{- $args = append $args (printf "--model=%s" (include "baton.modelPath" $e)) }}
 {{- with $v.model.servedModelName }}{{ $args = append $args (printf "--served-model-name=%s" .) }}{{ end }}
