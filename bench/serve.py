@@ -349,8 +349,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         for mode, variant, interval, calls, client in runs if round_ % 2 == 0 else reversed(runs):  # ABBA
             name = ((mode if variant == "off" else f"{mode}+{variant}") + (f"@{interval}" if interval > 1 else "")
-                    + {"per-call": "/per-call", "multiplexed": "/grpc-mux"}.get(calls, "")
-                    + ("/client-mux" if client == "multiplexed" else ""))
+                    + ("/client-mux" if client == "multiplexed" else "")
+                    + {"per-call": "/per-call", "multiplexed": "/grpc-mux"}.get(calls, ""))
             constraint = schema if variant == "json" else None
             if mode == "offline":
                 cpu = time.process_time()

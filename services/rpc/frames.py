@@ -101,9 +101,10 @@ class _ServerConnection(_Writer):
     """One caller's connection: its hello picks the stream, then its commands go to the stream's
     servicer and the servicer's messages back, until either side goes."""
 
-    def __init__(self, services: dict[int, GenerateStreams], max_frame_bytes: int):
+    def __init__(self, services: dict[int, GenerateStreams], max_frame_bytes: int, open: set[_ServerConnection]):
         super().__init__(max_frame_bytes)
         self._services = services
+        self._open = open  # the listener's connections
         self._commands: asyncio.Queue | None = None  # once the hello came
         self._task: asyncio.Task | None = None
 
@@ -142,7 +143,12 @@ class _ServerConnection(_Writer):
         finally:
             self.transport.close()
 
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._open.add(self)
+
     def connection_lost(self, exc) -> None:  # the caller went: its requests end
+        self._open.discard(self)
         if self._task is not None:
             self._task.cancel()
         self._writable.set()
@@ -154,19 +160,24 @@ class FramesServer:
     def __init__(self, services: dict[int, GenerateStreams], max_frame_bytes: int):
         self.services, self.max_frame_bytes = services, max_frame_bytes
         self._server: asyncio.Server | None = None
+        self._connections: set[_ServerConnection] = set()
         self.port = 0
 
     async def start(self, host: str, port: int, tls=None) -> int:
         """Listen on host:port (0: any free port); returns the port."""
         context = tls.server_context() if tls is not None else None
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: _ServerConnection(self.services, self.max_frame_bytes), host, port, ssl=context)
+            lambda: _ServerConnection(self.services, self.max_frame_bytes, self._connections), host, port, ssl=context)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
     def close(self) -> None:
+        """Stop listening and drop every connection, as a gRPC server's stop cancels its calls:
+        their callers see the instance go (the router moves their requests elsewhere)."""
         if self._server is not None:
             self._server.close()
+        for connection in list(self._connections):
+            connection.transport.abort()
 
 
 # ---- the caller's side -------------------------------------------------------------------------
