@@ -121,6 +121,11 @@ class StreamedCall:
         """The request's id as its responses carry it (the server's own, where the caller gave none)."""
         return self._open.request.request_id or pb.GenerateResponse.FromString(self._first or b"").request_id
 
+    def renumbered(self, stream: int) -> pb.StreamOpen:
+        """It goes on another stream (one over frames failed before any answer), numbered so: its open."""
+        self._stream = stream
+        return self._open
+
     def _fall_back(self):
         open = self._open
         metadata = tuple((m.key, m.value) for m in open.metadata)
@@ -262,7 +267,7 @@ class RequestStreams:
             call.cancel()
             raise
         finally:
-            if error is _AGAIN:
+            if error is _AGAIN and calls:
                 self._start()
                 for streamed in calls.values():
                     self._send_again(streamed)
@@ -274,10 +279,9 @@ class RequestStreams:
     def _send_again(self, streamed: StreamedCall) -> None:
         """A request of a stream that failed before any answer, opened on the current one."""
         self._next += 1
-        streamed._stream = self._next
         self._calls[self._next] = streamed
         command = pb.StreamCommand(stream=self._next)
-        command.open.CopyFrom(streamed._open)
+        command.open.CopyFrom(streamed.renumbered(self._next))
         self._commands.put(command)
 
 
