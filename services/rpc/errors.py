@@ -13,6 +13,7 @@ from baton.engine.common.errors import InUse, InvalidArgument, NotFound
 from baton.v1 import generate_pb2 as pb
 
 DETAILS_KEY = "grpc-status-details-bin"
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}  # by number, as a stream carries it
 DOMAIN = "baton"
 _PREFIX = "FAILURE_REASON_"
 

@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc.aio import AioRpcError, Metadata
 
+from baton.services.rpc.errors import STATUS_CODES
 from baton.services.rpc.generate_streams import GenerateStreams
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2
 
 log = logging.getLogger("baton.rpc")
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class FrameError(ValueError):
@@ -223,7 +223,7 @@ class FramesCall(_Writer):
                 hello = internal_pb2.FramesHello.FromString(message)
                 if hello.HasField("refused"):
                     self._fail(self._failure(hello.refused.details,
-                                             _CODES.get(hello.refused.code, grpc.StatusCode.UNKNOWN)))
+                                             STATUS_CODES.get(hello.refused.code, grpc.StatusCode.UNKNOWN)))
                     return
                 self._hello.set_result(tuple((m.key, m.value) for m in hello.metadata))
         except Exception as e:  # noqa: BLE001 - the server sent what cannot be read

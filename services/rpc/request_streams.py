@@ -21,12 +21,11 @@ from typing import Protocol
 import grpc
 from grpc.aio import AioRpcError, Metadata
 
-from baton.services.rpc.errors import DETAILS_KEY
+from baton.services.rpc.errors import DETAILS_KEY, STATUS_CODES
 from baton.services.rpc.names import STREAMS_METHOD, STREAMS_VERSION
 from baton.v1 import generate_pb2 as pb
 
 log = logging.getLogger("baton.rpc")
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 _FALL_BACK = object()  # the instance has no GenerateStreams: the request goes as a call of its own
@@ -113,7 +112,7 @@ class StreamedCall:
                 status = event.status
                 if status.code != 0:
                     trailer = Metadata((DETAILS_KEY, status.status_details)) if status.status_details else Metadata()
-                    raise AioRpcError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), Metadata(*self._headers),
+                    raise AioRpcError(STATUS_CODES.get(status.code, grpc.StatusCode.UNKNOWN), Metadata(*self._headers),
                                       trailer, status.details)
                 return
 
