@@ -3,17 +3,19 @@ of the picture. A token source process stands in for the prefill and decode tier
 their RPCs (health, Prefill, Generate and GenerateStreams) and gives every request in flight a
 token each --step-ms, as a GPU engine's step would, cheaply (5-30 µs of CPU per token to a
 multiplexing router, about 100 to a call per request). The real
-router (`baton serve --role router`) sits between it and a gRPC client (the client library,
-plain calls or multiplexed), so what the run measures is the router's own work per token at
+router (`baton serve --role router`) sits between it and a client (the client library: plain
+calls, or multiplexed over gRPC or over frames), so what the run measures is the router's own work per token at
 rates two CPU cores running engines could never produce (48 streams at 10 ms steps is 4,800
 tokens/s; 256 is 25,600).
 
-Reported per variant (client calls x router-to-decode calls): tokens/s delivered, the router's
+The source listens for frames too (services/rpc/frames.py), as an engine does, and says where in
+its ModelInfo. Reported per variant (client calls x router-to-decode calls): tokens/s delivered, the router's
 CPU time per token (from /proc, warm-up excluded), the router's share of one core, and the
 source's and the client's CPU per token beside it (they share the machine's cores).
 
     .venv/bin/python bench/router_load.py
     .venv/bin/python bench/router_load.py --streams 48,256 --step-ms 10 --tokens 256
+    .venv/bin/python bench/router_load.py --client-calls frames,multiplexed --decode-calls frames
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from stack import TOKEN, stop_stack, wait_serving  # bench/stack.py (this script's folder is on sys.path)
 
+from baton.services.rpc.frames import FramesServer
 from baton.services.rpc.names import SERVICE_NAME, STREAMS_VERSION
 from baton.testing.processes import cpu_seconds, descendants
 from baton.v1 import generate_pb2 as pb
@@ -87,6 +90,7 @@ class Connection:
 class TokenSource(generate_pb2_grpc.TextGenerationServicer, internal_pb2_grpc.PrefillServicer):
     def __init__(self, step_s: float):
         self.step_s = step_s
+        self.frames_port = 0  # its frames listener's
         self.connections: set[Connection] = set()
         self.stepped = asyncio.Event()  # set and replaced each step (for calls of their own)
 
@@ -124,6 +128,9 @@ class TokenSource(generate_pb2_grpc.TextGenerationServicer, internal_pb2_grpc.Pr
 
     async def ListAdapters(self, msg, context) -> pb.ListAdaptersResponse:
         return pb.ListAdaptersResponse()
+
+    async def GetModelInfo(self, msg, context) -> pb.ModelInfo:
+        return pb.ModelInfo(frames_port=self.frames_port)
 
     async def Generate(self, msg: pb.GenerateRequest, context):
         """TextGeneration's: a call per request."""
@@ -172,17 +179,22 @@ async def serve_source(step_s: float) -> None:
     source = TokenSource(step_s)
     server = grpc.aio.server()
     generate_pb2_grpc.add_TextGenerationServicer_to_server(source, server)
-    generate_pb2_grpc.add_GenerateStreamsServicer_to_server(SourceStreams(source), server)
+    streams = SourceStreams(source)
+    generate_pb2_grpc.add_GenerateStreamsServicer_to_server(streams, server)
     internal_pb2_grpc.add_PrefillServicer_to_server(source, server)
     checks = health.aio.HealthServicer()
     await checks.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    frames = FramesServer({internal_pb2.FRAMES_SERVICE_GENERATE: streams, internal_pb2.FRAMES_SERVICE_PREFILL: source},
+                          16 << 20)
+    source.frames_port = await frames.start("127.0.0.1", 0)
     stepping = asyncio.ensure_future(source.steps())
     print(f"serving on 127.0.0.1:{port}", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the bench closes stdin
     stepping.cancel()
+    frames.close()
     await server.stop(None)
 
 
@@ -203,12 +215,12 @@ def stop(proc: subprocess.Popen) -> None:
     stop_stack([proc])
 
 
-async def load(address: str, multiplex: bool, streams: int, requests: int, tokens: int, on_warm) -> tuple[int, float]:
+async def load(address: str, client_calls: str, streams: int, requests: int, tokens: int, on_warm) -> tuple[int, float]:
     """`requests` requests of `tokens` tokens each, `streams` in flight at a time; the tokens
     received and the seconds it took, after a warm-up round."""
     from baton.services.client import AsyncClient
 
-    async with AsyncClient(address, multiplex=multiplex) as client:
+    async with AsyncClient(address, multiplex=client_calls != "per-call", frames=client_calls == "frames") as client:
         received = 0
 
         async def one() -> None:
@@ -233,7 +245,7 @@ async def load(address: str, multiplex: bool, streams: int, requests: int, token
 def run(args: argparse.Namespace, source: str, streams: int, client_calls: str, decode_calls: str) -> dict:
     router, address = start("-m", "baton.services.cli", "serve", "--role", "router", "--prefill", source,
                              "--decode", source, "--port", "0", "--internal-token", TOKEN,
-                             "--multiplex" if decode_calls == "multiplexed" else "--no-multiplex")
+                             *{"per-call": ("--no-multiplex",), "multiplexed": ("--no-frames",)}.get(decode_calls, ()))
     pids = {"router": [router.pid, *descendants(router.pid)], "client": [os.getpid()]}
     before = {}
 
@@ -242,7 +254,7 @@ def run(args: argparse.Namespace, source: str, streams: int, client_calls: str, 
         before["source"] = cpu_seconds(args.source_pid)
 
     try:
-        received, wall = asyncio.run(load(address, client_calls == "multiplexed", streams,
+        received, wall = asyncio.run(load(address, client_calls, streams,
                                           args.requests_per_stream * streams, args.tokens, on_warm))
         used = {who: sum(map(cpu_seconds, p)) - before[who] for who, p in pids.items()}
         used["source"] = cpu_seconds(args.source_pid) - before["source"]
@@ -259,8 +271,10 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=10.0, help="the source's step: a token per request each")
     p.add_argument("--tokens", type=int, default=128, help="tokens per request")
     p.add_argument("--requests-per-stream", type=int, default=4)
-    p.add_argument("--client-calls", default="per-call,multiplexed")
-    p.add_argument("--decode-calls", default="per-call,multiplexed")
+    p.add_argument("--client-calls", default="per-call,multiplexed,frames",
+                   help="comma list: a call per request, one GenerateStreams stream over gRPC, or over frames")
+    p.add_argument("--decode-calls", default="per-call,multiplexed,frames", help="comma list: the router's, as "
+                                                                                "--client-calls")
     p.add_argument("--source", type=float, default=None, help=argparse.SUPPRESS)  # run as the token source
     args = p.parse_args()
     if args.source is not None:

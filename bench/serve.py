@@ -118,9 +118,11 @@ def parse_args() -> argparse.Namespace:
                         "multiplexed (the same stream over gRPC) or per-call (a call each, a message per token); "
                         "each router mode runs once per entry, named MODE/grpc-mux and MODE/per-call for the last two")
     p.add_argument("--client-calls", default="per-call",
-                   help="comma list of how the load's client sends its requests: per-call (a Generate call each) or "
+                   help="comma list of how the load's client sends its requests: per-call (a Generate call each), "
                         "multiplexed (all on one GenerateStreams stream per connection, a message per step for all "
-                        "of them); each gRPC mode runs once per entry, named MODE/client-mux for the latter")
+                        "of them) or frames (that stream over the server's frames port, the client library's "
+                        "default when it multiplexes); each gRPC mode runs once per entry, named MODE/client-mux "
+                        "and MODE/client-frames for the last two")
     p.add_argument("--router-workers", type=int, default=1, help="the router's --router-workers (processes on its "
                                                                   "port; the kernel spreads connections over them)")
     p.add_argument("--client-connections", type=int, default=1,
@@ -135,7 +137,7 @@ def parse_args() -> argparse.Namespace:
     args.decode_calls = args.decode_calls.split(",")
     args.client_calls = args.client_calls.split(",")
     for name, given, known in (("decode-calls", args.decode_calls, ("frames", "multiplexed", "per-call")),
-                               ("client-calls", args.client_calls, ("multiplexed", "per-call"))):
+                               ("client-calls", args.client_calls, ("frames", "multiplexed", "per-call"))):
         if set(given) - set(known):
             p.error(f"--{name}: choose from {', '.join(known)}, got {','.join(given)}")
     for name, given, known in (("modes", args.modes, MODES), ("telemetry", args.telemetry, TELEMETRY)):
@@ -238,11 +240,13 @@ async def drive(args: argparse.Namespace, workload: list[Request], mode: str, se
 
 
 async def run_grpc(args: argparse.Namespace, workload: list[Request], address: str, mode: str,
-                   schema: str | None = None, after_warmup=None, multiplex: bool = False) -> tuple[list[Trace], float]:
+                   schema: str | None = None, after_warmup=None, client_calls: str = "per-call"
+                   ) -> tuple[list[Trace], float]:
     from baton.services.client import AsyncClient
 
     # Connections of their own (a subchannel pool each), taken in turn.
-    clients = [AsyncClient(address, [("grpc.use_local_subchannel_pool", 1)], multiplex=multiplex)
+    clients = [AsyncClient(address, [("grpc.use_local_subchannel_pool", 1)], multiplex=client_calls != "per-call",
+                           frames=client_calls == "frames")
                for _ in range(args.client_connections)]
     turn = itertools.count()
     try:
@@ -349,7 +353,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         for mode, variant, interval, calls, client in runs if round_ % 2 == 0 else reversed(runs):  # ABBA
             name = ((mode if variant == "off" else f"{mode}+{variant}") + (f"@{interval}" if interval > 1 else "")
-                    + ("/client-mux" if client == "multiplexed" else "")
+                    + {"multiplexed": "/client-mux", "frames": "/client-frames"}.get(client, "")
                     + {"per-call": "/per-call", "multiplexed": "/grpc-mux"}.get(calls, ""))
             constraint = schema if variant == "json" else None
             if mode == "offline":
@@ -376,8 +380,7 @@ def main() -> None:
                     if mode.endswith("-http"):
                         traces, wall = asyncio.run(run_http(args, workload, address, name, after_warmup=mark))
                     else:
-                        traces, wall = asyncio.run(run_grpc(args, workload, address, name, constraint, mark,
-                                                            client == "multiplexed"))
+                        traces, wall = asyncio.run(run_grpc(args, workload, address, name, constraint, mark, client))
                     row = metrics(traces, wall, workload)
                     tokens = sum(t.tokens for t in traces if t.ok) or 1
                     row["messages/tok"] = sum(len(t.chunk_s) for t in traces if t.ok) / tokens
@@ -409,13 +412,16 @@ def main() -> None:
             print(f"HTTP front: {name.removesuffix('-http')} output token throughput over HTTP = {ratio:.3f}x gRPC")
     # Multiplexed against a call per request: the client's (MODE/client-mux) and the router's to
     # its decodes (MODE/per-call is the call per request); the router's streams over frames
-    # against the same over gRPC (MODE/grpc-mux).
+    # against the same over gRPC (MODE/grpc-mux), and the client's (MODE/client-frames against
+    # MODE/client-mux).
     for suffix, label, against, suffixed_multiplexes in (
             ("/client-mux", "a multiplexing client", "a call per request", True),
             ("/per-call", "multiplexed decodes", "a call per request", False),
-            ("/grpc-mux", "streams over frames", "over gRPC", False)):
+            ("/grpc-mux", "streams over frames", "over gRPC", False),
+            ("/client-frames", "a client's stream over frames", "over gRPC", True)):
         for name in rows:
-            base = name.removesuffix(suffix)
+            base = (name.replace("/client-frames", "/client-mux") if suffix == "/client-frames"
+                    else name.removesuffix(suffix))
             if name == base or base not in rows:
                 continue
             mux, per_call = (rows[name], rows[base]) if suffixed_multiplexes else (rows[base], rows[name])
@@ -424,7 +430,7 @@ def main() -> None:
             print(f"{label}: {base} output token throughput = {mux['output tok/s'] / per_call['output tok/s']:.3f}x "
                   f"{against}; CPU per token {cpu}")
     for name in rows:
-        if name.endswith(("/per-call", "/client-mux", "/grpc-mux")):
+        if name.endswith(("/per-call", "/client-mux", "/grpc-mux")) or "/client-" in name:
             continue
         mode, _, interval = name.partition("@")
         if interval and mode in rows:

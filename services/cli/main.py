@@ -42,7 +42,8 @@ def _serve(args) -> None:
             from baton.services.router.workers import run_workers
             serve_argv = args.argv[args.argv.index("serve") + 1:]
             sys.exit(run_workers(serve_argv, options.workers, options.host, options.port, options.http_port,
-                                 options.metrics_port, options.grace_s, https=options.tls is not None,
+                                 options.metrics_port, options.grace_s, options.frames_port,
+                                 https=options.tls is not None,
                                  child_env={UP_CHILD_ENV: "1"}))  # SIGTERM stops them, and no invitation
         if options.worker is not None:
             from baton.engine.common.lifetime import die_with_parent
@@ -177,6 +178,7 @@ def _router_options(args):
     if args.block_size:
         config["block_size"] = args.block_size
     return RouterOptions(host=args.host, port=args.port, internal_token=args.internal_token,
+                         frames_port=None if args.frames_port < 0 else args.frames_port,
                          max_message_bytes=args.max_message_bytes, grace_s=args.grace_period, tls=_tls(args),
                          **{**config, **_telemetry_options(args)})
 
@@ -275,9 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "1 streams token by token; more sends fewer, larger messages, each hop's CPU cost "
                         "per token falling about as much (default: %(default)s)")
     s.add_argument("--frames-port", type=int, default=0, metavar="PORT",
-                   help="an engine's streams of requests over bare TCP (a router's to it), TLS as --tls-*: the "
-                        "port, on --host; 0 picks a free one, which the server's model info tells the router; -1: "
-                        "none, the router streams over gRPC (default: %(default)s)")
+                   help="streams of requests over bare TCP, TLS as --tls-* (an engine's: the router's to it; the "
+                        "router's: a multiplexing client's): the port, on --host; 0 picks a free one, which the "
+                        "server's model info tells its callers (router workers share one); -1: none, they stream "
+                        "over gRPC (default: %(default)s)")
     s.add_argument("--allowed-local-media-path", metavar="DIR",
                    help="a vision-language model's images: file:// URLs under DIR are read (default: none are)")
     s.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",

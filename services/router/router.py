@@ -33,13 +33,14 @@ from baton.services.router.prompt_hashes import HASHING_POLICIES, PromptHasher
 from baton.services.router.router_generation import RouterGeneration
 from baton.services.router.router_runtime_api import RouterRuntimeApi
 from baton.services.router.workers import WorkerSlot, workers_registry
+from baton.services.rpc.frames import FramesServer
 from baton.services.rpc.generate_streams import GenerateStreams
 from baton.services.rpc.names import ROUTER_LIVENESS, SERVICE_NAME, STREAMS_SERVICE_NAME
 from baton.services.rpc.serving import add_text_generation, drain, in_background, make_grpc_server, set_health
 from baton.services.rpc.tls import TLSConfig
 from baton.services.telemetry import tracing
 from baton.services.telemetry.metrics import MetricsServer, RouterMetrics, make_registry
-from baton.v1 import generate_pb2_grpc
+from baton.v1 import generate_pb2_grpc, internal_pb2
 
 log = logging.getLogger("baton.router")
 
@@ -81,6 +82,9 @@ class RouterOptions:
     # Those streams over a bare TCP connection (services/rpc/frames.py) where an instance listens
     # for frames, rather than over gRPC: the same messages at a third of the CPU each.
     frames: bool = True
+    # The router's own GenerateStreams over frames, for clients that multiplex (services/client.py),
+    # on host (0: any free port; a set of workers shares one); None: none. ModelInfo says where.
+    frames_port: int | None = 0
     max_in_flight: int | None = 4096  # streams at once; beyond it, RESOURCE_EXHAUSTED at once (None: no bound)
     tls: TLSConfig | None = None  # serve TLS, and call the backends over it
     workers: int = 1  # router processes sharing the port (workers.py); more than 1: `baton serve` starts them
@@ -157,7 +161,10 @@ class Router:
                                             o.internal_token, self.peers, self.encoder)
         # Generate's responses pass through as the backends serialized them.
         add_text_generation(self.grpc, self.generation.Generate, self.runtime_api, generate_serialized=True)
-        generate_pb2_grpc.add_GenerateStreamsServicer_to_server(GenerateStreams(self.generation.Generate), self.grpc)
+        streams = GenerateStreams(self.generation.Generate)
+        generate_pb2_grpc.add_GenerateStreamsServicer_to_server(streams, self.grpc)
+        self.frames = (FramesServer({internal_pb2.FRAMES_SERVICE_GENERATE: streams}, o.max_message_bytes)
+                       if o.frames_port is not None else None)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(
             [SERVICE_NAME, STREAMS_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -174,6 +181,9 @@ class Router:
         await self.health.set(ROUTER_LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self.grpc.start()
         o = self.options
+        if self.frames is not None:
+            self.runtime_api.frames_port = await self.frames.start(o.host, o.frames_port, o.tls,
+                                                                   reuse_port=o.worker is not None)
         if o.policy in HASHING_POLICIES or o.http_port is not None:
             await self.prompts.load()
         await self._refresh()
@@ -226,6 +236,8 @@ class Router:
         self.serving = False
         await self._report(False)
         await drain(self.grpc, lambda: self.in_flight.count, self.options.grace_s if grace_s is None else grace_s)
+        if self.frames is not None:
+            self.frames.close()
         if self.http is not None:
             await self.http.stop()
         if self._resolver is not None:

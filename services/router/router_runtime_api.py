@@ -30,6 +30,7 @@ class RouterRuntimeApi:
         self.model_name = model_name
         self.address = address
         self.internal_token = internal_token
+        self.frames_port = 0  # the router's frames listener, once it listens (0: none)
 
     def _backends(self) -> list[Backend]:
         """Every instance of both tiers, healthy or not."""
@@ -38,7 +39,7 @@ class RouterRuntimeApi:
     async def GetModelInfo(self, msg: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         info = await self._ask(lambda api: api.GetModelInfo, msg, context)
         info.role, info.model_name = "router", self.model_name
-        info.ClearField("frames_port")  # (the instance's: the router listens for none)
+        info.frames_port = self.frames_port  # the router's own (the instance's is for the router)
         return info
 
     async def GetLoad(self, msg: pb.GetLoadRequest, context) -> pb.Load:

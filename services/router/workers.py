@@ -1,8 +1,8 @@
 """Several router processes behind one port (`baton serve --role router --router-workers N`):
 a router's CPU per streamed token is gRPC's Python machinery, so more router capacity is
 more processes. The kernel spreads connections (not requests: one HTTP/2 connection stays
-with one worker) over the workers, which bind the public gRPC and HTTP ports with
-SO_REUSEPORT.
+with one worker) over the workers, which bind the public gRPC, HTTP and frames ports (a
+multiplexing client's streams) with SO_REUSEPORT.
 
 The workers share nothing but what a client may ask of any of them: an Abort for a call
 another worker carries is passed on to it (each also listens on a loopback port of its own,
@@ -83,13 +83,15 @@ def workers_registry(ports: list[int]) -> CollectorRegistry:
 
 
 def run_workers(argv: list[str], workers: int, host: str, port: int, http_port: int | None,
-                metrics_port: int | None, grace_s: float, https: bool = False, child_env: dict | None = None) -> int:
+                metrics_port: int | None, grace_s: float, frames_port: int | None = None, https: bool = False,
+                child_env: dict | None = None) -> int:
     """Start `workers` copies of `baton serve` (its arguments `argv`, a router's) on one port,
     serve the set's /metrics on `metrics_port`, and wait: the exit status. The workers ignore
     Ctrl-C (this process stops them, with SIGTERM) and die with it; `child_env`: more of their
     environment."""
     port = port or free_port(host)
     http_port = (http_port or free_port(host)) if http_port is not None else None
+    frames_port = (frames_port or free_port(host)) if frames_port is not None else -1
     grpc_ports = [free_port("127.0.0.1") for _ in range(workers)]
     metered = metrics_port is not None or http_port is not None
     metrics_ports = [free_port("127.0.0.1") for _ in range(workers)] if metered else []
@@ -102,6 +104,7 @@ def run_workers(argv: list[str], workers: int, host: str, port: int, http_port: 
         slot = WorkerSlot(i, grpc_ports[i], grpc_ports[:i] + grpc_ports[i + 1:], metrics_ports)
         procs.append(subprocess.Popen(
             [*child_argv("baton.services.cli"), "serve", *argv, "--router-workers", "1", "--port", str(port),
+             "--frames-port", str(frames_port),
              *(("--http-port", str(http_port)) if http_port is not None else ()),
              *(("--metrics-port", str(metrics_ports[i])) if metered else ()),
              WORKER_FLAG, msgspec.json.encode(slot).decode()], stdout=subprocess.PIPE, text=True,

@@ -3,11 +3,14 @@ connection, TLS where the server serves it, for the router's hops to its engines
 is per message, and in Python it is most of what a step costs a relay (one message read, one
 written, each ~150-200 us of CPU in grpc.aio's machinery, against ~40-70 us for asyncio's
 own transport): the requests and their semantics stay GenerateStreams' (generate_streams.py,
-request_streams.py); only the carrier changes. Each frame is a 4-byte big-endian length and a
+request_streams.py); only the carrier changes. The router serves its own GenerateStreams so too,
+for a client library that multiplexes (client.py). Each frame is a 4-byte big-endian length and a
 message: a FramesHello each way first (internal.proto), then the caller's StreamCommands and
 the server's StreamEvents, as the call's messages would go. The caller closing the connection
-ends the call, which ends the requests still running on it. An engine server listens for
-frames beside its gRPC port and says where in its ModelInfo (`frames_port`)."""
+ends the call, which ends the requests still running on it. A server (an engine, the router)
+listens for frames beside its gRPC port and says where in its ModelInfo (`frames_port`). A
+caller that has no hello back within `hello_timeout_s` (a port that drops what it is sent, a
+proxy that holds the connection open) gives up as on a connection refused."""
 from __future__ import annotations
 
 import asyncio
@@ -163,11 +166,13 @@ class FramesServer:
         self._connections: set[_ServerConnection] = set()
         self.port = 0
 
-    async def start(self, host: str, port: int, tls=None) -> int:
-        """Listen on host:port (0: any free port); returns the port."""
+    async def start(self, host: str, port: int, tls=None, reuse_port: bool = False) -> int:
+        """Listen on host:port (0: any free port); returns the port. `reuse_port`: with the other
+        processes of a router set on it (SO_REUSEPORT)."""
         context = tls.server_context() if tls is not None else None
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: _ServerConnection(self.services, self.max_frame_bytes, self._connections), host, port, ssl=context)
+            lambda: _ServerConnection(self.services, self.max_frame_bytes, self._connections), host, port, ssl=context,
+            reuse_port=reuse_port or None)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -193,6 +198,11 @@ class FramesCall(_Writer):
         self._hello: asyncio.Future = loop.create_future()
         self._inbox: asyncio.Queue = asyncio.Queue()  # StreamEvents, or the failure
         self._writer = asyncio.ensure_future(self._write(commands, metadata))
+        self._no_hello = loop.call_later(opener.hello_timeout_s, self._hello_late)
+
+    def _hello_late(self) -> None:
+        if not self._hello.done():
+            self._fail(self._failure(f"no answer in {self._opener.hello_timeout_s:g} s"))
 
     def _failure(self, why: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> AioRpcError:
         return AioRpcError(code, Metadata(), Metadata(), f"frames to {self._opener.address}: {why}")
@@ -225,6 +235,7 @@ class FramesCall(_Writer):
                     self._fail(self._failure(hello.refused.details,
                                              STATUS_CODES.get(hello.refused.code, grpc.StatusCode.UNKNOWN)))
                     return
+                self._no_hello.cancel()
                 self._hello.set_result(tuple((m.key, m.value) for m in hello.metadata))
         except Exception as e:  # noqa: BLE001 - the server sent what cannot be read
             self._fail(self._failure(f"unreadable message ({e})", grpc.StatusCode.INTERNAL))
@@ -234,6 +245,7 @@ class FramesCall(_Writer):
         self._writable.set()
 
     def _fail(self, error: AioRpcError) -> None:
+        self._no_hello.cancel()
         if not self._hello.done():
             self._hello.set_exception(error)
             self._hello.exception()  # (retrieved: a call failing before anyone asked is not a warning)
@@ -266,8 +278,10 @@ class FramesOpener:
     """Where and how to open a server's stream over frames: opened as a grpc.aio channel's
     stream_stream method is called (RequestStreams)."""
 
-    def __init__(self, host: str, port: int, service: int, tls=None, max_frame_bytes: int = 16 << 20):
+    def __init__(self, host: str, port: int, service: int, tls=None, max_frame_bytes: int = 16 << 20,
+                 hello_timeout_s: float = 5.0):
         self.host, self.port, self.service = host, port, service
+        self.hello_timeout_s = hello_timeout_s  # to connect and be answered
         self.address = f"{host}:{port}"
         self.ssl_context = tls.client_context() if tls is not None else None
         self.server_name = tls.server_name if tls is not None else None

@@ -86,7 +86,7 @@ def test_command_lines_parse_and_agree_with_ports_and_services(name):
             assert args.http_port == ports["http"] == merged["ports"]["http"]
         else:
             assert args.http_port is None and "http" not in ports
-        if role in ("prefill", "decode", "both"):  # the router's streams to the engines, over frames
+        if role != ENCODER:  # streams over frames: the router's to the engines, a client's to the router
             assert args.frames_port == ports["frames"] == merged["ports"]["frames"]
         else:
             assert "frames" not in ports
@@ -150,9 +150,10 @@ def test_command_lines_parse_and_agree_with_ports_and_services(name):
             for _, spec in selected:
                 assert container_ports(spec)[p["targetPort"]] == p["port"], (s["metadata"]["name"], p)
     assert component(public["spec"]["selector"]) == ("router" if router_on else "colocated")
-    assert {p["name"] for p in public["spec"]["ports"]} == {"grpc", "http", "metrics"}
+    # (the public frames port: the same number the pods' ModelInfo tells a multiplexing client)
+    assert {p["name"] for p in public["spec"]["ports"]} == {"grpc", "frames", "http", "metrics"}
 
-    check_network_policies(docs, merged)
+    check_network_policies(docs, merged, public)
 
 
 def check_hook(args, merged, headless, public):
@@ -195,7 +196,7 @@ def check_tls_args(args, container, spec, merged):
         assert roots["value"] == f"{mount['mountPath']}/ca.crt"
 
 
-def check_network_policies(docs, merged):
+def check_network_policies(docs, merged, public):
     policies = of_kind(docs, "NetworkPolicy")
     if not merged["networkPolicy"]["enabled"]:
         assert not policies
@@ -217,6 +218,9 @@ def check_network_policies(docs, merged):
                     else:
                         assert p["port"] in ports.values(), (policy["metadata"]["name"], p, ports)
             routed = merged["mode"] != "colocated" or merged["router"]["enabled"]
+            if component(labels) == component(public["spec"]["selector"]):  # clients reach frames as gRPC
+                assert any(not r.get("ports") or {ports["grpc"], ports["frames"]} <= {p["port"] for p in r["ports"]}
+                           for r in policy["spec"]["ingress"]), policy["metadata"]["name"]
             if routed and component(labels) in ENGINE_COMPONENTS:  # the router reaches the engines' frames port
                 assert any(not r.get("ports") or ports["frames"] in {p["port"] for p in r["ports"]}
                            for r in policy["spec"]["ingress"]), policy["metadata"]["name"]

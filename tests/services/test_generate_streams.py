@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 
 import grpc
 import pytest
@@ -139,10 +140,12 @@ def test_requests_on_one_stream_read_as_their_own_calls_in_a_message_per_step(se
     assert pools_full(server.address)
 
 
-def test_a_client_multiplexing_through_the_router_streams_as_with_calls(tiny_llama):
+@pytest.mark.parametrize("transport", ["grpc", "frames"])
+def test_a_client_multiplexing_through_the_router_streams_as_with_calls(tiny_llama, transport):
     """Through a router in front of a prefill and a decode, a client's requests on one stream (and
     the router's to the decode on another) equal the offline engine; one left early is cancelled
-    at both tiers."""
+    at both tiers. Over gRPC and over the router's frames listener alike (the client library's
+    default, the router's ModelInfo saying where)."""
     prefill = ServerProcess(tiny_llama, "--role", "prefill", "--internal-token", TOKEN)
     decode = ServerProcess(tiny_llama, "--role", "decode", "--internal-token", TOKEN)
     router = ServerProcess(tiny_llama, "--role", "router", "--internal-token", TOKEN,
@@ -151,7 +154,7 @@ def test_a_client_multiplexing_through_the_router_streams_as_with_calls(tiny_lla
     want = greedy(tiny_llama, prompts, 16)
 
     async def go():
-        async with AsyncClient(router.address, multiplex=True) as client:
+        async with AsyncClient(router.address, multiplex=True, frames=transport == "frames") as client:
             async def collect(prompt):
                 return [t async for c in client.generate(prompt, max_tokens=16, temperature=0.0, ignore_eos=True)
                         for t in c.token_ids]
@@ -172,11 +175,12 @@ def test_a_client_multiplexing_through_the_router_streams_as_with_calls(tiny_lla
 
             got = await asyncio.gather(*(collect(p) for p in prompts), leave_early())
             text = await asyncio.gather(*(texts(p) for p in prompts[:3]))
-            return got[:-1], client.streams.messages_read, text
+            return got[:-1], client.streams.messages_read, text, client.streams.frames
 
     try:
         wait_serving(router.address)
-        got, messages, text = asyncio.run(asyncio.wait_for(go(), 120))
+        got, messages, text, frames = asyncio.run(asyncio.wait_for(go(), 120))
+        assert (frames is not None) == (transport == "frames")  # (a frames stream that failed unsets it)
         assert got == want
         assert messages < sum(len(ids) for ids in got)
         assert all(both == alone and both and not ids for both, alone, ids in text)
@@ -462,24 +466,44 @@ async def frames_listener(services: dict):
         listener.close()
 
 
-def test_a_frames_stream_that_cannot_connect_goes_over_grpc_and_its_requests_are_answered():
-    """A frames port that does not answer (gone, or firewalled) costs no request: those opened on
-    it go as calls of their own, and the next stream goes over gRPC."""
+@contextlib.asynccontextmanager
+async def silent_listener():
+    """A port that takes connections and never answers (a proxy holding them, say): its port."""
+    held = []
+    server = await asyncio.start_server(lambda reader, writer: held.append(writer), "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        for writer in held:
+            writer.close()
+
+
+@pytest.mark.parametrize("port_is", ["closed", "silent"])
+def test_a_frames_stream_that_cannot_connect_goes_over_grpc_and_its_requests_are_answered(port_is):
+    """A frames port that does not answer (gone, or firewalled, or held by something that never
+    answers) costs no request: those opened on it go as calls of their own, and the next stream
+    goes over gRPC."""
     async def go():
         async with serving(lambda s: generate_pb2_grpc.add_GenerateStreamsServicer_to_server(
-                GenerateStreams(answer_five), s)) as at, streams_at(at) as streams:
-            # (the listener's own port, closed again: nothing listens there)
-            async with frames_listener({}) as port:
-                pass
-            streams.frames = FramesOpener("127.0.0.1", port, internal_pb2.FRAMES_SERVICE_GENERATE)
+                GenerateStreams(answer_five), s)) as at, streams_at(at) as streams, silent_listener() as silent:
+            if port_is == "closed":  # (the listener's own port, closed again: nothing listens there)
+                async with frames_listener({}) as port:
+                    pass
+            else:
+                port = silent
+            streams.frames = FramesOpener("127.0.0.1", port, internal_pb2.FRAMES_SERVICE_GENERATE, hello_timeout_s=0.5)
+            started = time.monotonic()
             first = await asyncio.gather(*(read(streams.open(pb.GenerateRequest(request_id=str(i)), (), 30))
                                            for i in range(3)))
+            waited = time.monotonic() - started
             then = await read(streams.open(pb.GenerateRequest(request_id="then"), (), 30))
-            return first, then, streams.frames, streams.supported
+            return first, then, streams.frames, streams.supported, waited
 
-    first, then, frames, supported = asyncio.run(asyncio.wait_for(go(), 60))
+    first, then, frames, supported, waited = asyncio.run(asyncio.wait_for(go(), 60))
     assert first == [[5]] * 3 and then == [5]
     assert frames is None and supported
+    assert waited >= 0.5 if port_is == "silent" else waited < 0.5  # (the hello's timeout, only where it counts)
 
 
 def test_a_frames_listener_refuses_what_it_does_not_serve_and_drops_a_caller_that_is_not_one():

@@ -1,7 +1,8 @@
 """Several router processes on one port (--router-workers): connections spread over them and
-every stream equals the offline engine's; /metrics (the metrics port's and the HTTP front's)
-shows each worker's series; an Abort reaches its call through any connection; a stop drains
-every worker; a worker that dies ends the set with status 1, and none outlives the set."""
+every stream equals the offline engine's, multiplexing clients' over the shared frames port too;
+/metrics (the metrics port's and the HTTP front's) shows each worker's series; an Abort reaches
+its call through any connection; a stop drains every worker; a worker that dies ends the set
+with status 1, and none outlives the set."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +19,7 @@ from helpers import alive, pools_full, random_prompts, wait_serving
 from servers import pd_stack
 
 from baton import LLM, SamplingParams
+from baton.services.client import AsyncClient
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
 
@@ -76,6 +78,33 @@ def test_connections_spread_over_the_workers_and_streams_equal_the_engine(stack,
     assert set(counts) == {"0", "1"} and sum(counts.values()) == NUM_CONNECTIONS, counts
     http_url = printed(router, r"OpenAI API on (\S+)/v1")
     assert request_counts(f"{http_url}/metrics") == counts  # the HTTP front shows the whole set too
+    assert pools_full(prefill.address) and pools_full(decode.address)
+
+
+def test_multiplexing_clients_stream_over_the_set_s_one_frames_port(stack, tiny_llama):
+    """The workers share the frames port as they share the gRPC one: each multiplexing client's
+    stream goes over it (a connection of its own), whichever worker takes the connection."""
+    router, prefill, decode = stack
+    prompts = random_prompts([9 + 3 * i for i in range(8)], seed=502)
+    want = [o.token_ids for o in LLM(tiny_llama, dtype="float32", device="cpu").generate(
+        prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+
+    async def one(client: AsyncClient, prompt: list[int]) -> list[int]:
+        return [t async for c in client.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True)
+                for t in c.token_ids]
+
+    async def go():
+        clients = [AsyncClient(router.address, multiplex=True) for _ in prompts]
+        try:
+            got = await asyncio.gather(*(one(client, p) for client, p in zip(clients, prompts)))
+            return got, [client.streams.frames for client in clients]
+        finally:
+            for client in clients:
+                await client.close()
+
+    got, frames = asyncio.run(asyncio.wait_for(go(), 120))
+    assert got == want
+    assert all(f is not None for f in frames) and len({f.port for f in frames}) == 1  # (none fell back to gRPC)
     assert pools_full(prefill.address) and pools_full(decode.address)
 
 

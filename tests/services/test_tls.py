@@ -4,6 +4,7 @@ refuses the others; the KV handshake and the router's calls go over TLS too (che
 proves the blocks moved); the HTTP front speaks HTTPS with the same files."""
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ssl
 import subprocess
@@ -19,8 +20,11 @@ from cryptography.x509.oid import NameOID
 from helpers import TOKEN, wait_serving
 
 from baton import LLM, SamplingParams
-from baton.services.client import Client
-from baton.services.rpc.tls import TLSConfig
+from baton.services.client import AsyncClient, Client
+from baton.services.rpc.frames import FramesOpener
+from baton.services.rpc.tls import TLSConfig, aio_channel
+from baton.v1 import generate_pb2 as pb
+from baton.v1 import generate_pb2_grpc, internal_pb2
 
 SERVER_NAME = "baton.internal"  # the only name in the servers' certificate: calls by IP need the override
 
@@ -119,6 +123,15 @@ def test_a_client_with_a_valid_certificate_streams_what_the_engine_computes(stac
     opened = [line for line in router.lines if "stream over frames to" in line and "is open" in line]
     assert len(opened) >= 2 and not any("over gRPC again" in line for line in router.lines), "".join(router.lines)
 
+    # A multiplexing client's stream to the router goes over the router's frames port, under mTLS.
+    async def multiplexed():
+        async with AsyncClient(router.address, tls=client_tls(pki), multiplex=True) as client:
+            ids = [t async for c in client.generate(prompt, max_tokens=12, temperature=0.0, timeout=30)
+                   for t in c.token_ids]
+            return ids, client.streams.frames
+    ids, frames = asyncio.run(asyncio.wait_for(multiplexed(), 60))
+    assert ids == got and frames is not None  # (None: it failed and went over gRPC)
+
 
 @pytest.mark.parametrize("why, tls", [
     ("plaintext", None),
@@ -137,7 +150,27 @@ def test_a_client_without_a_valid_certificate_is_refused(stack, pki, why, tls):
     with pytest.raises(grpc.RpcError) as e:
         _generate(router.address, tls, [1, 2, 3])
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, why
+    if tls is not None:  # the frames port refuses it too: no hello, whatever it would send
+        assert asyncio.run(_frames_refused(router.address, pki, tls)), why
     assert _generate(router.address, client_tls(pki), [1, 2, 3]), "the stack still serves the valid client"
+
+
+async def _frames_refused(address: str, pki, tls: TLSConfig) -> bool:
+    async with aio_channel(address, client_tls(pki)) as channel:
+        info = await generate_pb2_grpc.TextGenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    call = FramesOpener("127.0.0.1", info.frames_port, internal_pb2.FRAMES_SERVICE_GENERATE, tls)(_no_commands(), ())
+    try:
+        await call.initial_metadata()
+    except grpc.aio.AioRpcError as e:
+        return e.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        call.cancel()
+    return False
+
+
+async def _no_commands():
+    await asyncio.Event().wait()
+    yield
 
 
 def _check_stack(router, prefill, decode, pki, timeout_s: int = 30) -> subprocess.CompletedProcess:
