@@ -144,6 +144,17 @@ class TokenSource(generate_pb2_grpc.TextGenerationServicer, internal_pb2_grpc.Pr
         yield last
 
 
+class SourcePrefills:
+    """The source's prefill stream (Prefill/Streams) over frames."""
+
+    def __init__(self, source: TokenSource):
+        self.source = source
+
+    async def serve(self, commands, context, carrier) -> None:
+        async for batch in self.source.Streams(commands, context):
+            carrier.write(batch)
+
+
 class SourceStreams(generate_pb2_grpc.GenerateStreamsServicer):
     """The source's GenerateStreams: each step's tokens for all of a caller's requests in one message."""
 
@@ -164,6 +175,11 @@ class SourceStreams(generate_pb2_grpc.GenerateStreamsServicer):
         finally:
             reader.cancel()
             self.source.connections.discard(conn)
+
+    async def serve(self, commands, context, carrier) -> None:
+        """The same over frames (a FramesServer's connection is the carrier)."""
+        async for batch in self.Generate(commands, context):
+            carrier.write(batch)
 
     @staticmethod
     async def _read(commands, conn: Connection) -> None:
@@ -187,8 +203,8 @@ async def serve_source(step_s: float) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    frames = FramesServer({internal_pb2.FRAMES_SERVICE_GENERATE: streams, internal_pb2.FRAMES_SERVICE_PREFILL: source},
-                          16 << 20)
+    frames = FramesServer({internal_pb2.FRAMES_SERVICE_GENERATE: streams,
+                           internal_pb2.FRAMES_SERVICE_PREFILL: SourcePrefills(source)}, 16 << 20)
     source.frames_port = await frames.start("127.0.0.1", 0)
     stepping = asyncio.ensure_future(source.steps())
     print(f"serving on 127.0.0.1:{port}", flush=True)

@@ -69,15 +69,22 @@ class _Writer(asyncio.Protocol):
         self.frames = FrameBuffer(max_frame_bytes)
         self._writable = asyncio.Event()
         self._writable.set()
+        self.on_resume = None  # called when writing may go on (GenerateStreams.serve's)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+
+    @property
+    def paused(self) -> bool:
+        return not self._writable.is_set()
 
     def pause_writing(self) -> None:
         self._writable.clear()
 
     def resume_writing(self) -> None:
         self._writable.set()
+        if self.on_resume is not None:
+            self.on_resume()
 
     async def send(self, message: bytes) -> None:
         self.transport.write(frame(message))
@@ -139,10 +146,14 @@ class _ServerConnection(_Writer):
         while True:
             yield await self._commands.get()
 
+    def write(self, batch: pb.StreamEvents) -> None:
+        """A message of the stream's servicer (a Carrier's, generate_streams.py)."""
+        if not self.transport.is_closing():
+            self.transport.write(frame(batch.SerializeToString()))
+
     async def _serve(self, service: GenerateStreams, context: _CallContext) -> None:
         try:
-            async for batch in service.Generate(self._next_commands(), context):
-                await self.send(batch.SerializeToString())
+            await service.serve(self._next_commands(), context, self)
         finally:
             self.transport.close()
 
@@ -152,6 +163,7 @@ class _ServerConnection(_Writer):
 
     def connection_lost(self, exc) -> None:  # the caller went: its requests end
         self._open.discard(self)
+        self.on_resume = None
         if self._task is not None:
             self._task.cancel()
         self._writable.set()
@@ -197,6 +209,7 @@ class FramesCall(_Writer):
         self._opener = opener
         self._hello: asyncio.Future = loop.create_future()
         self._inbox: asyncio.Queue = asyncio.Queue()  # StreamEvents, or the failure
+        self._on_events = None  # where messages go as they are read, once the reader said (read_each)
         self._writer = asyncio.ensure_future(self._write(commands, metadata))
         self._no_hello = loop.call_later(opener.hello_timeout_s, self._hello_late)
 
@@ -228,7 +241,11 @@ class FramesCall(_Writer):
         try:
             for message in self.frames.feed(data):
                 if self._hello.done():
-                    self._inbox.put_nowait(pb.StreamEvents.FromString(message))
+                    events = pb.StreamEvents.FromString(message)
+                    if self._on_events is not None:
+                        self._on_events(events)
+                    else:
+                        self._inbox.put_nowait(events)
                     continue
                 hello = internal_pb2.FramesHello.FromString(message)
                 if hello.HasField("refused"):
@@ -237,8 +254,8 @@ class FramesCall(_Writer):
                     return
                 self._no_hello.cancel()
                 self._hello.set_result(tuple((m.key, m.value) for m in hello.metadata))
-        except Exception as e:  # noqa: BLE001 - the server sent what cannot be read
-            self._fail(self._failure(f"unreadable message ({e})", grpc.StatusCode.INTERNAL))
+        except Exception as e:  # noqa: BLE001 - the server sent what cannot be read (or handled: the stream is lost)
+            self._fail(self._failure(f"a message could not be read or handled ({e!r})", grpc.StatusCode.INTERNAL))
 
     def connection_lost(self, exc) -> None:
         self._fail(self._failure(f"the connection was lost ({exc or 'closed by the server'})"))
@@ -267,6 +284,19 @@ class FramesCall(_Writer):
             if isinstance(event, AioRpcError):
                 raise event
             yield event
+
+    async def read_each(self, on_events) -> None:
+        """Hand every message to `on_events` as the connection's bytes are read, in the same turn
+        of the event loop (no task woken per message, as iterating takes), until the call fails:
+        then raise as iterating would."""
+        inbox = self._inbox
+        while not inbox.empty():  # (read before the reader came)
+            event = inbox.get_nowait()
+            if isinstance(event, AioRpcError):
+                raise event
+            on_events(event)
+        self._on_events = on_events
+        raise await inbox.get()  # (only the failure comes there now)
 
     def cancel(self) -> None:
         self._writer.cancel()

@@ -7,12 +7,14 @@ engine step for all of them, where their own calls would take one message per to
 cost is per message); to a caller of version 2, a response with nothing but tokens goes packed
 into the message's StreamTokens rather than as an event of its own. A request ends with an event
 of its own status; the call ending (the caller gone) cancels the requests still running, which
-aborts them where they run."""
+aborts them where they run. Over frames (frames.py) the same runs through `serve`, whose writer
+is a callback in the event loop's next turn rather than a task to wake."""
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 import grpc
 
@@ -94,8 +96,10 @@ class _Outbox:
     """The stream's next message, its events added in place as requests answer (no copy of
     each), which the writer takes whole; `closed` once no request will add more. `tokens`: the
     message's StreamTokens (None: the caller reads none). An event of a request that has tokens
-    in the message seals it (its tokens are read after its events) and begins the next."""
-    __slots__ = ("batch", "tokens", "_tokened", "_sealed", "ready", "closed")
+    in the message seals it (its tokens are read after its events) and begins the next. The
+    writer is woken once per message: a task waiting in take(), or, where `on_ready` is set, that
+    callback, called soon (in the event loop's next turn), which drains it."""
+    __slots__ = ("batch", "tokens", "_tokened", "_sealed", "ready", "closed", "on_ready", "_woken")
 
     def __init__(self, compact: bool):
         self.batch = pb.StreamEvents()
@@ -104,13 +108,23 @@ class _Outbox:
         self._sealed: list[pb.StreamEvents] = []
         self.ready = asyncio.Event()
         self.closed = False
+        self.on_ready: Callable[[], object] | None = None
+        self._woken = False  # the writer is woken for what is in the outbox now
+
+    def _wake(self) -> None:
+        if not self._woken:
+            self._woken = True
+            if self.on_ready is None:
+                self.ready.set()
+            else:
+                asyncio.get_running_loop().call_soon(self.on_ready)
 
     def add(self, stream: int, **event) -> None:
         """An event for the request numbered `stream`: its headers, a response or its status."""
         if stream in self._tokened:
             self._sealed.append(self._seal())
         self.batch.events.add(stream=stream, **event)
-        self.ready.set()
+        self._wake()
 
     def add_tokens(self, stream: int, token_ids: list[int], text: str) -> None:
         tokens = self.tokens
@@ -119,7 +133,8 @@ class _Outbox:
         tokens.token_ids += token_ids
         tokens.texts.append(text)
         self._tokened.add(stream)
-        self.ready.set()
+        if not self._woken:
+            self._wake()
 
     def _seal(self) -> pb.StreamEvents:
         batch, self.batch = self.batch, pb.StreamEvents()
@@ -130,19 +145,34 @@ class _Outbox:
 
     def close(self) -> None:
         self.closed = True
-        self.ready.set()
+        self._woken = False
+        self._wake()
 
     def empty(self) -> bool:
         return not self.batch.events and not self._tokened and not self._sealed
 
-    async def take(self) -> list[pb.StreamEvents]:
+    def drain(self) -> list[pb.StreamEvents]:
         """The messages to send, in order (more than one where a request's event sealed one)."""
-        await self.ready.wait()
-        self.ready.clear()
+        self._woken = False
         batches, self._sealed = self._sealed, []
         if not self.empty():
             batches.append(self._seal())
         return batches
+
+    async def take(self) -> list[pb.StreamEvents]:
+        """drain(), once there is something (or the outbox closed)."""
+        await self.ready.wait()
+        self.ready.clear()
+        return self.drain()
+
+
+class Carrier(Protocol):
+    """What GenerateStreams.serve writes a caller's messages to (frames.py's connection)."""
+    paused: bool  # the caller reads too slowly: hold the messages (they merge) until resumed
+    on_resume: Callable[[], object] | None  # set by serve: called once it may write again
+
+    def write(self, batch: pb.StreamEvents) -> None:
+        """Send the message now (without waiting)."""
 
 
 class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
@@ -165,6 +195,26 @@ class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
                     return
         finally:  # the caller went away, or the server stops: every request still running ends
             reader.cancel()
+            for task in list(running.values()):
+                task.cancel()
+
+    async def serve(self, commands: AsyncIterator[pb.StreamCommand], context, carrier: Carrier) -> None:
+        """Generate for a carrier that writes without waiting (frames.py): each message is written
+        from a callback in the turn of the event loop after its first event, with no task woken
+        per message; until the caller sends no more and its requests ended, or this is cancelled."""
+        outbox, running = _Outbox(STREAMS_VERSION in tuple(context.invocation_metadata() or ())), {}
+
+        def flush() -> None:
+            if not carrier.paused:  # (else the message grows until the carrier resumes)
+                for batch in outbox.drain():
+                    carrier.write(batch)
+        outbox.on_ready = carrier.on_resume = flush
+        await context.send_initial_metadata((STREAMS_VERSION,))
+        try:
+            await self._read(commands, running, outbox)
+            for batch in outbox.drain():  # the last statuses, paused or not (the carrier's close sends them)
+                carrier.write(batch)
+        finally:  # the caller went away, or the server stops: every request still running ends
             for task in list(running.values()):
                 task.cancel()
 

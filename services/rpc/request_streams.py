@@ -242,10 +242,17 @@ class RequestStreams:
             commands.batched = STREAMS_VERSION in tuple(await call.initial_metadata() or ())
             if frames:
                 log.info("a requests' stream over frames to %s is open", frames)
-            async for batch in call:
+
+            def on_events(batch: pb.StreamEvents) -> None:
+                nonlocal received
                 received = True
                 self.messages_read += 1
                 deliver_batch(batch, calls)
+            if frames:  # a FramesCall hands its messages over as they are read (no task woken each)
+                await call.read_each(on_events)  # (it raises the connection's end)
+            else:
+                async for batch in call:
+                    on_events(batch)
             error = AioRpcError(grpc.StatusCode.UNAVAILABLE, Metadata(), Metadata(),
                                 "the server ended its requests' stream")
         except AioRpcError as e:

@@ -299,6 +299,60 @@ def test_a_request_s_events_never_follow_its_tokens_in_one_message():
     assert responses_by_stream(batches) == sent
 
 
+def test_a_carrier_that_cannot_write_gets_what_its_requests_answered_merged_once_it_can():
+    """Over frames, a caller that reads too slowly pauses the connection (asyncio's flow control):
+    what its requests answer meanwhile waits in one message, which goes once it can write again;
+    the stream's last statuses go whatever the carrier says."""
+    class Carrier:
+        def __init__(self):
+            self.paused, self.on_resume, self.written = True, None, []
+
+        def write(self, batch: pb.StreamEvents) -> None:
+            self.written.append(batch)
+
+    class Context:
+        def invocation_metadata(self):
+            return (STREAMS_VERSION,)
+
+        async def send_initial_metadata(self, metadata) -> None:
+            pass
+
+    async def generate(msg: pb.GenerateRequest, context):
+        for i in range(3):
+            yield pb.GenerateResponse(request_id=msg.request_id, token_ids=[i])
+            await asyncio.sleep(0.01)
+
+    async def go():
+        carrier, more = Carrier(), asyncio.Event()
+
+        async def commands():
+            for stream, request_id in ((1, "a"), (2, "b")):
+                command = pb.StreamCommand(stream=stream)
+                command.open.request.request_id = request_id
+                yield command
+                await more.wait()  # (the second once the first was written)
+
+        serving = asyncio.ensure_future(GenerateStreams(generate).serve(commands(), Context(), carrier))
+        await asyncio.sleep(0.3)  # "a" answered everything, and ended, meanwhile
+        held = len(carrier.written)
+        carrier.paused = False
+        carrier.on_resume()
+        resumed = list(carrier.written)
+        carrier.paused = True  # paused again for the end: the last statuses go anyway
+        more.set()
+        await asyncio.wait_for(serving, 10)
+        return held, resumed, carrier.written[len(resumed):]
+
+    held, resumed, after = asyncio.run(go())
+    assert held == 0
+    assert len(resumed) == 1  # (merged)
+    by_stream = responses_by_stream(resumed)
+    assert [list(r.token_ids) for r in by_stream[1]] == [[0], [1], [2]]
+    assert [e.status.code for e in resumed[0].events if e.HasField("status")] == [0]
+    ended = [e.stream for batch in after for e in batch.events if e.HasField("status")]
+    assert ended == [2] and [list(r.token_ids) for r in responses_by_stream(after)[2]] == [[0], [1], [2]]
+
+
 def test_a_caller_sends_commands_batched_only_to_a_server_that_reads_them(server):
     """To a server that does not say it reads StreamCommand.more (an older one), each command
     goes in a message of its own: none is lost; to one that does, they share messages."""
