@@ -302,9 +302,9 @@ def deliver_batch(batch: pb.StreamEvents, calls: dict[int, StreamedCall]) -> Non
         return
     tokens = batch.tokens
     token_ids, texts = list(tokens.token_ids), list(tokens.texts) or itertools.repeat("")
-    at = 0
+    at, call_of = 0, calls.get
     for stream, count, text in zip(tokens.streams, tokens.counts, texts):
-        streamed = calls.get(stream)
+        streamed = call_of(stream)
         if streamed is not None:
             streamed.deliver_tokens(token_ids[at:at + count], text)
         at += count
