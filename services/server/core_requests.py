@@ -71,7 +71,8 @@ def core_request_from_proto(msg: pb.GenerateRequest, core: CoreClient, role: str
         check(params.max_tokens >= 2, "sampling.max_tokens",
               "must be >= 2 with a kv_handle: the first token came from the prefill")
         remote_kv = handle_from_proto(msg.kv_handle)
-    if not for_prefill and (remote_kv is not None or msg.resume.ids):  # the prompt's logprobs went out already
+    if (not for_prefill and (remote_kv is not None or msg.resume.ids)  # the prompt's logprobs went out already
+            and params.prompt_logprobs is not None):  # (a copy checked again: only where it changes)
         params = dataclasses.replace(params, prompt_logprobs=None)
     try:
         request = inputs.core_request(msg.request_id or uuid.uuid4().hex, _prompt(msg, core, bool(images)), params,
