@@ -144,6 +144,12 @@ class TokenSource(generate_pb2_grpc.TextGenerationServicer, internal_pb2_grpc.Pr
         yield last
 
 
+async def carry(batches, carrier) -> None:
+    """A stream servicer's messages written to a frames connection as they come."""
+    async for batch in batches:
+        carrier.write(batch)
+
+
 class SourcePrefills:
     """The source's prefill stream (Prefill/Streams) over frames."""
 
@@ -151,8 +157,7 @@ class SourcePrefills:
         self.source = source
 
     async def serve(self, commands, context, carrier) -> None:
-        async for batch in self.source.Streams(commands, context):
-            carrier.write(batch)
+        await carry(self.source.Streams(commands, context), carrier)
 
 
 class SourceStreams(generate_pb2_grpc.GenerateStreamsServicer):
@@ -178,8 +183,7 @@ class SourceStreams(generate_pb2_grpc.GenerateStreamsServicer):
 
     async def serve(self, commands, context, carrier) -> None:
         """The same over frames (a FramesServer's connection is the carrier)."""
-        async for batch in self.Generate(commands, context):
-            carrier.write(batch)
+        await carry(self.Generate(commands, context), carrier)
 
     @staticmethod
     async def _read(commands, conn: Connection) -> None:

@@ -1,10 +1,12 @@
 """Frames: a stream of requests (GenerateStreams, a prefill's Streams) over a bare TCP
-connection, TLS where the server serves it, for the router's hops to its engines. gRPC's cost
+connection, TLS where the server serves it, for the router's hops to its engines and a
+multiplexing client's to the router (or to an engine). gRPC's cost
 is per message, and in Python it is most of what a step costs a relay (one message read, one
 written, each ~150-200 us of CPU in grpc.aio's machinery, against ~40-70 us for asyncio's
 own transport): the requests and their semantics stay GenerateStreams' (generate_streams.py,
-request_streams.py); only the carrier changes. The router serves its own GenerateStreams so too,
-for a client library that multiplexes (client.py). Each frame is a 4-byte big-endian length and a
+request_streams.py); only the carrier changes, and neither end wakes a task per message (the
+caller's are handed over as read, FramesCall.read_each; the server's are written from a callback,
+GenerateStreams.serve). Each frame is a 4-byte big-endian length and a
 message: a FramesHello each way first (internal.proto), then the caller's StreamCommands and
 the server's StreamEvents, as the call's messages would go. The caller closing the connection
 ends the call, which ends the requests still running on it. A server (an engine, the router)

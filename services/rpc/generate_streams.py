@@ -97,8 +97,8 @@ class _Outbox:
     each), which the writer takes whole; `closed` once no request will add more. `tokens`: the
     message's StreamTokens (None: the caller reads none). An event of a request that has tokens
     in the message seals it (its tokens are read after its events) and begins the next. The
-    writer is woken once per message: a task waiting in take(), or, where `on_ready` is set, that
-    callback, called soon (in the event loop's next turn), which drains it."""
+    writer is woken once per message, by `on_ready`: by default the event a task waits for in
+    take(); a carrier's writer sets its own (GenerateStreams.serve)."""
     __slots__ = ("batch", "tokens", "_tokened", "_sealed", "ready", "closed", "on_ready", "_woken")
 
     def __init__(self, compact: bool):
@@ -108,16 +108,13 @@ class _Outbox:
         self._sealed: list[pb.StreamEvents] = []
         self.ready = asyncio.Event()
         self.closed = False
-        self.on_ready: Callable[[], object] | None = None
+        self.on_ready: Callable[[], object] = self.ready.set
         self._woken = False  # the writer is woken for what is in the outbox now
 
     def _wake(self) -> None:
         if not self._woken:
             self._woken = True
-            if self.on_ready is None:
-                self.ready.set()
-            else:
-                asyncio.get_running_loop().call_soon(self.on_ready)
+            self.on_ready()
 
     def add(self, stream: int, **event) -> None:
         """An event for the request numbered `stream`: its headers, a response or its status."""
@@ -208,7 +205,9 @@ class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
             if not carrier.paused:  # (else the message grows until the carrier resumes)
                 for batch in outbox.drain():
                     carrier.write(batch)
-        outbox.on_ready = carrier.on_resume = flush
+        loop = asyncio.get_running_loop()
+        outbox.on_ready = lambda: loop.call_soon(flush)  # (after the rest of this turn's answers)
+        carrier.on_resume = flush
         await context.send_initial_metadata((STREAMS_VERSION,))
         try:
             await self._read(commands, running, outbox)
