@@ -45,8 +45,8 @@ class CoreOptions(msgspec.Struct):
     engine_id: str  # the NIXL agent's name
     hold_timeout_s: float
     record_events: bool  # the front turns them into spans and metrics
-    input_address: str  # the front's PUSH binds here; the core connects
-    output_address: str
+    input_address: str  # the core's PULL binds here once it has loaded; the front's PUSH connects
+    output_address: str  # the front's PULL binds here; the core's PUSH connects
     kv_events: bool = False  # send the KV cache's events with each step (the front publishes them)
 
 
@@ -161,6 +161,28 @@ class CoreStep(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc
     failures: list[CoreFailure] = []
     events: StepEvents | None = None  # when the front asked for them (telemetry)
     kv_events: list[KVEvent] = []  # the KV cache's, since the last CoreStep, when the front asked for them
+    # Most of a decode step as two columns, cheaper to encode, decode and fan out than an output
+    # each: requests that gained one token and have nothing else to say (is_plain). A request's
+    # outputs are all in `outputs` or all here, so that each reaches its caller in order.
+    token_keys: list[int] = []
+    token_ids: list[int] = []  # token_keys[i]'s new token
+
+    @classmethod
+    def of(cls, outputs: list[CoreOutput], time: float, num_waiting: int, num_received: int,
+           failures: list[CoreFailure], events: StepEvents | None, kv_events: list[KVEvent]) -> CoreStep:
+        """The message of a pass whose requests' outputs are these, in order."""
+        rich = {out.key for out in outputs if not is_plain(out)}  # (these requests' outputs all stay outputs)
+        plain = [out for out in outputs if out.key not in rich] if rich else outputs
+        outputs = [out for out in outputs if out.key in rich] if rich else []
+        return cls(outputs, time, num_waiting, num_received, failures, events, kv_events,
+                   [out.key for out in plain], [out.new_token_ids[0] for out in plain])
+
+
+def is_plain(out: CoreOutput) -> bool:
+    """One new token and nothing else a caller must see: not its first (ready_time), not its
+    last, no logprobs. (The prompt's cached tokens a caller sees in the last output.)"""
+    return (len(out.new_token_ids) == 1 and out.finish_reason is None and out.ready_time is None
+            and out.logprobs is None and out.prompt_logprobs is None and out.kv_handle is None)
 
 
 class CallResult(msgspec.Struct, tag=True, array_like=True):

@@ -130,7 +130,7 @@ class CoreLoop:
         self._parent = parent
         self.num_received = 0  # requests received since start (taken in or failed)
         inp = zmq.Context().socket(zmq.PULL)
-        inp.connect(options.input_address)
+        inp.bind(options.input_address)  # (before it says it is ready: what the front sent meanwhile waits)
         self.outputs.put(CoreReady(core.facts()))
         threading.Thread(target=self._receive, args=(inp,), name="core-input", daemon=True).start()
         self._sender = threading.Thread(target=self._send, args=(out,), name="core-output", daemon=True)
@@ -185,8 +185,8 @@ class CoreLoop:
                 kv_events = self.kv_log.take() if self.kv_log is not None else []
                 if (outputs or taken or failures or kv_events
                         or (events is not None and (events.events or events.step_tokens))):
-                    self.outputs.put(CoreStep(outputs, core.scheduler.last_step_time, core.num_waiting,
-                                              self.num_received, failures, events, kv_events))
+                    self.outputs.put(CoreStep.of(outputs, core.scheduler.last_step_time, core.num_waiting,
+                                                 self.num_received, failures, events, kv_events))
         except Exception as e:  # the front fails its streams with this, then the process ends
             log.exception("the engine core's step loop failed")
             err = error_of(e)

@@ -83,14 +83,16 @@ class _Stream:
     """One request's way to its caller: its outputs queued, and under a stream interval the
     one held back until it carries enough tokens (kept here, so that a held output costs
     the caller no wake-up); or, once the caller gave a sink (CoreClient.sink), its outputs
-    but the last handed to the sink in the step's fan-out, with no wake-up at all."""
-    __slots__ = ("queue", "held", "started", "sink")
+    but the last handed to the sink in the step's fan-out, with no wake-up at all, and its
+    plain tokens (CoreStep's columns) to `on_token` with no output made for them."""
+    __slots__ = ("queue", "held", "started", "sink", "on_token")
 
     def __init__(self):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.held: StepOutput | None = None
         self.started = False  # its first output is on its way
         self.sink: Callable[[StepOutput], None] | None = None
+        self.on_token: Callable[[int, str], None] | None = None
 
     def put(self, out: StepOutput, interval: int) -> None:
         if self.held is not None:
@@ -122,14 +124,16 @@ def merge_queued(out: StepOutput | BaseException, outputs: asyncio.Queue) -> Ste
 class CoreClient:
     def __init__(self, config: EngineConfig, engine_id: str, hold_timeout_s: float,
                  max_waiting_requests: int | None = None, on_dead: Callable[[BaseException], None] | None = None,
-                 on_step: Callable[[StepEvents, list[StepOutput]], None] | None = None,
+                 on_step: Callable[[StepEvents, list[StepOutput], list[int]], None] | None = None,
                  on_kv_events: Callable[[list[KVEvent]], None] | None = None, stream_interval: int = 1):
-        """`engine_id`: the core's NIXL agent name. `on_step`: given each step's request events and
-        outputs, before the outputs reach their streams (telemetry); without it the core records
-        no events. `on_kv_events`: given the KV cache's events (kv_cache_events.py) in the order they
-        happened, from the core's start on; without it the core records none. `stream_interval`: a
-        stream's outputs after its first are held until they carry this many new tokens, or end it
-        (vLLM's `--stream-interval`: fewer, larger messages on every hop, a less smooth stream)."""
+        """`engine_id`: the core's NIXL agent name. `on_step`: given each step's request events, its
+        outputs and the keys of its plain tokens that went out (CoreStep's columns), in the turn
+        of the event loop that fans them out, before any caller reads them (telemetry); without
+        it the core records no events. `on_kv_events`: given the KV cache's events
+        (kv_cache_events.py) in the order they happened, from the core's start on; without it the
+        core records none. `stream_interval`: a stream's outputs after its first are held until
+        they carry this many new tokens, or end it (vLLM's `--stream-interval`: fewer, larger
+        messages on every hop, a less smooth stream)."""
         self.config = config
         self.engine_id = engine_id
         self.hold_timeout_s = hold_timeout_s
@@ -162,11 +166,15 @@ class CoreClient:
         self._addresses = (f"ipc://@{name}-in", f"ipc://@{name}-out")
         # Plain sockets, not zmq.asyncio's, which make and settle a future per message (a send
         # costs ~23 us there, ~1.5 here). Sends never block (no high-water mark); the event loop
-        # watches the receiving socket's fd and reads every message there when it says so.
+        # watches the receiving socket's fd and reads every message there when it says so. The
+        # input socket connects to the core's (which binds once it has loaded): a connecting
+        # PUSH queues what it is given from the start, where a binding one has no peer to queue
+        # for until the core's connection is through, which can be after the core said it is ready.
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.setsockopt(zmq.LINGER, 0)
-        self._push.bind(self._addresses[0])
+        self._push.setsockopt(zmq.RECONNECT_IVL, 10)  # (ms: the core binds seconds later, and requests wait on it)
+        self._push.connect(self._addresses[0])
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -266,15 +274,11 @@ class CoreClient:
         return len(self._streams)
 
     def _send(self, msg) -> None:
-        # Never blocks: with no high-water mark, only a core that is not connected (never started,
-        # or gone) leaves a message nowhere to go, and then nobody is there to read it.
-        try:
-            if isinstance(msg, CoreRequest) and msg.images:  # (large pixels as frames of their own)
-                self._push.send_multipart(request_frames(msg, self._encoder.encode), zmq.NOBLOCK, copy=False)
-            else:  # (small: a copy costs less than tracking a frame)
-                self._push.send(self._encoder.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("the engine core is not connected: %s dropped", type(msg).__name__)
+        # Never blocks: no high-water mark, and the connecting socket's pipe exists from the start.
+        if isinstance(msg, CoreRequest) and msg.images:  # (large pixels as frames of their own)
+            self._push.send_multipart(request_frames(msg, self._encoder.encode), zmq.NOBLOCK, copy=False)
+        else:  # (small: a copy costs less than tracking a frame)
+            self._push.send(self._encoder.encode(msg), zmq.NOBLOCK)
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -315,15 +319,19 @@ class CoreClient:
                 if self._dead is None:  # sent before any later request under this id: the core sees it first
                     self._send(CoreAbort([request.request_id]))
 
-    def sink(self, request: CoreRequest, sink: Callable[[StepOutput], None]) -> bool:
+    def sink(self, request: CoreRequest, sink: Callable[[StepOutput], None],
+             on_token: Callable[[int, str], None] | None = None) -> bool:
         """From now on, hand the request's outputs but its last to `sink` as each step fans out,
         instead of queueing them for its generate() loop, which then wakes only for the last one
-        (or an error). Only while nothing is queued, so that the sink's come after every output
-        the loop yielded: False if something is (the caller may ask again after its next one)."""
+        (or an error); and a token with nothing else to say (most of them) to `on_token`, with
+        the text it completes, unless a stream interval merges outputs. Only while nothing is
+        queued, so that the sink's come after every output the loop yielded: False if something
+        is (the caller may ask again after its next one)."""
         stream = self._streams.get(request.key)
         if stream is None or not stream.queue.empty():
             return False
         stream.sink = sink
+        stream.on_token = on_token if self.stream_interval <= 1 else None
         return True
 
     def abort(self, request_ids: list[str]) -> None:
@@ -385,11 +393,12 @@ class CoreClient:
             except Exception:  # publishing must never cost a request
                 log.exception("the KV cache's events could not be published")
         outputs, stopped = self.outputs.process(msg.outputs, msg.time)
+        ended, token_keys = self._fan_out_tokens(msg, stopped) if msg.token_keys else ((), ())
         if stopped:  # ended here by a stop string: the core still runs them (or holds their blocks)
             self._send(CoreAbort(stopped))
         if self.on_step is not None and msg.events is not None:
             try:
-                self.on_step(msg.events, outputs)
+                self.on_step(msg.events, [*outputs, *ended], token_keys)
             except Exception:  # telemetry must never cost a request
                 log.exception("telemetry failed on a step's events")
         for failure in msg.failures:
@@ -398,10 +407,33 @@ class CoreClient:
                 self.outputs.drop(failure.key)
                 stream.queue.put_nowait(error_from(failure.error))
         interval = self.stream_interval
-        for out in outputs:
+        for out in (*outputs, *ended):  # (a request's tokens went out before what ended it)
             stream = self._streams.get(out.key)
             if stream is not None:  # else the caller left already; its abort is on its way
                 stream.put(out, interval)
+
+    def _fan_out_tokens(self, msg: CoreStep, stopped: list[str]) -> tuple[list[StepOutput], list[int]]:
+        """The step's plain tokens to their streams: to on_token where a stream has one, else as
+        outputs. Returns the last outputs of requests a stop string ended (OutputProcessor.token)
+        and the keys of the tokens that went out."""
+        token, streams, interval, step_time = self.outputs.token, self._streams, self.stream_interval, msg.time
+        ended, sent = [], []
+        for key, token_id in zip(msg.token_keys, msg.token_ids):
+            text = token(key, token_id, step_time, stopped)
+            if text is None:  # its caller left, or a stop string ended it a step ago
+                continue
+            if type(text) is not str:
+                ended.append(text)
+                continue
+            sent.append(key)
+            stream = streams.get(key)
+            if stream is None:
+                continue
+            if stream.on_token is not None and stream.held is None:
+                stream.on_token(token_id, text)
+            else:
+                stream.put(self.outputs.token_output(key, token_id, text, step_time), interval)
+        return ended, sent
 
     def _on_result(self, msg: CallResult) -> None:
         entry = self._calls.get(msg.call_id)

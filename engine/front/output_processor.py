@@ -33,12 +33,14 @@ class StepOutput:
 
 
 class _Tracked:
-    __slots__ = ("request_id", "num_prompt_tokens", "num_output_tokens", "min_tokens", "stream", "hands_over")
+    __slots__ = ("request_id", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "min_tokens", "stream",
+                 "hands_over")
 
     def __init__(self, request: CoreRequest, stream: TextStream | None, min_tokens: int):
         self.request_id = request.request_id
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_output_tokens = len(request.output_token_ids)
+        self.num_cached_tokens = 0  # as its outputs last said (a plain token says nothing of it)
         self.min_tokens = min_tokens
         self.stream = stream
         # A prefill's request ends at its first token and goes on at a decode: its text is not final.
@@ -80,6 +82,7 @@ class OutputProcessor:
             if tracked is None:  # its caller left, or a stop string ended it a step ago
                 continue
             finish, stop_reason, handle = out.finish_reason, out.stop_token_id, out.kv_handle
+            tracked.num_cached_tokens = out.num_cached_tokens
             tokens, logprobs, text = out.new_token_ids, out.logprobs, ""
             if tracked.stream is not None:
                 final = finish is not None and not (tracked.hands_over and finish == "length")
@@ -98,6 +101,31 @@ class OutputProcessor:
                                     handle, logprobs, out.prompt_logprobs, stop_reason, out.key, step_time,
                                     out.ready_time))
         return steps, stopped
+
+    def token(self, key: int, token_id: int, step_time: float, stopped: list[str]) -> str | StepOutput | None:
+        """A plain token of a step (CoreStep's columns): the text it completes; or, where a stop
+        string ended its request there, the request's last output (its id added to `stopped`);
+        None where its request is not tracked."""
+        tracked = self.requests.get(key)
+        if tracked is None:
+            return None
+        tracked.num_output_tokens += 1
+        if tracked.stream is None:
+            return ""
+        text, stop = tracked.stream.push([token_id], False, tracked.num_output_tokens >= tracked.min_tokens)
+        if stop is None:
+            return text
+        del self.requests[key]
+        stopped.append(tracked.request_id)
+        return StepOutput(tracked.request_id, [token_id], text, True, "stop", tracked.num_prompt_tokens,
+                          tracked.num_output_tokens, tracked.num_cached_tokens, stop_reason=stop, key=key,
+                          time=step_time)
+
+    def token_output(self, key: int, token_id: int, text: str, step_time: float) -> StepOutput:
+        """A plain token (token()'s text) as an output, for a caller that takes outputs."""
+        tracked = self.requests[key]
+        return StepOutput(tracked.request_id, [token_id], text, False, None, tracked.num_prompt_tokens,
+                          tracked.num_output_tokens, tracked.num_cached_tokens, key=key, time=step_time)
 
     @staticmethod
     def _push(tracked: _Tracked, tokens: list[int], final: bool) -> tuple[str, str | None, int]:

@@ -17,6 +17,7 @@ prefill, decode and inference time). With neither tracing nor metrics on, none o
 from __future__ import annotations
 
 import logging
+from itertools import chain, repeat
 
 import grpc
 
@@ -213,10 +214,14 @@ class RequestTelemetry:
 
     def on_output(self, out) -> None:
         """A step gave this request tokens (the lazy prefill -> decode switch)."""
-        if self.first_token_time is None and not self.remote:
-            self.first_token_time = out.time
         if out.finished:  # as the front ended it: a stop string ends it here before the core does
             self.final = (out.finish_reason, out.num_output_tokens, out.time)
+        self.on_token(out.time)
+
+    def on_token(self, when: float) -> None:
+        """A step gave this request a token (as a plain token: nothing else to note)."""
+        if self.first_token_time is None and not self.remote:
+            self.first_token_time = when
         if "prefill" in self.phases:
             self._first_token(finished=False)
 
@@ -293,7 +298,7 @@ class EngineTelemetry:
     def _forget(self, rt: RequestTelemetry) -> None:
         self.active.pop(rt.request.key, None)
 
-    def on_step(self, step: StepEvents, outputs) -> None:
+    def on_step(self, step: StepEvents, outputs, token_keys) -> None:
         done = []
         try:
             for ev in step.events:
@@ -307,7 +312,7 @@ class EngineTelemetry:
                     EVENT_HANDLERS[ev.type](rt, ev)
                 except Exception:  # one request's telemetry must not cost the others'
                     log.exception("telemetry failed on %s of %s", ev.type.value, ev.request_id)
-            self._tokens(step.time, outputs)
+            self._tokens(step.time, outputs, token_keys)
             if self.metrics is not None:
                 for n in step.step_tokens:
                     self.metrics.iteration_tokens.observe(n)
@@ -317,16 +322,21 @@ class EngineTelemetry:
                 if rt.holds_blocks:
                     self.holding[rt.request.key] = rt
 
-    def _tokens(self, now: float, outputs) -> None:
-        """Inter-token gaps, counted per step (most of a step's tokens share theirs)."""
+    def _tokens(self, now: float, outputs, token_keys) -> None:
+        """Inter-token gaps, counted per step (most of a step's tokens share theirs); `token_keys`:
+        the requests of the step's plain tokens."""
         gaps: dict[float, int] = {}  # the previous token's time -> tokens since
-        for out in outputs:
-            rt = self.active.get(out.key)
+        active = self.active
+        for key, out in chain(((out.key, out) for out in outputs), zip(token_keys, repeat(None))):
+            rt = active.get(key)
             if rt is not None:
                 if rt.last_token_time is not None:
                     gaps[rt.last_token_time] = gaps.get(rt.last_token_time, 0) + 1
                 rt.last_token_time = now
-                rt.on_output(out)
+                if out is None:
+                    rt.on_token(now)
+                else:
+                    rt.on_output(out)
         if self.metrics is not None:
             for last, n in gaps.items():
                 self.metrics.itl.observe(now - last, n)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from functools import partial
 
 import grpc
 
@@ -101,16 +100,29 @@ class GenerationService:
                     await context.send_initial_metadata(decode_timing(out))
                     handle = None
                 yield response_from_output(out, made.output, index, request_id)
-                if stream is not None and self.core.sink(made.request, partial(
-                        _respond_with, stream, made.output, request_id)):
-                    stream = None  # (sunk: nothing but the last comes here now)
+                if stream is not None:
+                    sink = _StreamSink(stream, made.output, request_id)
+                    if self.core.sink(made.request, sink.output, sink.token):
+                        stream = None  # (sunk: nothing but the last comes here now)
         except ENGINE_ERRORS as e:
             telemetry.drop(rt, time.monotonic(), str(e))
             await abort_for_engine_error(context, e)
 
 
-def _respond_with(stream: StreamContext, output: int, request_id: str, out: StepOutput) -> None:
-    if out.logprobs is None and out.prompt_logprobs is None:  # (never the last: CoreClient.sink)
-        stream.respond_tokens(request_id, *output_parts(out, output))
-    else:
-        stream.respond(response_from_output(out, output, 0, request_id))
+class _StreamSink:
+    """A request's responses but its last, straight into its stream's next message (CoreClient.sink)."""
+    __slots__ = ("stream", "mode", "request_id", "with_ids", "with_text")
+
+    def __init__(self, stream: StreamContext, output: int, request_id: str):
+        self.stream, self.mode, self.request_id = stream, output, request_id
+        self.with_ids, self.with_text = output != pb.OUTPUT_TEXT, output != pb.OUTPUT_TOKEN_IDS  # (output_parts')
+
+    def output(self, out: StepOutput) -> None:
+        if out.logprobs is None and out.prompt_logprobs is None:
+            self.stream.respond_tokens(self.request_id, *output_parts(out, self.mode))
+        else:
+            self.stream.respond(response_from_output(out, self.mode, 0, self.request_id))
+
+    def token(self, token_id: int, text: str) -> None:
+        self.stream.respond_tokens(self.request_id, [token_id] if self.with_ids else [],
+                                   text if self.with_text else "")

@@ -14,13 +14,22 @@ from typing import ClassVar
 
 import msgspec
 import pytest
-from helpers import alive, stats
+from helpers import alive, random_prompts, stats
 
+from baton import LLM
 from baton.engine.common.config import EngineConfig
-from baton.engine.common.core_messages import CoreCallFailed, GetSnapshot, LoadAdapter, ReleaseHold
+from baton.engine.common.core_messages import (
+    CoreCallFailed,
+    CoreMessage,
+    CoreOutput,
+    CoreStep,
+    GetSnapshot,
+    LoadAdapter,
+    ReleaseHold,
+)
 from baton.engine.common.errors import InvalidArgument
 from baton.engine.common.sampling_params import SamplingParams
-from baton.engine.front.core_client import CoreClient, EngineDead, merge_queued
+from baton.engine.front.core_client import CoreClient, EngineDead, _Stream, merge_queued
 from baton.engine.front.output_processor import StepOutput
 from baton.services.client import Client
 
@@ -42,6 +51,19 @@ def test_queued_outputs_merge_up_to_the_last():
     assert drained
 
 
+def test_under_a_stream_interval_the_first_output_goes_at_once_then_only_enough_tokens_or_the_last():
+    async def run():
+        stream, sizes = _Stream(), []
+        for out in (step([1], "a"), step([2], "b"), step([3, 4], "cd"), step([5], "e"), step([6], "f"),
+                    step([7], "g"), step([8], "h", finished=True)):
+            stream.put(out, 4)
+            while not stream.queue.empty():
+                sizes.append(stream.queue.get_nowait().new_token_ids)
+        return sizes
+
+    assert asyncio.run(run()) == [[1], [2, 3, 4, 5], [6, 7, 8]]
+
+
 def test_logprobs_queued_before_a_last_output_without_them_are_kept():
     async def run():
         queue = asyncio.Queue()
@@ -61,6 +83,20 @@ def test_an_error_queued_behind_outputs_is_raised():
 
     with pytest.raises(EngineDead):
         asyncio.run(run())
+
+
+def test_a_step_s_plain_tokens_go_as_columns_and_each_request_s_outputs_stay_in_order():
+    """Two pipelined steps in one message: a request whose first token (ready_time) is in it
+    sends its next one as an output too, after it; the others' lone tokens go as columns."""
+    outputs = [CoreOutput(1, [11]), CoreOutput(2, [21], ready_time=5.0, num_cached_tokens=16),
+               CoreOutput(3, [31], logprobs=[]), CoreOutput(4, [41, 42]), CoreOutput(5, [51], finish_reason="length"),
+               CoreOutput(1, [12]), CoreOutput(2, [22]), CoreOutput(6, [61], num_cached_tokens=16)]
+    msg = msgspec.msgpack.Decoder(CoreMessage).decode(msgspec.msgpack.encode(
+        CoreStep.of(outputs, 1.0, 0, 3, [], None, [])))
+    assert [(o.key, o.new_token_ids) for o in msg.outputs] == [(2, [21]), (3, [31]), (4, [41, 42]), (5, [51]),
+                                                               (2, [22])]
+    assert (msg.token_keys, msg.token_ids) == ([1, 1, 6], [11, 12, 61])
+    assert CoreStep.of([CoreOutput(1, [11])], 1.0, 0, 0, [], None, []).outputs == []
 
 
 def _client(model_dir: str, **kwargs) -> CoreClient:
@@ -200,8 +236,8 @@ def test_a_killed_front_takes_its_core_with_it(spawn, tiny_llama):
     assert leftovers(server.proc.pid)  # the sockets are there while it runs
     server.proc.kill()
     server.proc.wait(10)
-    deadline = time.monotonic() + 5
-    while alive(core) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 5  # (its last threads close its sockets after its main thread exited)
+    while (alive(core) or set(leftovers(server.proc.pid)) - shm) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(core)
     assert set(leftovers(server.proc.pid)) <= shm
@@ -251,3 +287,55 @@ def test_a_serving_front_has_not_loaded_torch_or_nixl(spawn, tiny_llama):
     assert not [lib for lib in libraries if "torch" in lib or "nixl" in lib], sorted(libraries)
     core_libraries = mapped(core_pid)
     assert any("libtorch" in p for p in core_libraries) and any("nixl" in p for p in core_libraries)
+
+
+def test_plain_tokens_reach_a_sink_as_text_and_a_stop_string_in_one_ends_the_request_as_offline(tiny_llama):
+    """A stream given a sink gets its plain tokens and their text one by one (on_token); a stop
+    string that a plain token completes ends the request with the offline engine's text, and
+    its last output still says how much of the prompt was cached."""
+    prompt = random_prompts([40], seed=77)[0]
+    greedy = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm = LLM(tiny_llama, dtype="float32", device="cpu")
+    ids = llm.generate([prompt], SamplingParams(**greedy))[0].token_ids
+    texts = [llm.tokenizer.decode(ids[:k]) for k in range(len(ids) + 1)]
+    stop = next(piece for k in range(16, len(ids)) if (piece := texts[k][len(texts[k - 1]):]).strip()
+                and "\ufffd" not in piece and texts[k].startswith(texts[k - 1])
+                and texts[k].find(piece) == len(texts[k - 1]))  # a token's own text, seen first there
+    params = SamplingParams(**greedy, stop=[stop])
+    want = llm.generate([prompt], params)[0]
+    assert want.finish_reason == "stop" and len(want.token_ids) >= 16
+
+    async def run():
+        core = _client(tiny_llama)
+        await core.start()
+        try:
+            runs = []
+            for name in ("cold", "cached"):  # the second finds the first's prompt blocks
+                request = core.inputs.core_request(name, prompt, params)
+                outputs, tokens = [], []
+                stream = core.generate(request)
+                outputs.append(await anext(stream))
+                os.kill(core.pid, signal.SIGSTOP)  # (its stop string is many steps away: it stays there)
+                try:
+                    while not core.sink(request, outputs.append,
+                                        lambda token_id, text, into=tokens: into.append((token_id, text))):
+                        outputs.append(await anext(stream))  # (what was queued meanwhile first)
+                finally:
+                    os.kill(core.pid, signal.SIGCONT)
+                outputs += [o async for o in stream]
+                runs.append({"outputs": outputs, "tokens": tokens})
+            return runs, await core.call(GetSnapshot())
+        finally:
+            await core.stop()
+
+    runs, snapshot = asyncio.run(asyncio.wait_for(run(), 60))
+    for got in runs:
+        *before, last = got["outputs"]  # (those the loop yielded and any the sink took)
+        assert got["tokens"] and all(not o.finished for o in before)
+        assert [t for o in before for t in o.new_token_ids] + [t for t, _ in got["tokens"]] + last.new_token_ids \
+            == want.token_ids
+        assert "".join(o.text for o in before) + "".join(text for _, text in got["tokens"]) + last.text == want.text
+        assert (last.finished, last.finish_reason, last.stop_reason) == (True, "stop", stop)
+    assert runs[0]["outputs"][-1].num_cached_tokens == 0
+    assert runs[1]["outputs"][-1].num_cached_tokens == runs[1]["outputs"][0].num_cached_tokens > 0
+    assert snapshot.num_free_kv_blocks == snapshot.num_kv_blocks
