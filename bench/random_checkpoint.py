@@ -30,6 +30,10 @@ SHAPES = {
     # benchmark's), few enough layers that a step stays well under a second.
     "llama-h2048": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
                         num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False),
+    # Steps as short as a GPU's on a CPU (a fraction of a millisecond of model per step), with
+    # heads of 64 for vLLM's CPU attention: the front, router and client are what limits it.
+    "llama-h128": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, vocab_size=1000, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False),  # for the tests
 }

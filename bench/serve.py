@@ -51,7 +51,7 @@ from functools import partial
 from pathlib import Path
 
 from report import metrics, print_table  # bench/report.py (this script's folder is on sys.path)
-from stack import SpanSink, stack_cpu_s, start_stack, stop_stack, telemetry_flags  # bench/stack.py
+from stack import SpanSink, server_cpu_s, stack_cpu_s, start_stack, stop_stack, telemetry_flags  # bench/stack.py
 from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,6 +107,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--openai-url", help="an OpenAI-compatible server to load in the `openai` mode (e.g. a vLLM "
                                         "server's http://127.0.0.1:8000), with the same workload and metrics")
     p.add_argument("--openai-model", help="the model name it serves (default: the first of its /v1/models)")
+    p.add_argument("--openai-pid", type=int, help="that server's process on this machine, for its CPU per token "
+                                                  "(its own as the front's, its descendants' as the cores')")
     p.add_argument("--telemetry", default="off", help="comma list of: off, metrics, traced (each service mode "
                                                       "runs once per entry)")
     p.add_argument("--stream-intervals", default="1", help="comma list of the engines' --stream-interval (new "
@@ -306,6 +308,24 @@ async def run_http(args: argparse.Namespace, workload: list[Request], url: str, 
         return await drive(args, workload, mode, lambda r, trace, t0: stream(r.prompt, r.output_len, trace, t0))
 
 
+def peer_cpu_s(pid: int | None, into: dict) -> dict[str, float]:
+    """An outside server's CPU seconds so far (none without its pid), also put into `into`."""
+    into.update(server_cpu_s(pid) if pid else {})
+    return into
+
+
+def measured(traces: list[Trace], wall: float, workload: list[Request], start: dict[str, float],
+             end: dict[str, float]) -> dict:
+    """A service run's metrics, its messages per token and its processes' CPU per token (from
+    their CPU seconds at the warm-up's end and at the run's)."""
+    row = metrics(traces, wall, workload)
+    tokens = sum(t.tokens for t in traces if t.ok) or 1
+    row["messages/tok"] = sum(len(t.chunk_s) for t in traces if t.ok) / tokens
+    row.update({f"{who} CPU us/tok": float("nan") for who in ("router", "fronts", "decode front", "cores")})
+    row.update({f"{who} CPU us/tok": (s - start[who]) * 1e6 / tokens for who, s in end.items()})
+    return row
+
+
 def print_compile_times(model: Path, schema: str) -> None:
     """The schema's grammar compile time, first use (the tokenizer table included) and cached."""
     from baton.engine.common.structured_output import StructuredOutput
@@ -365,11 +385,10 @@ def main() -> None:
                             "cores CPU us/tok": (time.process_time() - cpu) * 1e6 / (sum(t.tokens for t in traces)
                                                                                        or 1)})
             elif mode == "openai":
-                row = metrics(*asyncio.run(run_http(args, workload, args.openai_url, name, args.openai_model)),
-                              workload)
-                row.update(dict.fromkeys(("router CPU us/tok", "fronts CPU us/tok", "decode front CPU us/tok",
-                                          "cores CPU us/tok"),
-                                         float("nan")))  # (another's processes: not ours to read)
+                start, pid = {}, args.openai_pid  # (without its pid, its processes are not ours to read)
+                traces, wall = asyncio.run(run_http(args, workload, args.openai_url, name, args.openai_model,
+                                                    after_warmup=partial(peer_cpu_s, pid, start)))
+                row = measured(traces, wall, workload, start, peer_cpu_s(pid, {}))
             else:
                 flags = (*telemetry_flags("off" if constraint else variant, sink), "--stream-interval", str(interval))
                 procs, address = start_stack(args, mode, flags, {"per-call": ("--no-multiplex",),
@@ -381,11 +400,7 @@ def main() -> None:
                         traces, wall = asyncio.run(run_http(args, workload, address, name, after_warmup=mark))
                     else:
                         traces, wall = asyncio.run(run_grpc(args, workload, address, name, constraint, mark, client))
-                    row = metrics(traces, wall, workload)
-                    tokens = sum(t.tokens for t in traces if t.ok) or 1
-                    row["messages/tok"] = sum(len(t.chunk_s) for t in traces if t.ok) / tokens
-                    row.update({f"{who} CPU us/tok": (s - start[who]) * 1e6 / tokens
-                                for who, s in stack_cpu_s(procs, mode).items()})
+                    row = measured(traces, wall, workload, start, stack_cpu_s(procs, mode))
                 finally:
                     stop_stack(procs)
             row.setdefault("messages/tok", float("nan"))

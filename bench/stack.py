@@ -107,6 +107,14 @@ def stack_cpu_s(procs: list[subprocess.Popen], mode: str) -> dict[str, float]:
             "cores": sum(cpu_seconds(child) for p in engines for child in descendants(p.pid))}
 
 
+def server_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds so far of an outside server: its process (its front, as vLLM's API server is)
+    and its descendants (its engine cores)."""
+    front = cpu_seconds(pid)
+    return {"router": float("nan"), "fronts": front, "decode front": front,
+            "cores": sum(cpu_seconds(child) for child in descendants(pid))}
+
+
 def stop_stack(procs: list[subprocess.Popen]) -> None:
     for proc in reversed(procs):  # the router first
         proc.send_signal(2)
