@@ -26,7 +26,10 @@ order, and keeps each one's fastest, so that the machine's drift does not land o
 Each service mode also reports the CPU time its processes spent per streamed token, a figure
 busy cores cannot distort (/proc's user + system time over the workload, warm-up excluded):
 the router's, the fronts' (every `baton serve` process of the engines, their engine cores
-excluded) and the engine cores' (the serve processes' children: cores and tensor-parallel ranks).
+excluded), the engine cores' (the serve processes' children: cores and tensor-parallel ranks)
+and the client's (this process, the load generator, which shares the machine with them). With
+--openai-pid, the `openai` mode reports that server's process as its front and its
+descendants as its cores.
 
     .venv/bin/python bench/serve.py --max-concurrency 32
     .venv/bin/python bench/serve.py --modes colocated,disaggregated,router --long-every 4
@@ -308,9 +311,10 @@ async def run_http(args: argparse.Namespace, workload: list[Request], url: str, 
         return await drive(args, workload, mode, lambda r, trace, t0: stream(r.prompt, r.output_len, trace, t0))
 
 
-def peer_cpu_s(pid: int | None, into: dict) -> dict[str, float]:
-    """An outside server's CPU seconds so far (none without its pid), also put into `into`."""
-    into.update(server_cpu_s(pid) if pid else {})
+def cpu_mark(into: dict, processes) -> dict[str, float]:
+    """CPU seconds so far of the servers' processes (`processes()`'s) and of this one, the
+    client's; also put into `into`."""
+    into.update(processes(), client=time.process_time())
     return into
 
 
@@ -321,7 +325,7 @@ def measured(traces: list[Trace], wall: float, workload: list[Request], start: d
     row = metrics(traces, wall, workload)
     tokens = sum(t.tokens for t in traces if t.ok) or 1
     row["messages/tok"] = sum(len(t.chunk_s) for t in traces if t.ok) / tokens
-    row.update({f"{who} CPU us/tok": float("nan") for who in ("router", "fronts", "decode front", "cores")})
+    row.update({f"{who} CPU us/tok": float("nan") for who in ("router", "fronts", "decode front", "cores", "client")})
     row.update({f"{who} CPU us/tok": (s - start[who]) * 1e6 / tokens for who, s in end.items()})
     return row
 
@@ -381,26 +385,28 @@ def main() -> None:
                 traces, wall = run_offline(args, workload, constraint)
                 row = metrics(traces, wall, workload)
                 row.update({"router CPU us/tok": float("nan"), "fronts CPU us/tok": float("nan"),
-                            "decode front CPU us/tok": float("nan"),
+                            "decode front CPU us/tok": float("nan"), "client CPU us/tok": float("nan"),
                             "cores CPU us/tok": (time.process_time() - cpu) * 1e6 / (sum(t.tokens for t in traces)
                                                                                        or 1)})
             elif mode == "openai":
-                start, pid = {}, args.openai_pid  # (without its pid, its processes are not ours to read)
+                # (without its pid, its processes are not ours to read)
+                start, cpu = {}, partial(server_cpu_s, args.openai_pid) if args.openai_pid else dict
                 traces, wall = asyncio.run(run_http(args, workload, args.openai_url, name, args.openai_model,
-                                                    after_warmup=partial(peer_cpu_s, pid, start)))
-                row = measured(traces, wall, workload, start, peer_cpu_s(pid, {}))
+                                                    after_warmup=partial(cpu_mark, start, cpu)))
+                row = measured(traces, wall, workload, start, cpu_mark({}, cpu))
             else:
                 flags = (*telemetry_flags("off" if constraint else variant, sink), "--stream-interval", str(interval))
                 procs, address = start_stack(args, mode, flags, {"per-call": ("--no-multiplex",),
                                                                  "multiplexed": ("--no-frames",)}.get(calls, ()))
                 start = {}
                 try:
-                    mark = partial(lambda into, ps, m: into.update(stack_cpu_s(ps, m)), start, procs, mode)
+                    cpu = partial(stack_cpu_s, procs, mode)
+                    mark = partial(cpu_mark, start, cpu)
                     if mode.endswith("-http"):
                         traces, wall = asyncio.run(run_http(args, workload, address, name, after_warmup=mark))
                     else:
                         traces, wall = asyncio.run(run_grpc(args, workload, address, name, constraint, mark, client))
-                    row = measured(traces, wall, workload, start, stack_cpu_s(procs, mode))
+                    row = measured(traces, wall, workload, start, cpu_mark({}, cpu))
                 finally:
                     stop_stack(procs)
             row.setdefault("messages/tok", float("nan"))
