@@ -14,7 +14,7 @@ import grpc
 
 from baton.services.rpc.frames import FramesOpener
 from baton.services.rpc.names import FINISH_REASON_NAMES, GENERATE_METHOD
-from baton.services.rpc.request_streams import RequestStreams
+from baton.services.rpc.request_streams import RequestStreams, StreamedCall, StreamedTokens
 from baton.services.rpc.tls import TLSConfig, aio_channel, sync_channel
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc, internal_pb2
@@ -151,9 +151,10 @@ class AsyncClient:
             await asyncio.shield(self._frames_lookup)  # (shared: one completion's cancel is not the others')
         call = (self.streams.open(msg, metadata, timeout) if self.streams is not None
                 else self._generate(msg, timeout=timeout, metadata=metadata))
-        try:
-            async for raw in call:
-                yield chunk_from_response(pb.GenerateResponse.FromString(raw))
+        try:  # (a response with nothing but tokens, read off a stream, is never serialized)
+            async for resp in (call.responses(tokens=True) if isinstance(call, StreamedCall) else call):
+                yield (Chunk(*resp) if isinstance(resp, StreamedTokens) else
+                       chunk_from_response(pb.GenerateResponse.FromString(resp)))
         finally:
             call.cancel()
 

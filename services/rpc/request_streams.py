@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Protocol
+from collections.abc import AsyncIterator
+from typing import NamedTuple, Protocol
 
 import grpc
 from grpc.aio import AioRpcError, Metadata
@@ -43,9 +44,18 @@ class Sink(Protocol):
         """A response with nothing but these (StreamTokens'): not the request's last."""
 
 
+class StreamedTokens(NamedTuple):
+    """A response with nothing but tokens, as the stream's message carried it (StreamTokens),
+    for a reader that takes it so (StreamedCall.responses) rather than serialized."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+
+
 class StreamedCall:
     """One request on a server's stream, read as its own Generate call would be."""
-    __slots__ = ("_streams", "_stream", "_open", "_events", "_headers", "_done", "_call", "_sink", "_first")
+    __slots__ = ("_streams", "_stream", "_open", "_events", "_headers", "_done", "_call", "_sink", "_first",
+                 "_request_id")
 
     def __init__(self, streams: RequestStreams, stream: int, open: pb.StreamOpen):
         self._streams, self._stream, self._open = streams, stream, open
@@ -55,9 +65,10 @@ class StreamedCall:
         self._call = None  # the request's own call, where the instance cannot take streams
         self._sink: Sink | None = None
         self._first: bytes | None = None  # the first response read (its request_id, for tokens')
+        self._request_id: str | None = None  # as responses carry it (the server's own where the caller gave none)
 
     def __aiter__(self):
-        return self._responses()
+        return self.responses()
 
     def deliver(self, event) -> None:
         """A StreamEvent for it, the stream's failure (AioRpcError), or _FALL_BACK."""
@@ -86,13 +97,19 @@ class StreamedCall:
         self._sink = sink
         return True
 
-    async def _responses(self):
+    async def responses(self, tokens: bool = False) -> AsyncIterator[bytes | StreamedTokens]:
+        """Its serialized GenerateResponses, as a call of its own gives them; with `tokens`,
+        one with nothing but tokens as StreamedTokens, never serialized."""
         while True:
             event = await self._events.get()
             if isinstance(event, tuple):  # a response of StreamTokens, as its own message
                 token_ids, text = event
-                yield pb.GenerateResponse(request_id=self._request_id(), token_ids=token_ids,
-                                          text=text).SerializeToString()
+                if self._request_id is None:
+                    self._request_id = (self._open.request.request_id
+                                        or pb.GenerateResponse.FromString(self._first or b"").request_id)
+                yield (StreamedTokens(self._request_id, token_ids, text) if tokens else
+                       pb.GenerateResponse(request_id=self._request_id, token_ids=token_ids,
+                                           text=text).SerializeToString())
                 continue
             if isinstance(event, AioRpcError):
                 self._done = True
@@ -115,10 +132,6 @@ class StreamedCall:
                     raise AioRpcError(STATUS_CODES.get(status.code, grpc.StatusCode.UNKNOWN), Metadata(*self._headers),
                                       trailer, status.details)
                 return
-
-    def _request_id(self) -> str:
-        """The request's id as its responses carry it (the server's own, where the caller gave none)."""
-        return self._open.request.request_id or pb.GenerateResponse.FromString(self._first or b"").request_id
 
     def renumbered(self, stream: int) -> pb.StreamOpen:
         """It goes on another stream (one over frames failed before any answer), numbered so: its open."""

@@ -164,13 +164,15 @@ def test_a_client_multiplexing_through_the_router_streams_as_with_calls(tiny_lla
                     break
 
             async def texts(prompt):  # the text alone, and beside the ids (both packed once past the first)
-                both, alone, ids_with_text = "", "", []
+                both, alone, ids_with_text, request_ids = "", "", [], set()
                 async for c in client.generate(prompt, max_tokens=16, temperature=0.0, ignore_eos=True):
                     both += c.text
+                    request_ids.add(c.request_id)  # (the router's, on every chunk: none was given)
                 async for c in client.generate(prompt, max_tokens=16, temperature=0.0, ignore_eos=True,
                                                output="text"):
                     alone += c.text
                     ids_with_text += c.token_ids
+                assert len(request_ids) == 1 and "" not in request_ids, request_ids
                 return both, alone, ids_with_text
 
             got = await asyncio.gather(*(collect(p) for p in prompts), leave_early())
