@@ -20,6 +20,17 @@ def metrics(traces: list, wall: float, workload: list) -> dict[str, float]:
     return out
 
 
+def measured(traces: list, wall: float, workload: list, start: dict[str, float], end: dict[str, float]) -> dict:
+    """A service run's metrics, its messages per token and its processes' CPU per token (from
+    their CPU seconds at the warm-up's end and at the run's: stack.cpu_mark's)."""
+    row = metrics(traces, wall, workload)
+    tokens = sum(t.tokens for t in traces if t.ok) or 1
+    row["messages/tok"] = sum(len(t.chunk_s) for t in traces if t.ok) / tokens
+    row.update({f"{who} CPU us/tok": float("nan") for who in ("router", "fronts", "decode front", "cores", "client")})
+    row.update({f"{who} CPU us/tok": (s - start[who]) * 1e6 / tokens for who, s in end.items()})
+    return row
+
+
 def print_table(rows: dict[str, dict[str, float]], base: str | None) -> None:
     names = list(rows)
     keys = list(next(iter(rows.values())))

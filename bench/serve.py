@@ -53,8 +53,16 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from report import metrics, print_table  # bench/report.py (this script's folder is on sys.path)
-from stack import SpanSink, server_cpu_s, stack_cpu_s, start_stack, stop_stack, telemetry_flags  # bench/stack.py
+from report import measured, metrics, print_table  # bench/report.py (this script's folder is on sys.path)
+from stack import (  # bench/stack.py
+    SpanSink,
+    cpu_mark,
+    server_cpu_s,
+    stack_cpu_s,
+    start_stack,
+    stop_stack,
+    telemetry_flags,
+)
 from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -309,25 +317,6 @@ async def run_http(args: argparse.Namespace, workload: list[Request], url: str, 
         if after_warmup is not None:
             after_warmup()
         return await drive(args, workload, mode, lambda r, trace, t0: stream(r.prompt, r.output_len, trace, t0))
-
-
-def cpu_mark(into: dict, processes) -> dict[str, float]:
-    """CPU seconds so far of the servers' processes (`processes()`'s) and of this one, the
-    client's; also put into `into`."""
-    into.update(processes(), client=time.process_time())
-    return into
-
-
-def measured(traces: list[Trace], wall: float, workload: list[Request], start: dict[str, float],
-             end: dict[str, float]) -> dict:
-    """A service run's metrics, its messages per token and its processes' CPU per token (from
-    their CPU seconds at the warm-up's end and at the run's)."""
-    row = metrics(traces, wall, workload)
-    tokens = sum(t.tokens for t in traces if t.ok) or 1
-    row["messages/tok"] = sum(len(t.chunk_s) for t in traces if t.ok) / tokens
-    row.update({f"{who} CPU us/tok": float("nan") for who in ("router", "fronts", "decode front", "cores", "client")})
-    row.update({f"{who} CPU us/tok": (s - start[who]) * 1e6 / tokens for who, s in end.items()})
-    return row
 
 
 def print_compile_times(model: Path, schema: str) -> None:

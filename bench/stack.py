@@ -115,6 +115,13 @@ def server_cpu_s(pid: int) -> dict[str, float]:
             "cores": sum(cpu_seconds(child) for child in descendants(pid))}
 
 
+def cpu_mark(into: dict, processes) -> dict[str, float]:
+    """CPU seconds so far of the servers' processes (`processes()`'s: stack_cpu_s, server_cpu_s)
+    and of this one, the client's; also put into `into`."""
+    into.update(processes(), client=time.process_time())
+    return into
+
+
 def stop_stack(procs: list[subprocess.Popen]) -> None:
     for proc in reversed(procs):  # the router first
         proc.send_signal(2)

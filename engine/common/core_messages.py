@@ -167,15 +167,15 @@ class CoreStep(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc
     token_keys: list[int] = []
     token_ids: list[int] = []  # token_keys[i]'s new token
 
-    @classmethod
-    def of(cls, outputs: list[CoreOutput], time: float, num_waiting: int, num_received: int,
-           failures: list[CoreFailure], events: StepEvents | None, kv_events: list[KVEvent]) -> CoreStep:
-        """The message of a pass whose requests' outputs are these, in order."""
-        rich = {out.key for out in outputs if not is_plain(out)}  # (these requests' outputs all stay outputs)
-        plain = [out for out in outputs if out.key not in rich] if rich else outputs
-        outputs = [out for out in outputs if out.key in rich] if rich else []
-        return cls(outputs, time, num_waiting, num_received, failures, events, kv_events,
-                   [out.key for out in plain], [out.new_token_ids[0] for out in plain])
+    def to_columns(self) -> CoreStep:
+        """Itself with its plain outputs moved into the columns (done by the core's sender thread
+        as it encodes the message, off the step loop)."""
+        rich = {out.key for out in self.outputs if not is_plain(out)}  # (these requests' outputs all stay outputs)
+        plain = [out for out in self.outputs if out.key not in rich] if rich else self.outputs
+        self.outputs = [out for out in self.outputs if out.key in rich] if rich else []
+        self.token_keys = [out.key for out in plain]
+        self.token_ids = [out.new_token_ids[0] for out in plain]
+        return self
 
 
 def is_plain(out: CoreOutput) -> bool:

@@ -154,7 +154,7 @@ class CoreLoop:
     def _send(self, sock: zmq.Socket) -> None:
         encoder = msgspec.msgpack.Encoder()
         while (msg := self.outputs.get()) is not None:
-            raw = encoder.encode(msg)
+            raw = encoder.encode(msg.to_columns() if isinstance(msg, CoreStep) else msg)
             sock.send(raw, copy=len(raw) < ZERO_COPY_BYTES)
         _close(sock)
 
@@ -185,8 +185,8 @@ class CoreLoop:
                 kv_events = self.kv_log.take() if self.kv_log is not None else []
                 if (outputs or taken or failures or kv_events
                         or (events is not None and (events.events or events.step_tokens))):
-                    self.outputs.put(CoreStep.of(outputs, core.scheduler.last_step_time, core.num_waiting,
-                                                 self.num_received, failures, events, kv_events))
+                    self.outputs.put(CoreStep(outputs, core.scheduler.last_step_time, core.num_waiting,
+                                              self.num_received, failures, events, kv_events))
         except Exception as e:  # the front fails its streams with this, then the process ends
             log.exception("the engine core's step loop failed")
             err = error_of(e)

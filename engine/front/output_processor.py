@@ -46,6 +46,12 @@ class _Tracked:
         # A prefill's request ends at its first token and goes on at a decode: its text is not final.
         self.hands_over = request.hold_for_remote
 
+    def plain_output(self, key: int, token_id: int, text: str, step_time: float, stop: str | None) -> StepOutput:
+        """A plain token (OutputProcessor.token's) as an output: its last where a stop string ended it."""
+        return StepOutput(self.request_id, [token_id], text, stop is not None, None if stop is None else "stop",
+                          self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens, stop_reason=stop,
+                          key=key, time=step_time)
+
 
 class OutputProcessor:
     def __init__(self, tokenizer):
@@ -109,23 +115,19 @@ class OutputProcessor:
         tracked = self.requests.get(key)
         if tracked is None:
             return None
-        tracked.num_output_tokens += 1
         if tracked.stream is None:
+            tracked.num_output_tokens += 1
             return ""
-        text, stop = tracked.stream.push([token_id], False, tracked.num_output_tokens >= tracked.min_tokens)
+        text, stop, _ = self._push(tracked, [token_id], False)
         if stop is None:
             return text
         del self.requests[key]
         stopped.append(tracked.request_id)
-        return StepOutput(tracked.request_id, [token_id], text, True, "stop", tracked.num_prompt_tokens,
-                          tracked.num_output_tokens, tracked.num_cached_tokens, stop_reason=stop, key=key,
-                          time=step_time)
+        return tracked.plain_output(key, token_id, text, step_time, stop)
 
     def token_output(self, key: int, token_id: int, text: str, step_time: float) -> StepOutput:
         """A plain token (token()'s text) as an output, for a caller that takes outputs."""
-        tracked = self.requests[key]
-        return StepOutput(tracked.request_id, [token_id], text, False, None, tracked.num_prompt_tokens,
-                          tracked.num_output_tokens, tracked.num_cached_tokens, key=key, time=step_time)
+        return self.requests[key].plain_output(key, token_id, text, step_time, None)
 
     @staticmethod
     def _push(tracked: _Tracked, tokens: list[int], final: bool) -> tuple[str, str | None, int]:

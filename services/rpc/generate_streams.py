@@ -130,7 +130,7 @@ class _Outbox:
         tokens.token_ids += token_ids
         tokens.texts.append(text)
         self._tokened.add(stream)
-        if not self._woken:
+        if not self._woken:  # (_wake's own check, here too: this runs for every token, a call fewer)
             self._wake()
 
     def _seal(self) -> pb.StreamEvents:
@@ -181,8 +181,7 @@ class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
         self.generate = generate
 
     async def Generate(self, commands: AsyncIterator[pb.StreamCommand], context: grpc.aio.ServicerContext):
-        outbox, running = _Outbox(STREAMS_VERSION in tuple(context.invocation_metadata() or ())), {}
-        await context.send_initial_metadata((STREAMS_VERSION,))  # (it reads StreamCommand.more)
+        outbox, running = await self._answer(context), {}
         reader = asyncio.ensure_future(self._read(commands, running, outbox))
         try:
             while True:
@@ -192,14 +191,13 @@ class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
                     return
         finally:  # the caller went away, or the server stops: every request still running ends
             reader.cancel()
-            for task in list(running.values()):
-                task.cancel()
+            _cancel_all(running)
 
     async def serve(self, commands: AsyncIterator[pb.StreamCommand], context, carrier: Carrier) -> None:
         """Generate for a carrier that writes without waiting (frames.py): each message is written
         from a callback in the turn of the event loop after its first event, with no task woken
         per message; until the caller sends no more and its requests ended, or this is cancelled."""
-        outbox, running = _Outbox(STREAMS_VERSION in tuple(context.invocation_metadata() or ())), {}
+        outbox, running = await self._answer(context), {}
 
         def flush() -> None:
             if not carrier.paused:  # (else the message grows until the carrier resumes)
@@ -208,14 +206,20 @@ class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
         loop = asyncio.get_running_loop()
         outbox.on_ready = lambda: loop.call_soon(flush)  # (after the rest of this turn's answers)
         carrier.on_resume = flush
-        await context.send_initial_metadata((STREAMS_VERSION,))
         try:
             await self._read(commands, running, outbox)
             for batch in outbox.drain():  # the last statuses, paused or not (the carrier's close sends them)
                 carrier.write(batch)
         finally:  # the caller went away, or the server stops: every request still running ends
-            for task in list(running.values()):
-                task.cancel()
+            _cancel_all(running)
+
+    @staticmethod
+    async def _answer(context) -> _Outbox:
+        """The call's outbox (its caller reads StreamTokens or not), once the server said it reads
+        StreamCommand.more."""
+        outbox = _Outbox(STREAMS_VERSION in tuple(context.invocation_metadata() or ()))
+        await context.send_initial_metadata((STREAMS_VERSION,))
+        return outbox
 
     async def _read(self, commands, running: dict[int, asyncio.Task], outbox: _Outbox) -> None:
         try:
@@ -256,3 +260,8 @@ class GenerateStreams(generate_pb2_grpc.GenerateStreamsServicer):
         outbox.add(stream, status=pb.StreamStatus(
             code=code.value[0], details=details,
             status_details=next((v for k, v in context.trailing_metadata if k == DETAILS_KEY), b"")))
+
+
+def _cancel_all(running: dict[int, asyncio.Task]) -> None:
+    for task in list(running.values()):
+        task.cancel()

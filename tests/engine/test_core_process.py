@@ -91,12 +91,11 @@ def test_a_step_s_plain_tokens_go_as_columns_and_each_request_s_outputs_stay_in_
     outputs = [CoreOutput(1, [11]), CoreOutput(2, [21], ready_time=5.0, num_cached_tokens=16),
                CoreOutput(3, [31], logprobs=[]), CoreOutput(4, [41, 42]), CoreOutput(5, [51], finish_reason="length"),
                CoreOutput(1, [12]), CoreOutput(2, [22]), CoreOutput(6, [61], num_cached_tokens=16)]
-    msg = msgspec.msgpack.Decoder(CoreMessage).decode(msgspec.msgpack.encode(
-        CoreStep.of(outputs, 1.0, 0, 3, [], None, [])))
+    msg = msgspec.msgpack.Decoder(CoreMessage).decode(msgspec.msgpack.encode(CoreStep(outputs, 1.0, 0, 3).to_columns()))
     assert [(o.key, o.new_token_ids) for o in msg.outputs] == [(2, [21]), (3, [31]), (4, [41, 42]), (5, [51]),
                                                                (2, [22])]
     assert (msg.token_keys, msg.token_ids) == ([1, 1, 6], [11, 12, 61])
-    assert CoreStep.of([CoreOutput(1, [11])], 1.0, 0, 0, [], None, []).outputs == []
+    assert CoreStep([CoreOutput(1, [11])], 1.0, 0, 0).to_columns().outputs == []
 
 
 def _client(model_dir: str, **kwargs) -> CoreClient:
