@@ -197,6 +197,15 @@ def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: 
     `router_argv`: the router's own flags; `num_encoder`: an encoder tier's instances (E/P/D: a
     vision-language model's image encoder alone, with the engines' model, dtype and device)."""
     serve = [sys.executable, "-m", "baton.services.cli", "serve", "--host", host, "--model", model]
+    taken = {port, http_port}
+
+    def fresh_port() -> int:
+        """A free port none of the stack's services was given: one free now may be one already
+        given (the public port, picked free by the caller), as nobody binds it before it starts."""
+        while (found := free_port(host)) in taken:
+            pass
+        taken.add(found)
+        return found
 
     def service(name: str, role: str, port: int, *argv: str, http_port: int | None = None,
                 metrics: bool = True) -> Service:
@@ -204,7 +213,7 @@ def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: 
         if http_port:  # /metrics on the API's port, where vLLM's scrape configs and guides look
             endpoint, url_port = ["--http-port", str(http_port)], http_port
         elif metrics:
-            url_port = free_port(host)
+            url_port = fresh_port()
             endpoint = ["--metrics-port", str(url_port)]
         else:
             endpoint, url_port = [], None
@@ -212,11 +221,11 @@ def build_stack(model: str, host: str, port: int, num_prefill: int, num_decode: 
                        f"http://{host}:{url_port}/metrics" if url_port else "")
     roles = [(role, i) for role, n in (("prefill", num_prefill), ("decode", num_decode)) for i in range(n)]
     placements = placements or [Placement(None)] * len(roles)
-    engines = [service(f"{role}-{i}", role, free_port(host), *engine_argv, *place.argv())
+    engines = [service(f"{role}-{i}", role, fresh_port(), *engine_argv, *place.argv())
                for (role, i), place in zip(roles, placements, strict=True)]
     for engine, place in zip(engines, placements):
         engine.placement = place
-    encoders = [service(f"encoder-{i}", "encoder", free_port(host), *engine_argv, metrics=False)
+    encoders = [service(f"encoder-{i}", "encoder", fresh_port(), *engine_argv, metrics=False)
                 for i in range(num_encoder)]
     backends = [arg for e in [*engines, *encoders] for arg in ("--" + e.role, e.address)]
     return Stack([service("router", "router", port, "--policy", policy, *backends, *router_argv, http_port=http_port),

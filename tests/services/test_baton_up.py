@@ -232,6 +232,17 @@ def test_engine_command_lines_carry_their_tiers_size(tmp_path):
     assert stack.num_ranks() == 4
 
 
+def test_the_stack_s_ports_never_repeat_one_already_given(monkeypatch, tmp_path):
+    """A port free when asked can be one already given (the public one: nobody binds it before
+    its service starts): each service still gets a port of its own."""
+    handed = iter([5000, 5001, 5001, 5002, 5000, 5003, 5004, 5005, 5006])  # the public port is 5000
+    monkeypatch.setattr(launcher, "free_port", lambda host: next(handed))
+    stack = build_stack(str(tmp_path), "127.0.0.1", 5000, 1, 1, [], "round_robin")
+    parsed = [build_parser().parse_args(s.argv[3:]) for s in stack.services]
+    ports = [p for args in parsed for p in (args.port, args.metrics_port)]
+    assert len(ports) == len(set(ports)) == 6 and parsed[0].port == 5000
+
+
 @pytest.mark.parametrize("prefill_tp,decode_tp,threads", [(1, 1, "4"), (2, 2, "2"), (2, 1, "2"), (4, 4, "1")])
 def test_cpu_threads_are_split_over_ranks_not_engines(monkeypatch, tmp_path, prefill_tp, decode_tp, threads):
     """Every rank is a process with its own torch threads: OMP_NUM_THREADS counts them."""
