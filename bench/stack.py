@@ -23,14 +23,15 @@ def start_service(args: argparse.Namespace, *flags: str, cpus: set[int] | None =
                              "--max-waiting-requests", str(args.num_prompts + 1), "--internal-token", TOKEN, *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+    url, address = None, None  # (a router prints its OpenAI front's line before it serves)
     for line in proc.stdout:
         if line.startswith("serving on "):
             address = line.split()[2].rstrip(";")
             wait_serving(address)  # a router serves once its backends do
-            if "--http-port" not in flags:
-                return proc, address
         if line.startswith("OpenAI API on "):
-            return proc, line.split()[3].removesuffix("/v1")
+            url = line.split()[3].removesuffix("/v1")
+        if address is not None and (url is not None or "--http-port" not in flags):
+            return proc, url or address
     proc.kill()
     sys.exit(f"`baton serve {' '.join(flags)}` exited before it served; run it by hand to see why")
 

@@ -3,6 +3,11 @@
 /detokenize, on aiohttp in the gRPC server's own event loop; and the service's Prometheus
 /metrics, the page its metrics port serves, where vLLM serves it (on the API's port).
 
+A streamed completion of one prompt takes its tokens after the first as the step reads them:
+the service hands them straight to the call's context (a DirectContext), which makes each
+event's bytes at once (Completion.text_event), and the handler writes all that came since its
+last write, woken once for them, not once per token through the generators.
+
 A request takes the same path as a gRPC call, not an extra hop: its JSON becomes a
 GenerateRequest (one request id across both) handed to the service's own Generate (bound
 methods, ServiceCalls) with a stand-in for the gRPC context, whose aborts become OpenAI error
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from baton.services.openai.protocol import (
+    DONE_EVENT,
     ApiError,
     Completion,
     chat_messages_from_body,
@@ -38,7 +44,7 @@ from baton.services.openai.tools import constrain_to_tools, plan_from_body
 from baton.services.rpc.errors import failure_of
 from baton.services.rpc.fan_out import merge
 from baton.services.rpc.serving import RuntimeApi
-from baton.services.rpc.stand_in_context import Aborted, StandInContext
+from baton.services.rpc.stand_in_context import Aborted, DirectContext, StandInContext
 from baton.services.telemetry.metrics import exposition
 from baton.v1 import generate_pb2 as pb
 
@@ -52,6 +58,59 @@ class CallContext(StandInContext):
 
     def error(self) -> ApiError:
         return error_for_status(self.code(), self.details(), failure_of(self.trailing_metadata).field)
+
+
+class EventStream:
+    """A streamed completion's server-sent events as they are made, for its handler to write:
+    those of its Generate's responses (`add`) and those its service hands straight to the call
+    (StreamedCallContext), in the order they came; the handler is woken once for all that came
+    since its last write."""
+
+    def __init__(self, shape: Completion):
+        self.shape = shape
+        self._data: list[bytes] = []
+        self._ready = asyncio.Event()
+        self._ended = False
+
+    def add(self, index: int, resp: pb.GenerateResponse) -> None:
+        for event in self.shape.events((index, resp)):
+            self.push(sse(event))
+
+    def push(self, data: bytes) -> None:
+        self._data.append(data)
+        self._ready.set()
+
+    def end(self) -> None:
+        self._ended = True
+        self._ready.set()
+
+    async def take(self) -> bytes | None:
+        """All that came since the last take, once something did; None once it ended and all is taken."""
+        while not self._data:
+            if self._ended:
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+        data = b"".join(self._data)
+        self._data.clear()
+        return data
+
+
+class StreamedCallContext(CallContext, DirectContext):
+    """The context of an HTTP call streamed as events: the responses its service hands it
+    straight go into the stream as its choice numbered `index`."""
+
+    def __init__(self, headers, events: EventStream, index: int):
+        super().__init__(headers)
+        self._events, self._index = events, index
+
+    def respond(self, resp: pb.GenerateResponse | bytes) -> None:
+        resp = pb.GenerateResponse.FromString(resp) if isinstance(resp, bytes) else resp
+        self._events.add(self._index + resp.index, resp)
+
+    def respond_tokens(self, request_id: str, token_ids: list[int], text: str) -> None:
+        if text:
+            self._events.push(self._events.shape.text_event(self._index, text))
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,15 +311,15 @@ class OpenAIFront:
                 msg.request_id = request_id if len(requests) == 1 else f"{request_id}-{i}"
                 msg.adapter = adapter
                 in_range("priority", lambda: setattr(msg, "priority", priority))  # noqa: B023 - called at once
-            stream = body.get("stream") is True
-            include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
-            responses = self._responses(requests, request, max(sampling.n, 1))
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            shape = Completion(self.token_text, request_id, model, chat, time.time(), tools)
+            events = EventStream(shape) if body.get("stream") is True else None
+            responses = self._responses(requests, request, max(sampling.n, 1), events)
             first = await anext(responses, None)  # errors before any token still get their HTTP status
         except ApiError as e:
             return _error_response(image_error(e, body) if chat else e)
-        shape = Completion(self.token_text, request_id, model, chat, time.time(), tools)
         try:
-            return await (self._stream(request, shape, first, responses, include_usage) if stream
+            return await (self._stream(request, events, first, responses, include_usage) if events is not None
                           else self._whole(shape, first, responses))
         finally:
             # Now, not whenever the collector finds the generator: its requests end with it.
@@ -278,33 +337,34 @@ class OpenAIFront:
         return web.json_response(shape.whole())
 
     @staticmethod
-    async def _stream(request: web.Request, shape: Completion, first, responses,
+    async def _stream(request: web.Request, events: EventStream, first, responses,
                       include_usage: bool) -> web.StreamResponse:
+        """The events, as a task makes them from the responses (_feed) and the service hands
+        them to the call, written as they come."""
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
+        feeder = asyncio.ensure_future(_feed(events, first, responses, include_usage))
         try:
-            try:
-                for resp in ([first] if first is not None else []):
-                    for event in shape.events(resp):
-                        await out.write(sse(event))
-                async for resp in responses:
-                    for event in shape.events(resp):
-                        await out.write(sse(event))
-                if include_usage:
-                    await out.write(sse(shape.usage_event()))
-            except ApiError as e:  # after the first byte the status is sent: the error is an event
-                await out.write(sse(e.body()))
-            await out.write(b"data: [DONE]\n\n")
-        except ConnectionResetError:  # the client left between two writes; the finally above ends its requests
+            while (data := await events.take()) is not None:
+                await out.write(data)
+            await feeder  # (a failure of its own is the handler's)
+        except ConnectionResetError:  # the client left between two writes; _complete's finally ends its requests
             pass
+        finally:
+            if not feeder.done():  # (the generators' close waits for it to let go of them)
+                feeder.cancel()
+                await asyncio.wait([feeder])
         return out
 
-    async def _responses(self, requests: list[pb.GenerateRequest], request: web.Request,
-                         n: int) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    async def _responses(self, requests: list[pb.GenerateRequest], request: web.Request, n: int,
+                         events: EventStream | None) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
         """(choice index, response) of every prompt's Generate; a prompt's n completions are
-        choices i * n + index."""
+        choices i * n + index. With `events` and one prompt, the service may hand its responses
+        after the first to the call's context instead (several prompts' merge reads ahead of
+        what the stream has taken: theirs all come here)."""
         async def one(i: int, msg: pb.GenerateRequest):
-            context = CallContext(request.headers)
+            context = (StreamedCallContext(request.headers, events, i * n) if events is not None and len(requests) == 1
+                       else CallContext(request.headers))
             try:
                 async for resp in self.calls.generate(msg, context):
                     resp = pb.GenerateResponse.FromString(resp) if isinstance(resp, bytes) else resp
@@ -314,6 +374,24 @@ class OpenAIFront:
         streams = [one(i, msg) for i, msg in enumerate(requests)]
         async for item in (streams[0] if len(streams) == 1 else merge(streams)):
             yield item
+
+
+async def _feed(events: EventStream, first, responses, include_usage: bool) -> None:
+    """The stream's events of its responses (`first` read already), then its usage and [DONE];
+    an error after the first byte is an event (the status is sent)."""
+    try:
+        try:
+            if first is not None:
+                events.add(*first)
+            async for index, resp in responses:
+                events.add(index, resp)
+            if include_usage:
+                events.push(sse(events.shape.usage_event()))
+        except ApiError as e:
+            events.push(sse(e.body()))
+        events.push(DONE_EVENT)
+    finally:
+        events.end()
 
 
 async def _json(request: web.Request) -> dict:

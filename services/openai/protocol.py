@@ -275,6 +275,10 @@ class Completion:
         self.choices: dict[int, dict] = {}
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         self._prompts_counted: set[str] = set()
+        # text_event's template: sse() of a chunk with one choice, but for its index and text.
+        self._text_head = sse(self._chunk([]))[:-len(b"]}\n\n")] + b'{"index":'
+        self._text_key = b',"delta":{"content":' if chat else b',"text":'
+        self._text_tail = (b"}" if chat else b"") + b',"logprobs":null,"finish_reason":null}]}\n\n'
 
     def _choice(self, index: int) -> dict:
         return self.choices.setdefault(index, {"text": "", "logprobs": [], "finish_reason": None,
@@ -373,8 +377,24 @@ class Completion:
             body = {"index": index, "text": resp.text, "logprobs": logprobs, "finish_reason": finish}
         if finish:
             body["stop_reason"] = choice["stop_reason"]
-        return [{"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                 "created": self.created, "model": self.model, "choices": [body]}]
+        return [self._chunk([body])]
+
+    def text_event(self, index: int, text: str) -> bytes:
+        """The event of a response with nothing but this text, neither its choice's first nor
+        its last (a sink's, DirectContext), as sse(events()) makes it, from a template: most of
+        a stream is these."""
+        choice = self._choice(index)
+        if self.tools is not None or not choice["started"]:
+            return b"".join(map(sse, self.events((index, pb.GenerateResponse(text=text)))))
+        if not text:
+            return b""
+        choice["text"] += text
+        return b"".join((self._text_head, str(index).encode(), self._text_key, json.dumps(text).encode(),
+                         self._text_tail))
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices}
 
     def _tool_delta(self, choice: dict, text: str, first: bool, finish: str | None) -> tuple[dict, str | None]:
         """A stream's delta under tools: a named function's arguments stream as they come;
@@ -396,8 +416,10 @@ class Completion:
         return delta, finish
 
     def usage_event(self) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [], "usage": self._usage()}
+        return {**self._chunk([]), "usage": self._usage()}
+
+
+DONE_EVENT = b"data: [DONE]\n\n"
 
 
 def sse(event: dict) -> bytes:

@@ -34,9 +34,9 @@ from baton.services.router.router_telemetry import RouterTrace
 from baton.services.rpc.chat import has_images
 from baton.services.rpc.errors import abort_invalid, pass_on
 from baton.services.rpc.fan_out import child_requests, merge, num_completions, retag
-from baton.services.rpc.generate_streams import StreamContext
 from baton.services.rpc.names import TOKEN_KEY, token_metadata
 from baton.services.rpc.serving import in_background
+from baton.services.rpc.stand_in_context import DirectContext
 from baton.services.telemetry.metrics import RouterMetrics
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2
@@ -95,10 +95,11 @@ class RouterGeneration:
                 children = child_requests(msg, n) if n > 1 else [msg]
                 ids = [child.request_id for child in children]
                 in_flight.started(msg.request_id, ids)
-                # A request alone on a client's stream of requests (n's merge reorders) skips the
-                # coroutines per token once it can: the decode's responses go straight into the
-                # client's stream as they are read (decode_leg's `stream`).
-                own = context if n == 1 and isinstance(context, StreamContext) else None
+                # A request alone on a context that takes responses straight (a client's stream of
+                # requests, an HTTP event stream; n's merge reorders) skips the coroutines per token
+                # once it can: the decode's responses go straight to it as they are read
+                # (decode_leg's `stream`).
+                own = context if n == 1 and isinstance(context, DirectContext) else None
                 stream = self._generate(msg, context, trace, own) if n == 1 else merge(
                     [self._completion(child, i, msg.request_id, context, trace) for i, child in enumerate(children)])
                 async for resp in stream:
@@ -113,7 +114,7 @@ class RouterGeneration:
             yield retag(resp, request_id, index)
 
     async def _generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RouterTrace,
-                        stream: StreamContext | None = None):
+                        stream: DirectContext | None = None):
         if not self.is_serving():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is starting or draining")
         metadata = self._forwarded_metadata(context)

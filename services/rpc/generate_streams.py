@@ -20,14 +20,14 @@ import grpc
 
 from baton.services.rpc.errors import DETAILS_KEY
 from baton.services.rpc.names import STREAMS_VERSION
-from baton.services.rpc.stand_in_context import Aborted, StandInContext
+from baton.services.rpc.stand_in_context import Aborted, DirectContext
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc
 
 log = logging.getLogger("baton.rpc")
 
 
-class StreamContext(StandInContext):
+class StreamContext(DirectContext):
     """The context of one request of a stream: its deadline, its initial metadata sent as an
     event of the stream, and callbacks once it ended (`cancelled()` then: the caller cancelled,
     went away, or the deadline passed), as a call's context has."""
@@ -58,9 +58,7 @@ class StreamContext(StandInContext):
             metadata=[pb.StreamMetadatum(key=k, value=v) for k, v in metadata]))
 
     def respond(self, resp: pb.GenerateResponse | bytes) -> None:
-        """A response straight into the stream's next message, past the request's generator:
-        only in the order the generator's would have gone (the engine server's and the router's
-        sinks)."""
+        """A response straight into the stream's next message."""
         self._outbox.add(self._stream, response=resp if isinstance(resp, bytes) else resp.SerializeToString())
 
     def respond_tokens(self, request_id: str, token_ids: list[int], text: str) -> None:

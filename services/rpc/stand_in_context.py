@@ -1,10 +1,13 @@
 """A stand-in for grpc.aio.ServicerContext, for a call that did not come as a gRPC call of its
 own (the OpenAI front's HTTP request, a request on the router's stream to a decode): what the
 handlers use of a context, the metadata the call came with and the status an abort ended it
-with. An abort raises Aborted, as a gRPC handler's abort raises."""
+with. An abort raises Aborted, as a gRPC handler's abort raises. A DirectContext also takes a
+request's responses straight, past its Generate's generator."""
 from __future__ import annotations
 
 import grpc
+
+from baton.v1 import generate_pb2 as pb
 
 
 class Aborted(Exception):
@@ -36,3 +39,18 @@ class StandInContext:
 
     async def send_initial_metadata(self, metadata) -> None:
         pass
+
+
+class DirectContext(StandInContext):
+    """The context of a call whose responses may be handed to it straight, past its Generate's
+    generator, in the order the generator's would have gone: once a request alone on the call
+    (n of 1) answered its first, the engine server's and the router's sinks give it those but
+    the last as they are read, and no coroutine is woken per token (a stream of requests'
+    StreamContext, the OpenAI front's event stream)."""
+
+    def respond(self, resp: pb.GenerateResponse | bytes) -> None:
+        raise NotImplementedError
+
+    def respond_tokens(self, request_id: str, token_ids: list[int], text: str) -> None:
+        """A response with nothing but these (not a request's last)."""
+        raise NotImplementedError

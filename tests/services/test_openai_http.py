@@ -20,6 +20,8 @@ from telemetry_stack import metrics_url, samples
 
 from baton.services.cli.launcher import free_port
 from baton.services.client import AsyncClient
+from baton.services.openai.protocol import Completion, sse
+from baton.v1 import generate_pb2 as pb
 
 CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
 
@@ -102,6 +104,35 @@ def check_the_openai_client_equals_grpc(url: str, grpc_address: str, model: str)
     text = "".join(c.choices[0].text for c in client.completions.create(
         model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}))
     assert text == want
+    # Streamed as whole: with logprobs (each token's whole response, handed to the call straight),
+    # and two prompts (merged: every response through the generators), each choice its own.
+    for prompts, extra in (([prompt], {"logprobs": 2}), ([prompt, [5, 6, 7]], {})):
+        kwargs = dict(model=model, prompt=prompts, max_tokens=7, temperature=0, extra_body={"ignore_eos": True},
+                      **extra)
+        whole = client.completions.create(**kwargs)
+        texts, tokens, finish = {}, {}, {}
+        for chunk in client.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                tokens[c.index] = tokens.get(c.index, []) + (c.logprobs.tokens if c.logprobs else [])
+                finish[c.index] = c.finish_reason or finish.get(c.index)
+        assert texts == {c.index: c.text for c in whole.choices} and set(texts) == set(range(len(prompts)))
+        assert tokens == {c.index: c.logprobs.tokens if c.logprobs else [] for c in whole.choices}
+        assert finish == {c.index: "length" for c in whole.choices}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_text_event_is_the_event_the_general_path_makes(chat):
+    """A sink's token (Completion.text_event, from a template) is the bytes events() and sse()
+    make of the same response, and both account it alike; a choice's first, and any under
+    tools, take the general path."""
+    fast, general = (Completion(str, "cmpl-7", 'a "model"', chat, 1.7e9, None) for _ in range(2))
+    texts = ["Hello", " wörld", 'a "quote"\n\t', "\\", "\U0001F600", "\u2028", "", "</script>"]
+    for index in (0, 3):
+        for i, text in enumerate(texts):
+            made = general.events((index, pb.GenerateResponse(text=text)))
+            assert fast.text_event(index, text) == b"".join(map(sse, made)), (index, i)
+    assert fast.choices == general.choices and fast.choices[3]["text"] == "".join(texts)
 
 
 def test_the_openai_client_on_a_colocated_server(serve, tiny_llama):
