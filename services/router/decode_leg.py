@@ -17,7 +17,7 @@ import grpc
 from baton.services.router.backends import Backend, Lease
 from baton.services.rpc.errors import failure_of_error, pass_on
 from baton.services.rpc.request_streams import StreamedCall
-from baton.services.rpc.stand_in_context import DirectContext
+from baton.services.rpc.stand_in_context import Responses
 from baton.v1 import generate_pb2 as pb
 
 # The instance failed, not the request: another may serve it. CANCELLED from a backend is its
@@ -143,11 +143,11 @@ class DecodeRoute:
 
 
 class ClientSink:
-    """A decode's responses passed straight to the client's context as they are read
+    """A decode's responses passed straight to where the client's call takes them as they are read
     (StreamedCall.sink), none after an Abort (the decode leg's loop ends the request)."""
     __slots__ = ("stream", "relay", "trace", "request_id", "aborted")
 
-    def __init__(self, stream: DirectContext, relay: Relay, trace, request_id: str, aborted: set[str]):
+    def __init__(self, stream: Responses, relay: Relay, trace, request_id: str, aborted: set[str]):
         self.stream, self.relay, self.trace, self.request_id, self.aborted = stream, relay, trace, request_id, aborted
 
     def response(self, raw: bytes) -> bool:
@@ -171,12 +171,12 @@ def end_call(lease: Lease, call) -> None:
 
 
 async def decode_leg(route: DecodeRoute, msg: pb.GenerateRequest, metadata: tuple, context, trace, relay: Relay,
-                     let_go: Callable[[], None] | None = None, stream: DirectContext | None = None):
+                     let_go: Callable[[], None] | None = None, stream: Responses | None = None):
     """Stream msg from decode instances, moving it on failure. `let_go`: tells the prefill holding
     the blocks msg.kv_handle names to free them, called here if no decode ever pulls them.
-    `stream`: the client's context, where it takes responses straight and the request is alone
-    on it: once a decode on a stream of requests answered, its responses go there as they are
-    read (ClientSink), with no coroutine woken per token; this loop wakes for the end."""
+    `stream`: where the client's call takes responses straight, the request alone on it: once a
+    decode on a stream of requests answered, its responses go there as they are read
+    (ClientSink), with no coroutine woken per token; this loop wakes for the end."""
     tried: list[Backend] = []
     try:
         while True:

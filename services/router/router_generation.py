@@ -36,7 +36,7 @@ from baton.services.rpc.errors import abort_invalid, pass_on
 from baton.services.rpc.fan_out import child_requests, merge, num_completions, retag
 from baton.services.rpc.names import TOKEN_KEY, token_metadata
 from baton.services.rpc.serving import in_background
-from baton.services.rpc.stand_in_context import DirectContext
+from baton.services.rpc.stand_in_context import Responses, responses_of
 from baton.services.telemetry.metrics import RouterMetrics
 from baton.v1 import generate_pb2 as pb
 from baton.v1 import internal_pb2
@@ -71,7 +71,8 @@ class RouterGeneration:
         self.is_serving = is_serving
         self._background: set[asyncio.Task] = set()  # releases of blocks nobody will pull
 
-    async def Generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                       responses: Responses | None = None):
         in_flight = self.in_flight
         if not msg.request_id:  # one id across both tiers, for their logs and traces
             msg.request_id = os.urandom(16).hex()  # (as random as uuid4().hex, at a seventh of its cost)
@@ -95,11 +96,11 @@ class RouterGeneration:
                 children = child_requests(msg, n) if n > 1 else [msg]
                 ids = [child.request_id for child in children]
                 in_flight.started(msg.request_id, ids)
-                # A request alone on a context that takes responses straight (a client's stream of
-                # requests, an HTTP event stream; n's merge reorders) skips the coroutines per token
-                # once it can: the decode's responses go straight to it as they are read
-                # (decode_leg's `stream`).
-                own = context if n == 1 and isinstance(context, DirectContext) else None
+                # A request alone on its call (n's merge reorders) skips the coroutines per token
+                # once it can: the decode's responses go straight to where the call takes them
+                # (its gRPC call's, a client's stream of requests, an HTTP event stream) as they
+                # are read (decode_leg's `stream`).
+                own = responses_of(context, responses) if n == 1 else None
                 stream = self._generate(msg, context, trace, own) if n == 1 else merge(
                     [self._completion(child, i, msg.request_id, context, trace) for i, child in enumerate(children)])
                 async for resp in stream:
@@ -114,7 +115,7 @@ class RouterGeneration:
             yield retag(resp, request_id, index)
 
     async def _generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RouterTrace,
-                        stream: DirectContext | None = None):
+                        stream: Responses | None = None):
         if not self.is_serving():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is starting or draining")
         metadata = self._forwarded_metadata(context)

@@ -9,6 +9,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2
 
+from baton.services.rpc.call_responses import per_call
 from baton.services.rpc.names import SERVICE_NAME
 from baton.v1 import generate_pb2 as pb
 
@@ -66,13 +67,13 @@ class RuntimeApi(Protocol):
 
 def add_text_generation(server: grpc.aio.Server, generate: Callable[..., AsyncIterator], runtime: RuntimeApi,
                         generate_serialized: bool = False) -> None:
-    """Serve baton.v1.TextGeneration from its two units: `generate` answers Generate, `runtime`
-    every other method. gRPC takes one servicer per service, so the method table is built here
-    from both. `generate_serialized`: Generate yields its responses as bytes already (the
-    router passes a backend's through)."""
-    behaviours = {"Generate": generate, "GetModelInfo": runtime.GetModelInfo, "GetLoad": runtime.GetLoad,
-                  "WatchLoad": runtime.WatchLoad, "Abort": runtime.Abort, "Tokenize": runtime.Tokenize,
-                  "Detokenize": runtime.Detokenize, "LoadAdapter": runtime.LoadAdapter,
+    """Serve baton.v1.TextGeneration from its two units: `generate` answers Generate (as a call of
+    its own runs it: call_responses.per_call), `runtime` every other method. gRPC takes one
+    servicer per service, so the method table is built here from both. `generate_serialized`:
+    Generate yields its responses as bytes already (the router passes a backend's through)."""
+    behaviours = {"Generate": per_call(generate, generate_serialized), "GetModelInfo": runtime.GetModelInfo,
+                  "GetLoad": runtime.GetLoad, "WatchLoad": runtime.WatchLoad, "Abort": runtime.Abort,
+                  "Tokenize": runtime.Tokenize, "Detokenize": runtime.Detokenize, "LoadAdapter": runtime.LoadAdapter,
                   "UnloadAdapter": runtime.UnloadAdapter, "ListAdapters": runtime.ListAdapters}
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["TextGeneration"].methods:

@@ -1,9 +1,9 @@
 """The public Generate of an engine server: a GenerateRequest made into the engine's request
 (core_requests.py), streamed from the engine core, its outputs as the API's responses; n
 completions fanned out. At a decode, a request with a KV handle meets the handle's prefill
-engine first (kv_peers.py). A request whose context takes responses straight (a stream of
-requests', an HTTP event stream's: DirectContext) hands it those after the first
-(CoreClient.sink)."""
+engine first (kv_peers.py). A request alone on its call hands its responses after the first
+straight to where the call takes them (CoreClient.sink; stand_in_context.Responses: a gRPC
+call's, a stream of requests', an HTTP event stream's)."""
 from __future__ import annotations
 
 import time
@@ -18,7 +18,7 @@ from baton.services.rpc.calls import CallRegistry
 from baton.services.rpc.errors import abort, abort_invalid
 from baton.services.rpc.fan_out import child_requests, merge, num_completions
 from baton.services.rpc.kv_wire import image_spans_from_proto
-from baton.services.rpc.stand_in_context import DirectContext
+from baton.services.rpc.stand_in_context import Responses, responses_of
 from baton.services.server.call_checks import CallChecks
 from baton.services.server.core_requests import MadeRequest, core_request_from_proto
 from baton.services.server.encoded_images import ChatImages
@@ -48,7 +48,8 @@ class GenerationService:
         self.telemetry = telemetry
         self.kv_peers = kv_peers
 
-    async def Generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                       responses: Responses | None = None):
         handle = msg.kv_handle if msg.HasField("kv_handle") else None
         with self.telemetry.server_span(context, msg, "Generate") as span:
             await self.checks.serving(context)
@@ -68,10 +69,10 @@ class GenerationService:
                         for child in (child_requests(msg, n) if n > 1 else [msg])]
             except InvalidArgument as e:
                 await abort_invalid(context, e)
-            # A request whose context takes responses straight (n of 1: n's merge reorders) skips
-            # its generator once it can: its outputs go from the step's fan-out straight to the
-            # context (CoreClient.sink), a stream's next message or an HTTP stream's next write.
-            stream = context if n == 1 and isinstance(context, DirectContext) else None
+            # A request alone on its call (n of 1: n's merge reorders) skips its generator once it
+            # can: its outputs go from the step's fan-out straight to where the call takes them
+            # (CoreClient.sink): the call's next message, a stream's, an HTTP stream's next write.
+            stream = responses_of(context, responses) if n == 1 else None
             streams = [self._completion(m, i, msg.request_id, handle, span, context, stream)
                        for i, m in enumerate(made)]
             self.calls.started(msg.request_id, [m.request.request_id for m in made])
@@ -82,7 +83,7 @@ class GenerationService:
                 self.calls.ended(msg.request_id)
 
     async def _completion(self, made: MadeRequest, index: int, request_id: str, handle: pb.KVHandle | None, span,
-                          context: grpc.aio.ServicerContext, stream: DirectContext | None = None):
+                          context: grpc.aio.ServicerContext, stream: Responses | None = None):
         """One engine request's responses (one of n completions); with `stream` (the request is
         alone on a context that takes them straight), those after the first but the last go to it
         instead, once the core client can sink them."""
@@ -114,7 +115,7 @@ class _StreamSink:
     """A request's responses but its last, straight to its context (CoreClient.sink)."""
     __slots__ = ("stream", "mode", "request_id", "with_ids", "with_text")
 
-    def __init__(self, stream: DirectContext, output: int, request_id: str):
+    def __init__(self, stream: Responses, output: int, request_id: str):
         self.stream, self.mode, self.request_id = stream, output, request_id
         self.with_ids, self.with_text = output != pb.OUTPUT_TEXT, output != pb.OUTPUT_TOKEN_IDS  # (output_parts')
 
