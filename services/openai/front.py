@@ -41,6 +41,7 @@ from baton.services.openai.protocol import (
     typed,
 )
 from baton.services.openai.tools import constrain_to_tools, plan_from_body
+from baton.services.rpc.call_responses import Pending
 from baton.services.rpc.errors import failure_of
 from baton.services.rpc.fan_out import merge
 from baton.services.rpc.serving import RuntimeApi
@@ -68,32 +69,22 @@ class EventStream:
 
     def __init__(self, shape: Completion):
         self.shape = shape
-        self._data: list[bytes] = []
-        self._ready = asyncio.Event()
-        self._ended = False
+        self._pending = Pending()
 
     def add(self, index: int, resp: pb.GenerateResponse) -> None:
         for event in self.shape.events((index, resp)):
-            self.push(sse(event))
+            self._pending.push(sse(event))
 
     def push(self, data: bytes) -> None:
-        self._data.append(data)
-        self._ready.set()
+        self._pending.push(data)
 
     def end(self) -> None:
-        self._ended = True
-        self._ready.set()
+        self._pending.end()
 
     async def take(self) -> bytes | None:
-        """All that came since the last take, once something did; None once it ended and all is taken."""
-        while not self._data:
-            if self._ended:
-                return None
-            self._ready.clear()
-            await self._ready.wait()
-        data = b"".join(self._data)
-        self._data.clear()
-        return data
+        """The bytes of all that came since the last take (Pending.take)."""
+        data = await self._pending.take()
+        return b"".join(data) if data is not None else None
 
 
 class StreamedCallContext(CallContext, DirectContext):

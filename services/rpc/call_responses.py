@@ -13,23 +13,49 @@ from collections.abc import AsyncIterator, Callable
 from baton.v1 import generate_pb2 as pb
 
 
+class Pending:
+    """What came for a call's handler to send, in order, and its wake-up: the handler is woken
+    once for all that came since it last took (CallResponses', the OpenAI front's EventStream)."""
+    __slots__ = ("items", "_ready", "_ended")
+
+    def __init__(self):
+        self.items: list = []
+        self._ready = asyncio.Event()
+        self._ended = False
+
+    def push(self, item) -> None:
+        self.items.append(item)
+        self._ready.set()
+
+    def end(self) -> None:
+        self._ended = True
+        self._ready.set()
+
+    async def take(self) -> list | None:
+        """All that came since the last take, once something did; None once it ended and all is taken."""
+        while not self.items:
+            if self._ended:
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+        items, self.items = self.items, []
+        return items
+
+
 class CallResponses:
     """One call's responses on their way out, in the order they came: its Generate's own (`feed`)
     and those its sinks hand it (`respond`, `respond_tokens`, as a DirectContext takes them).
     `serialized`: the call's responses go out as bytes (the router's)."""
-    __slots__ = ("_items", "_merging", "_ready", "_ended", "_serialized")
+    __slots__ = ("_pending", "_merging", "_serialized")
 
     def __init__(self, serialized: bool):
-        self._items: list[pb.GenerateResponse | bytes] = []
-        self._merging: pb.GenerateResponse | None = None  # the last item, while tokens may join it
-        self._ready = asyncio.Event()
-        self._ended = False
+        self._pending = Pending()
+        self._merging: pb.GenerateResponse | None = None  # the last response, while tokens may join it
         self._serialized = serialized
 
     def respond(self, resp: pb.GenerateResponse | bytes) -> None:
         self._merging = None
-        self._items.append(resp)
-        self._ready.set()
+        self._pending.push(resp)
 
     def respond_tokens(self, request_id: str, token_ids: list[int], text: str) -> None:
         merging = self._merging
@@ -38,8 +64,7 @@ class CallResponses:
             merging.text += text
             return
         self._merging = resp = pb.GenerateResponse(request_id=request_id, token_ids=token_ids, text=text)
-        self._items.append(resp)
-        self._ready.set()
+        self._pending.push(resp)
 
     async def feed(self, responses: AsyncIterator) -> None:
         """The Generate's own responses (its first, its last, any its sinks did not take)."""
@@ -47,20 +72,15 @@ class CallResponses:
             async for resp in responses:
                 self.respond(resp)
         finally:
-            self._ended = True
-            self._ready.set()
+            self._pending.end()
 
     async def take(self) -> list[pb.GenerateResponse | bytes] | None:
-        """All that came since the last take, once something did; None once it ended and all is taken."""
-        while not self._items:
-            if self._ended:
-                return None
-            self._ready.clear()
-            await self._ready.wait()
-        items, self._items, self._merging = self._items, [], None
-        if self._serialized:
-            return [r if isinstance(r, bytes) else r.SerializeToString() for r in items]
-        return items
+        """Pending.take's, serialized where the call's go out so."""
+        items = await self._pending.take()
+        self._merging = None
+        if items is None or not self._serialized:
+            return items
+        return [r if isinstance(r, bytes) else r.SerializeToString() for r in items]
 
 
 def per_call(generate: Callable[..., AsyncIterator], serialized: bool) -> Callable[..., AsyncIterator]:
