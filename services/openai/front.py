@@ -41,7 +41,7 @@ from baton.services.openai.protocol import (
     typed,
 )
 from baton.services.openai.tools import constrain_to_tools, plan_from_body
-from baton.services.rpc.call_responses import Pending
+from baton.services.rpc.call_responses import Pending, feeding
 from baton.services.rpc.errors import failure_of
 from baton.services.rpc.fan_out import merge
 from baton.services.rpc.serving import RuntimeApi
@@ -75,6 +75,11 @@ class EventStream:
         for event in self.shape.events((index, resp)):
             self._pending.push(sse(event))
 
+    def add_text(self, index: int, text: str) -> None:
+        """A response with nothing but this text (a sink's), its choice's `index`."""
+        if text:
+            self._pending.push(self.shape.text_event(index, text))
+
     def push(self, data: bytes) -> None:
         self._pending.push(data)
 
@@ -100,8 +105,7 @@ class StreamedCallContext(CallContext, DirectContext):
         self._events.add(self._index + resp.index, resp)
 
     def respond_tokens(self, request_id: str, token_ids: list[int], text: str) -> None:
-        if text:
-            self._events.push(self._events.shape.text_event(self._index, text))
+        self._events.add_text(self._index, text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,17 +338,12 @@ class OpenAIFront:
         them to the call, written as they come."""
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
-        feeder = asyncio.ensure_future(_feed(events, first, responses, include_usage))
         try:
-            while (data := await events.take()) is not None:
-                await out.write(data)
-            await feeder  # (a failure of its own is the handler's)
+            async with feeding(_feed(events, first, responses, include_usage)):
+                while (data := await events.take()) is not None:
+                    await out.write(data)
         except ConnectionResetError:  # the client left between two writes; _complete's finally ends its requests
             pass
-        finally:
-            if not feeder.done():  # (the generators' close waits for it to let go of them)
-                feeder.cancel()
-                await asyncio.wait([feeder])
         return out
 
     async def _responses(self, requests: list[pb.GenerateRequest], request: web.Request, n: int,

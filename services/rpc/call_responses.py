@@ -4,11 +4,13 @@ context, to which its sinks hand the responses after the first as the step (or, 
 the decode's message) reads them; the call's handler yields what came since it last woke, once
 woken for all of it, instead of once per token through the generators. Responses with nothing
 but tokens merge while the caller reads slower than they come (one message, their ids and text
-joined), as they would under a stream interval; one that keeps up gets a message per token."""
+joined), as they would under a stream interval; one that keeps up gets a message per token.
+`Pending` and `feeding` serve the OpenAI front's event streams the same way."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from baton.v1 import generate_pb2 as pb
 
@@ -83,18 +85,28 @@ class CallResponses:
         return [r if isinstance(r, bytes) else r.SerializeToString() for r in items]
 
 
+@contextlib.asynccontextmanager
+async def feeding(feed: Awaitable[None]):
+    """`feed` (what fills a Pending and ends it) run as a task of its own while the handler takes
+    from it: leaving the block normally raises the feed's failure, if any (an abort's included,
+    which is then the call's); leaving it early (the caller went away) cancels the feed, which
+    ends its Generate and so its requests, and waits until it let go of them."""
+    feeder = asyncio.ensure_future(feed)
+    try:
+        yield
+        await feeder
+    finally:
+        if not feeder.done():
+            feeder.cancel()
+            await asyncio.wait([feeder])
+
+
 def per_call(generate: Callable[..., AsyncIterator], serialized: bool) -> Callable[..., AsyncIterator]:
     """`generate(msg, context, responses)` as a gRPC call's handler."""
     async def Generate(msg: pb.GenerateRequest, context):
         responses = CallResponses(serialized)
-        feeder = asyncio.ensure_future(responses.feed(generate(msg, context, responses)))
-        try:
+        async with feeding(responses.feed(generate(msg, context, responses))):
             while (items := await responses.take()) is not None:
                 for resp in items:
                     yield resp
-            await feeder  # (its failure, an abort's included, is the call's)
-        finally:
-            if not feeder.done():  # the caller went away: the Generate ends, which ends its requests
-                feeder.cancel()
-                await asyncio.wait([feeder])
     return Generate
