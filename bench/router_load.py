@@ -4,26 +4,35 @@ their RPCs (health, Prefill, Generate and GenerateStreams) and gives every reque
 token each --step-ms, as a GPU engine's step would, cheaply (5-30 µs of CPU per token to a
 multiplexing router, about 100 to a call per request). The real
 router (`baton serve --role router`) sits between it and a client (the client library: plain
-calls, or multiplexed over gRPC or over frames), so what the run measures is the router's own work per token at
+calls, or multiplexed over gRPC or over frames; or an OpenAI client streaming completions from
+the router's HTTP front), so what the run measures is the router's own work per token at
 rates two CPU cores running engines could never produce (48 streams at 10 ms steps is 4,800
 tokens/s; 256 is 25,600).
 
 The source listens for frames too (services/rpc/frames.py), as an engine does, and says where in
 its ModelInfo. Reported per variant (client calls x router-to-decode calls): tokens/s delivered, the router's
 CPU time per token (from /proc, warm-up excluded), the router's share of one core, and the
-source's and the client's CPU per token beside it (they share the machine's cores).
+source's and the client's CPU per token beside it (they share the machine's cores); and first,
+the floor a machine puts under a front's CPU per token where each token is a write of its own
+(an HTTP stream's, one connection per request): what one loopback write costs, back to back and
+a step apart.
 
     .venv/bin/python bench/router_load.py
     .venv/bin/python bench/router_load.py --streams 48,256 --step-ms 10 --tokens 256
     .venv/bin/python bench/router_load.py --client-calls frames,multiplexed --decode-calls frames
+    .venv/bin/python bench/router_load.py --client-calls frames,http --decode-calls frames
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -37,21 +46,25 @@ from baton.v1 import generate_pb2 as pb
 from baton.v1 import generate_pb2_grpc, internal_pb2, internal_pb2_grpc
 
 TOKEN_ID = 1234
+TOKEN_TEXT = " tok"  # each token's text, for callers that asked for text (an HTTP client's events carry it)
 
 
 # ---- the token source: a prefill and a decode tier that compute nothing -------------------------
 class Decoding:
     """A request the source streams: its response bytes (one token, the same each step) and how
     many tokens are left; `last` carries the finish reason."""
-    __slots__ = ("stream", "left", "each", "last", "answered")
+    __slots__ = ("stream", "left", "each", "last", "answered", "text")
 
     def __init__(self, stream: int, msg: pb.GenerateRequest):
         self.stream = stream
         self.answered = False  # its first response went (as an event: a decode's always does)
         self.left = max(1, msg.sampling.max_tokens - 1)  # (the prefill gave the first)
-        self.each = pb.GenerateResponse(request_id=msg.request_id, token_ids=[TOKEN_ID]).SerializeToString()
-        self.last = pb.GenerateResponse(request_id=msg.request_id, token_ids=[TOKEN_ID],
-                                        finish_reason=pb.FINISH_REASON_LENGTH).SerializeToString()
+        self.text = "" if msg.output == pb.OUTPUT_TOKEN_IDS else TOKEN_TEXT
+        self.each = pb.GenerateResponse(request_id=msg.request_id, token_ids=[TOKEN_ID],
+                                        text=self.text).SerializeToString()
+        self.last = pb.GenerateResponse(request_id=msg.request_id, token_ids=[TOKEN_ID], text=self.text,
+                                        finish_reason=pb.FINISH_REASON_LENGTH,
+                                        usage=pb.Usage(completion_tokens=self.left + 1)).SerializeToString()
 
 
 class Connection:
@@ -65,7 +78,7 @@ class Connection:
         self.ready = asyncio.Event()
 
     def step(self) -> None:
-        done, streams = [], []
+        done, streams, texts = [], [], []
         for d in self.decoding.values():
             d.left -= 1
             if d.left <= 0:
@@ -74,6 +87,7 @@ class Connection:
                 done.append(d.stream)
             elif self.compact and d.answered:
                 streams.append(d.stream)
+                texts.append(d.text)
             else:
                 self.batch.events.add(stream=d.stream, response=d.each)
                 d.answered = True
@@ -83,6 +97,8 @@ class Connection:
             self.batch.tokens.streams.extend(streams)
             self.batch.tokens.counts.extend([1] * len(streams))
             self.batch.tokens.token_ids.extend([TOKEN_ID] * len(streams))
+            if any(texts):
+                self.batch.tokens.texts.extend(texts)
         if self.batch.events or streams:
             self.ready.set()
 
@@ -120,7 +136,8 @@ class TokenSource(generate_pb2_grpc.TextGenerationServicer, internal_pb2_grpc.Pr
     @staticmethod
     def prefilled(msg: pb.GenerateRequest) -> internal_pb2.PrefillResponse:
         return internal_pb2.PrefillResponse(
-            first=pb.GenerateResponse(request_id=msg.request_id, token_ids=[TOKEN_ID]),
+            first=pb.GenerateResponse(request_id=msg.request_id, token_ids=[TOKEN_ID],
+                                      text="" if msg.output == pb.OUTPUT_TOKEN_IDS else TOKEN_TEXT),
             handle=pb.KVHandle(request_id=msg.request_id, engine_id="source", num_tokens=1))
 
     async def Release(self, handle, context) -> internal_pb2.ReleaseResponse:
@@ -220,13 +237,18 @@ async def serve_source(step_s: float) -> None:
 
 # ---- the bench ---------------------------------------------------------------------------------
 def start(*argv: str) -> tuple[subprocess.Popen, str]:
+    """The process, and its address (its OpenAI API's URL where started with --http-port: a router
+    prints that line before it serves)."""
     proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
+    url = None
     for line in proc.stdout:
+        if line.startswith("OpenAI API on "):
+            url = line.split()[3].removesuffix("/v1")
         if line.startswith("serving on "):
             address = line.split()[2].rstrip(";")
             wait_serving(address)  # a router serves once its backends do
-            return proc, address
+            return proc, url or address
     sys.exit(f"{' '.join(argv)} exited before it served")
 
 
@@ -236,17 +258,15 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 async def load(address: str, client_calls: str, streams: int, requests: int, tokens: int, on_warm) -> tuple[int, float]:
-    """`requests` requests of `tokens` tokens each, `streams` in flight at a time; the tokens
+    """`requests` requests of `tokens` tokens, `streams` of them in flight at a time: the tokens
     received and the seconds it took, after a warm-up round."""
-    from baton.services.client import AsyncClient
-
-    async with AsyncClient(address, multiplex=client_calls != "per-call", frames=client_calls == "frames") as client:
+    async with client_of(address, client_calls) as generate:
         received = 0
 
         async def one() -> None:
             nonlocal received
-            async for chunk in client.generate([1, 2, 3], max_tokens=tokens, output="token_ids"):
-                received += len(chunk.token_ids)
+            count = await generate(tokens)  # (not `received += await ...`: that reads received before waiting)
+            received += count
 
         await asyncio.gather(*(one() for _ in range(min(streams, 8))))  # warm-up
         on_warm()
@@ -262,9 +282,47 @@ async def load(address: str, client_calls: str, streams: int, requests: int, tok
         return received, time.perf_counter() - t0
 
 
+@contextlib.asynccontextmanager
+async def client_of(address: str, client_calls: str):
+    """generate(tokens) -> the tokens one streamed request received: through the client library
+    (a call per request, or multiplexed over gRPC or frames), or as an OpenAI client streams a
+    completion over HTTP (`http`: `address` is the router's OpenAI API; an event per chunk)."""
+    if client_calls == "http":
+        import aiohttp
+
+        async with aiohttp.ClientSession(address, timeout=aiohttp.ClientTimeout(total=None),
+                                         connector=aiohttp.TCPConnector(limit=0)) as session:
+            async with session.get("/v1/models") as resp:
+                model = (await resp.json())["data"][0]["id"]
+
+            async def generate(tokens: int) -> int:
+                body = {"model": model, "prompt": [1, 2, 3], "max_tokens": tokens, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                async with session.post("/v1/completions", json=body) as resp:
+                    if resp.status != 200:
+                        raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+                    count = 0
+                    async for line in resp.content:
+                        if line.startswith(b'data: {') and b'"usage":{' in line:
+                            count = json.loads(line[6:])["usage"]["completion_tokens"]
+                    return count
+            yield generate
+        return
+    from baton.services.client import AsyncClient
+
+    async with AsyncClient(address, multiplex=client_calls != "per-call", frames=client_calls == "frames") as client:
+        async def generate(tokens: int) -> int:
+            count = 0
+            async for chunk in client.generate([1, 2, 3], max_tokens=tokens, output="token_ids"):
+                count += len(chunk.token_ids)
+            return count
+        yield generate
+
+
 def run(args: argparse.Namespace, source: str, streams: int, client_calls: str, decode_calls: str) -> dict:
     router, address = start("-m", "baton.services.cli", "serve", "--role", "router", "--prefill", source,
                              "--decode", source, "--port", "0", "--internal-token", TOKEN,
+                             *(("--http-port", "0") if client_calls == "http" else ()),
                              *{"per-call": ("--no-multiplex",), "multiplexed": ("--no-frames",)}.get(decode_calls, ()))
     pids = {"router": [router.pid, *descendants(router.pid)], "client": [os.getpid()]}
     before = {}
@@ -285,6 +343,29 @@ def run(args: argparse.Namespace, source: str, streams: int, client_calls: str, 
             "client CPU us/tok": 1e6 * used["client"] / received}
 
 
+def send_floor(gap_s: float, sends: int = 200) -> float:
+    """This machine's floor under a streamed token: the CPU time (µs) one write of an event's
+    size costs on a loopback TCP connection whose reader is another thread, `gap_s` after the
+    last (a front writes each connection once a step; after an idle step a core's caches are
+    cold, and on a VM its wake-up is costly)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        writer = socket.create_connection(server.getsockname())
+        reader, _ = server.accept()
+    writer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    drain = threading.Thread(target=lambda: [None for _ in iter(lambda: reader.recv(1 << 16), b"")], daemon=True)
+    drain.start()
+    spent, event = 0, b"x" * 230
+    for _ in range(sends):
+        time.sleep(gap_s)
+        t = time.thread_time_ns()
+        writer.send(event)
+        spent += time.thread_time_ns() - t
+    writer.close()
+    drain.join()
+    reader.close()
+    return spent / sends / 1e3
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", default="48,256", help="comma list: requests in flight")
@@ -292,7 +373,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128, help="tokens per request")
     p.add_argument("--requests-per-stream", type=int, default=4)
     p.add_argument("--client-calls", default="per-call,multiplexed,frames",
-                   help="comma list: a call per request, one GenerateStreams stream over gRPC, or over frames")
+                   help="comma list: a call per request, one GenerateStreams stream over gRPC, or over frames "
+                        "(the client library), or http: streamed completions from the router's OpenAI API")
     p.add_argument("--decode-calls", default="per-call,multiplexed,frames", help="comma list: the router's, as "
                                                                                 "--client-calls")
     p.add_argument("--source", type=float, default=None, help=argparse.SUPPRESS)  # run as the token source
@@ -304,6 +386,9 @@ def main() -> None:
     args.source_pid = source.pid
     print(f"router <- token source (a token per request every {args.step_ms:g} ms), {args.tokens} tokens a "
           f"request, {os.cpu_count()} cores")
+    print(f"this machine's floor: one loopback TCP write of an event costs {send_floor(0):.1f} µs of CPU back to "
+          f"back, {send_floor(args.step_ms / 1000):.1f} µs a step apart (a front writes each of its connections "
+          f"once a step)")
     try:
         rows = {}
         for streams in (int(s) for s in args.streams.split(",")):
