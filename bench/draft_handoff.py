@@ -52,7 +52,7 @@ def recompute(model: str, draft: str, lengths: list[int], repeats: int, k: int) 
         max_num_batched_tokens=max(2048, longest + 2 * k + 8), enable_prefix_caching=False,
         speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": k}))
     runner = engine.runner
-    proposer, block_size = runner.proposer, engine.config.block_size
+    proposer, block_size = runner.drafting.proposer, engine.config.block_size
     assert isinstance(proposer, DraftModelProposer), type(proposer)
     forward, caught_up = proposer._forward, []
 

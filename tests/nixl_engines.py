@@ -121,7 +121,7 @@ def events_by_request(*engines) -> dict[str, list]:
 
 def record_drafts(runner) -> dict[tuple[int, ...], list[int]]:
     """Every draft a runner's proposer makes from now on, by the tokens it follows."""
-    proposer = runner.proposer
+    proposer = runner.drafting.proposer
     propose, seen = proposer.propose, {}
 
     def recording(states, k):

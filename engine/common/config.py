@@ -95,7 +95,7 @@ class EngineConfig:
     cudagraph_capture_sizes: list[int] | None = None
     # vLLM's name: the scheduler prepares step N+1 while the device runs step N (the tokens N samples
     # reach the next step on the device), for steps whose requests need nothing of the host between
-    # (engine/core/engine_core.py says which); others step one at a time.
+    # (engine/core/step_loop.py, async_off_because, says which); others step one at a time.
     async_scheduling: bool = False
     # Other checkpoints whose KV a P/D peer may send this engine (or take from it) as if it were
     # this one's: another quantization of the same model (a bf16 prefill before an FP8 decode),

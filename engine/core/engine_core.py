@@ -1,8 +1,9 @@
 """The engine core: the half of an engine that owns the device. Scheduler -> model runner ->
 scheduler, the KV cache, and the KV connector's worker half (its NIXL agent lives with the
-cache). It takes validated, tokenized requests (CoreRequest) and gives token ids back
-(CoreOutput); text, stop strings and every RPC are its front's. In a server it runs in a
-process of its own (process.py); the offline engine (engine/offline/llm_engine.py) holds it in-process.
+cache), as engine_builder.py builds them from the config. It takes validated, tokenized
+requests (CoreRequest) and gives token ids back (CoreOutput); text, stop strings and every RPC
+are its front's. In a server it runs in a process of its own (process.py); the offline engine
+(engine/offline/llm_engine.py) holds it in-process.
 """
 from __future__ import annotations
 
@@ -10,10 +11,8 @@ import logging
 import os
 import time
 
-import torch
-
 from baton.engine.common.block_hashes import hash_block
-from baton.engine.common.config import EngineConfig, read_config
+from baton.engine.common.config import EngineConfig
 from baton.engine.common.core_messages import (
     AdapterInfo,
     CallError,
@@ -27,35 +26,16 @@ from baton.engine.common.core_messages import (
 )
 from baton.engine.common.errors import InvalidArgument, check
 from baton.engine.common.kv_cache_events import KVEventLog
-from baton.engine.common.kv_groups import group_layers
 from baton.engine.common.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from baton.engine.common.stats import EngineSnapshot, EventType, StepEvents
-from baton.engine.common.tokenizer import eos_token_ids, load_tokenizer
-from baton.engine.core.encoder_cache import encoder_cache
-from baton.engine.core.host_kv_tier import HostKVTier
-from baton.engine.core.kv_cache_manager import KVCacheManager
+from baton.engine.core.engine_builder import build_engine
 from baton.engine.core.request import Request, RequestStatus, RequestUpdate
-from baton.engine.core.scheduler import Scheduler
-from baton.engine.core.step_loop import StepLoop, StepTimes, async_off_because
-from baton.engine.worker.grammar import Grammars
-from baton.engine.worker.kv_calibration import calculate_kv_scales
-from baton.engine.worker.loader import load_model
-from baton.engine.worker.lora.adapter import adapter_bytes
-from baton.engine.worker.lora.registry import LoRARegistry, start_lora
-from baton.engine.worker.memory import measure_kv_cache_bytes, memory_before_loading
-from baton.engine.worker.model_runner import ModelRunner
-from baton.engine.worker.models import ModelArgs, model_args
-from baton.engine.worker.parallel.rank_messages import RankAdapter, RunnerSetup
-from baton.engine.worker.parallel.tensor_parallel import check_split, shard_model
-from baton.engine.worker.parallel.workers import TPWorkers
-from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
-from baton.engine.worker.spec_decode.eagle import load_head
-from baton.engine.worker.spec_decode.mtp import load_mtp
+from baton.engine.core.step_loop import StepTimes
+from baton.engine.worker.lora.registry import LoRARegistry
+from baton.engine.worker.parallel.rank_messages import RankAdapter
 from baton.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
 
 log = logging.getLogger(__name__)
-
-_CPU_KV_BUDGET = 1 << 30
 
 
 class EngineCore:
@@ -63,163 +43,20 @@ class EngineCore:
                  kv_connector: tuple[KVConnectorScheduler, KVConnectorWorker] | None = None):
         """`kv_connector`: the scheduler and worker halves of a KV connector, or None (colocated)."""
         self.config = config
-        config.resolve_device()
-        args = model_args(read_config(config.model))
-        config.resolve_model_len(args.max_position_embeddings)
-        self.eos_token_ids = eos_token_ids(config.model)
-        torch.manual_seed(config.seed)
-        on_gpu = config.device.startswith("cuda")
-        free_at_start, total = memory_before_loading(config.device) if on_gpu else (0, 0)
-        dtype = config.torch_dtype(args.torch_dtype)
-        self.workers = self._start_ranks(args, kv_connector[1] if kv_connector else None)
-        try:
-            self._build(config, args, dtype, on_gpu, free_at_start, total, kv_connector)
-        except BaseException:
-            if self.workers is not None:
-                self.workers.close()
-            if kv_connector is not None:  # (its cache may be registered already)
-                kv_connector[1].close()
-            raise
-
-    def _start_ranks(self, args: ModelArgs, connector: KVConnectorWorker | None) -> TPWorkers | None:
-        """Under tensor parallelism: the other ranks, started loading their shares."""
-        if self.config.tensor_parallel_size == 1:
-            return None
-        check_split(args, self.config.tensor_parallel_size, self.config.enable_expert_parallel)
-        return TPWorkers(self.config, connector)
-
-    def _build(self, config: EngineConfig, args: ModelArgs, dtype, on_gpu: bool, free_at_start: int, total: int,
-               kv_connector) -> None:
-        # Under tensor parallelism, in host memory first: only this rank's share goes to the device.
-        model = load_model(config.model, dtype, config.device if self.workers is None else "cpu")
-        # Before the split: a head shares the target's embeddings and LM head, whole (rank 0 drafts alone).
-        # (Under tensor parallelism rank 0 holds them twice: its shares, and the whole ones for the head.)
-        draft = self._load_draft(args, dtype, model, config.device if self.workers is None else "cpu")
-        if self.workers is not None:
-            shard_model(model, self.workers.join(torch.device(config.device)), config.enable_expert_parallel)
-            model.to(config.device)
-            if draft is not None:
-                draft.to(config.device)
-        self.loras, lora_slots = start_lora(config, args, model, dtype)
-        if on_gpu and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
-            config.kv_cache_memory_bytes = measure_kv_cache_bytes(model, config, free_at_start, total)
-            if config.enable_lora:  # the device slots fill later: their room is kept now
-                reserve = config.max_loras * adapter_bytes(args, config.max_lora_rank, dtype.itemsize)
-                check(config.kv_cache_memory_bytes > reserve, "max_loras",
-                      f"{config.max_loras} adapters of rank {config.max_lora_rank} need {reserve / 2**30:.2f} GiB, "
-                      f"more than the KV cache's {config.kv_cache_memory_bytes / 2**30:.2f} GiB")
-                config.kv_cache_memory_bytes -= reserve
-        # The host tier copies a request's blocks as one list: with it, every layer keeps every block.
-        hybrid = not config.disable_hybrid_kv_cache_manager and not config.kv_offloading_size
-        self.kv_groups = group_layers(args.layer_windows(config.max_model_len), hybrid)
-        check(draft is None or None in self.kv_groups.windows, "speculative_config.method",
-              "draft_model and EAGLE heads keep their KV in the blocks of a full-attention layer group, and every "
-              "layer of this model slides: set disable_hybrid_kv_cache_manager")
-        # Its group's layers' K and V (this rank's KV heads, under tensor parallelism).
-        block_bytes = (self.kv_groups.layers_per_block * args.kv_parts * config.block_size
-                       * model.args.num_kv_heads * args.head_dim * config.kv_torch_dtype(dtype).itemsize)
-        # A draft model's (or EAGLE head's) KV sits in a cache of its own, addressed by the same block ids.
-        draft_bytes = 0 if draft is None else DraftModelProposer.block_bytes(draft, config.block_size,
-                                                                                   config.kv_torch_dtype(dtype))
-        self.num_kv_blocks = self._num_kv_blocks(block_bytes + draft_bytes)
-        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                 self.kv_groups.windows)
-        self.num_host_blocks = self._num_host_blocks(block_bytes)
-        self.host = (HostKVTier(self.num_host_blocks, self.kv, config.preemption_mode, config.max_num_batched_tokens)
-                     if self.num_host_blocks else None)
-        connector_scheduler, connector_worker = kv_connector or (None, None)
-        if connector_scheduler is not None:
-            connector_scheduler.group_windows = self.kv_groups.windows
-        image_tokens = args.vision.most_tokens(config.model) if args.vision else None  # (None: a text model)
-        encoder = encoder_cache(config, image_tokens, args.vision is not None and args.vision.bidirectional)
-        self.scheduler = Scheduler(config, self.kv, connector_scheduler, self.host, encoder)
-        calculate_kv_scales(model, config)
-        self.runner = ModelRunner(model, config, self.num_kv_blocks, self.eos_token_ids, connector_worker, lora_slots,
-                                  self.num_host_blocks, self.kv_groups, draft)
-        scales = self.runner.kv_scales
-        log.info("KV cache: %d blocks of %d tokens in %s%s", self.num_kv_blocks, config.block_size,
-                 str(self.runner.kv_cache.dtype).removeprefix("torch."),
-                 f", scales: {scales}{' (1.0)' if scales == 'default' else ''}" if scales else "")
-        self.connector = connector_worker
-        if self.workers is not None:
-            layouts = self.workers.setup(RunnerSetup(config, self.num_kv_blocks, self.eos_token_ids, self.kv_groups,
-                                                     self.num_host_blocks, self.runner.draft_format))
-            if connector_worker is not None:
-                connector_worker.layout.ranks = layouts
+        parts = build_engine(config, kv_connector)
+        self.eos_token_ids, self.vocab_size = parts.eos_token_ids, parts.vocab_size
+        self.workers, self.loras, self.connector = parts.workers, parts.loras, parts.connector
+        self.kv_groups, self.num_kv_blocks, self.kv = parts.kv_groups, parts.num_kv_blocks, parts.kv
+        self.num_host_blocks, self.host = parts.num_host_blocks, parts.host
+        self.scheduler, self.runner, self.loop = parts.scheduler, parts.runner, parts.loop
+        self.grammars = parts.grammars
         if self.runner.model.rope_recompute_at is not None:  # LongRoPE: see Scheduler.recompute_at
             self.scheduler.recompute_at = self.runner.model.rope_recompute_at
             self.scheduler.rekey = self._rope_rekey
-        # Async scheduling where nothing needs the host between steps (see async_off_because).
-        off = async_off_because(config, self.runner.model.rope_by_length)
-        if config.async_scheduling and off is not None:
-            log.warning("async_scheduling: steps run one at a time with %s", off)
-        self.loop = StepLoop(self.scheduler, self.runner, self.workers, ahead=config.async_scheduling and off is None)
-        start = time.perf_counter()
-        self.runner.capture_graphs()
-        if self.runner.graphs is not None:
-            log.info("CUDA graphs for decode steps of %s rows captured in %.1f s",
-                     ", ".join(map(str, self.runner.graphs.sizes)), time.perf_counter() - start)
-        else:
-            log.info("decode steps run eagerly (%s)", self.runner.graphs_off)
-        self.vocab_size = args.vocab_size
-        self.grammars = self.runner.grammars = Grammars(config.model, args.vocab_size, self.eos_token_ids)
         self.awaiting_grammar: list[Request] = []  # WAITING_FOR_FSM: held back until their grammar compiled
         self.failures: list[CoreFailure] = []  # requests refused after add (a grammar that does not compile)
         self.num_taken = 0  # requests taken in since start
         self._step_tokens: list[int] | None = None  # per step, while events are recorded
-
-    def _load_draft(self, args: ModelArgs, dtype, model, device: str):
-        """draft_model's checkpoint, once it is known to speak the target's tokens: the same
-        vocabulary and tokenizer, a context as long as max_model_len; or an EAGLE head fitting
-        `model` (spec_decode/eagle.py), which shares its embeddings; or DeepSeek's MTP layer
-        (spec_decode/mtp.py), by default from the target's own checkpoint; on `device`. Refused
-        naming the field."""
-        spec = self.config.speculative_config
-        if spec is None or spec.method not in ("draft_model", "eagle", "eagle3", "mtp"):
-            return None
-        if spec.method != "draft_model":
-            if spec.method == "mtp":
-                return load_mtp(spec.model, self.config.model, model, dtype, device)
-            return load_head(spec.method, spec.model, model, dtype, device)
-        field = "speculative_config.model"
-        draft_args = model_args(read_config(spec.model))
-        check(draft_args.vocab_size == args.vocab_size, field,
-              f"its vocabulary has {draft_args.vocab_size} tokens, the target's {args.vocab_size}")
-        check(load_tokenizer(spec.model).get_vocab() == load_tokenizer(self.config.model).get_vocab(), field,
-              "its tokenizer is not the target's (the token ids would mean other things)")
-        check(draft_args.max_position_embeddings >= self.config.max_model_len, field,
-              f"its max_position_embeddings {draft_args.max_position_embeddings} is shorter than max_model_len "
-              f"{self.config.max_model_len}")
-        return load_model(spec.model, dtype, device)
-
-    def _num_kv_blocks(self, block_bytes: int) -> int:
-        c = self.config
-        if c.num_kv_blocks is None:
-            budget = _CPU_KV_BUDGET if c.kv_cache_memory_bytes is None else c.kv_cache_memory_bytes
-            # Never more than every sequence slot at full length needs (plus prefix-cache slack).
-            most = 2 * c.max_num_seqs * len(self.kv_groups.windows) * -(-c.max_model_len // c.block_size)
-            c.num_kv_blocks = min(budget // block_bytes, most)
-        need = self._blocks_for_longest()
-        check(c.num_kv_blocks >= need, "num_kv_blocks",
-              f"{c.num_kv_blocks} blocks of {c.block_size} tokens cannot hold one request of max_model_len "
-              f"{c.max_model_len} ({need} blocks); raise num_kv_blocks (or kv_cache_memory_bytes) or lower "
-              f"max_model_len")
-        return c.num_kv_blocks
-
-    def _blocks_for_longest(self) -> int:
-        """Blocks one request of max_model_len holds at most: a full group's for every token, a
-        sliding group's for its window and the largest step's tokens past it."""
-        c, bs = self.config, self.config.block_size
-        full = -(-c.max_model_len // bs)
-        return sum(full if w is None else min(full, -(-(w + c.max_num_batched_tokens) // bs) + 1)
-                   for w in self.kv_groups.windows)
-
-    def _num_host_blocks(self, block_bytes: int) -> int:
-        c = self.config
-        num = int(c.kv_offloading_size * (1 << 30)) // block_bytes
-        check(num > 0 or c.kv_offloading_size == 0, "kv_offloading_size",
-              f"{c.kv_offloading_size:g} GiB is less than one KV block ({block_bytes} bytes)")
-        return num
 
     def facts(self) -> EngineFacts:
         return EngineFacts(self.config.max_model_len, self.vocab_size, sorted(self.eos_token_ids),

@@ -1,7 +1,8 @@
 """Runs one SchedulerOutput through the model: encodes the step's images (a vision-language
 model's, as the scheduler's encoder cache says), builds the flat batch (batch_builder.py) and
 runs it (a decode step on a GPU replays a CUDA graph: cuda_graphs.py), samples the next tokens
-(or, for requests with drafts, verifies them: spec_decode/), and drafts the next step's.
+(or, for requests with drafts, verifies them: step_sampling.py), and drafts the next step's
+(spec_decode/).
 
 The runner keeps its own per-request state (token ids, block ids, RNG, images) and the images'
 embeddings by digest, updated from each step's plain output, as vLLM v1's does; it never
@@ -9,7 +10,6 @@ decides what to run.
 """
 from __future__ import annotations
 
-import functools
 import os
 from contextlib import nullcontext
 
@@ -24,7 +24,6 @@ from baton.engine.worker import block_tables
 from baton.engine.worker.attention_backend import choose_backend
 from baton.engine.worker.batch_builder import BatchBuilder, StepBatch
 from baton.engine.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_because
-from baton.engine.worker.grammar import mask_logits
 from baton.engine.worker.host_kv_copier import HostKVCopier
 from baton.engine.worker.image_embeddings import ImageEmbeddings
 from baton.engine.worker.kv_calibration import model_kv_scales
@@ -39,9 +38,10 @@ from baton.engine.worker.lora.layers import LoRASlots
 from baton.engine.worker.models import CausalLM, model_args, mrope
 from baton.engine.worker.parallel.tensor_parallel import ParallelLMHead
 from baton.engine.worker.queued_step import PinnedRing, QueuedStep
-from baton.engine.worker.sampler import apply_processors, sample, sample_on_device, skip_draws, token_logprobs
+from baton.engine.worker.sampler import sample_on_device, skip_draws, token_logprobs
 from baton.engine.worker.spec_decode import make_proposer
-from baton.engine.worker.spec_decode.verify import greedy_accept, sampled_accept
+from baton.engine.worker.spec_decode.drafting import Drafting, model_proposer
+from baton.engine.worker.step_sampling import StepSampler
 from baton.kernels.kv_quant import convert_kv, is_fp8
 from baton.kv_transfer.base import KVConnectorWorker, KVFormat
 
@@ -129,6 +129,7 @@ class ModelRunner:
             scales = (model_kv_scales(model) if config.tensor_parallel_size == 1
                       else checkpoint_kv_scales(config.model, whole)[0])
         self.states: dict[str, RequestState] = {}
+        self.sampling = StepSampler(self.states, eos_token_ids)
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
         # A vision-language model's image embeddings, by digest (image_embeddings.py).
         self.images = (ImageEmbeddings(model.vision, self.device, compute_dtype) if model.vision is not None
@@ -145,8 +146,10 @@ class ModelRunner:
                                                 latent=args.attention == "mla", kv_dtype=self.kv_cache.dtype)
         self.batches = BatchBuilder(model, groups, config.block_size, self.device, self.attention_backend,
                                     compute_dtype, lora is not None)
-        self.proposer = None if spec is None else (make_proposer(spec) if draft is None else
-                                                   self._draft_proposer(draft, num_blocks))
+        proposer = None if spec is None else make_proposer(spec) if draft is None else model_proposer(
+            draft, model, config, self.device, self.kv_cache.dtype, self.batches.metadata, groups.windows.index(None),
+            num_blocks)
+        self.drafting = None if proposer is None else Drafting(proposer, self.num_spec_tokens, self.states, self.device)
         self.whole_args = whole
         off = graphs_off_because(self.device.type == "cuda", config.enforce_eager, self.attention_backend,
                                  model.rope_by_length)
@@ -159,7 +162,7 @@ class ModelRunner:
         self.graphs = self.make_graphs(sizes, capture=not cpu_graphs) if off is None or cpu_graphs else None
         self.graphs_off = off  # why not, for the log
         # A draft's or head's KV goes to a decode peer with the prompt's (an engine with a connector's).
-        draft_cache = self.proposer.cache if draft is not None and connector is not None else None
+        draft_cache = proposer.cache if draft is not None and connector is not None else None
         self.draft_format = draft_format if draft_cache is None else (
             spec.method, draft_fingerprint(spec.model or config.model), tuple(draft_cache.shape[1:]))
         if connector is not None:
@@ -171,25 +174,6 @@ class ModelRunner:
                 kv_scales=tuple(scales[:, :args.kv_parts].flatten().tolist()) if fp8 else ()),
                 host_cache=self.host_kv.host_cache if self.host_kv is not None else None, draft_cache=draft_cache,
                 convert=convert_kv)
-
-    def _draft_proposer(self, draft, num_blocks: int):
-        """draft_model's proposer over `draft`, or a head's (EAGLE's or DeepSeek's MTP layer)."""
-        from baton.engine.worker.spec_decode.draft_model import DraftModelProposer
-        from baton.engine.worker.spec_decode.eagle import EagleProposer
-
-        a = draft.args
-        latent = a.attention == "mla"
-        backend = choose_backend(self.config.attention_backend, self.model.embed_tokens.weight.dtype, self.device,
-                                 a.num_heads, a.num_kv_heads, a.head_dim, latent=latent, kv_dtype=self.kv_cache.dtype)
-        # Of the batch builder, not of self: the proposer is the runner's, and a closure over the
-        # runner would make a cycle that only the garbage collector frees (the model and caches with it).
-        metadata = functools.partial(self.batches.metadata, backend=backend, latent=latent)
-        group = self.kv_groups.windows.index(None)
-        if not isinstance(draft, CausalLM):  # a head: it reads the target's hidden states
-            return EagleProposer(draft, self.model, num_blocks, self.block_size, self.config.max_model_len, group,
-                                 self.config.max_num_batched_tokens, metadata, self.device, self.kv_cache.dtype)
-        return DraftModelProposer(draft, num_blocks, self.block_size, self.config.max_model_len, group, metadata,
-                                  self.device, self.config.max_num_batched_tokens, self.kv_cache.dtype)
 
     def close(self) -> None:
         """Stop the host tier's copier thread (where there is a host tier)."""
@@ -245,7 +229,7 @@ class ModelRunner:
             state.mrope = mrope.prompt_positions(new.images, new.num_prompt_tokens,
                                                  self.model.args.vision.spatial_merge_size)
         if new.draft_start >= 0 and self.driver:  # a peer's load brought the draft's KV of what is computed
-            self.proposer.loaded(state, new.num_computed_tokens, new.draft_start)
+            self.drafting.proposer.loaded(state, new.num_computed_tokens, new.draft_start)
         # The matcher (the driver's only): resumed, where it was; else after past outputs made elsewhere.
         if params.structured_output is not None and self.driver:
             state.matcher = old.matcher if old is not None else self.grammars.matcher(
@@ -342,8 +326,8 @@ class ModelRunner:
         """The step's changes to the requests: ended ones dropped, new ones added, blocks grown."""
         for req_id in sched.finished_req_ids:
             state = self.states.pop(req_id, None)
-            if self.proposer is not None and state is not None:
-                self.proposer.finished(state)
+            if self.drafting is not None and state is not None:
+                self.drafting.proposer.finished(state)
         for new in sched.scheduled_new_reqs:
             self._add_request(new)
         for cached in sched.scheduled_cached_reqs:
@@ -385,142 +369,31 @@ class ModelRunner:
         if batch.prompt_rows:
             out.prompt_logprobs = self._prompt_logprobs(hidden, batch.prompt_rows)
         sampled_ids = batch.sample_req_ids
-        proposer = self.proposer if self.driver else None
-        keep_hidden = proposer.keep if proposer is not None and proposer.wants_hidden else None  # (an EAGLE head's)
+        drafting = self.drafting if self.driver else None
+        keep_hidden = drafting is not None and drafting.proposer.wants_hidden  # (an EAGLE head's)
         if not sampled_ids:
-            if keep_hidden is not None:
-                self._keep_hidden(keep_hidden, batch, hidden, sched, out)
+            if keep_hidden:
+                drafting.keep_hidden(batch, hidden, sched, out)
             return out
         all_logits = self.model.compute_logits(hidden[sample_rows])  # (a collective under TP)
         if not self.driver:
             return out
         spans = batch.sample_spans
         if any(n > 1 for _, n in spans):  # drafts to verify: those requests apart
-            self._verify(all_logits, spans, sampled_ids, sched.scheduled_spec_tokens, out)
+            self.sampling.verify(all_logits, spans, sampled_ids, sched.scheduled_spec_tokens, out)
             keep = [i for i, (_, n) in enumerate(spans) if n == 1]
             sampled_ids = [sampled_ids[i] for i in keep]
             all_logits = all_logits[[spans[i][0] for i in keep]]
         if sampled_ids:
-            self._sample(all_logits, sampled_ids, out)
-        if keep_hidden is not None:
-            self._keep_hidden(keep_hidden, batch, hidden, sched, out)
+            self.sampling.sample(all_logits, sampled_ids, out)
+        if keep_hidden:
+            drafting.keep_hidden(batch, hidden, sched, out)
         if self.draft_format:
-            self._complete_draft_kv(out)
-        if sched.propose_drafts and self.proposer is not None:
-            self._propose(batch.sample_req_ids, out)
+            drafting.complete_draft_kv(out)
+        # (not for LongRoPE models, whose verify rows would need lengths of their own)
+        if sched.propose_drafts and drafting is not None and self.model.rope_recompute_at is None:
+            drafting.propose(batch.sample_req_ids, out, self.grammars)
         return out
-
-    def _keep_hidden(self, keep, batch: StepBatch, hidden: torch.Tensor, sched: SchedulerOutput,
-                     out: ModelRunnerOutput) -> None:
-        """Hand the proposer the hidden states of the step's positions whose tokens stand: each
-        request's rows, less its rejected drafts'."""
-        rows, row = [], 0
-        for (req_id, n), (start, _, _) in zip(batch.order, batch.spans):
-            # With drafts (n = 1 + drafts): the last token's row and the kept drafts' (one per token out).
-            kept = len(out.sampled_token_ids[req_id]) if req_id in sched.scheduled_spec_tokens else n
-            rows.append((self.states[req_id], row, start, kept))
-            row += n
-        keep(rows, hidden)
-
-    def _complete_draft_kv(self, out: ModelRunnerOutput) -> None:
-        """A prefill's requests that end here: their draft's or head's KV of every prompt position
-        (a head's last with the token just sampled) written now, before their blocks go to a decode."""
-        ending = [r for r in out.sampled_token_ids if self.states[r].hold_for_remote]
-        if ending:
-            self.proposer.catch_up([self.states[r] for r in ending])
-            out.draft_start.update((r, self.proposer.start(self.states[r])) for r in ending)
-            if self.device.type == "cuda":  # a peer's READ may start as soon as the step's output is out
-                torch.cuda.current_stream(self.device).synchronize()
-
-    def _sample(self, logits: torch.Tensor, sampled_ids: list[str], out: ModelRunnerOutput) -> None:
-        """One token for each request of sampled_ids (logits: a row each)."""
-        states = [self.states[r] for r in sampled_ids]
-        params = [s.sampling_params for s in states]
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw = logits[want].float().log_softmax(dim=-1) if want else None  # before any processing
-        self._suppress_stops_before_min_tokens(logits, states)
-        processed = [i for i, p in enumerate(params) if p.penalized]
-        if processed:
-            apply_processors(logits, processed, params, [s.token_ids for s in states],
-                             [s.num_prompt_tokens for s in states])
-        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
-        if constrained:
-            mask_logits(logits, constrained, [states[i].matcher for i in constrained])
-        tokens = sample(logits, params, [s.generator for s in states])
-        for state, token in zip(states, tokens):
-            state.draft_computed = min(state.draft_computed, len(state.token_ids))  # a draft fed there is stale
-            state.token_ids.append(token)
-        for i in constrained:
-            matcher = states[i].matcher.grammar
-            matcher.accept_token(tokens[i])
-            if matcher.is_terminated():
-                out.grammar_ended.add(sampled_ids[i])
-        out.sampled_token_ids.update((r, [t]) for r, t in zip(sampled_ids, tokens))
-        if want:
-            k = max(params[i].logprobs for i in want)
-            for i, lp in zip(want, token_logprobs(raw, [tokens[i] for i in want], k)):
-                n = params[i].logprobs
-                lp.top_token_ids, lp.top_logprobs = lp.top_token_ids[:n], lp.top_logprobs[:n]
-                out.logprobs[sampled_ids[i]] = [lp]
-
-    def _verify(self, logits: torch.Tensor, spans: list[tuple[int, int]], sampled_ids: list[str],
-                drafts_of: dict[str, list[int]], out: ModelRunnerOutput) -> None:
-        """The drafts of each request that has k > 0 (its k + 1 rows of logits): the kept ones
-        and one more, their logprobs where asked for (from the raw rows, as without drafts)."""
-        rows = [(req_id, first, n) for req_id, (first, n) in zip(sampled_ids, spans) if n > 1]
-        argmax = logits.argmax(dim=-1).tolist()
-        for req_id, first, n in rows:
-            state, drafts = self.states[req_id], drafts_of[req_id]
-            params = state.sampling_params
-            rows_logits = logits[first:first + n]
-            raw = rows_logits.float().log_softmax(dim=-1) if params.logprobs is not None else None  # unprocessed
-            shaped = params.penalized or state.matcher is not None or params.min_tokens
-            fed = self._shape_draft_rows(rows_logits, state, drafts) if shaped else 0
-            if params.greedy:
-                tokens = greedy_accept(rows_logits.argmax(dim=-1).tolist() if shaped else argmax[first:first + n],
-                                       drafts)
-            else:
-                tokens = sampled_accept(rows_logits, drafts, params, state.generator)
-            if state.matcher is not None:  # the kept tokens, from where the request was, up to the grammar's end
-                matcher = state.matcher.grammar
-                matcher.rollback(fed)
-                for i, token in enumerate(tokens):
-                    matcher.accept_token(token)
-                    if matcher.is_terminated():
-                        tokens = tokens[:i + 1]
-                        out.grammar_ended.add(req_id)
-                        break
-            # A draft model saw its drafts: right up to the last one kept.
-            state.draft_computed = min(state.draft_computed, len(state.token_ids) + len(tokens) - 1)
-            state.token_ids.extend(tokens)
-            out.sampled_token_ids[req_id] = tokens
-            if raw is not None:
-                out.logprobs[req_id] = token_logprobs(raw[:len(tokens)], tokens, params.logprobs)
-
-    def _propose(self, req_ids: list[str], out: ModelRunnerOutput) -> None:
-        """Drafts for the next step: the proposer's, or where a request's grammar allows one
-        continuation only, that continuation's tokens (free: no model guessed them). Not for
-        LongRoPE models, whose verify rows would need lengths of their own."""
-        if self.model.rope_recompute_at is not None:
-            return
-        asking = []
-        for req_id in req_ids:
-            state = self.states.get(req_id)
-            if state is None or req_id not in out.sampled_token_ids or req_id in out.grammar_ended:
-                continue
-            left = state.sampling_params.max_tokens - (len(state.token_ids) - state.num_prompt_tokens)
-            if left <= 1:  # no room for a draft before the last token (a prefill's request: none at all)
-                continue
-            forced = self.grammars.forced(state.matcher, self.num_spec_tokens) if state.matcher is not None else []
-            if forced:
-                out.spec_token_ids[req_id] = forced
-            else:
-                asking.append(req_id)
-        if asking:
-            for req_id, drafts in zip(asking, self.proposer.propose([self.states[r] for r in asking],
-                                                                    self.num_spec_tokens)):
-                if drafts:
-                    out.spec_token_ids[req_id] = drafts
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list[tuple[str, int, int, int]]) -> dict[str, list]:
         """Each prompt token's logprob given the tokens before it, from the rows of this step's
@@ -537,37 +410,3 @@ class ModelRunner:
             if len(state.prompt_logprobs) == state.num_prompt_tokens:
                 done[req_id], state.prompt_logprobs = state.prompt_logprobs, None
         return done
-
-    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, states: list[RequestState],
-                                          ahead: int = 0) -> None:
-        """Stop tokens out of row i's logits while the request has fewer than min_tokens outputs
-        (`ahead`: the rows are one request's, row i after i more tokens, its drafts)."""
-        for row, state in enumerate(states):
-            params = state.sampling_params
-            outputs = len(state.token_ids) - state.num_prompt_tokens + (row if ahead else 0)
-            if outputs < params.min_tokens:
-                stops = list(params.stop_token_ids)
-                if not params.ignore_eos:
-                    stops.extend(self.eos_token_ids)
-                if stops:
-                    logits[row, stops] = float("-inf")
-
-    def _shape_draft_rows(self, logits: torch.Tensor, state: RequestState, drafts: list[int]) -> int:
-        """A request's k + 1 rows processed as its single row would be after each draft: stop
-        tokens held back before min_tokens, penalties over the tokens before the row, the
-        grammar's mask in the state the drafts before the row lead to. Returns the drafts fed to
-        the grammar matcher (up to the first it refuses: verification stops there anyway); the
-        caller rolls them back."""
-        k, params = len(drafts), state.sampling_params
-        self._suppress_stops_before_min_tokens(logits, [state] * (k + 1), ahead=True)
-        if params.penalized:
-            apply_processors(logits, list(range(k + 1)), [params] * (k + 1),
-                             [state.token_ids + drafts[:i] for i in range(k + 1)], [state.num_prompt_tokens] * (k + 1))
-        fed = 0
-        if state.matcher is not None:
-            for i in range(k + 1):
-                mask_logits(logits, [i], [state.matcher])
-                if i == k or not state.matcher.grammar.accept_token(drafts[i]):
-                    break
-                fed += 1
-        return fed

@@ -1,4 +1,4 @@
-"""Async scheduling (engine/core/engine_core.py, worker/queued_step.py): step N+1 is scheduled and
+"""Async scheduling (engine/core/step_loop.py, worker/queued_step.py): step N+1 is scheduled and
 queued before step N's tokens are taken, a request's last token read on the device. What it
 must keep: every output as one step at a time makes it (greedy equal to transformers, seeded
 samples equal to a synchronous engine's), with requests ending at different steps, stop tokens
@@ -78,7 +78,7 @@ def test_requests_that_need_the_host_between_steps_run_one_step_at_a_time(tiny_l
 
 
 def test_engines_that_cannot_schedule_ahead_say_why(tiny_llama, caplog):
-    with caplog.at_level(logging.WARNING, logger="baton.engine.core.engine_core"):
+    with caplog.at_level(logging.WARNING, logger="baton.engine.core.engine_builder"):
         llm = engine(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert "speculative decoding" in caplog.text
     prompts = random_prompts([9, 14], seed=2)

@@ -87,7 +87,7 @@ def test_drafts_verify_through_the_graphs(tmp_path, hf, name):
     prompts = random_prompts([6, 19, 41, 12], seed=23)
     want = [hf.greedy(model_dir, p, 14) for p in prompts]
     llm = engine(model_dir, speculative_config=NGRAM)
-    llm.engine.runner.proposer = OracleProposer([p + w for p, w in zip(prompts, want)])
+    llm.engine.runner.drafting.proposer = OracleProposer([p + w for p, w in zip(prompts, want)])
     taken = graphed(llm, [1, 2, 4, 8, 16, 24])
     outs = llm.generate(prompts, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == want

@@ -105,7 +105,7 @@ def test_drafts_equal_a_dense_reference(tiny_llama, heads, hf, method, backend):
     calls = []
     llm = LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=spec(method, heads[method]),
               max_num_batched_tokens=32, attention_backend=backend)
-    proposer = llm.engine.runner.proposer
+    proposer = llm.engine.runner.drafting.proposer
     propose = proposer.propose
 
     def recording(states, k):

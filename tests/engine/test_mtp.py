@@ -116,7 +116,7 @@ def test_drafts_equal_a_dense_reference(deepseek, whole, hf, backend):
     calls, forwards = [], []
     llm = LLM(deepseek, dtype="float32", device="cpu", speculative_config=spec(), max_num_batched_tokens=32,
               attention_backend=backend)
-    proposer = llm.engine.runner.proposer
+    proposer = llm.engine.runner.drafting.proposer
     propose, metadata = proposer.propose, proposer.metadata
 
     def recording(states, k):
@@ -171,8 +171,8 @@ def test_the_layer_is_read_from_its_shard_into_an_mla_cache(deepseek, monkeypatc
               kv_cache_memory_bytes=50 * (LAYERS + 1) * 16 * latent * 4)  # 50 blocks of 4 layers' latents
     assert llm.engine.core.num_kv_blocks == 50  # (66 for the target's three layers alone)
     runner = llm.engine.runner
-    assert runner.proposer.cache.shape == (50, 1, 1, 16, 1, latent)  # [blocks, layer, latent, slots, head, D]
-    head, target = runner.proposer.head, runner.model
+    assert runner.drafting.proposer.cache.shape == (50, 1, 1, 16, 1, latent)  # [blocks, layer, latent, slots, head, D]
+    head, target = runner.drafting.proposer.head, runner.model
     assert head.embed_tokens is target.embed_tokens and head.shared_head.head is not target.lm_head
     with safe_open(shard, "pt") as f:
         assert torch.equal(head.shared_head.head.weight, f.get_tensor(MTP + "shared_head.head.weight"))

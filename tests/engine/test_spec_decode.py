@@ -67,7 +67,7 @@ def test_greedy_accept_keeps_drafts_up_to_the_first_miss():
 def run(model_dir, ps, params, proposer=None, **engine):
     llm = LLM(model_dir, dtype="float32", device="cpu", **engine)
     if proposer is not None:
-        llm.engine.runner.proposer = proposer
+        llm.engine.runner.drafting.proposer = proposer
     outs = llm.generate(ps, params)
     assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks  # no block leaked, drafts or not
     return llm, outs
@@ -344,7 +344,7 @@ def test_lora_n_and_stop_strings_with_drafts(tiny_llama, adapters):
                   **({"speculative_config": spec} if spec else {}))
         llm.load_adapter("chat", adapters["chat"])
         if proposer is not None:
-            llm.engine.runner.proposer = proposer
+            llm.engine.runner.drafting.proposer = proposer
         outs = llm.generate(ps, params, lora_request=["chat", None, "chat"])
         assert llm.engine.kv.num_free_blocks == llm.engine.num_kv_blocks
         return llm, outs
@@ -358,7 +358,7 @@ def test_lora_n_and_stop_strings_with_drafts(tiny_llama, adapters):
     with_stop = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop])] * 3
     plain = LLM(tiny_llama, dtype="float32", device="cpu").generate(ps, with_stop)
     spec_llm = LLM(tiny_llama, dtype="float32", device="cpu", speculative_config=NGRAM)
-    spec_llm.engine.runner.proposer = OracleProposer([p + o.token_ids for p, o in zip(ps, LLM(
+    spec_llm.engine.runner.drafting.proposer = OracleProposer([p + o.token_ids for p, o in zip(ps, LLM(
         tiny_llama, dtype="float32", device="cpu").generate(ps, SamplingParams(max_tokens=20, temperature=0.0,
                                                                                 ignore_eos=True)))])
     drafted = spec_llm.generate(ps, with_stop)
