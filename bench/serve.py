@@ -37,6 +37,7 @@ descendants as its cores.
     .venv/bin/python bench/serve.py --modes offline,colocated --structured bench/schemas/records.json
     .venv/bin/python bench/serve.py --modes colocated,colocated-http --max-concurrency 32
     .venv/bin/python bench/serve.py --modes colocated,openai --openai-url http://127.0.0.1:8000   # e.g. vLLM
+    .venv/bin/python bench/serve.py --modes offline,colocated,router --engine-cores 1   # a GPU host's split
 """
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ from report import measured, metrics, print_table  # bench/report.py
 from stack import (  # bench/stack.py
     SpanSink,
     cpu_mark,
+    pin,
     server_cpu_s,
+    split_cpus,
     stack_cpu_s,
     start_stack,
     stop_stack,
@@ -99,6 +102,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--colocated-cores", type=int, default=0,
                    help="pin the colocated server to this many cores (0: all); with 1, the router and the "
                         "client get the other core, so the router's own cost is not taken from the engine")
+    p.add_argument("--engine-cores", type=int, default=0,
+                   help="give the engine this many cores of its own, as a GPU is on a GPU host: the offline "
+                        "engine (this process) and every served engine core run there with as many torch threads, "
+                        "and fronts, router and client share the other cores (0: all share all)")
     p.add_argument("--modes", default="offline,colocated,disaggregated,router",
                    help="comma list of: offline, colocated, disaggregated (router + 1 prefill + 1 decode), "
                         "router (router + the colocated server); each service mode with -http is loaded through "
@@ -147,6 +154,7 @@ def parse_args() -> argparse.Namespace:
     if "openai" in args.modes and not args.openai_url:
         p.error("--modes openai: give the server with --openai-url")
     args.model = Path(args.model) if Path(args.model).is_absolute() else REPO / args.model
+    split_cpus(args)
     return args
 
 
@@ -159,6 +167,10 @@ def run_offline(args: argparse.Namespace, workload: list[Request], schema: str |
     from baton.engine.common.structured_output import StructuredOutput
     from baton.engine.offline.llm_engine import LLMEngine
 
+    if args.engine_cpus:
+        import torch
+
+        torch.set_num_threads(len(args.engine_cpus))
     engine = LLMEngine(EngineConfig.from_kwargs(str(args.model), max_num_seqs=args.max_num_seqs,
                                                 max_num_batched_tokens=args.max_num_batched_tokens))
     constraint = StructuredOutput("json_schema", schema) if schema else None
@@ -231,17 +243,18 @@ def main() -> None:
           f"{f'every {args.long_every}th prompt {args.long_input_len} tokens, ' if args.long_every else ''}"
           f"rate {args.request_rate}/s, max concurrency {args.max_concurrency}; {os.cpu_count()} cores")
     sink = SpanSink() if "traced" in args.telemetry else None
-    runs = [(mode, "off", 1, "multiplexed", "per-call") if mode == "offline" else
+    # (a mode with no router runs once, with the default decode calls: frames, which add no suffix to its name)
+    runs = [(mode, "off", 1, "frames", "per-call") if mode == "offline" else
             (mode, variant, interval, calls, client)
             for mode in args.modes for variant in (args.telemetry if mode != "offline" else ["off"])
             for interval in (args.stream_intervals if mode not in ("offline", "openai") else [1])
-            for calls in (args.decode_calls if mode.startswith(("router", "disaggregated")) else ["multiplexed"])
+            for calls in (args.decode_calls if mode.startswith(("router", "disaggregated")) else ["frames"])
             for client in (args.client_calls if mode in ("colocated", "router", "disaggregated") else ["per-call"])]
     schema = args.structured.read_text() if args.structured else None
     if schema:
         print_compile_times(args.model, schema)
     if schema:
-        runs += [(mode, "json", 1, "multiplexed", "per-call") for mode in args.modes
+        runs += [(mode, "json", 1, "frames", "per-call") for mode in args.modes
                  if mode in ("offline", "colocated", "router", "disaggregated")]
     rows = {}
     for round_ in range(args.rounds):
@@ -250,6 +263,8 @@ def main() -> None:
                     + {"multiplexed": "/client-mux", "frames": "/client-frames"}.get(client, "")
                     + {"per-call": "/per-call", "multiplexed": "/grpc-mux"}.get(calls, ""))
             constraint = schema if variant == "json" else None
+            if args.engine_cpus:  # this process: the offline engine on the engine's cores, a client on the host's
+                pin(os.getpid(), args.engine_cpus if mode == "offline" else args.host_cpus)
             if mode == "offline":
                 cpu = time.process_time()
                 traces, wall = run_offline(args, workload, constraint)
@@ -291,6 +306,9 @@ def main() -> None:
     if "offline" in rows and "colocated" in rows:
         ratio = rows["colocated"]["output tok/s"] / rows["offline"]["output tok/s"]
         print(f"\nserving overhead: gRPC output token throughput = {ratio:.3f}x the offline engine's")
+    if "offline" in rows and "router" in rows:
+        ratio = rows["router"]["output tok/s"] / rows["offline"]["output tok/s"]
+        print(f"the stack through the router: output token throughput = {ratio:.3f}x the offline engine's")
     if "router" in rows and "colocated" in rows:
         added = rows["router"]["ITL p50 ms"] - rows["colocated"]["ITL p50 ms"]
         print(f"router: p50 ITL {added:+.2f} ms per token ({added / rows['colocated']['ITL p50 ms']:+.1%})")

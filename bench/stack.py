@@ -15,13 +15,16 @@ TOKEN = "bench-token"  # the stack's internal token
 
 
 def start_service(args: argparse.Namespace, *flags: str, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
-    """`baton serve` in a process (on `cpus`); its address (the
-    URL of its OpenAI front, when started with one)."""
+    """`baton serve` in a process (on `cpus`; with --engine-cores, its engine core's torch
+    threads as many as the engine's cores); its address (the URL of its OpenAI front, when
+    started with one)."""
+    threads = {"OMP_NUM_THREADS": str(len(args.engine_cpus))} if args.engine_cpus else {}
     proc = subprocess.Popen([sys.executable, "-m", "baton.services.cli", "serve", "--model", str(args.model),
                              "--port", "0", "--max-num-seqs", str(args.max_num_seqs),
                              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                              "--max-waiting-requests", str(args.num_prompts + 1), "--internal-token", TOKEN, *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, **threads},
                             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     url, address = None, None  # (a router prints its OpenAI front's line before it serves)
     for line in proc.stdout:
@@ -50,20 +53,45 @@ def start_stack(args: argparse.Namespace, mode: str, flags: tuple[str, ...] = ()
                 ) -> tuple[list[subprocess.Popen], str]:
     """The processes of one mode, router last; the address clients call (the URL of the front
     service's OpenAI API in an -http mode). `flags` go to every one, `router_flags` to the router."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores = sorted(os.sched_getaffinity(0)) if not args.engine_cpus else None
+    host = args.host_cpus or None  # (None: every core, but where pinned below)
     mode, http = mode.removesuffix("-http"), ("--http-port", "0") if mode.endswith("-http") else ()
     if mode in ("colocated", "router"):
         procs = [start_service(args, *flags, *(http if mode == "colocated" else ()),
-                               cpus=set(cores[:args.colocated_cores or len(cores)]))]
+                               cpus=host or set(cores[:args.colocated_cores or len(cores)]))]
         if mode == "router":
             procs.append(start_service(args, "--role", "router", "--decode", procs[0][1], *flags, *http,
-                                       "--router-workers", str(args.router_workers), *router_flags))
+                                       "--router-workers", str(args.router_workers), *router_flags, cpus=host))
     else:  # disaggregated: one core each (the same core twice on a one-core machine)
-        procs = [start_service(args, "--role", role, *flags, cpus={cores[i % len(cores)]})
+        procs = [start_service(args, "--role", role, *flags, cpus=host or {cores[i % len(cores)]})
                  for i, role in enumerate(("prefill", "decode"))]
         procs.append(start_service(args, "--role", "router", "--prefill", procs[0][1], "--decode", procs[1][1],
-                                   *flags, *http, "--router-workers", str(args.router_workers), *router_flags))
+                                   *flags, *http, "--router-workers", str(args.router_workers), *router_flags,
+                                   cpus=host))
+    if args.engine_cpus:  # the engine cores (serve processes' children), and no other, on the engine's cores
+        for proc, _ in procs[:-1] if mode != "colocated" else procs:
+            for core in descendants(proc.pid):
+                pin(core, args.engine_cpus)
     return [p for p, _ in procs], procs[-1][1]
+
+
+def split_cpus(args: argparse.Namespace) -> None:
+    """--engine-cores N: the first N cores are the engine's (args.engine_cpus), as a device is on a
+    GPU host, and the rest the host's (args.host_cpus: fronts, router, client); both empty without."""
+    cores = sorted(os.sched_getaffinity(0))
+    if args.engine_cores and not 0 < args.engine_cores < len(cores):
+        sys.exit(f"--engine-cores {args.engine_cores}: this machine has {len(cores)} cores, and the host needs one")
+    args.engine_cpus = set(cores[:args.engine_cores])
+    args.host_cpus = set(cores[args.engine_cores:]) if args.engine_cores else set()
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process onto `cpus` (the affinity a process is given is its threads' own)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except OSError:  # (gone meanwhile)
+            pass
 
 
 class SpanSink:
