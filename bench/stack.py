@@ -53,8 +53,7 @@ def start_stack(args: argparse.Namespace, mode: str, flags: tuple[str, ...] = ()
                 ) -> tuple[list[subprocess.Popen], str]:
     """The processes of one mode, router last; the address clients call (the URL of the front
     service's OpenAI API in an -http mode). `flags` go to every one, `router_flags` to the router."""
-    cores = sorted(os.sched_getaffinity(0)) if not args.engine_cpus else None
-    host = args.host_cpus or None  # (None: every core, but where pinned below)
+    cores, host = args.cpus, args.host_cpus or None  # (host: with --engine-cores, all but the engine's cores)
     mode, http = mode.removesuffix("-http"), ("--http-port", "0") if mode.endswith("-http") else ()
     if mode in ("colocated", "router"):
         procs = [start_service(args, *flags, *(http if mode == "colocated" else ()),
@@ -76,11 +75,14 @@ def start_stack(args: argparse.Namespace, mode: str, flags: tuple[str, ...] = ()
 
 
 def split_cpus(args: argparse.Namespace) -> None:
-    """--engine-cores N: the first N cores are the engine's (args.engine_cpus), as a device is on a
-    GPU host, and the rest the host's (args.host_cpus: fronts, router, client); both empty without."""
-    cores = sorted(os.sched_getaffinity(0))
+    """This process's cores (args.cpus); with --engine-cores N, the first N the engine's
+    (args.engine_cpus), as a device is on a GPU host, and the rest the host's (args.host_cpus:
+    fronts, router, client); both empty without."""
+    cores = args.cpus = sorted(os.sched_getaffinity(0))  # (read once: this process pins itself later)
     if args.engine_cores and not 0 < args.engine_cores < len(cores):
         sys.exit(f"--engine-cores {args.engine_cores}: this machine has {len(cores)} cores, and the host needs one")
+    if args.engine_cores and args.colocated_cores:
+        sys.exit("--engine-cores and --colocated-cores both place the colocated server: give one of them")
     args.engine_cpus = set(cores[:args.engine_cores])
     args.host_cpus = set(cores[args.engine_cores:]) if args.engine_cores else set()
 

@@ -53,7 +53,7 @@ class StepSampler:
                 out.logprobs[sampled_ids[i]] = [lp]
 
     def verify(self, logits: torch.Tensor, spans: list[tuple[int, int]], sampled_ids: list[str],
-                drafts_of: dict[str, list[int]], out: ModelRunnerOutput) -> None:
+               drafts_of: dict[str, list[int]], out: ModelRunnerOutput) -> None:
         """The drafts of each request that has k > 0 (its k + 1 rows of logits): the kept ones
         and one more, their logprobs where asked for (from the raw rows, as without drafts)."""
         rows = [(req_id, first, n) for req_id, (first, n) in zip(sampled_ids, spans) if n > 1]
@@ -86,8 +86,7 @@ class StepSampler:
             if raw is not None:
                 out.logprobs[req_id] = token_logprobs(raw[:len(tokens)], tokens, params.logprobs)
 
-    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, states: list,
-                                          ahead: int = 0) -> None:
+    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, states: list, ahead: bool = False) -> None:
         """Stop tokens out of row i's logits while the request has fewer than min_tokens outputs
         (`ahead`: the rows are one request's, row i after i more tokens, its drafts)."""
         for row, state in enumerate(states):

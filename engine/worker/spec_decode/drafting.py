@@ -67,7 +67,7 @@ class Drafting:
     def propose(self, req_ids: list[str], out: ModelRunnerOutput, grammars) -> None:
         """Drafts for the next step: the proposer's, or where a request's grammar allows one
         continuation only, that continuation's tokens (free: no model guessed them; `grammars`:
-        the engine's structured_output.Grammars)."""
+        the runner's Grammars, worker/grammar.py)."""
         asking = []
         for req_id in req_ids:
             state = self.states.get(req_id)
